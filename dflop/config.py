@@ -1,0 +1,233 @@
+"""Load, default and validate the workflow configuration.
+
+The schema lives in ``workflow/schemas/config.schema.yaml`` (``dflop/config.schema.yaml`` is a link to
+it, so an installed package carries the same file). The Snakefile validates with the same schema,
+so a config accepted by one is accepted by the other. Errors are one line that names the key and
+the schema rule it broke, e.g. ``config error: data.max_skip_frac: 2 is greater than the maximum of 1
+(rule: maximum)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+import jsonschema
+import yaml
+
+from dflop.errors import UserError
+
+SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem, described in one line that names the key."""
+
+
+@lru_cache(maxsize=1)
+def load_schema() -> dict:
+    """The config JSON schema (parsed once)."""
+    if not SCHEMA_PATH.exists():
+        raise ConfigError(f"config schema not found at {SCHEMA_PATH} (is the package installed from a checkout?)")
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+def fill_defaults(raw: Mapping[str, Any] | None, schema: Mapping[str, Any] | None = None) -> dict:
+    """Return a deep copy of `raw` with every missing key set to its schema default.
+
+    Only descends into values of the right container type, so a wrongly typed value is left
+    for validation to report instead of crashing here.
+    """
+    schema = load_schema() if schema is None else schema
+    out = copy.deepcopy(dict(raw or {}))
+    _fill(out, schema)
+    return out
+
+
+def _fill(value: Any, schema: Mapping[str, Any]) -> None:
+    if isinstance(value, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                _fill(value[key], sub)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for item in value:
+            _fill(item, schema["items"])
+
+
+def _key_path(error: jsonschema.ValidationError) -> str:
+    parts = [str(p) if not isinstance(p, int) else f"[{p}]" for p in error.absolute_path]
+    dotted = ".".join(parts).replace(".[", "[")
+    if error.validator == "additionalProperties":
+        # The offending key is in the message, not in the path.
+        extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        dotted = ".".join(p for p in (dotted, extra[0] if extra else "") if p)
+    return dotted or "<top level>"
+
+
+def _one_line(error: jsonschema.ValidationError) -> str:
+    key = _key_path(error)
+    if error.validator == "additionalProperties":
+        allowed = ", ".join(sorted(error.schema.get("properties", {})))
+        return f"config error: {key}: unknown key (allowed: {allowed}) (rule: additionalProperties)"
+    message = error.message.replace("\n", " ")
+    return f"config error: {key}: {message} (rule: {error.validator})"
+
+
+def validate(config: Mapping[str, Any]) -> None:
+    """Raise ConfigError (one line naming the key and rule) if `config` breaks the schema."""
+    validator = jsonschema.Draft202012Validator(load_schema())
+    errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    if errors:
+        raise ConfigError(_one_line(errors[0]))
+
+
+def resolve(raw: Mapping[str, Any] | None) -> dict:
+    """Defaults filled in and validated: the plain dict every stage sees."""
+    config = fill_defaults(raw)
+    validate(config)
+    return config
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML config file; a syntax error names the file and line."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config error: file not found: {path}")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config error: {path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config error: {path}: top level must be a mapping, got {type(data).__name__}")
+    return data or {}
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict:
+    """`override` laid over `base`; mappings merge key by key, everything else is replaced."""
+    out = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def parse_settings(text: str) -> dict:
+    """Parse the JSON settings a Snakemake rule passes on the command line (`--settings`)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config error: --settings is not valid JSON ({exc.msg} at char {exc.pos})") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config error: --settings must be a JSON object")
+    return data
+
+
+# --- typed views -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One dataset of the mix: where it is and which of its samples to use."""
+
+    name: str
+    path: Path
+    format: str = "auto"
+    media_root: Path | None = None
+    sample: str = "all"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DatasetSpec":
+        media_root = d.get("media_root")
+        return cls(
+            name=d["name"],
+            path=Path(d["path"]),
+            format=d.get("format", "auto"),
+            media_root=Path(media_root) if media_root else None,
+            sample=d.get("sample", "all"),
+        )
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model the stages profile and train, and how its inputs are tokenised."""
+
+    arch: str
+    vision: str
+    llm: str
+    weights: str | None
+    tokenizer: str
+    dtype: str
+    freeze_vision: bool
+    freeze_projector: bool
+    freeze_llm: bool
+    arch_params: Mapping[str, Any]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
+        return cls(
+            arch=d["arch"],
+            vision=d["vision"],
+            llm=d["llm"],
+            weights=d["weights"],
+            tokenizer=d["tokenizer"],
+            dtype=d["dtype"],
+            freeze_vision=d["freeze"]["vision"],
+            freeze_projector=d["freeze"]["projector"],
+            freeze_llm=d["freeze"]["llm"],
+            arch_params=dict(d[d["arch"]]),
+        )
+
+
+@dataclass(frozen=True)
+class Config:
+    """The validated configuration, as typed objects; `raw` keeps the defaulted dict."""
+
+    raw: Mapping[str, Any]
+    seed: int
+    results_dir: Path
+    model: ModelSpec
+    datasets: tuple[DatasetSpec, ...]
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> "Config":
+        resolved = resolve(raw)
+        _check_unique_dataset_names(resolved["data"]["datasets"])
+        return cls(
+            raw=resolved,
+            seed=resolved["run"]["seed"],
+            results_dir=Path(resolved["run"]["results_dir"]),
+            model=ModelSpec.from_dict(resolved["model"]),
+            datasets=tuple(DatasetSpec.from_dict(d) for d in resolved["data"]["datasets"]),
+        )
+
+    def section(self, name: str) -> Mapping[str, Any]:
+        """A defaulted top-level section as a plain mapping (e.g. ``cfg.section('profile')``)."""
+        return self.raw[name]
+
+
+def _check_unique_dataset_names(datasets: list[Mapping[str, Any]]) -> None:
+    seen: set[str] = set()
+    for i, d in enumerate(datasets):
+        if d["name"] in seen:
+            raise ConfigError(f"config error: data.datasets[{i}].name: duplicate dataset name {d['name']!r} (rule: unique)")
+        seen.add(d["name"])
+
+
+def load(path: str | Path | None = None, settings: str | None = None) -> Config:
+    """Config from a YAML file and/or a JSON settings string (settings win), defaulted and validated."""
+    raw: dict = load_yaml(path) if path else {}
+    if settings:
+        raw = deep_merge(raw, parse_settings(settings))
+    return Config.from_dict(raw)

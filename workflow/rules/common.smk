@@ -1,0 +1,45 @@
+# Config handling shared by every rule: defaults and validation from the one schema that
+# dflop.config also uses, and the per-rule settings passed on the command line.
+import json
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+from dflop.config import ConfigError, resolve
+
+try:
+    _resolved = resolve(config)
+except ConfigError as exc:
+    raise WorkflowError(str(exc)) from None
+config.clear()
+config.update(_resolved)
+# Snakemake's own check against the same schema (a no-op once resolve() passed).
+validate(config, "../schemas/config.schema.yaml")
+
+RESULTS = config["run"]["results_dir"]
+DEMO_DIR = config["data"]["demo"]["dir"]
+
+
+def settings_json(**sections):
+    """JSON of exactly the config values a rule depends on, for `dflop ... --settings`.
+
+    Rules pass it through `params:`, so Snakemake re-runs a rule when one of these values
+    changes and leaves the others alone.
+    """
+    return json.dumps(sections, sort_keys=True, separators=(",", ":"))
+
+
+def dataset_files(wildcards=None):
+    """Files whose change must re-run profile_data: each manifest, or each Parquet part of a directory."""
+    files = []
+    for ds in config["data"]["datasets"]:
+        path = Path(ds["path"])
+        if path.is_dir():
+            parts = sorted(str(p) for p in path.glob("*.parquet"))
+            if not parts:
+                raise WorkflowError(f"data.datasets: {ds['name']}: no .parquet files in {path}")
+            files.extend(parts)
+        else:
+            files.append(str(path))
+    return files

@@ -1,0 +1,35 @@
+# Data stages: the demo dataset (when the config points at it) and the data profiler.
+
+
+rule make_demo_data:
+    output:
+        manifest=f"{DEMO_DIR}/demo.json",
+    params:
+        out_dir=DEMO_DIR,
+        n_samples=config["data"]["demo"]["n_samples"],
+        seed=config["data"]["demo"]["seed"],
+    log:
+        "logs/make_demo_data.log",
+    shell:
+        "dflop make-demo-data --out-dir {params.out_dir} --n-samples {params.n_samples}"
+        " --seed {params.seed} > {log} 2>&1"
+
+
+rule profile_data:
+    input:
+        dataset_files,
+    output:
+        shapes=f"{RESULTS}/data/shapes.parquet",
+        histograms=f"{RESULTS}/data/histograms.parquet",
+    params:
+        settings=settings_json(
+            run={"seed": config["run"]["seed"]},
+            model={k: config["model"][k] for k in ("arch", "tokenizer", config["model"]["arch"])},
+            data={k: config["data"][k] for k in ("datasets", "max_skip_frac")},
+        ),
+    threads: config["data"]["workers"] or 64
+    log:
+        "logs/profile_data.log",
+    shell:
+        "dflop profile-data --settings {params.settings:q} --shapes {output.shapes}"
+        " --histograms {output.histograms} --workers {threads} > {log} 2>&1"
