@@ -1,6 +1,7 @@
 # Config handling shared by every rule: defaults and validation from the one schema that
 # dflop.config also uses, and the per-rule settings passed on the command line.
 import json
+import os
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -18,6 +19,9 @@ config.update(_resolved)
 validate(config, "../schemas/config.schema.yaml")
 
 RESULTS = config["run"]["results_dir"]
+# The software stack of every rule: the project's conda environment (create and activate it
+# yourself, see README; the rules run `dflop` from the active environment).
+ENV_FILE = "../../environment.yml"
 DEMO_DIR = config["data"]["demo"]["dir"]
 
 

@@ -5,11 +5,13 @@ rule make_demo_data:
     output:
         manifest=f"{DEMO_DIR}/demo.json",
     params:
-        out_dir=DEMO_DIR,
+        out_dir=lambda wildcards, output: os.path.dirname(output.manifest),
         n_samples=config["data"]["demo"]["n_samples"],
         seed=config["data"]["demo"]["seed"],
     log:
         "logs/make_demo_data.log",
+    conda:
+        ENV_FILE
     shell:
         "dflop make-demo-data --out-dir {params.out_dir} --n-samples {params.n_samples}"
         " --seed {params.seed} > {log} 2>&1"
@@ -30,6 +32,8 @@ rule profile_data:
     threads: config["data"]["workers"] or 64
     log:
         "logs/profile_data.log",
+    conda:
+        ENV_FILE
     shell:
         "dflop profile-data --settings {params.settings:q} --shapes {output.shapes}"
         " --histograms {output.histograms} --workers {threads} > {log} 2>&1"
