@@ -1,0 +1,116 @@
+"""`dflop fit`: fit the cost models on a model profile, report held-out error, save JSON.
+
+One non-negative linear regressor per (module, tp, target) on relative error, target in
+fwd_ms / bwd_ms / act_bytes, features from `dflop.costmodel.features`. The held-out error of
+each is measured by leaving one profiled shape out at a time (`dflop.costmodel.validation`) and
+written to ``validation.parquet``:
+
+    module, tp, target, n_train_shapes, n_test_shapes, mape_median, mape_p90, mape_max
+
+with the errors in percent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dflop import __version__
+from dflop.costmodel.atomic import atomic_write
+from dflop.costmodel.features import MODULE_FEATURES, profile_features
+from dflop.costmodel.jsonio import save_cost_model
+from dflop.costmodel.model import TARGETS, CostModel, ModuleCosts, Provenance
+from dflop.costmodel.profile_table import ProfileSummary, read_profile
+from dflop.costmodel.regressor import NonNegativeLinearRegression
+from dflop.costmodel.validation import leave_one_shape_out
+
+log = logging.getLogger(__name__)
+
+VALIDATION_COLUMNS = (
+    "module", "tp", "target", "n_train_shapes", "n_test_shapes", "mape_median", "mape_p90", "mape_max",
+)
+
+
+def fit(profile_path: str | Path, out_json: str | Path, out_validation: str | Path) -> CostModel:
+    """Fit on `profile_path` (model_profile.parquet), write the model JSON and validation.parquet.
+
+    Both outputs are written atomically; the held-out errors are also logged (logger
+    ``dflop.costmodel.fit``, level INFO).
+    """
+    profile_path = Path(profile_path)
+    summary = read_profile(profile_path)
+    model, validation = fit_profile(
+        summary, profile=str(profile_path), profile_sha256=_sha256(profile_path))
+    save_cost_model(model, out_json)
+    atomic_write(out_validation, lambda tmp: validation.to_parquet(tmp, index=False))
+    log.info("cost model fitted on %s (%s, %s, %d rows):\n%s", profile_path, summary.device,
+             summary.dtype, summary.n_rows, format_validation(validation))
+    log.info("wrote %s and %s", out_json, out_validation)
+    return model
+
+
+def fit_profile(
+    summary: ProfileSummary, *, profile: str = "", profile_sha256: str = ""
+) -> tuple[CostModel, pd.DataFrame]:
+    """Fit every (module, tp) of a profile summary; returns the model and the validation table."""
+    modules = []
+    rows = []
+    for (module, tp), shapes in summary.shapes.groupby(["module", "tp"], sort=True):
+        features = MODULE_FEATURES[module][1]
+        X = profile_features(features, shapes["batch"].to_numpy(), shapes["seq_len"].to_numpy())
+        coef = {}
+        for target in TARGETS:
+            y = shapes[target].to_numpy(dtype=np.float64)
+            coef[target] = tuple(float(c) for c in NonNegativeLinearRegression().fit(X, y).coef_)
+            held_out = leave_one_shape_out(X, y, NonNegativeLinearRegression)
+            rows.append({
+                "module": module, "tp": int(tp), "target": target,
+                "n_train_shapes": held_out.n_train_shapes, "n_test_shapes": held_out.n_test_shapes,
+                "mape_median": held_out.median, "mape_p90": held_out.p90, "mape_max": held_out.max,
+            })
+        modules.append(ModuleCosts(
+            module=module,
+            tp=int(tp),
+            features=features,
+            coef=coef,
+            param_bytes=float(shapes["param_bytes"].median()),
+            n_shapes=len(shapes),
+            profiled_batch=(int(shapes["batch"].min()), int(shapes["batch"].max())),
+            profiled_seq_len=(int(shapes["seq_len"].min()), int(shapes["seq_len"].max())),
+        ))
+    provenance = Provenance(
+        preset=summary.preset,
+        device=summary.device,
+        dtype=summary.dtype,
+        profile=profile,
+        profile_sha256=profile_sha256,
+        n_profile_rows=summary.n_rows,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        dflop_version=__version__,
+    )
+    validation = pd.DataFrame(rows, columns=list(VALIDATION_COLUMNS))
+    return CostModel(modules, provenance), validation
+
+
+def format_validation(validation: pd.DataFrame) -> str:
+    """A fixed-width table of held-out errors (percent) for logs and benchmarks."""
+    lines = [f"{'module':<14} {'tp':>3} {'target':<10} {'shapes':>6} {'median%':>8} {'p90%':>8} {'max%':>8}"]
+    for r in validation.itertuples(index=False):
+        lines.append(
+            f"{r.module:<14} {r.tp:>3} {r.target:<10} {r.n_test_shapes:>6} "
+            f"{r.mape_median:>8.2f} {r.mape_p90:>8.2f} {r.mape_max:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,176 @@
+"""The cost-model JSON format (never pickle): coefficients, feature spec and provenance.
+
+Layout (``version`` 1)::
+
+    {
+      "format": "dflop-costmodel", "version": 1,
+      "units": {"fwd_ms": "milliseconds", "bwd_ms": "milliseconds", "act_bytes": "bytes", ...},
+      "provenance": {"preset": ..., "device": ..., "dtype": "float32", "profile": "...parquet",
+                     "profile_sha256": ..., "n_profile_rows": ..., "created": ..., "dflop_version": ...},
+      "modules": [
+        {"module": "llm_layer", "tp": 1, "features": ["tokens", "sq_tokens", "const"],
+         "coef": {"fwd_ms": [...], "bwd_ms": [...], "act_bytes": [...]},
+         "param_bytes": 3.1e6, "n_shapes": 24, "profiled_batch": [1, 8], "profiled_seq_len": [16, 2048]},
+        ...
+      ]
+    }
+
+A module's prediction for a target is ``coef[target] @ features`` where the features of a set of
+samples are defined in `dflop.costmodel.features` (``tokens`` = sum of lengths, ``sq_tokens`` =
+sum of squared lengths, ``tiles`` = sum of tiles, ``const`` = 1). Layer modules are per layer.
+Floats are written with Python's shortest round-trip repr, so a loaded model predicts bit-identically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+
+from dflop.costmodel.atomic import atomic_write_text
+from dflop.costmodel.features import FEATURE_NAMES, MODULE_FEATURES
+from dflop.costmodel.model import TARGETS, CostModel, ModuleCosts, Provenance
+from dflop.errors import UserError
+
+FORMAT_NAME = "dflop-costmodel"
+FORMAT_VERSION = 1
+
+UNITS = {"fwd_ms": "milliseconds", "bwd_ms": "milliseconds", "act_bytes": "bytes", "param_bytes": "bytes"}
+
+_coefficients = {"type": "array", "items": {"type": "number", "minimum": 0}}
+_range = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
+
+SCHEMA = {
+    "type": "object",
+    "required": ["format", "version", "provenance", "modules"],
+    "properties": {
+        "format": {"const": FORMAT_NAME},
+        "version": {"const": FORMAT_VERSION},
+        "units": {"type": "object"},
+        "provenance": {
+            "type": "object",
+            "required": ["preset", "device", "dtype"],
+            "properties": {
+                "preset": {"type": ["string", "null"]},
+                "device": {"type": "string"},
+                "dtype": {"type": "string"},
+                "profile": {"type": "string"},
+                "profile_sha256": {"type": "string"},
+                "n_profile_rows": {"type": "integer", "minimum": 0},
+                "created": {"type": "string"},
+                "dflop_version": {"type": "string"},
+            },
+            "additionalProperties": False,
+        },
+        "modules": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["module", "tp", "features", "coef", "param_bytes"],
+                "properties": {
+                    "module": {"enum": list(MODULE_FEATURES)},
+                    "tp": {"type": "integer", "minimum": 1},
+                    "features": {"type": "array", "items": {"enum": list(FEATURE_NAMES)}, "minItems": 1},
+                    "coef": {
+                        "type": "object",
+                        "required": list(TARGETS),
+                        "properties": {t: _coefficients for t in TARGETS},
+                        "additionalProperties": False,
+                    },
+                    "param_bytes": {"type": "number", "minimum": 0},
+                    "n_shapes": {"type": "integer", "minimum": 0},
+                    "profiled_batch": _range,
+                    "profiled_seq_len": _range,
+                },
+                "additionalProperties": False,
+            },
+        },
+    },
+}
+
+
+def cost_model_to_dict(model: CostModel) -> dict:
+    """The JSON-ready dict of `model` (layout in the module docstring)."""
+    p = model.provenance
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "units": UNITS,
+        "provenance": {
+            "preset": p.preset, "device": p.device, "dtype": p.dtype, "profile": p.profile,
+            "profile_sha256": p.profile_sha256, "n_profile_rows": p.n_profile_rows,
+            "created": p.created, "dflop_version": p.dflop_version,
+        },
+        "modules": [
+            {
+                "module": m.module,
+                "tp": m.tp,
+                "features": list(m.features),
+                "coef": {t: [float(c) for c in m.coef[t]] for t in TARGETS},
+                "param_bytes": float(m.param_bytes),
+                "n_shapes": m.n_shapes,
+                "profiled_batch": [int(v) for v in m.profiled_batch],
+                "profiled_seq_len": [int(v) for v in m.profiled_seq_len],
+            }
+            for m in sorted(model.modules.values(), key=lambda m: (m.module, m.tp))
+        ],
+    }
+
+
+def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostModel:
+    """Check `data` against the format and build the model; errors name the source and the key."""
+    if isinstance(data, dict) and data.get("format") == FORMAT_NAME and data.get("version") != FORMAT_VERSION:
+        raise UserError(
+            f"{source}: cost model format version {data.get('version')!r} is not supported "
+            f"(this dflop reads version {FORMAT_VERSION}); re-run `dflop fit`"
+        )
+    try:
+        jsonschema.validate(data, SCHEMA)
+    except jsonschema.ValidationError as exc:
+        where = "/".join(str(k) for k in exc.absolute_path) or "top level"
+        raise UserError(f"{source}: invalid cost model at {where}: {exc.message}") from None
+    modules = []
+    for i, entry in enumerate(data["modules"]):
+        features = tuple(entry["features"])
+        expected = MODULE_FEATURES[entry["module"]][1]
+        if features != expected:
+            raise UserError(
+                f"{source}: modules/{i} ({entry['module']}) has features {list(features)}, "
+                f"expected {list(expected)}"
+            )
+        for target in TARGETS:
+            if len(entry["coef"][target]) != len(features):
+                raise UserError(
+                    f"{source}: modules/{i}/coef/{target} has {len(entry['coef'][target])} "
+                    f"coefficients for {len(features)} features"
+                )
+        modules.append(ModuleCosts(
+            module=entry["module"],
+            tp=int(entry["tp"]),
+            features=features,
+            coef={t: tuple(float(c) for c in entry["coef"][t]) for t in TARGETS},
+            param_bytes=float(entry["param_bytes"]),
+            n_shapes=int(entry.get("n_shapes", 0)),
+            profiled_batch=tuple(entry.get("profiled_batch", (0, 0))),
+            profiled_seq_len=tuple(entry.get("profiled_seq_len", (0, 0))),
+        ))
+    return CostModel(modules, Provenance(**data["provenance"]))
+
+
+def save_cost_model(model: CostModel, path: str | Path) -> Path:
+    """Write `model` to `path` as JSON, atomically (temporary file, then rename)."""
+    text = json.dumps(cost_model_to_dict(model), indent=1, allow_nan=False) + "\n"
+    return atomic_write_text(path, text)
+
+
+def load_cost_model(path: str | Path) -> CostModel:
+    """Read a cost model JSON written by `save_cost_model`."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: cost model not found (run `dflop fit` first)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not valid JSON ({exc})") from None
+    return cost_model_from_dict(data, source=str(path))

@@ -1,0 +1,70 @@
+"""Bytes of training state per parameter, and how many microbatches 1F1B keeps in flight.
+
+Training state per parameter with AdamW (no ZeRO/FSDP sharding; each DP replica holds it all):
+
+=============  =====  ====  =========================================  =====
+dtype          param  grad  optimizer state                            total
+=============  =====  ====  =========================================  =====
+float32        4      4     8  (exp_avg + exp_avg_sq, fp32)              16
+bfloat16       2      2     12 (fp32 master copy 4 + two fp32 moments 8)  16
+float16        2      2     12 (same as bfloat16)                       16
+=============  =====  ====  =========================================  =====
+
+Mixed precision keeps gradients in the compute dtype (as PyTorch DDP does) and an fp32 master copy
+of the weights inside the optimizer. Megatron's fp32 ``main_grad`` would add 2 bytes per param.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflop.errors import UserError
+
+_DTYPE_ALIASES = {
+    "float32": "float32", "fp32": "float32", "torch.float32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
+}
+
+
+@dataclass(frozen=True)
+class TrainingStateBytes:
+    """Bytes per parameter of the weight, its gradient and its AdamW state."""
+
+    param: int
+    grad: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optimizer
+
+
+_STATE_BYTES = {
+    "float32": TrainingStateBytes(param=4, grad=4, optimizer=8),
+    "bfloat16": TrainingStateBytes(param=2, grad=2, optimizer=12),
+    "float16": TrainingStateBytes(param=2, grad=2, optimizer=12),
+}
+
+
+def canonical_dtype(dtype: str) -> str:
+    """'torch.bfloat16', 'bf16', ... -> 'bfloat16'."""
+    try:
+        return _DTYPE_ALIASES[str(dtype).strip().lower()]
+    except KeyError:
+        raise UserError(f"unsupported training dtype {dtype!r}; use float32, bfloat16 or float16") from None
+
+
+def training_state_bytes(dtype: str) -> TrainingStateBytes:
+    """AdamW training-state bytes per parameter for weights stored in `dtype` (table above)."""
+    return _STATE_BYTES[canonical_dtype(dtype)]
+
+
+def in_flight_1f1b(n_stages: int, n_microbatches: int) -> list[int]:
+    """Microbatches whose activations stage k holds at the 1F1B peak: ``min(m, p - k)``.
+
+    Stage 0 runs p forwards before its first backward; the last stage runs one at a time.
+    """
+    if n_stages < 1 or n_microbatches < 1:
+        raise UserError(f"1F1B needs at least one stage and one microbatch, got {n_stages}, {n_microbatches}")
+    return [min(n_microbatches, n_stages - k) for k in range(n_stages)]

@@ -1,0 +1,354 @@
+"""`CostModel`: fitted time and memory of pipeline stages, as used by the planner and scheduler.
+
+A vision stage runs ``n_layers`` vision layers, plus the vision embeddings when it is the first
+vision stage and the projector when it is the last. An LLM stage runs ``n_layers`` decoder layers on
+one packed bin, plus the token embeddings when first and norm + head + loss when last.
+
+Colocated placement (the whole vision tower on the first LLM stage) is the sum of the two:
+``colocated_stage_time`` / ``colocated_stage_memory`` below, and ``batch_costs(..., colocated=True)``
+folds the vision costs into LLM stage 0.
+
+Units: times in seconds (the JSON stores the fitted milliseconds), memory in bytes, all per rank
+at the given tensor-parallel degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from dflop.costmodel.batch import batch_costs
+from dflop.costmodel.features import (
+    MODULE_FEATURES,
+    ShapeKind,
+    const_features,
+    sample_features,
+)
+from dflop.costmodel.memory import training_state_bytes
+from dflop.costmodel.types import BatchCosts
+from dflop.errors import UserError
+
+#: Fitted targets and their units; times are converted to seconds on prediction.
+TARGETS = ("fwd_ms", "bwd_ms", "act_bytes")
+
+
+@dataclass(frozen=True)
+class ModuleCosts:
+    """Fitted costs of one module at one TP degree, per rank (per layer for layer modules).
+
+    coef maps each target (fwd_ms, bwd_ms, act_bytes) to non-negative coefficients, one per feature.
+    param_bytes: bytes of this module's parameters on one rank, in the profiled dtype.
+    profiled_batch / profiled_seq_len: (min, max) of the profiled grid, to judge extrapolation.
+    """
+
+    module: str
+    tp: int
+    features: tuple[str, ...]
+    coef: dict[str, tuple[float, ...]]
+    param_bytes: float
+    n_shapes: int
+    profiled_batch: tuple[int, int]
+    profiled_seq_len: tuple[int, int]
+
+    @property
+    def kind(self) -> ShapeKind:
+        return MODULE_FEATURES[self.module][0]
+
+    def coefficients(self, target: str) -> np.ndarray:
+        return np.asarray(self.coef[target], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a cost model came from: the profile it was fitted on and the training dtype."""
+
+    preset: str | None
+    device: str
+    dtype: str
+    profile: str = ""
+    profile_sha256: str = ""
+    n_profile_rows: int = 0
+    created: str = ""
+    dflop_version: str = ""
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Forward and backward seconds of one stage on one microbatch (or packed bin)."""
+
+    fwd_s: float
+    bwd_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    def __add__(self, other: "StageTime") -> "StageTime":
+        return StageTime(self.fwd_s + other.fwd_s, self.bwd_s + other.bwd_s)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one rank of a stage needs: training state plus ``in_flight`` microbatches of activations."""
+
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float  # one microbatch, kept from its forward to its backward
+    in_flight: int
+
+    @property
+    def static_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.static_bytes + self.activation_bytes * self.in_flight
+
+    def __add__(self, other: "StageMemory") -> "StageMemory":
+        if self.in_flight != other.in_flight:
+            raise ValueError("cannot add stage memories with different in-flight counts")
+        return StageMemory(
+            self.param_bytes + other.param_bytes,
+            self.grad_bytes + other.grad_bytes,
+            self.optimizer_bytes + other.optimizer_bytes,
+            self.activation_bytes + other.activation_bytes,
+            self.in_flight,
+        )
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """A stage's costs split into a per-microbatch constant and per-sample terms.
+
+    Time of a set S of samples = ``fwd_const_s + fwd_s[S].sum()`` (likewise bwd and activations).
+    fwd_s, bwd_s: [n] seconds; act_bytes: [n] bytes; static: training state (in_flight=1, no
+    activations).
+    """
+
+    fwd_const_s: float
+    bwd_const_s: float
+    act_const_bytes: float
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    act_bytes: np.ndarray
+    static: StageMemory = field(repr=False)
+
+
+_MS = 1e-3
+
+
+class CostModel:
+    """Time and memory predictions for vision and LLM pipeline stages.
+
+    Build one with `dflop.costmodel.fit.fit` or `CostModel.load`; the JSON format lives in
+    `dflop.costmodel.jsonio`.
+    """
+
+    def __init__(self, modules: Iterable[ModuleCosts], provenance: Provenance):
+        self.modules: dict[tuple[str, int], ModuleCosts] = {}
+        for m in modules:
+            if (m.module, m.tp) in self.modules:
+                raise UserError(f"cost model has {m.module} at tp={m.tp} twice")
+            self.modules[(m.module, m.tp)] = m
+        self.provenance = provenance
+        self.state_bytes = training_state_bytes(provenance.dtype)
+
+    # ---- lookup ---------------------------------------------------------------------------------
+
+    def module(self, name: str, tp: int) -> ModuleCosts:
+        """The fitted costs of `name` at `tp`, or a one-line error naming what was profiled."""
+        try:
+            return self.modules[(name, int(tp))]
+        except KeyError:
+            profiled = sorted(t for (m, t) in self.modules if m == name)
+            if not profiled:
+                have = sorted({m for (m, _) in self.modules})
+                raise UserError(f"no profile for {name}; profiled modules: {', '.join(have)}") from None
+            raise UserError(
+                f"no profile for {name} at tp={tp}; profiled tp: {', '.join(map(str, profiled))}"
+            ) from None
+
+    def tp_degrees(self, name: str) -> list[int]:
+        """TP degrees `name` was profiled at."""
+        return sorted(t for (m, t) in self.modules if m == name)
+
+    # ---- stage composition ----------------------------------------------------------------------
+
+    def _vision_parts(self, n_layers: int, first: bool, last: bool, tp: int) -> list[tuple[ModuleCosts, int]]:
+        _check_layers(n_layers)
+        parts = [(self.module("vision_layer", tp), n_layers)] if n_layers else []
+        if first:
+            parts.append((self.module("vision_embed", tp), 1))
+        if last:
+            parts.append((self.module("projector", tp), 1))
+        return parts
+
+    def _llm_parts(self, n_layers: int, first: bool, last: bool, tp: int) -> list[tuple[ModuleCosts, int]]:
+        _check_layers(n_layers)
+        parts = [(self.module("llm_layer", tp), n_layers)] if n_layers else []
+        if first:
+            parts.append((self.module("llm_embed", tp), 1))
+        if last:
+            parts.append((self.module("llm_head", tp), 1))
+        return parts
+
+    # ---- time -----------------------------------------------------------------------------------
+
+    def vision_stage_time(
+        self, tiles_per_sample: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int
+    ) -> StageTime:
+        """Seconds of one vision stage on a microbatch whose samples have these tile counts.
+
+        The per-microbatch constant is charged even when no sample has a tile.
+        """
+        tiles = _sizes(tiles_per_sample, "tiles_per_sample", minimum=0)
+        parts = self._vision_parts(n_layers, first, last, tp)
+        return _stage_time(parts, tiles)
+
+    def llm_stage_time(
+        self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int
+    ) -> StageTime:
+        """Seconds of one LLM stage on one packed bin of samples with these lengths (tokens)."""
+        lens = _sizes(seq_lens, "seq_lens", minimum=1)
+        parts = self._llm_parts(n_layers, first, last, tp)
+        return _stage_time(parts, lens)
+
+    def colocated_stage_time(
+        self, tiles_per_sample: Sequence[int], seq_lens: Sequence[int], *, vision_layers: int,
+        llm_layers: int, last: bool, tp_v: int, tp_l: int,
+    ) -> StageTime:
+        """First LLM stage carrying the whole vision tower (embeddings, all layers, projector)."""
+        vision = self.vision_stage_time(tiles_per_sample, n_layers=vision_layers, first=True, last=True, tp=tp_v)
+        return vision + self.llm_stage_time(seq_lens, n_layers=llm_layers, first=True, last=last, tp=tp_l)
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def vision_stage_memory(
+        self, tiles_per_sample: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int,
+        in_flight: int,
+    ) -> StageMemory:
+        """Bytes per rank of a vision stage holding `in_flight` microbatches like this one."""
+        tiles = _sizes(tiles_per_sample, "tiles_per_sample", minimum=0)
+        parts = self._vision_parts(n_layers, first, last, tp)
+        return self._stage_memory(parts, tiles, in_flight)
+
+    def llm_stage_memory(
+        self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int, in_flight: int
+    ) -> StageMemory:
+        """Bytes per rank of an LLM stage holding `in_flight` packed bins like this one."""
+        lens = _sizes(seq_lens, "seq_lens", minimum=1)
+        parts = self._llm_parts(n_layers, first, last, tp)
+        return self._stage_memory(parts, lens, in_flight)
+
+    def colocated_stage_memory(
+        self, tiles_per_sample: Sequence[int], seq_lens: Sequence[int], *, vision_layers: int,
+        llm_layers: int, last: bool, tp_v: int, tp_l: int, in_flight: int,
+    ) -> StageMemory:
+        """Memory of the first LLM stage carrying the whole vision tower."""
+        vision = self.vision_stage_memory(
+            tiles_per_sample, n_layers=vision_layers, first=True, last=True, tp=tp_v, in_flight=in_flight)
+        return vision + self.llm_stage_memory(
+            seq_lens, n_layers=llm_layers, first=True, last=last, tp=tp_l, in_flight=in_flight)
+
+    def _stage_memory(self, parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray, in_flight: int) -> StageMemory:
+        if int(in_flight) < 1:
+            raise UserError(f"in_flight must be >= 1, got {in_flight}")
+        activation = sum(mult * _set_prediction(m, "act_bytes", sizes) for m, mult in parts)
+        static = self._static(parts)
+        return StageMemory(static.param_bytes, static.grad_bytes, static.optimizer_bytes,
+                           float(activation), int(in_flight))
+
+    def _static(self, parts: list[tuple[ModuleCosts, int]]) -> StageMemory:
+        """Training state of a stage: parameters counted from their bytes in the profiled dtype."""
+        param_bytes = sum(mult * m.param_bytes for m, mult in parts)
+        n_params = param_bytes / self.state_bytes.param
+        return StageMemory(
+            param_bytes=float(param_bytes),
+            grad_bytes=float(n_params * self.state_bytes.grad),
+            optimizer_bytes=float(n_params * self.state_bytes.optimizer),
+            activation_bytes=0.0,
+            in_flight=1,
+        )
+
+    # ---- per-sample decomposition ---------------------------------------------------------------
+
+    def vision_stage_terms(
+        self, tiles_per_sample: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int
+    ) -> StageTerms:
+        """Per-sample and per-microbatch parts of a vision stage (samples with 0 tiles cost 0)."""
+        tiles = _sizes(tiles_per_sample, "tiles_per_sample", minimum=0)
+        return self._stage_terms(self._vision_parts(n_layers, first, last, tp), tiles)
+
+    def llm_stage_terms(
+        self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int
+    ) -> StageTerms:
+        """Per-sample and per-bin parts of an LLM stage."""
+        lens = _sizes(seq_lens, "seq_lens", minimum=1)
+        return self._stage_terms(self._llm_parts(n_layers, first, last, tp), lens)
+
+    def _stage_terms(self, parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray) -> StageTerms:
+        const = {t: 0.0 for t in TARGETS}
+        per_sample = {t: np.zeros(len(sizes)) for t in TARGETS}
+        for m, mult in parts:
+            x = sample_features(m.features, m.kind, sizes)
+            c = const_features(m.features)
+            for t in TARGETS:
+                coef = m.coefficients(t)
+                const[t] += mult * float(c @ coef)
+                per_sample[t] += mult * (x @ coef)
+        return StageTerms(
+            fwd_const_s=const["fwd_ms"] * _MS,
+            bwd_const_s=const["bwd_ms"] * _MS,
+            act_const_bytes=const["act_bytes"],
+            fwd_s=per_sample["fwd_ms"] * _MS,
+            bwd_s=per_sample["bwd_ms"] * _MS,
+            act_bytes=per_sample["act_bytes"],
+            static=self._static(parts),
+        )
+
+    def batch_costs(self, n_tiles, seq_len, **kwargs) -> BatchCosts:
+        """Per-sample costs of one global batch; see `dflop.costmodel.batch.batch_costs`."""
+        return batch_costs(self, n_tiles, seq_len, **kwargs)
+
+    # ---- JSON -----------------------------------------------------------------------------------
+
+    def save(self, path) -> None:
+        """Write this model as JSON (atomically); see `dflop.costmodel.jsonio`."""
+        from dflop.costmodel.jsonio import save_cost_model
+
+        save_cost_model(self, path)
+
+    @classmethod
+    def load(cls, path) -> "CostModel":
+        """Read a model written by `save`; a bad file raises a one-line UserError naming the key."""
+        from dflop.costmodel.jsonio import load_cost_model
+
+        return load_cost_model(path)
+
+
+def _stage_time(parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray) -> StageTime:
+    fwd = sum(mult * _set_prediction(m, "fwd_ms", sizes) for m, mult in parts)
+    bwd = sum(mult * _set_prediction(m, "bwd_ms", sizes) for m, mult in parts)
+    return StageTime(fwd_s=float(fwd) * _MS, bwd_s=float(bwd) * _MS)
+
+
+def _set_prediction(m: ModuleCosts, target: str, sizes: np.ndarray) -> float:
+    """The module's prediction for a set of samples, from the summed features of the set."""
+    x = const_features(m.features) + sample_features(m.features, m.kind, sizes).sum(axis=0)
+    return float(x @ m.coefficients(target))
+
+
+def _sizes(values: Sequence[int], name: str, *, minimum: int) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64).reshape(-1)
+    if array.size and (not np.all(np.isfinite(array)) or array.min() < minimum or np.any(array != np.round(array))):
+        bad = array[~np.isfinite(array) | (array < minimum) | (array != np.round(array))][0]
+        raise UserError(f"{name} must be whole numbers >= {minimum}, got {bad:g}")
+    return array
+
+
+def _check_layers(n_layers: int) -> None:
+    if int(n_layers) != n_layers or n_layers < 0:
+        raise UserError(f"n_layers must be a whole number >= 0, got {n_layers}")

@@ -1,0 +1,136 @@
+"""Read and check `model_profile.parquet`, and reduce its repeats to one row per shape.
+
+The profile (DESIGN.md §4) has one row per measurement: ``module, tp, batch, seq_len, n_layers,
+fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes, device, dtype, repeat`` (extra columns are
+ignored). Layer modules may be profiled as a stack of ``n_layers`` layers; costs are divided by
+``n_layers`` here so every fitted layer cost is per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dflop.costmodel.features import LAYER_MODULES, MODULE_FEATURES, ShapeKind
+from dflop.errors import UserError
+
+log = logging.getLogger(__name__)
+
+REQUIRED_COLUMNS = (
+    "module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
+    "device", "dtype",
+)
+#: Measured quantities, reduced to their median over repeats.
+TARGETS = ("fwd_ms", "bwd_ms", "act_bytes")
+
+
+@dataclass(frozen=True)
+class ProfileSummary:
+    """Per-shape medians of a profile and where it came from.
+
+    shapes: one row per (module, tp, batch, seq_len) with columns module, tp, batch, seq_len,
+        fwd_ms, bwd_ms, act_bytes, param_bytes (per layer for layer modules), n_repeats.
+    """
+
+    shapes: pd.DataFrame
+    device: str
+    dtype: str
+    preset: str | None
+    n_rows: int
+
+
+def read_profile(path: str | Path) -> ProfileSummary:
+    """Load and check a model profile; every problem is one line naming the file and row."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: model profile not found (run `dflop profile-model` first)")
+    try:
+        table = pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        raise UserError(f"{path}: not a readable Parquet file ({exc})") from None
+    return summarize_profile(table, source=str(path))
+
+
+def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> ProfileSummary:
+    """Check a profile table and reduce it to per-shape medians (see `ProfileSummary`)."""
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.columns]
+    if missing:
+        raise UserError(f"{source}: missing column(s) {', '.join(missing)}")
+    if table.empty:
+        raise UserError(f"{source}: no rows")
+    device = _single_value(table, "device", source)
+    dtype = _single_value(table, "dtype", source)
+    preset = _single_value(table, "preset", source) if "preset" in table.columns else None
+
+    unknown = sorted(set(table["module"]) - set(MODULE_FEATURES))
+    if unknown:
+        log.warning("%s: ignoring module(s) without a cost model: %s", source, ", ".join(unknown))
+    table = table[table["module"].isin(list(MODULE_FEATURES))]
+    if table.empty:
+        raise UserError(f"{source}: no known modules; expected some of {', '.join(MODULE_FEATURES)}")
+    _check_values(table, source)
+
+    per_layer = table.copy()
+    stacked = per_layer["module"].isin(list(LAYER_MODULES))
+    for column in (*TARGETS, "param_bytes"):
+        per_layer[column] = per_layer[column].astype(np.float64)
+        per_layer.loc[stacked, column] = per_layer.loc[stacked, column] / per_layer.loc[stacked, "n_layers"]
+
+    keys = ["module", "tp", "batch", "seq_len"]
+    grouped = per_layer.groupby(keys, sort=True)
+    shapes = grouped[[*TARGETS, "param_bytes"]].median()
+    shapes["n_repeats"] = grouped.size()
+    shapes = shapes.reset_index()
+    for column in ("tp", "batch", "seq_len"):
+        shapes[column] = shapes[column].astype(np.int64)
+    _check_tile_size(shapes, source)
+    _warn_varying_params(shapes, source)
+    return ProfileSummary(shapes=shapes, device=device, dtype=dtype, preset=preset, n_rows=len(table))
+
+
+def _single_value(table: pd.DataFrame, column: str, source: str) -> str:
+    values = sorted(str(v) for v in table[column].dropna().unique())
+    if len(values) != 1:
+        found = ", ".join(values) if values else "none"
+        raise UserError(f"{source}: column {column!r} must hold one value per profile, found: {found}")
+    return values[0]
+
+
+def _check_values(table: pd.DataFrame, source: str) -> None:
+    numeric = ["tp", "batch", "seq_len", "n_layers", *TARGETS, "param_bytes"]
+    for column in numeric:
+        values = pd.to_numeric(table[column], errors="coerce").to_numpy(dtype=np.float64)
+        minimum = 1 if column in ("tp", "batch", "seq_len", "n_layers") else 0
+        bad = ~np.isfinite(values) | (values < minimum)
+        if column == "n_layers":
+            bad &= table["module"].isin(list(LAYER_MODULES)).to_numpy()
+        if bad.any():
+            row = table.iloc[int(np.flatnonzero(bad)[0])]
+            raise UserError(
+                f"{source}: {column}={row[column]!r} must be a finite number >= {minimum} "
+                f"(row module={row['module']} tp={row['tp']} batch={row['batch']} seq_len={row['seq_len']}; "
+                f"{int(bad.sum())} bad row(s))"
+            )
+
+
+def _check_tile_size(shapes: pd.DataFrame, source: str) -> None:
+    """Tile modules model cost per tile, which is only meaningful for one tile size per model."""
+    for (module, tp), group in shapes.groupby(["module", "tp"]):
+        if MODULE_FEATURES[module][0] is ShapeKind.TILES and group["seq_len"].nunique() > 1:
+            sizes = ", ".join(str(s) for s in sorted(group["seq_len"].unique()))
+            raise UserError(
+                f"{source}: {module} at tp={tp} profiled with several patches per tile ({sizes}); "
+                "the cost model assumes one tile size per vision tower"
+            )
+
+
+def _warn_varying_params(shapes: pd.DataFrame, source: str) -> None:
+    for (module, tp), group in shapes.groupby(["module", "tp"]):
+        values = group["param_bytes"].to_numpy()
+        if values.max() > values.min() * 1.001:
+            log.warning("%s: param_bytes of %s at tp=%s varies with the shape (%g..%g); using the median",
+                        source, module, tp, values.min(), values.max())
