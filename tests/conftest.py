@@ -1,0 +1,13 @@
+"""Shared fixtures. Data layer: one demo dataset per test session (it takes a few seconds)."""
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def demo_manifest(tmp_path_factory) -> Path:
+    """Path of demo.json of a default demo dataset (300 samples, seed 0); treat it as read-only."""
+    from dflop.data.demo import make_demo_data
+
+    return make_demo_data(tmp_path_factory.mktemp("demo"), n_samples=300, seed=0)
