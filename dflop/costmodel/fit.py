@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from importlib.metadata import PackageNotFoundError, version
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from dflop import __version__
 from dflop.costmodel.atomic import atomic_write
 from dflop.costmodel.features import MODULE_FEATURES, profile_features
 from dflop.costmodel.jsonio import save_cost_model
@@ -91,7 +91,7 @@ def fit_profile(
         profile_sha256=profile_sha256,
         n_profile_rows=summary.n_rows,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        dflop_version=__version__,
+        dflop_version=_dflop_version(),
     )
     validation = pd.DataFrame(rows, columns=list(VALIDATION_COLUMNS))
     return CostModel(modules, provenance), validation
@@ -106,6 +106,13 @@ def format_validation(validation: pd.DataFrame) -> str:
             f"{r.mape_median:>8.2f} {r.mape_p90:>8.2f} {r.mape_max:>8.2f}"
         )
     return "\n".join(lines)
+
+
+def _dflop_version() -> str:
+    try:
+        return version("dflop")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
 
 
 def _sha256(path: Path) -> str:

@@ -111,7 +111,7 @@ def _check_values(table: pd.DataFrame, source: str) -> None:
         if bad.any():
             row = table.iloc[int(np.flatnonzero(bad)[0])]
             raise UserError(
-                f"{source}: {column}={row[column]!r} must be a finite number >= {minimum} "
+                f"{source}: {column}={row[column]} must be a finite number >= {minimum} "
                 f"(row module={row['module']} tp={row['tp']} batch={row['batch']} seq_len={row['seq_len']}; "
                 f"{int(bad.sum())} bad row(s))"
             )

@@ -1,0 +1,82 @@
+"""JSON round trip gives identical predictions; a damaged file is a one-line error naming the key."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dflop.costmodel.fit import fit_profile
+from dflop.costmodel.jsonio import cost_model_to_dict, save_cost_model
+from dflop.costmodel.model import CostModel
+from dflop.costmodel.profile_table import summarize_profile
+from dflop.costmodel.synthetic import synthetic_profile
+from dflop.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def model():
+    return fit_profile(summarize_profile(synthetic_profile(tp_degrees=(1, 2), noise=0.05, seed=11)))[0]
+
+
+def test_round_trip_predicts_identically(model, tmp_path):
+    path = tmp_path / "costmodel.json"
+    model.save(path)
+    loaded = CostModel.load(path)
+    assert loaded.provenance == model.provenance
+    rng = np.random.default_rng(2)
+    tiles, lens = rng.integers(0, 20, 30), rng.integers(1, 5000, 30)
+    kw = dict(vision_layers_per_stage=[14, 13], llm_layers_per_stage=[10, 10, 8], tp_v=2, tp_l=1,
+              mem_limit_bytes=40e9, in_flight_per_stage=[5, 4, 3, 2, 1])
+    before, after = model.batch_costs(tiles, lens, **kw), loaded.batch_costs(tiles, lens, **kw)
+    for name in before.__dataclass_fields__:
+        np.testing.assert_array_equal(getattr(before, name), getattr(after, name), err_msg=name)
+    assert model.llm_stage_memory(lens, n_layers=3, first=True, last=True, tp=1, in_flight=2) == \
+        loaded.llm_stage_memory(lens, n_layers=3, first=True, last=True, tp=1, in_flight=2)
+    # and saving the loaded model writes the same bytes
+    save_cost_model(loaded, tmp_path / "again.json")
+    assert (tmp_path / "again.json").read_text() == path.read_text()
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "costmodel.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_damaged_files_name_the_problem(model, tmp_path):
+    good = cost_model_to_dict(model)
+
+    bad = json.loads(json.dumps(good))
+    bad["modules"][2]["coef"]["fwd_ms"][0] = -1.0
+    with pytest.raises(UserError, match=r"costmodel.json: invalid cost model at modules/2/coef/fwd_ms/0: -1.0 is less than the minimum of 0"):
+        CostModel.load(_write(tmp_path, bad))
+
+    bad = json.loads(json.dumps(good))
+    bad["modules"][0]["coef"]["bwd_ms"].pop()
+    with pytest.raises(UserError, match=r"modules/0/coef/bwd_ms has 2 coefficients for 3 features"):
+        CostModel.load(_write(tmp_path, bad))
+
+    bad = json.loads(json.dumps(good))
+    bad["version"] = 99
+    with pytest.raises(UserError, match=r"format version 99 is not supported \(this dflop reads version 1\)"):
+        CostModel.load(_write(tmp_path, bad))
+
+    bad = json.loads(json.dumps(good))
+    del bad["provenance"]["dtype"]
+    with pytest.raises(UserError, match=r"invalid cost model at provenance: 'dtype' is a required property"):
+        CostModel.load(_write(tmp_path, bad))
+
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"broken.json: not valid JSON"):
+        CostModel.load(tmp_path / "broken.json")
+    with pytest.raises(UserError, match=r"cost model not found"):
+        CostModel.load(tmp_path / "missing.json")
+
+
+def test_file_is_plain_json_with_the_feature_spec(model, tmp_path):
+    path = tmp_path / "m.json"
+    model.save(path)
+    data = json.loads(path.read_text())
+    layer = next(m for m in data["modules"] if m["module"] == "llm_layer" and m["tp"] == 1)
+    assert layer["features"] == ["tokens", "sq_tokens", "const"]
+    assert set(layer["coef"]) == {"fwd_ms", "bwd_ms", "act_bytes"}

@@ -1,0 +1,52 @@
+"""Profile checks: bad input is one line naming the file, column and row."""
+
+import numpy as np
+import pytest
+
+from dflop.costmodel.profile_table import read_profile, summarize_profile
+from dflop.costmodel.synthetic import synthetic_profile
+from dflop.errors import UserError
+
+
+def test_repeats_reduce_to_the_median_per_shape_and_layers_to_one_layer():
+    profile = synthetic_profile(modules=("llm_layer",), llm_batches=(2,), llm_seq_lens=(64,), n_layers=4, repeats=3)
+    profile["fwd_ms"] = [40.0, 4.0, 8.0]  # median 8 ms for 4 layers -> 2 ms per layer
+    shapes = summarize_profile(profile).shapes
+    assert len(shapes) == 1
+    assert shapes["fwd_ms"].iloc[0] == pytest.approx(2.0)
+    assert shapes["n_repeats"].iloc[0] == 3
+
+
+def test_missing_file_and_columns(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        read_profile(tmp_path / "nope.parquet")
+    path = tmp_path / "model_profile.parquet"
+    synthetic_profile().drop(columns=["bwd_ms", "dtype"]).to_parquet(path)
+    with pytest.raises(UserError, match=r"model_profile.parquet: missing column\(s\) bwd_ms, dtype$"):
+        read_profile(path)
+
+
+def test_bad_value_names_the_row():
+    profile = synthetic_profile(modules=("llm_head",))
+    profile.loc[5, "fwd_ms"] = np.nan
+    with pytest.raises(UserError, match=r"fwd_ms=nan must be a finite number >= 0 \(row module=llm_head tp=1 batch=1 seq_len=4096"):
+        summarize_profile(profile, source="p.parquet")
+
+
+def test_mixed_devices_and_tile_sizes_are_refused():
+    profile = synthetic_profile(modules=("llm_head",))
+    profile.loc[0, "device"] = "cuda"
+    with pytest.raises(UserError, match="column 'device' must hold one value per profile, found: cuda, synthetic"):
+        summarize_profile(profile)
+    tiles = synthetic_profile(modules=("vision_layer",))
+    tiles.loc[0, "seq_len"] = 1025
+    with pytest.raises(UserError, match=r"vision_layer at tp=1 profiled with several patches per tile \(729, 1025\)"):
+        summarize_profile(tiles)
+
+
+def test_unknown_modules_are_ignored_with_a_warning(caplog):
+    profile = synthetic_profile(modules=("llm_head",))
+    profile.loc[0, "module"] = "llm_mlp"
+    shapes = summarize_profile(profile).shapes
+    assert set(shapes["module"]) == {"llm_head"}
+    assert "llm_mlp" in caplog.text
