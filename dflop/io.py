@@ -1,0 +1,38 @@
+"""Atomic file output: write to a temp file beside the target, then rename.
+
+A killed stage leaves either the old file or none, never half of one, so re-running it is safe
+and Snakemake never mistakes a partial output for a finished one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path in the target's directory; on success rename it over `target`.
+
+    On an exception the temp file is removed and `target` is left untouched.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(target: str | os.PathLike, text: str) -> None:
+    """Write `text` to `target` atomically."""
+    with atomic_path(target) as tmp:
+        tmp.write_text(text)

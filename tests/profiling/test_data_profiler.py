@@ -1,0 +1,146 @@
+"""Data profiler: shapes.parquet / histograms.parquet contents, bad input, determinism."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from dflop.config import Config
+from dflop.data.demo import make_demo_data
+from dflop.data.media import image_size
+from dflop.errors import UserError
+from dflop.profiling.data_profiler import SHAPE_COLUMNS, histograms, profile_data
+
+DESIGN_SHAPE_COLUMNS = ["sample_id", "dataset", "modality", "n_images", "n_frames", "n_tiles",
+                        "vision_tokens", "text_tokens", "seq_len", "status"]
+
+
+@pytest.fixture(scope="module")
+def demo_manifest(tmp_path_factory):
+    return make_demo_data(tmp_path_factory.mktemp("demo"), n_samples=60, seed=1)
+
+
+def _cfg(datasets, **data):
+    return Config.from_dict({"data": {"datasets": datasets, **data}})
+
+
+def _run(tmp_path, cfg, workers=1):
+    shapes, hist = tmp_path / "shapes.parquet", tmp_path / "hist.parquet"
+    summary = profile_data(cfg, shapes_path=shapes, histograms_path=hist, workers=workers, progress=False)
+    return summary, shapes, hist
+
+
+def test_demo_shapes_have_design_columns_and_one_row_per_sample(tmp_path, demo_manifest):
+    _, shapes_path, _ = _run(tmp_path, _cfg([{"name": "demo", "path": str(demo_manifest)}]))
+    shapes = pd.read_parquet(shapes_path)
+    assert list(shapes.columns) == DESIGN_SHAPE_COLUMNS == list(SHAPE_COLUMNS)
+    records = json.loads(Path(demo_manifest).read_text())
+    assert len(shapes) == len(records) and shapes["sample_id"].is_unique
+    assert (shapes["status"] == "ok").all()
+    assert (shapes["seq_len"] == shapes["text_tokens"] + shapes["vision_tokens"]).all()
+    assert set(shapes["modality"]) == {"text", "image", "multi_image", "video"}
+    text = shapes[shapes["modality"] == "text"]
+    assert (text[["n_images", "n_tiles", "vision_tokens"]] == 0).all().all()
+    video = shapes[shapes["modality"] == "video"]
+    assert (video["n_frames"] > 0).all() and (video["n_tiles"] == video["n_frames"]).all()
+
+
+def test_image_counts_match_manifest(tmp_path, demo_manifest):
+    _, shapes_path, _ = _run(tmp_path, _cfg([{"name": "demo", "path": str(demo_manifest)}]))
+    shapes = pd.read_parquet(shapes_path).set_index("sample_id")
+    for record in json.loads(Path(demo_manifest).read_text()):
+        images = record.get("image", [])
+        images = [images] if isinstance(images, str) else images
+        assert shapes.loc[record["id"], "n_images"] == len(images)
+
+
+def test_worker_count_does_not_change_output(tmp_path, demo_manifest):
+    cfg = _cfg([{"name": "demo", "path": str(demo_manifest)}])
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
+    _, one, _ = _run(tmp_path / "one", cfg, workers=1)
+    _, two, _ = _run(tmp_path / "two", cfg, workers=2)
+    pd.testing.assert_frame_equal(pd.read_parquet(one), pd.read_parquet(two))
+
+
+def test_histograms_count_every_ok_sample_per_group(tmp_path, demo_manifest):
+    _, shapes_path, hist_path = _run(tmp_path, _cfg([{"name": "demo", "path": str(demo_manifest)}]))
+    shapes = pd.read_parquet(shapes_path)
+    hist = pd.read_parquet(hist_path)
+    assert {"dataset", "feature", "bin_lo", "bin_hi", "count", "frac"} <= set(hist.columns)
+    for (dataset, modality, feature), part in hist.groupby(["dataset", "modality", "feature"]):
+        sel = shapes if dataset == "all" else shapes[shapes["dataset"] == dataset]
+        sel = sel if modality == "all" else sel[sel["modality"] == modality]
+        assert part["count"].sum() == len(sel), (dataset, modality, feature)
+        assert part["frac"].sum() == pytest.approx(1.0)
+        # Bins are contiguous, so each value lands in exactly one.
+        assert (part["bin_lo"].to_numpy()[1:] == part["bin_hi"].to_numpy()[:-1]).all()
+    seq = hist[(hist.dataset == "all") & (hist.modality == "all") & (hist.feature == "seq_len")]
+    for lo, hi, count in seq[["bin_lo", "bin_hi", "count"]].itertuples(index=False):
+        assert count == ((shapes.seq_len >= lo) & (shapes.seq_len < hi)).sum()
+
+
+def _bad_dataset(root: Path) -> Path:
+    """Two good samples and one of each kind of bad input."""
+    Image.new("RGB", (640, 480), (10, 20, 30)).save(root / "ok.jpg")
+    good = Image.new("RGB", (800, 600), (200, 10, 10))
+    good.save(root / "full.png")
+    data = (root / "full.png").read_bytes()
+    (root / "truncated.png").write_bytes(data[:40])  # header cut mid-way
+    (root / "garbage.jpg").write_bytes(b"this is not an image at all" * 10)
+    conv = [{"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A colour."}]
+    lines = [
+        json.dumps({"id": "good-image", "image": "ok.jpg", "conversations": conv}),
+        json.dumps({"id": "good-text", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),
+        json.dumps({"id": "missing", "image": "nope.jpg", "conversations": conv}),
+        json.dumps({"id": "truncated", "image": "truncated.png", "conversations": conv}),
+        json.dumps({"id": "garbage", "image": "garbage.jpg", "conversations": conv}),
+        '{"id": "broken", "image": ',
+        json.dumps({"id": "noconv", "image": "ok.jpg"}),
+        json.dumps({"id": "audio", "audio": "x.wav", "conversations": conv}),
+    ]
+    path = root / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bad_input_becomes_skipped_rows_with_reasons(tmp_path):
+    manifest = _bad_dataset(tmp_path)
+    summary, shapes_path, _ = _run(tmp_path, _cfg([{"name": "bad", "path": str(manifest)}], max_skip_frac=1.0))
+    shapes = pd.read_parquet(shapes_path)
+    status = dict(zip(shapes["sample_id"], shapes["status"]))
+    assert status["good-image"] == "ok" and status["good-text"] == "ok"
+    assert status["missing"] == "skipped:missing_file"
+    assert status["truncated"] == "skipped:truncated_image"
+    assert status["garbage"] == "skipped:unreadable_image"
+    assert status["noconv"] == "skipped:no_conversations"
+    assert status["audio"] == "skipped:unknown_modality:audio"
+    assert "skipped:malformed_json" in status.values()
+    assert summary.total == 8 and summary.skipped_total == 6
+    # The good image's shape is that of the decoded file (independent of the header path).
+    width, height = Image.open(tmp_path / "ok.jpg").convert("RGB").size
+    assert image_size(tmp_path / "ok.jpg") == (width, height)
+
+
+def test_too_many_skipped_fails_and_writes_nothing(tmp_path):
+    manifest = _bad_dataset(tmp_path)
+    with pytest.raises(UserError, match=r"6 of 8 samples skipped .*max_skip_frac=1\.0%.*missing_file: 1"):
+        _run(tmp_path, _cfg([{"name": "bad", "path": str(manifest)}]))
+    assert not (tmp_path / "shapes.parquet").exists() and not (tmp_path / "hist.parquet").exists()
+    assert not list(tmp_path.glob(".shapes.parquet*"))  # no temp file left behind
+
+
+def test_missing_dataset_fails_before_work_naming_path(tmp_path):
+    cfg = _cfg([{"name": "gone", "path": str(tmp_path / "nowhere.json")}])
+    with pytest.raises(UserError, match=r"data.datasets\[0\] \(gone\).*nowhere\.json"):
+        _run(tmp_path, cfg)
+
+
+def test_sampling_rule_limits_rows(tmp_path, demo_manifest):
+    _, shapes_path, _ = _run(tmp_path, _cfg([{"name": "demo", "path": str(demo_manifest), "sample": "random:17"}]))
+    first = pd.read_parquet(shapes_path)
+    assert len(first) == 17
+    _, again, _ = _run(tmp_path, _cfg([{"name": "demo", "path": str(demo_manifest), "sample": "random:17"}]))
+    assert list(pd.read_parquet(again)["sample_id"]) == list(first["sample_id"])
