@@ -26,10 +26,19 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
+        if tmp.exists():
+            # mkstemp makes the file private (0600); give it the permissions a plain open() would.
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(target: str | os.PathLike, text: str) -> None:

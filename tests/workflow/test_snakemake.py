@@ -1,0 +1,125 @@
+"""The Snakemake workflow: lint, real runs of the data stages, and exact re-run triggers."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+pytestmark = pytest.mark.slow
+
+
+def _env():
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"  # the rules call `dflop`
+    return env
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [*SNAKEMAKE, "--snakefile", str(REPO / "workflow/Snakefile"), "--directory", str(workdir),
+           "--profile", str(REPO / "profiles/local"), "--cores", "2", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=workdir)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def planned_rules(workdir: Path, *args: str) -> set[str]:
+    """Rules a dry run would execute (their names, from the job table)."""
+    out = snakemake(workdir, "--dry-run", *args).stdout
+    names, in_table = set(), False
+    for line in out.splitlines():
+        if line.startswith("job ") and "count" in line:
+            in_table = True
+            continue
+        if in_table:
+            if line.startswith("total"):
+                break
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                names.add(parts[0])
+    return names - {"all"}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A working directory with a small demo config, after one real run of the data stages."""
+    root = tmp_path_factory.mktemp("wf")
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    config["data"]["demo"]["n_samples"] = 40
+    (root / "config").mkdir()
+    (root / "config/config.yaml").write_text(yaml.safe_dump(config))
+    snakemake(root, "profile_data")
+    return root
+
+
+def test_lint_is_clean():
+    proc = subprocess.run([*SNAKEMAKE, "--lint", "--snakefile", str(REPO / "workflow/Snakefile")],
+                          capture_output=True, text=True, cwd=REPO, env=_env())
+    assert "Congratulations, your workflow is in a good condition!" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_profile_data_writes_both_parquet_files(workdir):
+    shapes = pd.read_parquet(workdir / "results/data/shapes.parquet")
+    assert len(shapes) == 40 and (shapes["status"] == "ok").all()
+    assert len(pd.read_parquet(workdir / "results/data/histograms.parquet")) > 0
+    assert (workdir / "logs/profile_data.log").read_text().count("profiled 40 samples") == 1
+    assert planned_rules(workdir, "profile_data") == set()  # up to date
+
+
+def test_touching_a_dataset_reruns_profile_data_only(workdir):
+    manifest = workdir / "results/demo/demo.json"
+    before = manifest.stat()
+    time.sleep(1.1)  # mtime resolution
+    manifest.touch()
+    try:
+        assert planned_rules(workdir, "profile_data") == {"profile_data"}
+    finally:
+        os.utime(manifest, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_editing_a_dataset_reruns_profile_data_only(workdir):
+    manifest = workdir / "results/demo/demo.json"
+    original, before = manifest.read_bytes(), manifest.stat()
+    time.sleep(1.1)
+    try:
+        manifest.write_bytes(original + b"\n")
+        # Without the profile's mtime rule too: a real content change is always a change.
+        out = subprocess.run([*SNAKEMAKE, "--snakefile", str(REPO / "workflow/Snakefile"), "--directory", str(workdir),
+                              "--cores", "2", "--dry-run", "profile_data"], capture_output=True, text=True, env=_env())
+        assert "profile_data" in out.stdout and "make_demo_data" not in out.stdout, out.stdout
+    finally:
+        manifest.write_bytes(original)
+        os.utime(manifest, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def _with_config(workdir: Path, name: str, change) -> str:
+    config = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    change(config)
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_changing_a_param_reruns_only_rules_that_use_it(workdir):
+    skip = _with_config(workdir, "skip", lambda c: c["data"].update(max_skip_frac=0.5))
+    assert planned_rules(workdir, "profile_data", "--configfile", skip) == {"profile_data"}
+    demo = _with_config(workdir, "demo", lambda c: c["data"]["demo"].update(n_samples=41))
+    assert planned_rules(workdir, "profile_data", "--configfile", demo) == {"make_demo_data", "profile_data"}
+    # A value no data stage uses (the model profiler's repeats) leaves the data stages alone.
+    unrelated = _with_config(workdir, "unrelated", lambda c: c.setdefault("profile", {}).update(repeats=9))
+    assert "profile_data" not in planned_rules(workdir, "profile_data", "--configfile", unrelated)
+
+
+def test_bad_config_is_one_line_naming_key(workdir):
+    bad = _with_config(workdir, "bad", lambda c: c["data"].update(max_skip_frac=2))
+    proc = snakemake(workdir, "--dry-run", "profile_data", "--configfile", bad, check=False)
+    assert proc.returncode != 0
+    assert "config error: data.max_skip_frac: 2 is greater than the maximum of 1 (rule: maximum)" in proc.stderr + proc.stdout
