@@ -1,0 +1,421 @@
+"""Streaming readers for instruction datasets: LLaVA JSON, JSONL and Parquet with embedded images.
+
+Every reader yields `RawSample` records one at a time, so a million-sample dataset never sits in
+memory (the only per-sample state kept is the set of ids seen, to keep ids unique). Bad samples
+never raise: they come out with `error` set to a short reason (``malformed_json``,
+``not_an_object``, ``no_conversations``, ``bad_conversations``, ``unknown_modality:<key>``,
+``bad_image_field``, ``bad_video_field``, ``multiple_videos``) that the data profiler writes as
+``status=skipped:<reason>``. File-level problems (missing file, unknown format, a JSON list that
+stops parsing, an unreadable Parquet file) raise `DatasetError` naming the file.
+
+Sample ids are stable across runs: the record's ``id`` when it has one not used by an earlier
+record of the same dataset, else ``<dataset>:<index>`` (index = 0-based position of the record in
+the dataset, over all files of a Parquet directory in name order). Ids are unique within a
+dataset; (dataset, sample_id) is unique across datasets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflop.data.media import ImageRef, VideoRef
+from dflop.data.sampling import parse_sampling_rule, sample_stream
+
+FORMATS = ("llava_json", "llava_jsonl", "parquet")
+
+# Record keys that carry media this stack cannot feed to the model.
+UNSUPPORTED_MODALITY_KEYS = ("audio", "audios", "speech", "sound", "point_cloud", "pointcloud")
+
+_PARQUET_COLUMNS = ("id", "image", "images", "video", "conversations", *UNSUPPORTED_MODALITY_KEYS)
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be read at all (not one bad sample); the message names the file."""
+
+
+@dataclass(frozen=True)
+class RawSample:
+    """One sample as read, before any shape computation.
+
+    images: in placeholder order; file paths are already resolved against the media root.
+    conversations: turns as {"from": str, "value": str}; None when `error` is set.
+    error: None for a usable sample, else the short skip reason (see module docstring).
+    index: 0-based position of the record in its dataset.
+    """
+
+    sample_id: str
+    dataset: str
+    index: int
+    images: tuple[ImageRef, ...] = ()
+    video: VideoRef | None = None
+    conversations: tuple[dict[str, str], ...] | None = None
+    error: str | None = None
+
+    @property
+    def modality(self) -> str:
+        """'video', 'multi_image', 'image' or 'text' (a video wins over images)."""
+        if self.video is not None:
+            return "video"
+        if len(self.images) > 1:
+            return "multi_image"
+        return "image" if self.images else "text"
+
+
+def check_dataset(path: str | os.PathLike, fmt: str = "auto") -> str:
+    """Check that a dataset exists and can be opened; return its format (one of FORMATS).
+
+    Cheap (reads at most Parquet footers), so a profiler can check every dataset before work.
+    Raises DatasetError naming the path.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"dataset {path}: no such file or directory")
+    if fmt == "auto":
+        fmt = _detect_format(path)
+    elif fmt not in FORMATS:
+        raise DatasetError(
+            f"dataset {path}: unknown format {fmt!r}; expected auto or one of {FORMATS}"
+        )
+    if fmt == "parquet":
+        for part in _parquet_parts(path):
+            _open_parquet(part)
+    elif path.is_dir():
+        raise DatasetError(f"dataset {path}: is a directory; format {fmt} needs a file")
+    return fmt
+
+
+def count_records(path: str | os.PathLike, fmt: str = "auto") -> int | None:
+    """Number of records when known without reading them (Parquet metadata), else None."""
+    fmt = check_dataset(path, fmt)
+    if fmt != "parquet":
+        return None
+    return sum(_open_parquet(part).metadata.num_rows for part in _parquet_parts(Path(path)))
+
+
+def iter_raw_samples(
+    path: str | os.PathLike,
+    *,
+    dataset: str | None = None,
+    fmt: str = "auto",
+    media_root: str | os.PathLike | None = None,
+) -> Iterator[RawSample]:
+    """Every record of a dataset as a RawSample, in file order, streamed.
+
+    dataset: name used in fallback ids (default: file stem, or the directory name).
+    media_root: base of relative media paths (default: the manifest's directory, or the Parquet
+        directory itself).
+    Raises DatasetError at call time if the dataset is missing or its format unknown.
+    """
+    path = Path(path)
+    fmt = check_dataset(path, fmt)
+    name = dataset or (path.name if path.is_dir() else path.stem)
+    root = Path(media_root) if media_root is not None else (path if path.is_dir() else path.parent)
+    if fmt == "llava_json":
+        records = _json_array_records(path)
+    elif fmt == "llava_jsonl":
+        records = _jsonl_records(path)
+    else:
+        records = _parquet_records(path)
+    return _to_samples(records, dataset=name, media_root=root)
+
+
+def read_dataset(
+    path: str | os.PathLike,
+    *,
+    dataset: str | None = None,
+    fmt: str = "auto",
+    media_root: str | os.PathLike | None = None,
+    sample: str = "all",
+    seed: int = 0,
+) -> Iterator[RawSample]:
+    """The samples a sampling rule selects (see dflop.data.sampling), in file order, streamed.
+
+    Error records take part in sampling like any other, so skipped samples are reported for the
+    sampled subset. Raises DatasetError / SamplingRuleError at call time.
+    """
+    rule = parse_sampling_rule(sample)
+    samples = iter_raw_samples(path, dataset=dataset, fmt=fmt, media_root=media_root)
+    total = count_records(path, fmt) if rule.kind == "random" else None
+    name = dataset or (Path(path).name if Path(path).is_dir() else Path(path).stem)
+    return sample_stream(
+        samples, rule, seed=seed, stream_name=name, key=lambda s: s.sample_id, total=total
+    )
+
+
+# --- file formats -----------------------------------------------------------------------------
+
+# A record as read from a file: the parsed JSON value, or _MALFORMED for a line that did not parse.
+_MALFORMED = object()
+
+
+def _detect_format(path: Path) -> str:
+    if path.is_dir():
+        return "parquet"
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return "parquet"
+    if suffix in (".jsonl", ".ndjson"):
+        return "llava_jsonl"
+    if suffix == ".json":
+        # Some '.json' files are really JSON Lines; their first value is an object, not a list.
+        return "llava_jsonl" if _first_char(path) == "{" else "llava_json"
+    raise DatasetError(
+        f"dataset {path}: cannot tell the format from the extension {suffix!r};"
+        f" name a format ({', '.join(FORMATS)})"
+    )
+
+
+def _first_char(path: Path) -> str:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        while chunk := f.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped[0]
+    return ""
+
+
+def iter_json_array(
+    path: str | os.PathLike, *, chunk_chars: int = 1 << 20, max_record_chars: int = 256 << 20
+) -> Iterator[Any]:
+    """The elements of a JSON file holding one list, parsed incrementally, one at a time.
+
+    Memory is one read chunk plus the largest element. Raises DatasetError naming the file and
+    the character offset when the file is not a JSON list or stops parsing (after a corrupt
+    element the following ones cannot be found reliably, so the file as a whole is rejected).
+    """
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8-sig") as f:
+        buf, pos, offset, eof = "", 0, 0, False
+
+        def read_more(min_chars: int) -> None:
+            nonlocal buf, pos, offset, eof
+            if pos > 0:  # drop what was consumed so the buffer holds one element at most
+                offset += pos
+                buf, pos = buf[pos:], 0
+            chunk = f.read(max(chunk_chars, min_chars))
+            eof = not chunk
+            buf += chunk
+
+        def next_char() -> str:
+            """Skip whitespace; the next character without consuming it, '' at end of file."""
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n":
+                    pos += 1
+                if pos < len(buf) or eof:
+                    return buf[pos] if pos < len(buf) else ""
+                read_more(0)
+
+        def fail(at: int, what: str) -> DatasetError:
+            return DatasetError(
+                f"dataset {path}: malformed JSON at character {offset + at}: {what}"
+            )
+
+        if next_char() != "[":
+            raise DatasetError(f"dataset {path}: expected a JSON list of samples ('[' first)")
+        pos += 1
+        expect_value = True  # after '[' or ',' a value is due; ']' allowed only right after '['
+        first = True
+        while True:
+            char = next_char()
+            if char == "]" and first:
+                pos += 1
+                break
+            if char == "":
+                raise fail(pos, "unexpected end of file")
+            if not expect_value:
+                if char == "]":
+                    pos += 1
+                    break
+                if char != ",":
+                    raise fail(pos, f"expected ',' or ']' between samples, found {char!r}")
+                pos += 1
+                expect_value = True
+                continue
+            try:
+                value, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError as exc:
+                incomplete = exc.pos >= len(buf) - 16 or exc.msg.startswith("Unterminated string")
+                if incomplete and not eof:
+                    if len(buf) - pos > max_record_chars:
+                        too_long = f"a sample longer than {max_record_chars} characters"
+                        raise fail(pos, too_long) from None
+                    read_more(2 * (len(buf) - pos))
+                    continue
+                raise fail(exc.pos, exc.msg) from None
+            if end == len(buf) and not eof:
+                read_more(2 * (len(buf) - pos))  # a number at the buffer's end may go on
+                continue
+            pos = end
+            expect_value = first = False
+            yield value
+        if next_char() != "":
+            raise fail(pos, "data after the closing ']'")
+
+
+def _json_array_records(path: Path) -> Iterator[Any]:
+    return iter_json_array(path)
+
+
+def _jsonl_records(path: Path) -> Iterator[Any]:
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                yield _MALFORMED
+
+
+def _parquet_parts(path: Path) -> list[Path]:
+    if not path.is_dir():
+        return [path]
+    parts = sorted(p for p in path.glob("*.parquet") if p.is_file())
+    if not parts:
+        raise DatasetError(f"dataset {path}: directory holds no .parquet files")
+    return parts
+
+
+def _open_parquet(part: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(part)
+    except (pa.ArrowException, OSError) as exc:
+        raise DatasetError(f"dataset {part}: unreadable Parquet file ({exc})") from None
+
+
+def _parquet_records(path: Path, batch_rows: int = 256) -> Iterator[Any]:
+    """Rows as dicts, one batch of `batch_rows` rows in memory at a time (images included)."""
+    for part in _parquet_parts(path):
+        parquet_file = _open_parquet(part)
+        columns = [c for c in parquet_file.schema_arrow.names if c in _PARQUET_COLUMNS]
+        try:
+            for batch in parquet_file.iter_batches(batch_size=batch_rows, columns=columns):
+                yield from batch.to_pylist()
+        except (pa.ArrowException, OSError) as exc:
+            raise DatasetError(f"dataset {part}: unreadable Parquet data ({exc})") from None
+
+
+# --- records to samples -----------------------------------------------------------------------
+
+
+class _BadSample(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _to_samples(records: Iterable[Any], *, dataset: str, media_root: Path) -> Iterator[RawSample]:
+    seen_ids: set[str] = set()
+    for index, record in enumerate(records):
+        sample_id = _sample_id(record, index, dataset, seen_ids)
+        seen_ids.add(sample_id)
+        try:
+            images, video, conversations = _parse_record(record, media_root)
+        except _BadSample as bad:
+            yield RawSample(sample_id=sample_id, dataset=dataset, index=index, error=bad.reason)
+            continue
+        yield RawSample(
+            sample_id=sample_id,
+            dataset=dataset,
+            index=index,
+            images=images,
+            video=video,
+            conversations=conversations,
+        )
+
+
+def _sample_id(record: Any, index: int, dataset: str, seen_ids: set[str]) -> str:
+    raw = record.get("id") if isinstance(record, dict) else None
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+        raw = None
+    candidate = str(raw).strip() if raw is not None else ""
+    if candidate and candidate not in seen_ids:
+        return candidate
+    fallback = f"{dataset}:{index}"
+    # Only if an earlier record's own id happened to look like a fallback id.
+    suffix = 1
+    while fallback in seen_ids:
+        fallback, suffix = f"{dataset}:{index}:{suffix}", suffix + 1
+    return fallback
+
+
+def _parse_record(
+    record: Any, media_root: Path
+) -> tuple[tuple[ImageRef, ...], VideoRef | None, tuple[dict[str, str], ...]]:
+    if record is _MALFORMED:
+        raise _BadSample("malformed_json")
+    if not isinstance(record, dict):
+        raise _BadSample("not_an_object")
+    for key in UNSUPPORTED_MODALITY_KEYS:
+        if record.get(key) not in (None, "", [], {}):
+            raise _BadSample(f"unknown_modality:{key}")
+    conversations = _conversations(record.get("conversations"))
+    image_field = record.get("image")
+    if image_field is None:
+        image_field = record.get("images")
+    images = _image_refs(image_field, media_root)
+    video = _video_ref(record.get("video"), media_root)
+    return images, video, conversations
+
+
+def _conversations(value: Any) -> tuple[dict[str, str], ...]:
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
+        raise _BadSample("no_conversations")
+    if not isinstance(value, (list, tuple)):
+        raise _BadSample("bad_conversations")
+    turns = []
+    for turn in value:
+        if not (
+            isinstance(turn, dict)
+            and isinstance(turn.get("from"), str)
+            and isinstance(turn.get("value"), str)
+        ):
+            raise _BadSample("bad_conversations")
+        turns.append({"from": turn["from"], "value": turn["value"]})
+    return tuple(turns)
+
+
+def _image_refs(value: Any, media_root: Path) -> tuple[ImageRef, ...]:
+    if value is None:
+        return ()
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(_image_ref(item, media_root) for item in items)
+
+
+def _image_ref(item: Any, media_root: Path) -> ImageRef:
+    if isinstance(item, str) and item.strip():
+        return ImageRef(path=_resolve(item, media_root))
+    if isinstance(item, dict):  # Hugging Face Image feature: {"bytes": ..., "path": ...}
+        data, name = item.get("bytes"), item.get("path")
+        if isinstance(data, (bytes, bytearray)) and data:
+            return ImageRef(data=bytes(data), name=name if isinstance(name, str) else None)
+        if isinstance(name, str) and name.strip():
+            return ImageRef(path=_resolve(name, media_root))
+    raise _BadSample("bad_image_field")
+
+
+def _video_ref(value: Any, media_root: Path) -> VideoRef | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return None
+        if len(value) > 1:
+            raise _BadSample("multiple_videos")
+        value = value[0]
+    if isinstance(value, str) and value.strip():
+        return VideoRef(path=_resolve(value, media_root))
+    raise _BadSample("bad_video_field")
+
+
+def _resolve(relative_or_absolute: str, media_root: Path) -> Path:
+    path = Path(relative_or_absolute)
+    return path if path.is_absolute() else media_root / path
