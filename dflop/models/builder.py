@@ -1,0 +1,94 @@
+"""Build a multimodal model from presets (random init) or from a local Hugging Face directory.
+
+The result is the transformers model itself (`LlavaOnevisionForConditionalGeneration` or
+`InternVLForConditionalGeneration`); pipeline stages (`dflop.models.stages`) are views of it.
+The LLM attention is ``dflop_packed`` (packed-row aware, plain SDPA otherwise) unless asked
+otherwise; vision towers use SDPA.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
+
+from dflop.errors import UserError
+from dflop.models.architectures import Architecture, architecture, architecture_of, check_compatible
+from dflop.models.packing import PACKED_ATTENTION
+from dflop.models.presets import llm_preset, vision_preset
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """torch dtype for "float32" | "bfloat16" | "float16" (or a torch.dtype, returned as is)."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise UserError(f"model.dtype: unknown dtype {name!r}; known: {', '.join(_DTYPES)}") from None
+
+
+def model_config(arch: str, vision: str, llm: str, *, weights_dir: str | Path | None = None) -> PreTrainedConfig:
+    """The transformers config of (arch, vision preset, LLM preset), or the one in `weights_dir`."""
+    spec = architecture(arch)
+    if weights_dir is not None:
+        config = AutoConfig.from_pretrained(_weights_path(weights_dir), local_files_only=True)
+        _check_arch(spec, config, weights_dir)
+        return config
+    vision_p = vision_preset(vision)
+    check_compatible(spec, vision_p)
+    return spec.make_config(vision_p, llm_preset(llm))
+
+
+def build_model(
+    arch: str,
+    vision: str,
+    llm: str,
+    *,
+    weights_dir: str | Path | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+    llm_attention: str = PACKED_ATTENTION,
+) -> PreTrainedModel:
+    """The full transformers model: random weights from the presets, or the weights in `weights_dir`.
+
+    weights_dir: a local Hugging Face model directory (config.json + *.safetensors); nothing is
+        downloaded and pickled checkpoints are refused. The presets then only name the model.
+    seed: seeds the random init (the global torch RNG state is restored afterwards).
+    llm_attention: attention of the LLM layers; keep ``dflop_packed`` (or a flash-attention
+        implementation) for packed pipeline stages. The vision tower always uses SDPA.
+    """
+    spec = architecture(arch)
+    torch_dtype = resolve_dtype(dtype)
+    attn = {"text_config": llm_attention, "vision_config": "sdpa", "": "sdpa"}
+    if weights_dir is not None:
+        path = _weights_path(weights_dir)
+        _check_arch(spec, AutoConfig.from_pretrained(path, local_files_only=True), weights_dir)
+        if not any(path.glob("*.safetensors")):
+            raise UserError(f"model.weights: {path} has no *.safetensors files (pickled checkpoints are not loaded)")
+        model = spec.model_class.from_pretrained(path, local_files_only=True, use_safetensors=True,
+                                                 dtype=torch_dtype, attn_implementation=attn)
+        return model.to(device)
+    config = model_config(arch, vision, llm)
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = spec.model_class._from_config(config, attn_implementation=attn, dtype=torch_dtype)
+    return model.to(device)
+
+
+def _weights_path(weights_dir: str | Path) -> Path:
+    path = Path(weights_dir)
+    if not (path / "config.json").is_file():
+        raise UserError(f"model.weights: {path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def _check_arch(spec: Architecture, config: PreTrainedConfig, weights_dir: str | Path) -> None:
+    found = architecture_of(config)
+    if found is not spec:
+        raise UserError(f"model.weights: {weights_dir} holds a {found.name!r} model but model.arch is {spec.name!r}")

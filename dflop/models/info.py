@@ -1,0 +1,95 @@
+"""Sizes the planner needs without building the model: layers, heads, TP degrees, parameter counts.
+
+Counts are exact: the model is built on PyTorch's ``meta`` device (shapes only, no memory) and its
+parts are counted where the pipeline stages take them from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflop.models.architectures import architecture_of
+from dflop.models.builder import model_config
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Structure of one multimodal model.
+
+    vision_layers: layers the image features depend on (what vision stages split).
+    vision_tokens_per_tile: tokens one tile is inside a vision layer.
+    llm_tokens_per_tile: LLM tokens one tile becomes (LLaVA-OV adds a newline token per row).
+    *_params: parameter counts (elements) of one part; ``llm_head_params`` includes the LM head
+        matrix even when it is tied to the embedding (the last stage holds a copy of it), while
+        ``total_params`` counts every distinct parameter of the model once.
+    """
+
+    arch: str
+    vision_layers: int
+    vision_heads: int
+    vision_hidden: int
+    vision_tokens_per_tile: int
+    llm_tokens_per_tile: int
+    llm_layers: int
+    llm_heads: int
+    llm_kv_heads: int
+    llm_hidden: int
+    vocab_size: int
+    tied_embeddings: bool
+    vision_embed_params: int
+    vision_layer_params: int
+    projector_params: int
+    llm_embed_params: int
+    llm_layer_params: int
+    llm_head_params: int
+    total_params: int
+
+    def vision_tp_degrees(self, max_tp: int = 64) -> tuple[int, ...]:
+        """TP degrees up to `max_tp` that split the vision heads and widths evenly."""
+        return tuple(t for t in range(1, max_tp + 1) if self.vision_heads % t == 0)
+
+    def llm_tp_degrees(self, max_tp: int = 64) -> tuple[int, ...]:
+        """TP degrees up to `max_tp` that split query and key/value heads and the vocabulary evenly."""
+        return tuple(t for t in range(1, max_tp + 1)
+                     if self.llm_heads % t == 0 and self.llm_kv_heads % t == 0 and self.vocab_size % t == 0)
+
+
+def model_info(arch: str, vision: str, llm: str, *, weights_dir: str | Path | None = None) -> ModelInfo:
+    """`ModelInfo` of a preset combination (or of the model in `weights_dir`)."""
+    config = model_config(arch, vision, llm, weights_dir=weights_dir)
+    spec = architecture_of(config)
+    with torch.device("meta"):
+        model = spec.model_class._from_config(config)
+    lm = model.model.language_model
+    vision_cfg, text_cfg = config.vision_config, config.text_config
+    image_features = spec.image_features(model)
+    return ModelInfo(
+        arch=spec.name,
+        vision_layers=spec.n_feature_layers(config),
+        vision_heads=vision_cfg.num_attention_heads,
+        vision_hidden=vision_cfg.hidden_size,
+        vision_tokens_per_tile=spec.layer_tokens_per_tile(config),
+        llm_tokens_per_tile=spec.llm_tokens_per_tile(config),
+        llm_layers=text_cfg.num_hidden_layers,
+        llm_heads=text_cfg.num_attention_heads,
+        llm_kv_heads=text_cfg.num_key_value_heads,
+        llm_hidden=text_cfg.hidden_size,
+        vocab_size=text_cfg.vocab_size,
+        tied_embeddings=model.lm_head.weight is lm.embed_tokens.weight,
+        vision_embed_params=count_params(spec.vision_embeddings(model)),
+        vision_layer_params=count_params(spec.vision_layers(model)[0]),
+        projector_params=count_params(image_features),
+        llm_embed_params=count_params(lm.embed_tokens),
+        llm_layer_params=count_params(lm.layers[0]),
+        llm_head_params=count_params(lm.norm) + count_params(model.lm_head),
+        total_params=count_params(model),
+    )
+
+
+def count_params(module: nn.Module) -> int:
+    """Distinct parameter elements of `module` (a tied parameter counts once)."""
+    return sum(p.numel() for p in module.parameters())
