@@ -115,7 +115,7 @@ def iter_raw_samples(
     """
     path = Path(path)
     fmt = check_dataset(path, fmt)
-    name = dataset or (path.name if path.is_dir() else path.stem)
+    name = _dataset_name(path, dataset)
     root = Path(media_root) if media_root is not None else (path if path.is_dir() else path.parent)
     if fmt == "llava_json":
         records = _json_array_records(path)
@@ -143,10 +143,18 @@ def read_dataset(
     rule = parse_sampling_rule(sample)
     samples = iter_raw_samples(path, dataset=dataset, fmt=fmt, media_root=media_root)
     total = count_records(path, fmt) if rule.kind == "random" else None
-    name = dataset or (Path(path).name if Path(path).is_dir() else Path(path).stem)
     return sample_stream(
-        samples, rule, seed=seed, stream_name=name, key=lambda s: s.sample_id, total=total
+        samples,
+        rule,
+        seed=seed,
+        stream_name=_dataset_name(Path(path), dataset),
+        key=lambda s: s.sample_id,
+        total=total,
     )
+
+
+def _dataset_name(path: Path, dataset: str | None) -> str:
+    return dataset or (path.name if path.is_dir() else path.stem)
 
 
 # --- file formats -----------------------------------------------------------------------------
