@@ -118,7 +118,7 @@ def iter_raw_samples(
     name = _dataset_name(path, dataset)
     root = Path(media_root) if media_root is not None else (path if path.is_dir() else path.parent)
     if fmt == "llava_json":
-        records = _json_array_records(path)
+        records = iter_json_array(path)
     elif fmt == "llava_jsonl":
         records = _jsonl_records(path)
     else:
@@ -207,7 +207,12 @@ def iter_json_array(
             if pos > 0:  # drop what was consumed so the buffer holds one element at most
                 offset += pos
                 buf, pos = buf[pos:], 0
-            chunk = f.read(max(chunk_chars, min_chars))
+            try:
+                chunk = f.read(max(chunk_chars, min_chars))
+            except UnicodeDecodeError as exc:
+                raise DatasetError(
+                    f"dataset {path}: not UTF-8 text after character {offset + len(buf)}"
+                ) from None
             eof = not chunk
             buf += chunk
 
@@ -266,10 +271,6 @@ def iter_json_array(
             yield value
         if next_char() != "":
             raise fail(pos, "data after the closing ']'")
-
-
-def _json_array_records(path: Path) -> Iterator[Any]:
-    return iter_json_array(path)
 
 
 def _jsonl_records(path: Path) -> Iterator[Any]:

@@ -94,6 +94,13 @@ def test_corrupt_json_list_names_file_and_offset(tmp_path, text, where):
         assert "\n" not in str(info.value)
 
 
+def test_json_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes('[{"id": "caf\u00e9"}]'.encode("latin-1"))
+    with pytest.raises(DatasetError, match="latin1.json: not UTF-8"):
+        list(iter_json_array(path))
+
+
 def test_json_that_is_not_a_list(tmp_path):
     path = tmp_path / "obj.json"
     path.write_text('{"data": []}')
