@@ -9,6 +9,7 @@ transformers) happen inside the subcommands so `dflop --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -47,6 +48,12 @@ def cmd_profile_data(args: argparse.Namespace) -> None:
     profile_data(cfg, shapes_path=args.shapes, histograms_path=args.histograms, workers=args.workers)
 
 
+def cmd_fit(args: argparse.Namespace) -> None:
+    from dflop.costmodel.fit import fit
+
+    fit(args.profile, args.costmodel, args.validation)
+
+
 def cmd_install_profile(args: argparse.Namespace) -> None:
     from dflop.profiles import install_profile
 
@@ -78,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--histograms", type=Path, required=True, help="output histograms.parquet")
     p.add_argument("--workers", type=int, default=0, help="worker processes (0 = all cores)")
 
+    p = add("fit", cmd_fit, "fit cost models on model_profile.parquet; write costmodel.json and validation.parquet")
+    p.add_argument("--profile", type=Path, required=True, help="input model_profile.parquet")
+    p.add_argument("--costmodel", type=Path, required=True, help="output costmodel.json")
+    p.add_argument("--validation", type=Path, required=True, help="output validation.parquet (held-out errors)")
+
     p = add("install-profile", cmd_install_profile, "copy a Snakemake profile where `snakemake --profile NAME` finds it")
     p.add_argument("name", choices=["slurm", "local"])
     p.add_argument("--dest", type=Path, default=None,
@@ -88,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         args.func(args)
     except (UserError, FileNotFoundError) as exc:

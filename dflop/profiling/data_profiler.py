@@ -107,8 +107,29 @@ def _skipped_row(sample: RawSample, reason: str) -> dict:
     }
 
 
+def placeholder_problem(sample: RawSample) -> str | None:
+    """Why the sample's placeholders do not match its media (None when they do).
+
+    The processors replace each ``<image>`` with one image's tokens and ``<video>`` with the
+    video's, so the counts must agree. LLaVA-Video data often marks its video with ``<image>``;
+    a single such placeholder is accepted for a video sample.
+    """
+    text = "".join(turn.get("value", "") for turn in sample.conversations or ())
+    n_image, n_video = text.count("<image>"), text.count("<video>")
+    if sample.video is not None and not sample.images:
+        if (n_video, n_image) in ((1, 0), (0, 1)):
+            return None
+        return f"{n_video} <video> and {n_image} <image> placeholders for 1 video"
+    if n_video or n_image != len(sample.images):
+        return f"{n_image} <image> and {n_video} <video> placeholders for {len(sample.images)} images"
+    return None
+
+
 def _vision_row(sample: RawSample, rules: ShapeRules) -> tuple[dict | None, str | None]:
-    """Shape fields from media headers; (None, 'reason: detail') when a media file is unusable."""
+    """Shape fields from media headers; (None, 'reason: detail') when the sample is unusable."""
+    mismatch = placeholder_problem(sample)
+    if mismatch is not None:
+        return None, f"placeholder_mismatch: {mismatch}"
     try:
         sizes = [image_size(ref) for ref in sample.images]
         video_frames = [video_meta(sample.video.path).n_frames] if sample.video is not None else []

@@ -100,6 +100,8 @@ def _bad_dataset(root: Path) -> Path:
         '{"id": "broken", "image": ',
         json.dumps({"id": "noconv", "image": "ok.jpg"}),
         json.dumps({"id": "audio", "audio": "x.wav", "conversations": conv}),
+        json.dumps({"id": "two-placeholders", "image": "ok.jpg",
+                    "conversations": [{"from": "human", "value": "<image><image> twice?"}, {"from": "gpt", "value": "no"}]}),
     ]
     path = root / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -117,8 +119,9 @@ def test_bad_input_becomes_skipped_rows_with_reasons(tmp_path):
     assert status["garbage"] == "skipped:unreadable_image"
     assert status["noconv"] == "skipped:no_conversations"
     assert status["audio"] == "skipped:unknown_modality:audio"
+    assert status["two-placeholders"] == "skipped:placeholder_mismatch"
     assert "skipped:malformed_json" in status.values()
-    assert summary.total == 8 and summary.skipped_total == 6
+    assert summary.total == 9 and summary.skipped_total == 7
     # The good image's shape is that of the decoded file (independent of the header path).
     width, height = Image.open(tmp_path / "ok.jpg").convert("RGB").size
     assert image_size(tmp_path / "ok.jpg") == (width, height)
@@ -126,7 +129,7 @@ def test_bad_input_becomes_skipped_rows_with_reasons(tmp_path):
 
 def test_too_many_skipped_fails_and_writes_nothing(tmp_path):
     manifest = _bad_dataset(tmp_path)
-    with pytest.raises(UserError, match=r"6 of 8 samples skipped .*max_skip_frac=1\.0%.*missing_file: 1"):
+    with pytest.raises(UserError, match=r"7 of 9 samples skipped .*max_skip_frac=1\.0%.*missing_file: 1"):
         _run(tmp_path, _cfg([{"name": "bad", "path": str(manifest)}]))
     assert not (tmp_path / "shapes.parquet").exists() and not (tmp_path / "hist.parquet").exists()
     assert not list(tmp_path.glob(".shapes.parquet*"))  # no temp file left behind
