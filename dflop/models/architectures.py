@@ -13,6 +13,7 @@ building the model.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMS
 from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, SiglipVisionEmbeddings
 
 from dflop.errors import UserError
+from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.presets import LLMPreset, VisionPreset, text_config, vision_config
 
 
@@ -165,6 +167,13 @@ class Architecture:
         return n + 1 + layer if layer < 0 else layer
 
 
+def _with_attention(config: PreTrainedConfig, attn_implementation: str) -> PreTrainedConfig:
+    """A copy of `config` naming its attention function (a standalone layer has none set)."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = attn_implementation
+    return config
+
+
 def _patches(vision_config: PreTrainedConfig) -> int:
     image, patch = vision_config.image_size, vision_config.patch_size
     image = image[0] if isinstance(image, (tuple, list)) else image
@@ -201,10 +210,10 @@ class LlavaOneVision(Architecture):
         return layer(hidden, None)  # SigLIP layers take an explicit (absent) attention mask
 
     def new_vision_embeddings(self, config):
-        return SiglipVisionEmbeddings(config.vision_config)
+        return SiglipVisionEmbeddings(_with_attention(config.vision_config, "sdpa"))
 
     def new_vision_layer(self, config):
-        return SiglipEncoderLayer(config.vision_config)
+        return SiglipEncoderLayer(_with_attention(config.vision_config, "sdpa"))
 
     def new_projector(self, config):
         return LlavaOnevisionMultiModalProjector(config)
@@ -243,10 +252,10 @@ class InternVL(Architecture):
                                      config.vision_feature_select_strategy == "default", config.downsample_ratio)
 
     def new_vision_embeddings(self, config):
-        return InternVLVisionEmbeddings(config.vision_config)
+        return InternVLVisionEmbeddings(_with_attention(config.vision_config, "sdpa"))
 
     def new_vision_layer(self, config):
-        return InternVLVisionLayer(config.vision_config)
+        return InternVLVisionLayer(_with_attention(config.vision_config, "sdpa"))
 
     def new_projector(self, config):
         # The tower's final norm is an identity for InternVL (mean-pooling configs), so the profiled
@@ -303,7 +312,8 @@ def _llm_parts(text_cfg: PreTrainedConfig):
 
 
 def new_llm_layer(text_cfg: PreTrainedConfig) -> nn.Module:
-    return _llm_parts(text_cfg)[0](text_cfg, layer_idx=0)
+    """One decoder layer with packed-row attention (``dflop_packed``)."""
+    return _llm_parts(text_cfg)[0](_with_attention(text_cfg, PACKED_ATTENTION), layer_idx=0)
 
 
 def new_llm_norm(text_cfg: PreTrainedConfig) -> nn.Module:

@@ -1,0 +1,130 @@
+"""torchrun worker for test_tensor_parallel.py: every sharded part equals its full module.
+
+Each rank builds the full module (same seed everywhere), shards a copy for its rank, runs both on
+the same input, and compares output, input gradient and each shard's parameter gradient with the
+matching slice of the full module's gradient. Exits non-zero with one line per mismatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dflop.models.architectures import architecture, new_llm_layer, new_llm_norm, new_rotary_embedding
+from dflop.models.builder import model_config
+from dflop.models.llm_parts import CausalLMHead, TokenEmbedding, run_decoder_layers
+from dflop.models.packing import PackedSequence
+from dflop.models.tensor_parallel import (
+    TPGroup,
+    VocabParallelCausalLMHead,
+    VocabParallelEmbedding,
+    shard_llm_layer,
+    shard_projector,
+    shard_vision_layer,
+)
+
+FAILURES: list[str] = []
+
+
+def _close(what, got, want):
+    """float32 agreement up to summation order: 1e-5 relative to the tensor's largest entry."""
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item())):
+        FAILURES.append(f"{what}: max |diff| {(got - want).abs().max().item():.3g}")
+
+
+def _matching_slice(full: torch.Tensor, shard: torch.Tensor, rank: int) -> torch.Tensor:
+    """The part of a full tensor a rank's shard holds (the one dimension that is 1/tp as long)."""
+    if full.shape == shard.shape:
+        return full
+    (dim,) = [d for d in range(full.dim()) if full.shape[d] != shard.shape[d]]
+    part = shard.shape[dim]
+    return full.narrow(dim, rank * part, part)
+
+
+def check(name, full, sharded, run, inputs, tp, rename=None):
+    """run(module, *inputs) -> output; inputs are leaf tensors (float ones get gradients)."""
+    outs, grads = [], []
+    for module in (full, sharded):
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+        out = run(module, *leaves)
+        seed = torch.ones_like(out) if out.dim() == 0 else torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        out.backward(seed)
+        outs.append(out.detach())
+        grads.append([x.grad for x in leaves if x.requires_grad])
+    _close(f"{name} output", outs[1], outs[0])
+    for got, want in zip(grads[1], grads[0]):
+        _close(f"{name} input grad", got, want)
+    full_params = dict(full.named_parameters())
+    for pname, param in sharded.named_parameters():
+        ref = full_params[(rename or {}).get(pname, pname)]
+        _close(f"{name} grad {pname}", param.grad, _matching_slice(ref.grad, param, tp.rank))
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    tp = TPGroup(rank=dist.get_rank(), size=dist.get_world_size())
+    g = torch.Generator().manual_seed(0)
+
+    for llm in ("qwen2.5-tiny", "llama3-tiny"):
+        text_cfg = model_config("llava_ov", "siglip-tiny", llm).text_config
+        torch.manual_seed(1)
+        layer = new_llm_layer(text_cfg)
+        rotary = new_rotary_embedding(text_cfg)
+        packed = PackedSequence.from_lengths([5, 11, 3])
+        hidden = torch.randn(1, packed.total_tokens, text_cfg.hidden_size, generator=g)
+
+        def run_layer(module, x, packed=packed, rotary=rotary):
+            return run_decoder_layers([module], x, packed, rotary(x, packed.position_ids[None]))
+
+        check(f"{llm} layer", layer, shard_llm_layer(copy.deepcopy(layer), tp), run_layer, [hidden], tp)
+
+        embedding = torch.nn.Embedding(text_cfg.vocab_size, text_cfg.hidden_size)
+        image_id = 2040
+        ids = torch.randint(0, text_cfg.vocab_size, (packed.total_tokens,), generator=g)
+        ids[2:6] = image_id
+        features = torch.randn(4, text_cfg.hidden_size, generator=g)
+        full_embed = TokenEmbedding(embedding, image_id)
+        tp_embed = TokenEmbedding(VocabParallelEmbedding(embedding, tp), image_id)
+        check(f"{llm} embedding", full_embed, tp_embed, lambda m, i, f: m(i, f), [ids, features], tp)
+
+        lm_head = torch.nn.Linear(text_cfg.hidden_size, text_cfg.vocab_size, bias=False)
+        norm = new_llm_norm(text_cfg)
+        labels = packed.shift_labels(ids.masked_fill(ids == image_id, -100))
+        full_head = CausalLMHead(norm, lm_head)
+        tp_head = VocabParallelCausalLMHead(copy.deepcopy(norm), lm_head, tp)
+        for items in (None, 50):
+            check(f"{llm} head (num_items={items})", full_head, tp_head,
+                  lambda m, h, items=items: m(h, labels, items), [hidden], tp, rename={"weight": "lm_head.weight"})
+            full_head.zero_grad(), tp_head.zero_grad()
+
+    for arch, vision, overrides in [("llava_ov", "siglip-tiny", {}),
+                                    ("internvl", "internvit-tiny", {}),
+                                    ("internvl", "internvit-tiny", dict(use_qk_norm=True, norm_type="rms_norm",
+                                                                        attention_bias=False))]:
+        spec = architecture(arch)
+        config = model_config(arch, vision, "qwen2.5-tiny")
+        for key, value in overrides.items():
+            setattr(config.vision_config, key, value)
+        torch.manual_seed(2)
+        layer = spec.new_vision_layer(config)
+        tokens = spec.layer_tokens_per_tile(config)
+        hidden = torch.randn(3, tokens, config.vision_config.hidden_size, generator=g)
+        check(f"{vision}{overrides or ''} layer", layer, shard_vision_layer(copy.deepcopy(layer), tp),
+              spec.run_vision_layer, [hidden], tp)
+        projector = spec.new_projector(config)  # InternVL: drop CLS + pixel shuffle + LayerNorm + MLP
+        sharded = copy.deepcopy(projector)
+        shard_projector(sharded.projector if hasattr(sharded, "projector") else sharded, tp)
+        check(f"{arch} projector", projector, sharded, lambda m, x: m(x), [hidden], tp)
+
+    for line in FAILURES:
+        print(f"rank {tp.rank}: {line}", file=sys.stderr)
+    dist.destroy_process_group()
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
