@@ -26,7 +26,7 @@ rule profile_data:
     params:
         settings=settings_json(
             run={"seed": config["run"]["seed"]},
-            model={k: config["model"][k] for k in ("arch", "tokenizer", config["model"]["arch"])},
+            model={k: config["model"][k] for k in ("arch", "vision", "tokenizer", config["model"]["arch"])},
             data={k: config["data"][k] for k in ("datasets", "max_skip_frac")},
         ),
     threads: config["data"]["workers"] or 64
