@@ -1,0 +1,128 @@
+"""`dflop bench-scheduler`: every partitioning policy on sampled global batches over an (n, m, dp) grid.
+
+For each data set (a shapes.parquet and/or the generated LLaVA-OV-like mix), grid point and sampled
+global batch, each policy partitions the batch; we record the simulated 1F1B step over the bound
+max(T*, heaviest sample's critical path) and the wall time of the solve. Costs come from
+``costs_fn(shapes, layout)`` — the analytic model by default, the fitted cost model when given.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dflop.scheduler.costs import AnalyticCostModel, CostsFn, StageLayout, batch_costs_from_shapes
+from dflop.scheduler.partition import POLICIES, partition
+from dflop.scheduler.synthetic import llava_ov_mix
+
+DEFAULT_GRID = tuple((n, m, dp) for n in (64, 256, 1024, 4096) for m in (4, 16, 64) for dp in (1, 4, 8)
+                     if m * dp <= n)
+
+
+def load_shapes(path: str | Path) -> pd.DataFrame:
+    """Rows of a shapes.parquet with status ``ok``; one-line errors for a missing/empty file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such shapes file (run `dflop profile-data` first)")
+    shapes = pd.read_parquet(path)
+    if "status" in shapes.columns:
+        shapes = shapes[shapes["status"] == "ok"]
+    if shapes.empty:
+        raise ValueError(f"{path}: no sample with status 'ok'")
+    return shapes.reset_index(drop=True)
+
+
+def run_grid(pool: pd.DataFrame, dataset: str, *, grid, batches: int, budget_s: float, seed: int,
+             policies, layout: StageLayout, costs_fn: CostsFn) -> pd.DataFrame:
+    """One row per (grid point, batch, policy) with step_s, bound_s, ratio, solve_s, member."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n, m, dp in grid:
+        for b in range(batches):
+            idx = rng.choice(len(pool), size=n, replace=len(pool) < n)
+            shapes = pool.iloc[idx].reset_index(drop=True)
+            costs = batch_costs_from_shapes(shapes, layout, costs_fn)
+            lengths = shapes["text_tokens"].to_numpy(dtype=np.float64) if "text_tokens" in shapes else None
+            for policy in policies:
+                t0 = time.perf_counter()
+                part = partition(costs, m, dp, dp, budget_s=budget_s, seed=seed + b, policy=policy, lengths=lengths)
+                wall = time.perf_counter() - t0
+                rows.append(dict(dataset=dataset, n=n, m=m, dp=dp, batch=b, policy=policy, step_s=part.step_s,
+                                 bound_s=part.lower_bound_s, ratio=part.gap, solve_s=wall, member=part.member,
+                                 ilp_status=part.ilp_status, memory_ok=part.memory_ok,
+                                 greedy_step_s=dict(part.candidates).get("greedy", np.nan)))
+    return pd.DataFrame(rows)
+
+
+def summarise(raw: pd.DataFrame) -> pd.DataFrame:
+    """One row per (dataset, n, m, dp): mean step/bound per policy, our worst ratio to the best
+    baseline, our solve p50/p99 (ms), and which members won."""
+    out = []
+    for (ds, n, m, dp), g in raw.groupby(["dataset", "n", "m", "dp"], sort=False):
+        row = dict(dataset=ds, n=n, m=m, dp=dp, n_per_m=n / m, items_per_bin=n / (m * dp))
+        for policy in POLICIES:
+            sub = g[g.policy == policy]
+            if len(sub):
+                row[policy] = sub.ratio.mean()
+        ours = g[g.policy == "dflop"].set_index("batch")
+        if len(ours):
+            base = g[g.policy != "dflop"].groupby("batch").step_s.min()
+            row["dflop_max"] = ours.ratio.max()
+            row["vs_best_baseline"] = float((ours.step_s / base).max()) if len(base) else np.nan
+            row["p50_ms"] = 1e3 * ours.solve_s.quantile(0.5)
+            row["p99_ms"] = 1e3 * ours.solve_s.quantile(0.99)
+            row["won_by"] = ",".join(f"{k}:{v}" for k, v in ours.member.value_counts().items())
+            row["ilp"] = ",".join(f"{k}:{v}" for k, v in ours.ilp_status.value_counts().items() if k != "not_run")
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def format_table(summary: pd.DataFrame) -> str:
+    cols = ["dataset", "n", "m", "dp", "n_per_m", "items_per_bin", *[p for p in POLICIES if p in summary],
+            "dflop_max", "vs_best_baseline", "p50_ms", "p99_ms", "won_by", "ilp"]
+    cols = [c for c in cols if c in summary]
+    fmt = {c: "{:.3f}".format for c in (*POLICIES, "dflop_max", "vs_best_baseline")}
+    fmt.update({"p50_ms": "{:.1f}".format, "p99_ms": "{:.1f}".format, "n_per_m": "{:.0f}".format,
+                "items_per_bin": "{:.1f}".format})
+    return summary[cols].to_string(index=False, formatters=fmt)
+
+
+def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, *, grid=DEFAULT_GRID,
+                    batches: int = 3, budget_s: float = 0.25, seed: int = 0, policies=POLICIES,
+                    include_mix: bool = True, mix_size: int = 20000, layout: StageLayout | None = None,
+                    costs_fn: CostsFn | None = None, verbose: bool = True) -> pd.DataFrame:
+    """Benchmark every policy; print the summary table and return it (raw rows to `out_csv`).
+
+    Args:
+        shapes_path: a shapes.parquet to sample global batches from (optional).
+        out_csv: where to write one row per (data set, n, m, dp, batch, policy); the summary goes
+            next to it as ``<stem>_summary.csv``.
+        grid: (n, m, dp) points; dp is used for both the LLM and the vision encoder.
+        batches: global batches sampled per grid point and data set.
+        budget_s: ILP time budget per partition (seconds).
+        include_mix: also run the generated LLaVA-OV-like mix (`llava_ov_mix`, `mix_size` samples).
+        layout: pipeline stages and memory limits (default: 1 vision stage, 3 equal LLM stages).
+        costs_fn: ``(shapes, layout) -> BatchCosts``; default `AnalyticCostModel()`.
+    """
+    layout = layout or StageLayout()
+    costs_fn = costs_fn or AnalyticCostModel()
+    pools = []
+    if shapes_path:
+        pools.append((Path(shapes_path).stem, load_shapes(shapes_path)))
+    if include_mix or not pools:
+        pools.append(("llava_ov_mix", llava_ov_mix(mix_size, seed=seed)))
+    raw = pd.concat([run_grid(pool, name, grid=grid, batches=batches, budget_s=budget_s, seed=seed,
+                              policies=policies, layout=layout, costs_fn=costs_fn) for name, pool in pools],
+                    ignore_index=True)
+    summary = summarise(raw)
+    if out_csv:
+        out = Path(out_csv)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        raw.to_csv(out, index=False)
+        summary.to_csv(out.with_name(out.stem + "_summary.csv"), index=False)
+    if verbose:
+        print(format_table(summary))
+    return summary

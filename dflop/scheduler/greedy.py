@@ -1,0 +1,226 @@
+"""2-D vector LPT and a move/swap local search on the bottleneck proxy.
+
+Both work on `ScalarCosts`: each sample adds ``vision[i]`` seconds to its microbatch's vision
+stage and ``llm[i]`` seconds to its bin's LLM stage. The proxy of an assignment is the largest of
+all microbatch vision loads and all bin LLM loads (seconds on the bottleneck stage). Bins are
+numbered ``b = j * dp_llm + r`` (microbatch ``j``, LLM replica ``r``). Everything here is
+deterministic: ties go to the lowest index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflop.costmodel.types import BatchCosts
+from dflop.scheduler.evaluate import ScalarCosts
+
+
+class MemoryGuardError(ValueError):
+    """A sample cannot be placed in any bin without exceeding a stage's memory limit."""
+
+
+@dataclass(frozen=True)
+class MemoryGuard:
+    """Per-stage activation bytes and limits; bins (LLM) and microbatches (vision) must fit.
+
+    llm_bytes: [pp_l, n]; llm_limit: [pp_l]; vision_bytes: [pp_v, n] already divided by
+    dp_vision; vision_limit: [pp_v]. ``active`` is False when every limit is infinite.
+    """
+
+    llm_bytes: np.ndarray
+    llm_limit: np.ndarray
+    vision_bytes: np.ndarray
+    vision_limit: np.ndarray
+    active: bool
+
+    @classmethod
+    def from_costs(cls, costs: BatchCosts, dp_vision: int) -> "MemoryGuard":
+        active = bool(np.isfinite(costs.llm_mem_limit_bytes).any() or np.isfinite(costs.vision_mem_limit_bytes).any())
+        return cls(np.asarray(costs.llm_act_bytes, float), np.asarray(costs.llm_mem_limit_bytes, float),
+                   np.asarray(costs.vision_act_bytes, float) / dp_vision,
+                   np.asarray(costs.vision_mem_limit_bytes, float), active)
+
+    def check_samples(self, sample_ids=None) -> None:
+        """Raise MemoryGuardError naming the first sample that exceeds a limit on its own."""
+        for name, x, lim in (("LLM", self.llm_bytes, self.llm_limit), ("vision", self.vision_bytes, self.vision_limit)):
+            over = (x > lim[:, None]).any(axis=0) if x.size else np.zeros(0, bool)
+            if over.any():
+                i = int(np.flatnonzero(over)[0])
+                k = int(np.flatnonzero(x[:, i] > lim)[0])
+                sid = sample_ids[i] if sample_ids is not None else f"index {i}"
+                raise MemoryGuardError(
+                    f"sample {sid}: needs {x[k, i]:.3g} activation bytes on {name} stage {k}, "
+                    f"more than its limit {lim[k]:.3g} on its own")
+
+
+def _targets(sc: ScalarCosts, m: int, n_bins: int) -> tuple[float, float]:
+    tv = float(sc.vision.sum()) / m
+    tl = float(sc.llm.sum()) / n_bins
+    return (tv if tv > 0 else 1.0), (tl if tl > 0 else 1.0)
+
+
+def _weights(mb_weight, m: int, dp_llm: int) -> tuple[np.ndarray, np.ndarray]:
+    w = np.ones(m) if mb_weight is None else np.asarray(mb_weight, dtype=np.float64)
+    if w.shape != (m,) or (w <= 0).any():
+        raise ValueError(f"mb_weight must be {m} positive numbers, got {w.tolist()}")
+    return w, np.repeat(w, dp_llm)
+
+
+def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weight=None) -> np.ndarray:
+    """Vector LPT: samples by decreasing normalised size, each to the bin that least raises the
+    bottleneck (ties: the bin whose normalised vision + LLM load stays lowest).
+
+    mb_weight: [m] relative capacity of each microbatch (default all 1): loads are compared
+    divided by it, so a microbatch of weight 0.5 is filled to about half the others.
+    Returns bin_of: [n] bin index of every sample.
+    """
+    n_bins = m * dp_llm
+    mb_of_bin = np.arange(n_bins) // dp_llm
+    w_mb, w_bin = _weights(mb_weight, m, dp_llm)
+    tv, tl = _targets(sc, m, n_bins)
+    size = np.maximum(sc.vision / tv, sc.llm / tl)
+    order = np.argsort(-size, kind="stable")
+    V = np.full(m, sc.vision_const)
+    L = np.full(n_bins, sc.llm_const)
+    cur = max(sc.vision_const, sc.llm_const)
+    bin_of = np.empty(len(size), dtype=np.int64)
+    if guard.active:
+        mem_l = np.zeros((guard.llm_bytes.shape[0], n_bins))
+        mem_v = np.zeros((guard.vision_bytes.shape[0], m))
+    for i in order:
+        nv = (V[mb_of_bin] + sc.vision[i]) / w_bin
+        nl = (L + sc.llm[i]) / w_bin
+        primary = np.maximum(np.maximum(nv, nl), cur)
+        if guard.active:
+            fits = ((mem_l + guard.llm_bytes[:, i:i + 1]) <= guard.llm_limit[:, None]).all(axis=0)
+            fits &= ((mem_v + guard.vision_bytes[:, i:i + 1]) <= guard.vision_limit[:, None]).all(axis=0)[mb_of_bin]
+            if not fits.any():
+                raise MemoryGuardError(f"sample index {i}: fits in no bin under the per-stage memory limits")
+            primary = np.where(fits, primary, np.inf)
+        best = primary.min()
+        secondary = np.where(primary <= best * (1 + 1e-12), nv / tv + nl / tl, np.inf)
+        b = int(np.argmin(secondary))
+        bin_of[i] = b
+        j = b // dp_llm
+        V[j] += sc.vision[i]
+        L[b] += sc.llm[i]
+        cur = max(cur, V[j] / w_mb[j], L[b] / w_bin[b])
+        if guard.active:
+            mem_l[:, b] += guard.llm_bytes[:, i]
+            mem_v[:, j] += guard.vision_bytes[:, i]
+    return bin_of
+
+
+def proxy(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int) -> float:
+    """Bottleneck-stage seconds of the busiest microbatch (vision) or bin (LLM)."""
+    L = np.bincount(bin_of, weights=sc.llm, minlength=m * dp_llm) + sc.llm_const
+    V = np.bincount(bin_of // dp_llm, weights=sc.vision, minlength=m) + sc.vision_const
+    return float(max(L.max(), V.max()))
+
+
+def _subset(items: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
+    """At most k of `items`, spread evenly over their weight ranks (big, medium and small ones)."""
+    if len(items) <= k:
+        return items
+    ranked = items[np.argsort(-weight[items], kind="stable")]
+    return ranked[np.linspace(0, len(ranked) - 1, k).round().astype(np.int64)]
+
+
+def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard: MemoryGuard, *,
+                 mb_weight=None, max_iters: int = 400, n_sources: int = 24, n_partner_bins: int = 8) -> np.ndarray:
+    """Repeatedly take the bottleneck (a bin's LLM load or a microbatch's vision load) and apply
+    the move of one of its samples to another bin, or the swap with a sample in one of the
+    lightest bins, that most lowers the largest load it touches. Stops when no move lowers it.
+
+    Each accepted move strictly lowers the loads it touches below the current bottleneck, so the
+    proxy never rises. Loads are compared divided by `mb_weight` as in `greedy_2d`.
+    Returns a new bin_of.
+    """
+    bin_of = bin_of.copy()
+    n_bins = m * dp_llm
+    mb_of_bin = np.arange(n_bins) // dp_llm
+    w_mb, w_bin = _weights(mb_weight, m, dp_llm)
+    v, l = sc.vision, sc.llm
+    L = np.bincount(bin_of, weights=l, minlength=n_bins) + sc.llm_const
+    V = np.bincount(mb_of_bin[bin_of], weights=v, minlength=m) + sc.vision_const
+    if guard.active:
+        mem_l = np.stack([np.bincount(bin_of, weights=x, minlength=n_bins) for x in guard.llm_bytes])
+        mem_v = np.stack([np.bincount(mb_of_bin[bin_of], weights=x, minlength=m) for x in guard.vision_bytes]) \
+            if guard.vision_bytes.shape[0] else np.zeros((0, m))
+    for _ in range(max_iters):
+        b_max, j_max = int(np.argmax(L / w_bin)), int(np.argmax(V / w_mb))
+        M = max(L[b_max] / w_bin[b_max], V[j_max] / w_mb[j_max])
+        if L[b_max] / w_bin[b_max] >= V[j_max] / w_mb[j_max]:
+            src = _subset(np.flatnonzero(bin_of == b_max), l, n_sources)
+        else:
+            in_mb = np.flatnonzero((mb_of_bin[bin_of] == j_max) & (v > 0))
+            src = _subset(in_mb, v, n_sources)
+        if len(src) == 0:
+            break
+        bi, ji = bin_of[src], mb_of_bin[bin_of[src]]
+        li, vi = l[src][:, None], v[src][:, None]
+
+        # Moves: sample src[a] -> bin c.
+        same = mb_of_bin[None, :] == ji[:, None]
+        wi, wv = w_bin[bi][:, None], w_mb[ji][:, None]
+        mv = np.maximum.reduce([
+            np.broadcast_to((L[bi][:, None] - li) / wi, same.shape),
+            (L[None, :] + li) / w_bin[None, :],
+            np.where(same, V[ji][:, None], V[ji][:, None] - vi) / wv,
+            np.where(same, V[ji][:, None] / wv, (V[mb_of_bin][None, :] + vi) / w_bin[None, :]),
+        ])
+        mv[np.arange(len(src)), bi] = np.inf
+        if guard.active:
+            ok = ((mem_l[:, None, :] + guard.llm_bytes[:, src][:, :, None]) <= guard.llm_limit[:, None, None]).all(axis=0)
+            vfit = ((mem_v[:, None, :] + guard.vision_bytes[:, src][:, :, None]) <= guard.vision_limit[:, None, None]).all(axis=0)
+            ok &= same | vfit[:, mb_of_bin]
+            mv = np.where(ok, mv, np.inf)
+
+        # Swaps: sample src[a] <-> sample q in one of the lightest bins or microbatches.
+        light = np.union1d(np.argsort(L / w_bin, kind="stable")[:n_partner_bins],
+                           np.flatnonzero(np.isin(mb_of_bin, np.argsort(V / w_mb, kind="stable")[:2])))
+        partners = np.flatnonzero(np.isin(bin_of, light))
+        partners = partners[~np.isin(bin_of[partners], bi)]
+        sw = np.full((len(src), 0), np.inf)
+        if len(partners):
+            bq, jq = bin_of[partners], mb_of_bin[bin_of[partners]]
+            dl = li - l[partners][None, :]
+            dv = np.where(ji[:, None] == jq[None, :], 0.0, vi - v[partners][None, :])
+            sw = np.maximum.reduce([(L[bi][:, None] - dl) / wi, (L[bq][None, :] + dl) / w_bin[bq][None, :],
+                                    (V[ji][:, None] - dv) / wv, (V[jq][None, :] + dv) / w_mb[jq][None, :]])
+            if guard.active:
+                da = guard.llm_bytes[:, src][:, :, None] - guard.llm_bytes[:, partners][:, None, :]
+                ok = ((mem_l[:, bi][:, :, None] - da) <= guard.llm_limit[:, None, None]).all(axis=0)
+                ok &= ((mem_l[:, bq][:, None, :] + da) <= guard.llm_limit[:, None, None]).all(axis=0)
+                dva = guard.vision_bytes[:, src][:, :, None] - guard.vision_bytes[:, partners][:, None, :]
+                dva = np.where((ji[:, None] == jq[None, :])[None], 0.0, dva)
+                ok &= ((mem_v[:, ji][:, :, None] - dva) <= guard.vision_limit[:, None, None]).all(axis=0)
+                ok &= ((mem_v[:, jq][:, None, :] + dva) <= guard.vision_limit[:, None, None]).all(axis=0)
+                sw = np.where(ok, sw, np.inf)
+
+        best_mv = mv.min() if mv.size else np.inf
+        best_sw = sw.min() if sw.size else np.inf
+        if min(best_mv, best_sw) >= M * (1 - 1e-9):
+            break
+        if best_mv <= best_sw:
+            a, c = np.unravel_index(int(np.argmin(mv)), mv.shape)
+            moves = [(int(src[a]), int(c))]
+        else:
+            a, q = np.unravel_index(int(np.argmin(sw)), sw.shape)
+            i, k = int(src[a]), int(partners[q])
+            moves = [(i, int(bin_of[k])), (k, int(bin_of[i]))]
+        for i, c in moves:
+            b = int(bin_of[i])
+            L[b] -= l[i]
+            L[c] += l[i]
+            V[mb_of_bin[b]] -= v[i]
+            V[mb_of_bin[c]] += v[i]
+            if guard.active:
+                mem_l[:, b] -= guard.llm_bytes[:, i]
+                mem_l[:, c] += guard.llm_bytes[:, i]
+                mem_v[:, mb_of_bin[b]] -= guard.vision_bytes[:, i]
+                mem_v[:, mb_of_bin[c]] += guard.vision_bytes[:, i]
+            bin_of[i] = c
+    return bin_of

@@ -1,0 +1,215 @@
+"""Split one global batch into m microbatches x dp_llm bins: the DFLOP portfolio and baselines.
+
+Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `ordering`):
+  - greedy: 2-D vector LPT + move/swap local search on the bottleneck proxy (always; ms);
+  - greedy_aligned: the same bins, permuted within each replica so that the k-th heaviest bin of
+    every replica runs in the same microbatch (one heavy microbatch instead of several out of
+    step; only when dp_llm > 1);
+  - lpt1d: 1-D LPT on LLM cost, a cheap second opinion when vision is light;
+  - greedy_ends<w>: when the pipeline bubble is a large share of the step (few microbatches),
+    greedy with the first and last microbatch filled to only w of the others: 1F1B pays the first
+    forward and the last backward p - 1 times, so light ends can beat equal microbatches;
+  - ilp: the exact 1F1B-aware MILP (`ilp`) warm-started from greedy, within the time budget,
+    when items per bin are few or the vision/LLM cost skew is high and the model is small enough.
+The member with the shortest simulated 1F1B step wins; every member respects the memory guard.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from dflop.costmodel.types import BatchCosts
+from dflop.scheduler import baselines
+from dflop.scheduler.evaluate import lower_bound, memory_ok, scalar_costs, stage_times
+from dflop.scheduler.greedy import MemoryGuard, greedy_2d, local_search, proxy
+from dflop.scheduler.ilp import solve_ilp
+from dflop.scheduler.ordering import best_order
+
+POLICIES = ("dflop", "megatron", "llava_group", "lpt1d")
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Assignment of one global batch's samples to microbatches and LLM replicas.
+
+    Attributes:
+        microbatch, replica: [n] microbatch id and LLM data-parallel replica of every sample.
+        order: [m] microbatch ids in execution order.
+        m, dp_llm, dp_vision: the layout partitioned for.
+        step_s: simulated 1F1B step (seconds) of this partition in this order.
+        lower_bound_s: max(T*, heaviest sample's critical path) (seconds), see `lower_bound`.
+        proxy_s: bottleneck-stage seconds of the busiest bin or microbatch.
+        policy: the policy asked for; member: the portfolio member that won ("greedy",
+            "greedy_aligned", "lpt1d", "ilp", or the baseline's name).
+        solve_s: wall seconds this partition took.
+        ilp_status: "not_run", or the ILP's status ("optimal", "node_limit", "overrun",
+            "failed: ...").
+        memory_ok: no bin/microbatch exceeds a stage's memory limit (always True for "dflop").
+        candidates: (member, step_s) of every member tried.
+    """
+
+    microbatch: np.ndarray
+    replica: np.ndarray
+    order: np.ndarray
+    m: int
+    dp_llm: int
+    dp_vision: int
+    step_s: float
+    lower_bound_s: float
+    proxy_s: float
+    policy: str
+    member: str
+    solve_s: float
+    ilp_status: str
+    memory_ok: bool
+    candidates: tuple[tuple[str, float], ...] = field(default=())
+
+    @property
+    def gap(self) -> float:
+        """step_s / lower_bound_s (1.0 = at the bound)."""
+        return self.step_s / self.lower_bound_s if self.lower_bound_s > 0 else float("nan")
+
+    def bins(self) -> list[list[np.ndarray]]:
+        """Sample indices of every bin: ``bins()[k][r]`` is replica r's share of the k-th
+        microbatch to run (sorted indices into the global batch)."""
+        out = []
+        for j in self.order:
+            in_mb = self.microbatch == j
+            out.append([np.flatnonzero(in_mb & (self.replica == r)) for r in range(self.dp_llm)])
+        return out
+
+    def same_assignment(self, other: "Partition") -> bool:
+        return (np.array_equal(self.microbatch, other.microbatch) and np.array_equal(self.replica, other.replica)
+                and np.array_equal(self.order, other.order))
+
+
+def cost_skew(costs: BatchCosts) -> float:
+    """How differently the samples' vision and LLM costs are distributed, in [0, 1].
+
+    Total-variation distance between each sample's share of the batch's vision cost and its share
+    of the LLM cost: 0 when vision cost is proportional to LLM cost for every sample (1-D problem),
+    1 when no sample is heavy in both.
+    """
+    v, l = costs.vision_total(), costs.llm_total()
+    if v.sum() <= 0 or l.sum() <= 0:
+        return 0.0
+    return float(0.5 * np.abs(v / v.sum() - l / l.sum()).sum())
+
+
+def align_replicas(bin_of: np.ndarray, llm_cost: np.ndarray, m: int, dp_llm: int) -> np.ndarray:
+    """Permute each replica's bins over the microbatch ids so that microbatch k holds every
+    replica's k-th heaviest bin (by `llm_cost`, [n] seconds)."""
+    n_bins = m * dp_llm
+    loads = np.bincount(bin_of, weights=llm_cost, minlength=n_bins).reshape(m, dp_llm)
+    new_bin = np.empty(n_bins, dtype=np.int64)
+    for r in range(dp_llm):
+        ranked = np.argsort(-loads[:, r], kind="stable")  # old microbatch ids, heaviest first
+        new_bin[ranked * dp_llm + r] = np.arange(m) * dp_llm + r
+    return new_bin[bin_of]
+
+
+def _check_args(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, policy: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    for name, val in (("m", m), ("dp_llm", dp_llm), ("dp_vision", dp_vision)):
+        if int(val) != val or val < 1:
+            raise ValueError(f"{name} must be a positive integer, got {val!r}")
+    if costs.n_samples < m * dp_llm:
+        raise ValueError(f"a global batch of {costs.n_samples} samples cannot fill m * dp_llm = "
+                         f"{m} * {dp_llm} = {m * dp_llm} bins")
+
+
+def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_s: float = 0.5,
+              seed: int = 0, policy: str = "dflop", p2p_s: float = 0.0, allreduce_s=0.0,
+              lengths: np.ndarray | None = None, ilp: str = "auto", ilp_max_vars: int = 4096,
+              ilp_items_per_bin: float = 4.0, ilp_skew: float = 0.3, ilp_max_nodes: int = 200,
+              end_weights: tuple[float, ...] = (0.8, 0.6, 0.4), end_weights_min_bubble: float = 0.2) -> Partition:
+    """Partition one global batch (see module docstring for the portfolio).
+
+    Args:
+        costs: per-sample stage costs of the n samples of this global batch.
+        m: microbatches; dp_llm, dp_vision: data-parallel replicas of the LLM and vision encoder.
+        budget_s: wall seconds the ILP may use (greedy members always run).
+        seed: seeds the ILP and the llava_group shuffle; same inputs + seed = same partition.
+        policy: "dflop" (portfolio) or a baseline: "megatron", "llava_group", "lpt1d".
+        p2p_s, allreduce_s: passed to the simulator (seconds).
+        lengths: [n] lengths llava_group sorts by (LLaVA uses text length); default LLM cost.
+        ilp: "auto" (when items per bin <= ilp_items_per_bin or skew >= ilp_skew, and
+            n * m * dp_llm <= ilp_max_vars), "always" or "never".
+        end_weights: when the pipeline bubble (p - 1) / (m + p - 1) is at least
+            end_weights_min_bubble, also try greedy members whose first and last microbatch are
+            filled to only this share of the others (cheaper fill and drain; "greedy_ends<w>").
+    """
+    t0 = time.perf_counter()
+    _check_args(costs, m, dp_llm, dp_vision, policy)
+    n, n_bins = costs.n_samples, m * dp_llm
+    bound = lower_bound(costs, m, dp_llm, dp_vision, p2p_s=p2p_s, allreduce_s=allreduce_s)
+    sc = scalar_costs(costs, m, dp_llm, dp_vision)
+
+    def finish(bin_of: np.ndarray, member: str, ilp_status: str = "not_run", keep_identity: bool = False,
+               tried=()):
+        mb, rep = bin_of // dp_llm, bin_of % dp_llm
+        order, result = best_order(stage_times(costs, mb, rep, m, dp_llm, dp_vision), p2p_s=p2p_s,
+                                   allreduce_s=allreduce_s, keep_identity=keep_identity)
+        return Partition(mb, rep, order, m, dp_llm, dp_vision, result.step_s, bound,
+                         proxy(sc, bin_of, m, dp_llm), policy, member, time.perf_counter() - t0, ilp_status,
+                         memory_ok(costs, mb, rep, m, dp_llm, dp_vision), tuple(tried))
+
+    if policy == "megatron":
+        return finish(baselines.megatron(n, m, dp_llm), "megatron", keep_identity=True)
+    if policy == "llava_group":
+        length = np.asarray(lengths, dtype=np.float64) if lengths is not None else costs.llm_total()
+        if length.shape != (n,):
+            raise ValueError(f"lengths must have one entry per sample ({n}), got shape {length.shape}")
+        return finish(baselines.llava_group(length, costs.vision_total() > 0, m, dp_llm, seed), "llava_group",
+                      keep_identity=True)
+    if policy == "lpt1d":
+        return finish(baselines.lpt1d(costs.llm_total(), m, dp_llm), "lpt1d", keep_identity=True)
+
+    guard = MemoryGuard.from_costs(costs, dp_vision)
+    guard.check_samples()
+    greedy = local_search(sc, greedy_2d(sc, m, dp_llm, guard), m, dp_llm, guard)
+    members = [("greedy", greedy)]
+    if dp_llm > 1:
+        members.append(("greedy_aligned", align_replicas(greedy, sc.llm, m, dp_llm)))
+    members.append(("lpt1d", baselines.lpt1d(costs.llm_total(), m, dp_llm)))
+    p = costs.pp_vision + costs.pp_llm
+    if m >= 2 and (p - 1) / (m + p - 1) >= end_weights_min_bubble:
+        for w_end in end_weights:
+            weight = np.ones(m)
+            weight[[0, -1]] = w_end
+            bins_w = local_search(sc, greedy_2d(sc, m, dp_llm, guard, weight), m, dp_llm, guard, mb_weight=weight)
+            members.append((f"greedy_ends{w_end:g}", bins_w))
+
+    ilp_status = "not_run"
+    few_items = n / n_bins <= ilp_items_per_bin
+    run_ilp = ilp == "always" or (ilp == "auto" and n * n_bins <= ilp_max_vars
+                                  and (few_items or cost_skew(costs) >= ilp_skew))
+    if ilp not in ("auto", "always", "never"):
+        raise ValueError(f"ilp must be 'auto', 'always' or 'never', got {ilp!r}")
+    if run_ilp:
+        remaining = budget_s - (time.perf_counter() - t0)
+        res = solve_ilp(costs, m, dp_llm, dp_vision, greedy, time_limit_s=max(remaining, 1e-3), seed=seed,
+                        max_nodes=ilp_max_nodes)
+        ilp_status = res.status
+        if res.status in ("optimal", "node_limit") and res.bin_of is not None:
+            members.append(("ilp", res.bin_of))
+
+    best, tried = None, []
+    for name, bin_of in members:
+        if guard.active and not memory_ok(costs, bin_of // dp_llm, bin_of % dp_llm, m, dp_llm, dp_vision):
+            continue
+        cand = finish(bin_of, name, ilp_status)
+        tried.append((name, cand.step_s))
+        if best is None or cand.step_s < best.step_s * (1 - 1e-12):
+            best = cand
+    return replace(best, solve_s=time.perf_counter() - t0, candidates=tuple(tried))
+
+
+def greedy_partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, p2p_s: float = 0.0,
+                     allreduce_s=0.0) -> Partition:
+    """The portfolio without the ILP: what the online service falls back to (milliseconds)."""
+    return partition(costs, m, dp_llm, dp_vision, p2p_s=p2p_s, allreduce_s=allreduce_s, ilp="never")
