@@ -21,12 +21,13 @@ def candidate_orders(weight: np.ndarray) -> list[np.ndarray]:
     desc = asc[::-1]
     orders = [np.arange(m), desc, asc]
     if m >= 3:
-        # Lightest microbatch first and second-lightest last (cheap fill and drain), the rest
-        # heavy-to-light or light-to-heavy in between.
+        # The two lightest microbatches at the ends (cheap fill and drain), either way round, the
+        # rest heavy-to-light or light-to-heavy in between.
         middle_desc = desc[desc != asc[0]]
         middle_desc = middle_desc[middle_desc != asc[1]]
-        orders.append(np.r_[asc[0], middle_desc, asc[1]])
-        orders.append(np.r_[asc[0], middle_desc[::-1], asc[1]])
+        for first, last in ((asc[0], asc[1]), (asc[1], asc[0])):
+            orders.append(np.r_[first, middle_desc, last])
+            orders.append(np.r_[first, middle_desc[::-1], last])
         # Alternate heavy and light so neighbours even each other out.
         zigzag = np.empty(m, dtype=np.int64)
         zigzag[0::2] = desc[: (m + 1) // 2]

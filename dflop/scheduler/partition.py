@@ -8,7 +8,9 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
   - lpt1d: 1-D LPT on LLM cost, a cheap second opinion when vision is light;
   - greedy_ends<w>: when the pipeline bubble is a large share of the step (few microbatches),
     greedy with the first and last microbatch filled to only w of the others: 1F1B pays the first
-    forward and the last backward p - 1 times, so light ends can beat equal microbatches;
+    forward and the last backward p - 1 times, so light ends can beat equal microbatches; and, in
+    the same regime, LLaVA's length grouping (its uneven vision/LLM profiles sometimes fit the
+    fill and drain better), reordered by simulation ("length_grouped");
   - ilp: the exact 1F1B-aware MILP (`ilp`) warm-started from greedy, within the time budget,
     when items per bin are few or the vision/LLM cost skew is high and the model is small enough.
 The member with the shortest simulated 1F1B step wins; every member respects the memory guard.
@@ -126,7 +128,8 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
               seed: int = 0, policy: str = "dflop", p2p_s: float = 0.0, allreduce_s=0.0,
               lengths: np.ndarray | None = None, ilp: str = "auto", ilp_max_vars: int = 4096,
               ilp_items_per_bin: float = 4.0, ilp_skew: float = 0.3, ilp_max_nodes: int = 200,
-              end_weights: tuple[float, ...] = (0.8, 0.6, 0.4), end_weights_min_bubble: float = 0.2) -> Partition:
+              end_weights: tuple[tuple[float, float], ...] = ((0.9, 0.7), (0.8, 0.8), (0.8, 0.6), (0.7, 0.5)),
+              end_weights_min_bubble: float = 0.2) -> Partition:
     """Partition one global batch (see module docstring for the portfolio).
 
     Args:
@@ -178,11 +181,13 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
     members.append(("lpt1d", baselines.lpt1d(costs.llm_total(), m, dp_llm)))
     p = costs.pp_vision + costs.pp_llm
     if m >= 2 and (p - 1) / (m + p - 1) >= end_weights_min_bubble:
-        for w_end in end_weights:
+        for w_first, w_last in end_weights:
             weight = np.ones(m)
-            weight[[0, -1]] = w_end
+            weight[0], weight[-1] = w_first, w_last
             bins_w = local_search(sc, greedy_2d(sc, m, dp_llm, guard, weight), m, dp_llm, guard, mb_weight=weight)
-            members.append((f"greedy_ends{w_end:g}", bins_w))
+            members.append((f"greedy_ends{w_first:g}/{w_last:g}", bins_w))
+        length = np.asarray(lengths, dtype=np.float64) if lengths is not None else costs.llm_total()
+        members.append(("length_grouped", baselines.llava_group(length, costs.vision_total() > 0, m, dp_llm, seed)))
 
     ilp_status = "not_run"
     few_items = n / n_bins <= ilp_items_per_bin
