@@ -1,0 +1,63 @@
+"""Exact memory of a module: parameter, gradient and optimizer bytes, and activation bytes (the
+tensors autograd keeps for backward), measured on any device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SavedBytes:
+    """Filled in when the `saved_tensor_bytes` block ends: bytes of distinct storages saved."""
+
+    bytes: int = 0
+    _storages: dict[int, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBytes]:
+    """Count the bytes of tensors saved for backward by the forward run inside the block.
+
+    Each storage counts once (views and tensors saved by several ops share it); storages of
+    `exclude` (the parameters: they are memory anyway) are not activations. Saved tensors stay
+    alive until backward, so no two of them can share an address by reuse.
+    """
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    result = SavedBytes()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in excluded:
+            result._storages.setdefault(ptr, storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield result
+    result.bytes = sum(result._storages.values())
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of the module's distinct parameters."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def grad_bytes(module: nn.Module) -> int:
+    """Bytes of the gradients of trainable parameters (same dtype as the parameters)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def adam_state_bytes(module: nn.Module) -> int:
+    """Adam's two float32 moments per trainable parameter, plus a float32 master copy of
+    parameters kept in lower precision (mixed-precision training)."""
+    total = 0
+    for p in module.parameters():
+        if p.requires_grad:
+            total += p.numel() * (8 + (4 if p.dtype != torch.float32 else 0))
+    return total

@@ -1,0 +1,358 @@
+"""Model profiler: forward/backward time and memory of each model part over an adaptive shape grid,
+for each tensor-parallel degree -> ``model_profile.parquet`` (DESIGN.md §4).
+
+One row per measured repeat:
+    module, tp, batch, seq_len, n_layers, fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes,
+    device, dtype, repeat
+plus grad_bytes, optim_bytes (Adam), preset, threads and round (0 = coarse grid, k = k-th
+refinement). Modules and shapes are described in `dflop.profiling.model_modules`. Per rank:
+param/grad/optim bytes are exact from the module, act_bytes is exact (tensors saved for
+backward, `_memory.saved_tensor_bytes`), peak_bytes is the CUDA allocator peak during forward +
+backward above what was allocated before it (NaN on CPU). Times are milliseconds: CUDA events on
+GPU, perf_counter on CPU, after `warmup` untimed runs; every repeat is stored (the cost models
+take the median).
+
+TP degree 1 runs in this process; TP > 1 runs in ``tp`` worker processes launched with torchrun
+(`dflop.profiling.model_tp_worker`; gloo and one thread per rank on CPU, NCCL on GPU); rank 0
+times after a barrier and all ranks follow rank 0's grid decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+from transformers import PreTrainedConfig
+
+from dflop.errors import UserError
+from dflop.io import atomic_path
+from dflop.models.architectures import Architecture, architecture
+from dflop.models.builder import model_config, resolve_dtype
+from dflop.models.tensor_parallel import TPGroup
+from dflop.profiling._memory import adam_state_bytes, grad_bytes, param_bytes, saved_tensor_bytes
+from dflop.profiling._timing import Timer
+from dflop.profiling.model_grid import AdaptiveCurve, geometric_points
+from dflop.profiling.model_modules import MODULES, TILE_MODULES, ModuleBench, build_benches
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
+           "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "preset", "threads", "round")
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """Shape grid and measurement settings.
+
+    max_tiles: largest tiles per microbatch for vision modules (grid 1, 2, 4, ...).
+    max_seq_len: largest packed row (tokens) for LLM modules; per-sample lengths go from
+        min_seq_len up, and rows pack batch = 1, 4, 16, ... samples of equal length.
+    time_budget_s: soft wall-time budget per TP degree; the coarse grid always completes,
+        refinement stops once it is spent.
+    tol: relative interpolation error that makes the grid refine an interval; misses under
+        abs_tol_ms are noise and never do.
+    """
+
+    max_tiles: int = 16
+    max_seq_len: int = 2048
+    min_seq_len: int = 32
+    repeats: int = 5
+    warmup: int = 2
+    time_budget_s: float = 120.0
+    tol: float = 0.05
+    abs_tol_ms: float = 0.05
+    max_refine_rounds: int = 3
+    batch_ratio: int = 4
+
+    def check(self) -> None:
+        if self.max_tiles < 1:
+            raise UserError(f"profile.max_tiles must be >= 1, got {self.max_tiles}")
+        if not 1 <= self.min_seq_len <= self.max_seq_len:
+            raise UserError(f"profile.max_seq_len ({self.max_seq_len}) must be >= min_seq_len ({self.min_seq_len})")
+        if self.repeats < 1 or self.warmup < 0:
+            raise UserError(f"profile.repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+        if self.time_budget_s <= 0:
+            raise UserError(f"profile.time_budget_s must be > 0, got {self.time_budget_s}")
+
+
+def profile_model(
+    arch: str,
+    vision: str,
+    llm: str,
+    out_path: str | Path,
+    *,
+    weights_dir: str | Path | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    tp_degrees: Sequence[int] = (1, 2),
+    max_tiles: int = 16,
+    max_seq_len: int = 2048,
+    min_seq_len: int = 32,
+    repeats: int = 5,
+    warmup: int = 2,
+    time_budget_s: float = 120.0,
+    cpu_threads: int = 1,
+    progress: bool = True,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Profile every part of (arch, vision, llm) for each TP degree; write `out_path` atomically.
+
+    weights_dir: take the model's shapes from this local Hugging Face directory (weights are not
+        needed to time it). cpu_threads: torch threads per rank on CPU.
+    TP degrees that do not divide a module's heads/width skip that module (logged).
+    Returns the table that was written.
+    """
+    settings = ProfileSettings(max_tiles=max_tiles, max_seq_len=max_seq_len, min_seq_len=min_seq_len,
+                               repeats=repeats, warmup=warmup, time_budget_s=time_budget_s)
+    settings.check()
+    spec = architecture(arch)
+    config = model_config(arch, vision, llm, weights_dir=weights_dir)
+    resolve_dtype(dtype)
+    _check_device(device, tp_degrees)
+    job = dict(arch=arch, vision=vision, llm=llm, weights_dir=None if weights_dir is None else str(weights_dir),
+               device=device, dtype=dtype, settings=asdict(settings), cpu_threads=cpu_threads, seed=seed,
+               preset=f"{arch}/{vision}/{llm}")
+    began = time.perf_counter()
+    frames = []
+    for tp in sorted(set(int(t) for t in tp_degrees)):
+        modules = modules_for_tp(config, tp)
+        if not modules:
+            log.warning("TP=%d divides neither the vision nor the LLM heads of %s; skipped", tp, job["preset"])
+            continue
+        skipped = [m for m in MODULES if m not in modules]
+        if skipped:
+            log.info("TP=%d: not profiling %s (heads or width not divisible)", tp, ", ".join(skipped))
+        job_tp = dict(job, tp=tp, modules=list(modules))
+        rows = profile_rank(job_tp, progress=progress) if tp == 1 else _run_tp_workers(job_tp, progress=progress)
+        frames.append(pd.DataFrame(rows, columns=list(COLUMNS)))
+    if not frames:
+        raise UserError(f"profile.tp_degrees {list(tp_degrees)}: no degree divides the model's heads")
+    table = pd.concat(frames, ignore_index=True)
+    with atomic_path(out_path) as tmp:
+        table.to_parquet(tmp, index=False)
+    log.info("model profile %s: %d rows in %.1f s -> %s\n%s", job["preset"], len(table),
+             time.perf_counter() - began, out_path, summarize(table))
+    return table
+
+
+def modules_for_tp(config: PreTrainedConfig, tp: int) -> tuple[str, ...]:
+    """Modules whose heads and widths `tp` divides (vision: heads and MLP; LLM: q/kv heads and vocabulary)."""
+    v, t = config.vision_config, config.text_config
+    vision_ok = v.num_attention_heads % tp == 0 and v.intermediate_size % tp == 0
+    projector_ok = t.hidden_size % tp == 0
+    llm_ok = (t.num_attention_heads % tp == 0 and t.num_key_value_heads % tp == 0
+              and t.vocab_size % tp == 0 and t.intermediate_size % tp == 0)
+    allowed = {"vision_embed": vision_ok, "vision_layer": vision_ok, "projector": projector_ok}
+    return tuple(m for m in MODULES if allowed.get(m, llm_ok))
+
+
+def summarize(table: pd.DataFrame) -> str:
+    """One line per (module, TP): shapes measured, and median times and memory at the largest shape."""
+    lines = [f"{'module':<14}{'tp':>3}{'shapes':>7}  {'largest (batch x seq_len)':<26}"
+             f"{'fwd ms':>9}{'bwd ms':>9}{'act MiB':>9}{'param MiB':>10}"]
+    for (module, tp), group in table.groupby(["module", "tp"], sort=False):
+        shapes = group.groupby(["batch", "seq_len"]).median(numeric_only=True).reset_index()
+        tokens = shapes["batch"] * shapes["seq_len"]
+        top = shapes.loc[tokens.idxmax()]
+        lines.append(f"{module:<14}{tp:>3}{len(shapes):>7}  {f'{int(top.batch)} x {int(top.seq_len)}':<26}"
+                     f"{top.fwd_ms:>9.2f}{top.bwd_ms:>9.2f}{top.act_bytes / 2**20:>9.1f}"
+                     f"{top.param_bytes / 2**20:>10.2f}")
+    return "\n".join(lines)
+
+
+def _check_device(device: str, tp_degrees: Sequence[int]) -> None:
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"profile.device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("profile.device is 'cuda' but no CUDA device is visible")
+        too_big = [t for t in tp_degrees if t > torch.cuda.device_count()]
+        if too_big:
+            raise UserError(f"profile.tp_degrees {too_big} exceed the {torch.cuda.device_count()} visible GPUs")
+    if any(int(t) < 1 for t in tp_degrees):
+        raise UserError(f"profile.tp_degrees must be >= 1, got {list(tp_degrees)}")
+
+
+# ---------------------------------------------------------------- one rank's measurements
+
+
+class _RankSync:
+    """Keeps the ranks of a TP group on the same shapes: rank 0's numbers decide for everyone."""
+
+    def __init__(self, tp: TPGroup, device: torch.device):
+        self.tp, self.device = tp, device
+
+    def barrier(self) -> None:
+        if self.tp.size > 1:
+            dist.barrier()
+
+    def agree(self, *values: float) -> list[float]:
+        """Rank 0's `values` on every rank."""
+        if self.tp.size == 1:
+            return list(values)
+        buf = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.broadcast(buf, src=0)
+        return buf.tolist()
+
+
+def profile_rank(job: dict, *, progress: bool, tp: TPGroup | None = None) -> list[dict]:
+    """Measure `job["modules"]` on this rank; returns rows (rank 0's are the ones kept)."""
+    tp = tp or TPGroup(rank=0, size=1)
+    settings = ProfileSettings(**job["settings"])
+    spec = architecture(job["arch"])
+    config = model_config(job["arch"], job["vision"], job["llm"], weights_dir=job["weights_dir"])
+    device = _rank_device(job["device"])
+    dtype = resolve_dtype(job["dtype"])
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(job["cpu_threads"])
+    try:
+        benches = build_benches(spec, config, modules=job["modules"], tp=tp, device=device, dtype=dtype,
+                                seed=job["seed"])
+        common = dict(tp=tp.size, device=_device_name(device), dtype=job["dtype"], preset=job["preset"],
+                      threads=torch.get_num_threads() if device.type == "cpu" else 0)
+        return _sweep(benches, spec, config, settings, _RankSync(tp, device), Timer(device), common,
+                      progress=progress and tp.rank == 0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rank_device(device: str) -> torch.device:
+    if device == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _curves(bench: ModuleBench, spec: Architecture, config, settings: ProfileSettings):
+    """(axis, fixed value, curve) sweeps of one module: tiles for vision, lengths per packing for LLM."""
+
+    def curve(lo, hi):
+        return AdaptiveCurve(lo, hi, tol=settings.tol, abs_floor=settings.abs_tol_ms)
+
+    if bench.name in TILE_MODULES:
+        return [("batch", spec.layer_tokens_per_tile(config), curve(1, settings.max_tiles))]
+    if bench.name in ("llm_layer", "llm_attention"):  # attention depends on per-sample lengths
+        batches = geometric_points(1, settings.max_seq_len // settings.min_seq_len, settings.batch_ratio)
+        batches = [b for b in batches if b == 1 or b % settings.batch_ratio == 0]
+        return [("seq_len", b, curve(settings.min_seq_len, settings.max_seq_len // b)) for b in batches]
+    return [("seq_len", 1, curve(settings.min_seq_len, settings.max_seq_len))]
+
+
+def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) -> list[dict]:
+    curves = [(bench, axis, fixed, curve) for bench in benches for axis, fixed, curve in _curves(bench, spec, config, settings)]
+    rows: list[dict] = []
+    began = time.perf_counter()
+    bar = tqdm(total=0, desc=f"profile TP={common['tp']}", unit="shape", disable=not progress, leave=False)
+    for round_ in range(settings.max_refine_rounds + 1):
+        todo = [(bench, axis, fixed, curve, x) for bench, axis, fixed, curve in curves for x in curve.next_points()]
+        if not todo:
+            break
+        bar.total += len(todo)
+        bar.refresh()
+        for bench, axis, fixed, curve, x in todo:
+            if round_ > 0:
+                (over,) = sync.agree(time.perf_counter() - began > settings.time_budget_s)
+                if over:
+                    log.info("TP=%d: time budget of %.0f s spent; refinement stopped in round %d",
+                             common["tp"], settings.time_budget_s, round_)
+                    bar.close()
+                    return rows
+            batch, seq_len = (x, fixed) if axis == "batch" else (fixed, x)
+            measured = _measure(bench, batch, seq_len, settings, sync, timer)
+            totals = [r["fwd_ms"] + r["bwd_ms"] for r in measured]
+            curve.record(x, *sync.agree(statistics.median(totals), _scatter(totals)))
+            rows.extend(dict(r, **common, module=bench.name, batch=batch, seq_len=seq_len, n_layers=bench.n_layers,
+                             round=round_) for r in measured)
+            bar.update()
+    bar.close()
+    return rows
+
+
+def _scatter(values: list[float]) -> float:
+    """Interquartile range of repeated measurements (0 for fewer than 2)."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q3 - q1
+
+
+def _measure(bench: ModuleBench, batch: int, seq_len: int, settings: ProfileSettings, sync: _RankSync,
+             timer: Timer) -> list[dict]:
+    """`settings.repeats` timed forward + backward runs of one shape (after warm-ups)."""
+    torch.manual_seed(batch * 1_000_003 + seq_len)  # same inputs on every rank
+    inputs = bench.make_inputs(batch, seq_len)
+    params = list(bench.module.parameters())
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    sizes = dict(param_bytes=param_bytes(bench.module), grad_bytes=grad_bytes(bench.module),
+                 optim_bytes=adam_state_bytes(bench.module))
+
+    with saved_tensor_bytes(exclude=params) as saved:  # untimed pass: exact activation bytes
+        out = bench.forward(*inputs)
+    _backward(out)
+    del out
+    cuda = timer.cuda
+    rows = []
+    for i in range(settings.warmup + settings.repeats):
+        for t in params + leaves:
+            t.grad = None
+        sync.barrier()
+        timer.synchronize()
+        if cuda:
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        out, fwd_ms = timer(lambda: bench.forward(*inputs))
+        seed = None if out.dim() == 0 else torch.randn_like(out)
+        sync.barrier()
+        _, bwd_ms = timer(lambda: _backward(out, seed))
+        peak = float(torch.cuda.max_memory_allocated() - base) if cuda else float("nan")
+        del out, seed
+        if i >= settings.warmup:
+            rows.append(dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, act_bytes=saved.bytes, peak_bytes=peak,
+                             repeat=i - settings.warmup, **sizes))
+    return rows
+
+
+def _backward(out: torch.Tensor, seed: torch.Tensor | None = None) -> None:
+    if out.dim() != 0 and seed is None:
+        seed = torch.randn_like(out)
+    out.backward(seed)
+
+
+# ---------------------------------------------------------------- TP > 1: torchrun workers
+
+
+def _run_tp_workers(job: dict, *, progress: bool) -> list[dict]:
+    """Launch `job["tp"]` ranks with torchrun; rank 0 writes its rows to a Parquet file we read back."""
+    with tempfile.TemporaryDirectory(prefix="dflop-profile-") as tmp:
+        part = Path(tmp) / "rows.parquet"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={job['tp']}", "-m", "dflop.profiling.model_tp_worker",
+                   "--job", json.dumps(job), "--out", str(part)]
+        if progress:
+            command.append("--progress")
+        env = dict(os.environ, OMP_NUM_THREADS=str(job["cpu_threads"]))
+        # The workers' stderr (progress bar, errors) goes where ours goes.
+        result = subprocess.run(command, env=env, stdout=subprocess.DEVNULL)
+        if result.returncode != 0 or not part.exists():
+            raise RuntimeError(f"TP={job['tp']} profiling workers failed (exit {result.returncode}); "
+                               "their error is printed above")
+        return pd.read_parquet(part).to_dict("records")

@@ -1,0 +1,44 @@
+"""TP=2 profile: torchrun-launched gloo workers, each holding half of the heads and MLP."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflop.models.info import model_info
+from dflop.profiling.model_profiler import profile_model
+
+
+@pytest.mark.distributed
+def test_tp2_profile_under_torchrun_holds_half_of_each_split_module(tmp_path):
+    arch, vision, llm = "llava_ov", "siglip-tiny", "qwen2.5-tiny"
+    table = profile_model(arch, vision, llm, tmp_path / "model_profile.parquet", tp_degrees=(1, 2), max_tiles=4,
+                          max_seq_len=128, min_seq_len=16, repeats=2, warmup=1, time_budget_s=5.0, progress=False)
+    assert set(table["tp"]) == {1, 2}
+    tp2 = table[table.tp == 2]
+    assert set(tp2["module"]) == set(table[table.tp == 1]["module"])
+    assert set(tp2["threads"]) == {1}  # one torch thread per rank on CPU
+
+    # Reference: closed form from the full model's part sizes; replicated tensors stay whole.
+    info = model_info(arch, vision, llm)
+    d, dv, vocab = info.llm_hidden, info.vision_hidden, info.vocab_size
+    replicated_llm_layer = 2 * d  # two RMSNorm weights
+    replicated_vision_layer = 6 * dv  # two LayerNorms (weight + bias) + biases of out_proj and fc2
+    projector = info.projector_params - d  # without LLaVA-OV's image_newline
+    expected = {
+        "llm_layer": (info.llm_layer_params - replicated_llm_layer) // 2 + replicated_llm_layer,
+        "vision_layer": (info.vision_layer_params - replicated_vision_layer) // 2 + replicated_vision_layer,
+        "projector": (projector - d) // 2 + d,  # linear_2's bias is added once, after the all-reduce
+        "llm_embed": vocab * d // 2,
+        "llm_head": d + vocab * d // 2,
+        "vision_embed": info.vision_embed_params,  # replicated
+        "llm_attention": 0,
+    }
+    got = tp2.groupby("module")["param_bytes"].unique()
+    for module, params in expected.items():
+        assert list(got[module]) == [4 * params], module
+
+    # Attention keeps per-head tensors only: half the heads, exactly half the saved bytes.
+    attention = table[table.module == "llm_attention"].groupby(["tp", "batch", "seq_len"])["act_bytes"].first()
+    shared = attention.loc[1].index.intersection(attention.loc[2].index)
+    assert len(shared) > 3
+    assert (attention.loc[2][shared] * 2 == attention.loc[1][shared]).all()
