@@ -166,27 +166,32 @@ class AdaptiveCorrection:
         self._track_s += time.perf_counter() - t0
         return out
 
-    def decide(self, costs: BatchCosts, buckets, m: int, dp_llm: int, dp_vision: int) -> CorrectionDecision:
-        """Cost-benefit check on one batch; sets and returns whether the correction is active.
+    def decide(self, costs, buckets, m: int, dp_llm: int, dp_vision: int) -> CorrectionDecision:
+        """Cost-benefit check on one batch or a list of batches (`costs` and `buckets` both lists);
+        sets and returns whether the correction is active.
 
-        gain = step(partition from uncorrected costs) - step(partition from corrected costs),
-        both simulated with the corrected costs, i.e. what the drift costs if ignored.
+        gain = mean over the batches of step(partition from uncorrected costs) - step(partition
+        from corrected costs), both simulated with the corrected costs: what ignoring the drift
+        costs per step. Several batches average out the heuristics' own noise.
         """
+        if isinstance(costs, BatchCosts):
+            costs, buckets = [costs], [buckets]
         if self.n_obs_ == 0:
             self.active = False
             return CorrectionDecision(0.0, self.overhead_s, False)
-        fixed = self.corrected(costs, buckets)
-        plain = greedy_partition(costs, m, dp_llm, dp_vision)
-        tuned = greedy_partition(fixed, m, dp_llm, dp_vision)
-
-        def step_under_fixed(p):
-            return simulate_times(stage_times(fixed, p.microbatch, p.replica, m, dp_llm, dp_vision), p.order).step_s
-
-        t_plain, t_tuned = step_under_fixed(plain), step_under_fixed(tuned)
-        gain = t_plain - t_tuned
+        gains, steps = [], []
+        for c, b in zip(costs, buckets):
+            fixed = self.corrected(c, b)
+            plain = greedy_partition(c, m, dp_llm, dp_vision)
+            tuned = greedy_partition(fixed, m, dp_llm, dp_vision)
+            t_plain = simulate_times(stage_times(fixed, plain.microbatch, plain.replica, m, dp_llm, dp_vision),
+                                     plain.order).step_s
+            gains.append(t_plain - tuned.step_s)
+            steps.append(tuned.step_s)
+        gain = float(np.mean(gains))
         overhead = self._track_s + self.overhead_s
-        self.active = bool(gain > overhead and gain > self.min_rel_gain * t_tuned)
-        return CorrectionDecision(float(gain), float(overhead), self.active)
+        self.active = bool(gain > overhead and gain > self.min_rel_gain * float(np.mean(steps)))
+        return CorrectionDecision(gain, float(overhead), self.active)
 
 
 def relative_error(costs: BatchCosts, partition, measured: MeasuredTimes) -> float:

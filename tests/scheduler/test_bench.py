@@ -1,0 +1,29 @@
+import pandas as pd
+import pytest
+
+from dflop.scheduler.bench import bench_scheduler, load_shapes
+from dflop.scheduler.synthetic import llava_ov_mix
+
+
+def test_bench_scheduler_on_a_shapes_file(tmp_path, capsys):
+    shapes = llava_ov_mix(300, seed=1, dataset="demo")
+    shapes.loc[0, "status"] = "skipped:corrupt"
+    path = tmp_path / "shapes.parquet"
+    shapes.to_parquet(path)
+    summary = bench_scheduler(str(path), str(tmp_path / "bench.csv"), grid=((64, 4, 2), (128, 8, 1)),
+                              batches=2, budget_s=0.05, include_mix=False)
+    assert list(summary.dataset.unique()) == ["shapes"]
+    assert {"dflop", "megatron", "llava_group", "lpt1d", "p50_ms", "p99_ms", "vs_best_baseline"} <= set(summary)
+    assert (summary.vs_best_baseline <= 1 + 1e-9).all()  # the portfolio never loses to a baseline
+    raw = pd.read_csv(tmp_path / "bench.csv")
+    assert len(raw) == 2 * 2 * 4 and (tmp_path / "bench_summary.csv").exists()
+    assert (raw.bound_s > 0).all() and (raw.step_s > 0).all()
+    assert "llava_group" in capsys.readouterr().out
+
+
+def test_load_shapes_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such shapes file"):
+        load_shapes(tmp_path / "missing.parquet")
+    llava_ov_mix(3).assign(status="skipped:x").to_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="no sample with status 'ok'"):
+        load_shapes(tmp_path / "bad.parquet")

@@ -1,0 +1,102 @@
+import numpy as np
+import pytest
+
+from dflop.scheduler.correction import AdaptiveCorrection, MeasuredTimes, ShapeBuckets, relative_error
+from dflop.scheduler.evaluate import stage_times
+from dflop.scheduler.partition import greedy_partition
+from dflop.scheduler.service import SchedulerService
+
+M, DP = 8, 2
+
+
+def _true_costs(costs, buckets, factor_vision, factor_llm):
+    """The 'real' hardware: predictions off by a per-bucket factor."""
+    from dataclasses import replace
+    fv, fl = factor_vision[buckets][None], factor_llm[buckets][None]
+    return replace(costs, vision_fwd=costs.vision_fwd * fv, vision_bwd=costs.vision_bwd * fv,
+                   llm_fwd=costs.llm_fwd * fl, llm_bwd=costs.llm_bwd * fl)
+
+
+def _measure(true_costs, part, rng, noise):
+    st = stage_times(true_costs, part.microbatch, part.replica, part.m, part.dp_llm, part.dp_vision)
+    jitter = lambda x: x * (1 + noise * rng.standard_normal(x.shape))  # noqa: E731
+    return MeasuredTimes(jitter(st.vision_fwd), jitter(st.vision_bwd), jitter(st.llm_fwd), jitter(st.llm_bwd))
+
+
+def test_bucket_assignment():
+    b = ShapeBuckets()
+    ids = b.assign([0, 1, 4, 10, 32, 40], [500, 1500, 4096, 9000, 6273, 100])
+    n_seq = len(b.seq_edges)
+    assert (ids // n_seq).tolist() == [0, 1, 2, 3, 4, 5]
+    assert (ids % n_seq).tolist() == [0, 1, 2, 3, 2, 0]
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_learns_synthetic_drift_and_changes_partitions(make_costs, noise):
+    rng = np.random.default_rng(0)
+    buckets_def = ShapeBuckets()
+    # Drift: text-only samples cost 3x the prediction in the LLM, video frames 1.3x in the encoder.
+    fv = np.ones(buckets_def.n_buckets)
+    fl = np.ones(buckets_def.n_buckets)
+    n_seq = len(buckets_def.seq_edges)
+    fl[0:n_seq] = 3.0
+    fv[4 * n_seq:5 * n_seq] = 1.3
+    corr = AdaptiveCorrection(buckets_def.n_buckets)
+    for step in range(12):
+        shapes, costs = make_costs(128, seed=200 + step)
+        buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
+        part = greedy_partition(corr.apply(costs, buckets), M, DP, DP)
+        corr.observe(costs, part, buckets, _measure(_true_costs(costs, buckets, fv, fl), part, rng, noise))
+
+    shapes, costs = make_costs(128, seed=999)
+    buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
+    truth = _true_costs(costs, buckets, fv, fl)
+    part = greedy_partition(costs, M, DP, DP)
+    measured = _measure(truth, part, rng, 0.0)
+    before = relative_error(costs, part, measured)
+    after = relative_error(corr.corrected(costs, buckets), part, measured)
+    assert before > 0.03
+    assert after < (0.002 if noise == 0 else 0.01) and after < before / 4
+
+    checks = [make_costs(128, seed=990 + k)[0] for k in range(4)]
+    decision = corr.decide([make_costs(128, seed=990 + k)[1] for k in range(4)],
+                           [buckets_def.assign(s.n_tiles, s.seq_len) for s in checks], M, DP, DP)
+    assert decision.active and decision.gain_s > decision.overhead_s > 0
+    tuned = greedy_partition(corr.apply(costs, buckets), M, DP, DP)
+    assert not tuned.same_assignment(part)  # the partitions change
+
+
+def test_no_drift_stays_off(make_costs):
+    rng = np.random.default_rng(1)
+    buckets_def = ShapeBuckets()
+    corr = AdaptiveCorrection(buckets_def.n_buckets, overhead_s=1e-3)
+    for step in range(6):
+        shapes, costs = make_costs(96, seed=300 + step)
+        buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
+        part = greedy_partition(costs, M, DP, DP)
+        corr.observe(costs, part, buckets, _measure(costs, part, rng, 0.0))
+    np.testing.assert_allclose(corr.factors_["llm"], 1.0, atol=1e-6)
+    shapes, costs = make_costs(96, seed=400)
+    buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
+    decision = corr.decide(costs, buckets, M, DP, DP)
+    assert not decision.active and abs(decision.gain_s) < 1e-9
+    assert corr.apply(costs, buckets) is costs
+
+
+def test_service_feeds_and_applies_the_correction(make_costs):
+    rng = np.random.default_rng(2)
+    buckets_def = ShapeBuckets()
+    fl = np.full(buckets_def.n_buckets, 1.5)  # the whole LLM runs 1.5x slower than predicted
+    corr = AdaptiveCorrection(buckets_def.n_buckets)
+    with SchedulerService(m=M, dp_llm=DP, dp_vision=DP, correction=corr, budget_s=0.0) as svc:
+        for step in range(4):
+            shapes, costs = make_costs(64, seed=500 + step)
+            buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
+            svc.submit(step, costs, buckets)
+            part = svc.get(step, timeout_s=10)
+            truth = _true_costs(costs, buckets, np.ones(buckets_def.n_buckets), fl)
+            svc.report(step, _measure(truth, part, rng, 0.0), part)
+    assert corr.n_obs_ == 4
+    seen = np.unique(np.concatenate([buckets_def.assign(make_costs(64, seed=500 + s)[0].n_tiles,
+                                                        make_costs(64, seed=500 + s)[0].seq_len) for s in range(4)]))
+    np.testing.assert_allclose(corr.factors_["llm"][seen], 1.5, rtol=0.02)

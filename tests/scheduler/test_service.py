@@ -1,0 +1,104 @@
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dflop.scheduler.partition import greedy_partition, partition
+from dflop.scheduler.service import SchedulerService
+
+M, DP = 8, 2
+
+
+def _batches(make_costs, k, n=96):
+    return [make_costs(n, seed=100 + s)[1] for s in range(k)]
+
+
+def test_prefetch_hides_solve_time(make_costs):
+    batches = _batches(make_costs, 6)
+    solve_s = 0.1
+
+    def slow_solver(costs, *a, **k):  # an ILP that takes 100 ms more per batch
+        time.sleep(solve_s)
+        return partition(costs, *a, **{**k, "budget_s": 0.0})
+
+    with SchedulerService(m=M, dp_llm=DP, dp_vision=DP, prefetch=2, solver=slow_solver) as svc:
+        svc.submit(0, batches[0])
+        svc.submit(1, batches[1])
+        time.sleep(4 * solve_s + 0.3)  # the data loader runs ahead before the first step
+        for step in range(len(batches)):
+            if step + 2 < len(batches):
+                svc.submit(step + 2, batches[step + 2])
+            part = svc.get(step)
+            assert not part.member.startswith("fallback"), step
+            time.sleep(solve_s + 0.25)  # one training step, longer than one solve
+        assert svc.fallbacks == []
+        # The loop never waited for a solve: each get took far less than the solve itself.
+        assert max(svc.wait_s) < solve_s / 2
+
+
+def test_not_ready_returns_greedy_within_greedy_time(make_costs):
+    batch = _batches(make_costs, 1)[0]
+    release = threading.Event()
+
+    def stuck_solver(costs, *a, **k):  # overruns its budget by far
+        release.wait(5)
+        return partition(costs, *a, **k)
+
+    t0 = time.perf_counter()
+    want = greedy_partition(batch, M, DP, DP)
+    greedy_s = time.perf_counter() - t0
+    with SchedulerService(m=M, dp_llm=DP, dp_vision=DP, solver=stuck_solver) as svc:
+        svc.submit(0, batch)
+        t0 = time.perf_counter()
+        part = svc.get(0)
+        waited = time.perf_counter() - t0
+        release.set()
+    assert part.member.startswith("fallback:")
+    assert part.same_assignment(want)
+    assert waited < 3 * greedy_s + 0.05  # slack for a loaded 2-core machine
+    assert svc.fallbacks == [(0, "not ready")]
+
+
+def test_solver_failure_falls_back_to_greedy(make_costs):
+    batch = _batches(make_costs, 1)[0]
+
+    def broken(*a, **k):
+        raise RuntimeError("HiGHS exploded")
+
+    with SchedulerService(m=M, dp_llm=DP, dp_vision=DP, solver=broken) as svc:
+        svc.submit(0, batch)
+        part = svc.get(0, timeout_s=10)
+    assert part.member.startswith("fallback:")
+    assert part.same_assignment(greedy_partition(batch, M, DP, DP))
+    assert svc.fallbacks == [(0, "solver failed: RuntimeError: HiGHS exploded")]
+
+
+def test_deterministic_given_seed_and_budget(make_costs):
+    batches = _batches(make_costs, 4, n=48)
+    runs = []
+    for _ in range(2):
+        with SchedulerService(m=4, dp_llm=DP, dp_vision=DP, seed=11, budget_s=0.3, prefetch=3) as svc:
+            for step, costs in enumerate(batches):
+                svc.submit(step, costs)
+            runs.append([svc.get(step, timeout_s=30) for step in range(len(batches))])
+            assert svc.fallbacks == []
+    for a, b in zip(*runs):
+        assert a.same_assignment(b) and a.member == b.member and a.step_s == b.step_s
+    # And equal to calling partition directly with seed + step.
+    direct = partition(batches[2], 4, DP, DP, seed=13, budget_s=0.3)
+    assert runs[0][2].same_assignment(direct)
+
+
+def test_bad_use_is_reported(make_costs):
+    batch = _batches(make_costs, 1)[0]
+    with SchedulerService(m=M, dp_llm=DP, dp_vision=DP) as svc:
+        svc.submit(3, batch)
+        with pytest.raises(ValueError, match="step 3 was already submitted"):
+            svc.submit(3, batch)
+        with pytest.raises(ValueError, match="submit in order"):
+            svc.submit(1, batch)
+        with pytest.raises(KeyError, match="step 7 was never submitted"):
+            svc.get(7)
+    with pytest.raises(ValueError, match="prefetch must be >= 1"):
+        SchedulerService(m=M, dp_llm=DP, dp_vision=DP, prefetch=0)
