@@ -9,7 +9,7 @@ refinement). Modules and shapes are described in `dflop.profiling.model_modules`
 param/grad/optim bytes are exact from the module, act_bytes is exact (tensors saved for
 backward, `_memory.saved_tensor_bytes`), peak_bytes is the CUDA allocator peak during forward +
 backward above what was allocated before it (NaN on CPU). Times are milliseconds: CUDA events on
-GPU, perf_counter on CPU, after `warmup` untimed runs; every repeat is stored (the cost models
+GPU, perf_counter on CPU, after `warmup` (at least 1) untimed runs; every repeat is stored (the cost models
 take the median).
 
 TP degree 1 runs in this process; TP > 1 runs in ``tp`` worker processes launched with torchrun
@@ -297,7 +297,8 @@ def _scatter(values: list[float]) -> float:
 
 def _measure(bench: ModuleBench, batch: int, seq_len: int, settings: ProfileSettings, sync: _RankSync,
              timer: Timer) -> list[dict]:
-    """`settings.repeats` timed forward + backward runs of one shape (after warm-ups)."""
+    """`settings.repeats` timed forward + backward runs of one shape, after max(warmup, 1) untimed
+    runs (the first of them, run under saved-tensor hooks, gives the exact activation bytes)."""
     torch.manual_seed(batch * 1_000_003 + seq_len)  # same inputs on every rank
     inputs = bench.make_inputs(batch, seq_len)
     params = list(bench.module.parameters())
@@ -305,13 +306,10 @@ def _measure(bench: ModuleBench, batch: int, seq_len: int, settings: ProfileSett
     sizes = dict(param_bytes=param_bytes(bench.module), grad_bytes=grad_bytes(bench.module),
                  optim_bytes=adam_state_bytes(bench.module))
 
-    with saved_tensor_bytes(exclude=params) as saved:  # untimed pass: exact activation bytes
-        out = bench.forward(*inputs)
-    _backward(out)
-    del out
+    untimed = max(settings.warmup, 1)  # the first untimed run also counts the activation bytes
     cuda = timer.cuda
     rows = []
-    for i in range(settings.warmup + settings.repeats):
+    for i in range(untimed + settings.repeats):
         for t in params + leaves:
             t.grad = None
         sync.barrier()
@@ -319,22 +317,20 @@ def _measure(bench: ModuleBench, batch: int, seq_len: int, settings: ProfileSett
         if cuda:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        out, fwd_ms = timer(lambda: bench.forward(*inputs))
+        if i == 0:
+            with saved_tensor_bytes(exclude=params) as saved:
+                out, fwd_ms = timer(lambda: bench.forward(*inputs))
+        else:
+            out, fwd_ms = timer(lambda: bench.forward(*inputs))
         seed = None if out.dim() == 0 else torch.randn_like(out)
         sync.barrier()
-        _, bwd_ms = timer(lambda: _backward(out, seed))
+        _, bwd_ms = timer(lambda: out.backward(seed))
         peak = float(torch.cuda.max_memory_allocated() - base) if cuda else float("nan")
         del out, seed
-        if i >= settings.warmup:
+        if i >= untimed:
             rows.append(dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, act_bytes=saved.bytes, peak_bytes=peak,
-                             repeat=i - settings.warmup, **sizes))
+                             repeat=i - untimed, **sizes))
     return rows
-
-
-def _backward(out: torch.Tensor, seed: torch.Tensor | None = None) -> None:
-    if out.dim() != 0 and seed is None:
-        seed = torch.randn_like(out)
-    out.backward(seed)
 
 
 # ---------------------------------------------------------------- TP > 1: torchrun workers
