@@ -111,7 +111,9 @@ def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, 
     costs_fn = costs_fn or AnalyticCostModel()
     pools = []
     if shapes_path:
-        pools.append((Path(shapes_path).stem, load_shapes(shapes_path)))
+        shapes = load_shapes(shapes_path)
+        name = "+".join(sorted(shapes["dataset"].astype(str).unique())) if "dataset" in shapes else Path(shapes_path).stem
+        pools.append((name, shapes))
     if include_mix or not pools:
         pools.append(("llava_ov_mix", llava_ov_mix(mix_size, seed=seed)))
     raw = pd.concat([run_grid(pool, name, grid=grid, batches=batches, budget_s=budget_s, seed=seed,

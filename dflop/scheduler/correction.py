@@ -88,15 +88,17 @@ class AdaptiveCorrection:
         overhead_s: declared seconds per step that collecting the measurements costs (e.g. event
             synchronisation); added to the measured bookkeeping time in the cost-benefit check.
         min_rel_gain: the gain must also exceed this share of the step time (noise guard).
+        min_drift: factors all within this of 1 count as no drift (no partitions are compared).
 
     Learned state: ``factors_`` {"vision": [n_buckets + 1], "llm": [...]} (last = constant),
     ``n_obs_``, ``active`` (set by `decide`).
     """
 
-    def __init__(self, n_buckets: int, *, decay: float = 0.95, ridge: float = 1e-3, overhead_s: float = 0.0,
-                 min_rel_gain: float = 1e-3):
+    def __init__(self, n_buckets: int, *, decay: float = 0.95, ridge: float = 1e-5, overhead_s: float = 0.0,
+                 min_rel_gain: float = 1e-3, min_drift: float = 0.02):
         self.n_buckets = int(n_buckets)
         self.decay, self.ridge, self.overhead_s, self.min_rel_gain = decay, ridge, overhead_s, min_rel_gain
+        self.min_drift = min_drift
         dim = self.n_buckets + 1
         self._gram = {k: np.zeros((dim, dim)) for k in ("vision", "llm")}
         self._rhs = {k: np.zeros(dim) for k in ("vision", "llm")}
@@ -176,9 +178,10 @@ class AdaptiveCorrection:
         """
         if isinstance(costs, BatchCosts):
             costs, buckets = [costs], [buckets]
-        if self.n_obs_ == 0:
+        drift = max(float(np.abs(f - 1).max()) for f in self.factors_.values())
+        if self.n_obs_ == 0 or drift < self.min_drift:
             self.active = False
-            return CorrectionDecision(0.0, self.overhead_s, False)
+            return CorrectionDecision(0.0, self._track_s + self.overhead_s, False)
         gains, steps = [], []
         for c, b in zip(costs, buckets):
             fixed = self.corrected(c, b)

@@ -68,9 +68,16 @@ def _weights(mb_weight, m: int, dp_llm: int) -> tuple[np.ndarray, np.ndarray]:
     return w, np.repeat(w, dp_llm)
 
 
-def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weight=None) -> np.ndarray:
+def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weight=None,
+              exact_tail_rounds: int = 2) -> np.ndarray:
     """Vector LPT: samples by decreasing normalised size, each to the bin that least raises the
     bottleneck (ties: the bin whose normalised vision + LLM load stays lowest).
+
+    For speed, all but the last `exact_tail_rounds` * (m * dp_llm) samples are dealt in rounds of
+    one sample per bin (the largest remaining sample to the least loaded bin, and so on), which
+    is what LPT does while every bin still takes one more sample; the smallest samples, which
+    set the final balance, are placed one at a time. With a memory guard every sample is placed
+    one at a time.
 
     mb_weight: [m] relative capacity of each microbatch (default all 1): loads are compared
     divided by it, so a microbatch of weight 0.5 is filled to about half the others.
@@ -86,10 +93,20 @@ def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weigh
     L = np.full(n_bins, sc.llm_const)
     cur = max(sc.vision_const, sc.llm_const)
     bin_of = np.empty(len(size), dtype=np.int64)
+    start = 0
     if guard.active:
         mem_l = np.zeros((guard.llm_bytes.shape[0], n_bins))
         mem_v = np.zeros((guard.vision_bytes.shape[0], m))
-    for i in order:
+    else:
+        while start + (1 + exact_tail_rounds) * n_bins <= len(order):
+            items = order[start:start + n_bins]
+            bins = np.argsort((V[mb_of_bin] / tv + L / tl) / w_bin, kind="stable")
+            bin_of[items] = bins
+            L[bins] += sc.llm[items]
+            V += np.bincount(mb_of_bin[bins], weights=sc.vision[items], minlength=m)
+            start += n_bins
+        cur = max(cur, float((V / w_mb).max()), float((L / w_bin).max()))
+    for i in order[start:]:
         nv = (V[mb_of_bin] + sc.vision[i]) / w_bin
         nl = (L + sc.llm[i]) / w_bin
         primary = np.maximum(np.maximum(nv, nl), cur)
@@ -129,13 +146,15 @@ def _subset(items: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
 
 
 def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard: MemoryGuard, *,
-                 mb_weight=None, max_iters: int = 400, n_sources: int = 24, n_partner_bins: int = 8) -> np.ndarray:
+                 mb_weight=None, max_iters: int = 400, n_sources: int = 24, n_partner_bins: int = 8,
+                 tol: float = 1e-3, stall_iters: int = 25, stall_gain: float = 2e-4) -> np.ndarray:
     """Repeatedly take the bottleneck (a bin's LLM load or a microbatch's vision load) and apply
     the move of one of its samples to another bin, or the swap with a sample in one of the
     lightest bins, that most lowers the largest load it touches. Stops when no move lowers it.
 
     Each accepted move strictly lowers the loads it touches below the current bottleneck, so the
-    proxy never rises. Loads are compared divided by `mb_weight` as in `greedy_2d`.
+    proxy never rises. Loads are compared divided by `mb_weight` as in `greedy_2d`. Stops early
+    once the bottleneck is within `tol` of a lower bound on it.
     Returns a new bin_of.
     """
     bin_of = bin_of.copy()
@@ -149,9 +168,19 @@ def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard
         mem_l = np.stack([np.bincount(bin_of, weights=x, minlength=n_bins) for x in guard.llm_bytes])
         mem_v = np.stack([np.bincount(mb_of_bin[bin_of], weights=x, minlength=m) for x in guard.vision_bytes]) \
             if guard.vision_bytes.shape[0] else np.zeros((0, m))
+    # No assignment can beat the weighted means or the heaviest sample in the lightest bin.
+    floor = max(float(L.sum() / w_bin.sum()), float(V.sum() / w_mb.sum()),
+                float((l.max(initial=0) + sc.llm_const) / w_bin.max()),
+                float((v.max(initial=0) + sc.vision_const) / w_mb.max()))
+    history: list[float] = []
     for _ in range(max_iters):
         b_max, j_max = int(np.argmax(L / w_bin)), int(np.argmax(V / w_mb))
         M = max(L[b_max] / w_bin[b_max], V[j_max] / w_mb[j_max])
+        if M <= floor * (1 + tol):
+            break
+        history.append(M)
+        if len(history) > stall_iters and M > history[-1 - stall_iters] * (1 - stall_gain):
+            break  # the last stall_iters moves gained less than stall_gain: not worth the time
         if L[b_max] / w_bin[b_max] >= V[j_max] / w_mb[j_max]:
             src = _subset(np.flatnonzero(bin_of == b_max), l, n_sources)
         else:
@@ -179,10 +208,12 @@ def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard
             mv = np.where(ok, mv, np.inf)
 
         # Swaps: sample src[a] <-> sample q in one of the lightest bins or microbatches.
-        light = np.union1d(np.argsort(L / w_bin, kind="stable")[:n_partner_bins],
-                           np.flatnonzero(np.isin(mb_of_bin, np.argsort(V / w_mb, kind="stable")[:2])))
-        partners = np.flatnonzero(np.isin(bin_of, light))
-        partners = partners[~np.isin(bin_of[partners], bi)]
+        light_mb = np.zeros(m, dtype=bool)
+        light_mb[np.argsort(V / w_mb, kind="stable")[:2]] = True
+        light = light_mb[mb_of_bin]
+        light[np.argsort(L / w_bin, kind="stable")[:n_partner_bins]] = True
+        light[bi] = False
+        partners = np.flatnonzero(light[bin_of])
         sw = np.full((len(src), 0), np.inf)
         if len(partners):
             bq, jq = bin_of[partners], mb_of_bin[bin_of[partners]]

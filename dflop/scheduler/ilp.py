@@ -8,7 +8,7 @@ to: every sample in exactly one bin; on every LLM stage ``k`` each bin's time
 ``llm_const[k] + sum_i llm[k, i] x[i, b] <= z_r``; on every vision stage each microbatch's time
 ``vision_const[k] + sum_{i, r} vision[k, i] / dp_vision x[i, (j, r)] <= z_v``; ``y >=`` each
 replica's per-stage sum of bin times ``+ (p - 1) z_r`` and the vision stages' sum ``+ (p - 1) z_v``;
-and every finite per-stage activation-memory limit. Unlike the greedy it uses the exact per-stage
+every finite per-stage activation-memory limit; and no empty bin. Unlike the greedy it uses the exact per-stage
 costs rather than the bottleneck-stage scalars.
 
 Determinism: HiGHS runs single-threaded with a fixed seed and stops at a node limit, so the same
@@ -77,19 +77,21 @@ def _build(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int) -> highspy.Hi
     c_zr, c_zv, c_y = n_x, n_x + dp_llm, n_x + dp_llm + 1
 
     # Row blocks: assign [n] | bin time [Sl, B] | mb vision time [Sv, m] | replica estimate
-    # [Sl, dp] | vision estimate [Sv] | LLM memory [.., B] | vision memory [.., m].
+    # [Sl, dp] | vision estimate [Sv] | LLM memory [.., B] | vision memory [.., m] | bin not
+    # empty [B].
     r_bin = n
     r_mbv = r_bin + costs.pp_llm * n_bins
     r_rep = r_mbv + costs.pp_vision * m
     r_vest = r_rep + costs.pp_llm * dp_llm
     r_ml = r_vest + costs.pp_vision
     r_mv = r_ml + len(mem_l) * n_bins
-    n_rows = r_mv + len(mem_v) * m
+    r_fill = r_mv + len(mem_v) * m
+    n_rows = r_fill + n_bins
 
     bins = np.arange(n_bins)
     shape = (n, n_bins)
-    rows = [np.broadcast_to(np.arange(n)[:, None], shape)]
-    vals = [np.ones(shape)]
+    rows = [np.broadcast_to(np.arange(n)[:, None], shape), np.broadcast_to(r_fill + bins, shape)]
+    vals = [np.ones(shape), np.ones(shape)]
     for k in range(costs.pp_llm):
         rows += [np.broadcast_to(r_bin + k * n_bins + bins, shape), np.broadcast_to(r_rep + k * dp_llm + rep_of_bin, shape)]
         vals += [np.broadcast_to(llm[k][:, None], shape)] * 2
@@ -144,7 +146,9 @@ def _build(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int) -> highspy.Hi
     row_upper[r_rep:r_vest] = -np.repeat(m * llm_c, dp_llm)
     row_upper[r_vest:r_ml] = -(vis.sum(axis=1) + m * vis_c)
     row_upper[r_ml:r_mv] = np.repeat(llm_lim[mem_l], n_bins)
-    row_upper[r_mv:] = np.repeat(vis_lim[mem_v], m)
+    row_upper[r_mv:r_fill] = np.repeat(vis_lim[mem_v], m)
+    row_lower[r_fill:] = 1.0  # no empty bin: every replica runs every microbatch
+    row_upper[r_fill:] = highspy.kHighsInf
     lp.row_lower_ = row_lower
     lp.row_upper_ = row_upper
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise

@@ -8,9 +8,9 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
   - lpt1d: 1-D LPT on LLM cost, a cheap second opinion when vision is light;
   - greedy_ends<w>: when the pipeline bubble is a large share of the step (few microbatches),
     greedy with the first and last microbatch filled to only w of the others: 1F1B pays the first
-    forward and the last backward p - 1 times, so light ends can beat equal microbatches; and, in
-    the same regime, LLaVA's length grouping (its uneven vision/LLM profiles sometimes fit the
-    fill and drain better), reordered by simulation ("length_grouped");
+    forward and the last backward p - 1 times, so light ends can beat equal microbatches;
+  - length_grouped: LLaVA's grouping by modality and length, reordered by simulation; its uneven
+    vision/LLM profiles sometimes fit the fill and drain better (cheap, always tried);
   - ilp: the exact 1F1B-aware MILP (`ilp`) warm-started from greedy, within the time budget,
     when items per bin are few or the vision/LLM cost skew is high and the model is small enough.
 The member with the shortest simulated 1F1B step wins; every member respects the memory guard.
@@ -186,8 +186,10 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
             weight[0], weight[-1] = w_first, w_last
             bins_w = local_search(sc, greedy_2d(sc, m, dp_llm, guard, weight), m, dp_llm, guard, mb_weight=weight)
             members.append((f"greedy_ends{w_first:g}/{w_last:g}", bins_w))
-        length = np.asarray(lengths, dtype=np.float64) if lengths is not None else costs.llm_total()
-        members.append(("length_grouped", baselines.llava_group(length, costs.vision_total() > 0, m, dp_llm, seed)))
+    length = np.asarray(lengths, dtype=np.float64) if lengths is not None else costs.llm_total()
+    if length.shape != (n,):
+        raise ValueError(f"lengths must have one entry per sample ({n}), got shape {length.shape}")
+    members.append(("length_grouped", baselines.llava_group(length, costs.vision_total() > 0, m, dp_llm, seed)))
 
     ilp_status = "not_run"
     few_items = n / n_bins <= ilp_items_per_bin

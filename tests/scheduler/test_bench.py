@@ -12,7 +12,7 @@ def test_bench_scheduler_on_a_shapes_file(tmp_path, capsys):
     shapes.to_parquet(path)
     summary = bench_scheduler(str(path), str(tmp_path / "bench.csv"), grid=((64, 4, 2), (128, 8, 1)),
                               batches=2, budget_s=0.05, include_mix=False)
-    assert list(summary.dataset.unique()) == ["shapes"]
+    assert list(summary.dataset.unique()) == ["demo"]
     assert {"dflop", "megatron", "llava_group", "lpt1d", "p50_ms", "p99_ms", "vs_best_baseline"} <= set(summary)
     assert (summary.vs_best_baseline <= 1 + 1e-9).all()  # the portfolio never loses to a baseline
     raw = pd.read_csv(tmp_path / "bench.csv")
