@@ -48,6 +48,20 @@ def cmd_profile_data(args: argparse.Namespace) -> None:
     profile_data(cfg, shapes_path=args.shapes, histograms_path=args.histograms, workers=args.workers)
 
 
+def cmd_profile_model(args: argparse.Namespace) -> None:
+    from dflop.profiling.model_profiler import profile_model
+
+    cfg = _config(args)
+    prof = cfg.section("profile")
+    profile_model(
+        cfg.model.arch, cfg.model.vision, cfg.model.llm, args.out,
+        weights_dir=cfg.model.weights, device=prof["device"], dtype=cfg.model.dtype,
+        tp_degrees=prof["tp_degrees"], max_tiles=prof["max_tiles"], max_seq_len=prof["max_seq_len"],
+        repeats=prof["repeats"], warmup=prof["warmup"], time_budget_s=prof["time_budget_s"],
+        seed=cfg.seed,
+    )
+
+
 def cmd_fit(args: argparse.Namespace) -> None:
     from dflop.costmodel.fit import fit
 
@@ -84,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", type=Path, required=True, help="output shapes.parquet")
     p.add_argument("--histograms", type=Path, required=True, help="output histograms.parquet")
     p.add_argument("--workers", type=int, default=0, help="worker processes (0 = all cores)")
+
+    p = add("profile-model", cmd_profile_model,
+            "time and memory of every model part over a shape grid and TP degrees (model_profile.parquet)")
+    _add_config_args(p)
+    p.add_argument("--out", type=Path, required=True, help="output model_profile.parquet")
 
     p = add("fit", cmd_fit, "fit cost models on model_profile.parquet; write costmodel.json and validation.parquet")
     p.add_argument("--profile", type=Path, required=True, help="input model_profile.parquet")

@@ -54,9 +54,10 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("wf")
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     config["data"]["demo"]["n_samples"] = 40
+    config["profile"] = {"repeats": 2, "warmup": 1, "max_seq_len": 256, "max_tiles": 8, "time_budget_s": 10}
     (root / "config").mkdir()
     (root / "config/config.yaml").write_text(yaml.safe_dump(config))
-    snakemake(root, "profile_data")
+    snakemake(root, "profile_data", "fit")
     return root
 
 
@@ -71,7 +72,14 @@ def test_profile_data_writes_both_parquet_files(workdir):
     assert len(shapes) == 40 and (shapes["status"] == "ok").all()
     assert len(pd.read_parquet(workdir / "results/data/histograms.parquet")) > 0
     assert (workdir / "logs/profile_data.log").read_text().count("profiled 40 samples") == 1
-    assert planned_rules(workdir, "profile_data") == set()  # up to date
+    assert planned_rules(workdir, "profile_data", "fit") == set()  # up to date
+
+
+def test_model_stages_write_profile_and_cost_model(workdir):
+    profile = pd.read_parquet(workdir / "results/profile/model_profile.parquet")
+    assert {"vision_layer", "llm_layer", "llm_head"} <= set(profile["module"])
+    assert (workdir / "results/costmodel/costmodel.json").exists()
+    assert len(pd.read_parquet(workdir / "results/costmodel/validation.parquet")) > 0
 
 
 def test_touching_a_dataset_reruns_profile_data_only(workdir):
@@ -80,7 +88,7 @@ def test_touching_a_dataset_reruns_profile_data_only(workdir):
     time.sleep(1.1)  # mtime resolution
     manifest.touch()
     try:
-        assert planned_rules(workdir, "profile_data") == {"profile_data"}
+        assert planned_rules(workdir, "profile_data", "fit") == {"profile_data"}
     finally:
         os.utime(manifest, ns=(before.st_atime_ns, before.st_mtime_ns))
 
@@ -108,13 +116,20 @@ def _with_config(workdir: Path, name: str, change) -> str:
     return str(path)
 
 
+def test_model_change_reruns_model_stages_not_data(workdir):
+    llm = _with_config(workdir, "llm", lambda c: c["model"].update(llm="llama3-tiny"))
+    assert planned_rules(workdir, "profile_data", "fit", "--configfile", llm) == {"profile_model", "fit"}
+    prof = _with_config(workdir, "prof", lambda c: c["profile"].update(repeats=3))
+    assert planned_rules(workdir, "profile_data", "fit", "--configfile", prof) == {"profile_model", "fit"}
+
+
 def test_changing_a_param_reruns_only_rules_that_use_it(workdir):
     skip = _with_config(workdir, "skip", lambda c: c["data"].update(max_skip_frac=0.5))
-    assert planned_rules(workdir, "profile_data", "--configfile", skip) == {"profile_data"}
+    assert planned_rules(workdir, "profile_data", "fit", "--configfile", skip) == {"profile_data"}
     demo = _with_config(workdir, "demo", lambda c: c["data"]["demo"].update(n_samples=41))
     assert planned_rules(workdir, "profile_data", "--configfile", demo) == {"make_demo_data", "profile_data"}
-    # A value no data stage uses (the model profiler's repeats) leaves the data stages alone.
-    unrelated = _with_config(workdir, "unrelated", lambda c: c.setdefault("profile", {}).update(repeats=9))
+    # A value only the model profiler uses leaves the data stages alone, and vice versa.
+    unrelated = _with_config(workdir, "unrelated", lambda c: c["profile"].update(repeats=9))
     assert "profile_data" not in planned_rules(workdir, "profile_data", "--configfile", unrelated)
 
 

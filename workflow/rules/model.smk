@@ -1,0 +1,36 @@
+# Model stages: the model profiler and the cost models fitted on its measurements.
+
+
+rule profile_model:
+    output:
+        profile=f"{RESULTS}/profile/model_profile.parquet",
+    params:
+        settings=settings_json(
+            run={"seed": config["run"]["seed"]},
+            model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "dtype")},
+            profile=config["profile"],
+        ),
+    threads: max(config["profile"]["tp_degrees"])
+    resources:
+        gpus=1 if config["profile"]["device"] == "cuda" else 0,
+    log:
+        "logs/profile_model.log",
+    conda:
+        ENV_FILE
+    shell:
+        "dflop profile-model --settings {params.settings:q} --out {output.profile} > {log} 2>&1"
+
+
+rule fit:
+    input:
+        profile=rules.profile_model.output.profile,
+    output:
+        costmodel=f"{RESULTS}/costmodel/costmodel.json",
+        validation=f"{RESULTS}/costmodel/validation.parquet",
+    log:
+        "logs/fit.log",
+    conda:
+        ENV_FILE
+    shell:
+        "dflop fit --profile {input.profile} --costmodel {output.costmodel}"
+        " --validation {output.validation} > {log} 2>&1"
