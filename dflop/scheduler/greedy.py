@@ -68,16 +68,9 @@ def _weights(mb_weight, m: int, dp_llm: int) -> tuple[np.ndarray, np.ndarray]:
     return w, np.repeat(w, dp_llm)
 
 
-def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weight=None,
-              exact_tail_rounds: int = 2) -> np.ndarray:
+def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weight=None) -> np.ndarray:
     """Vector LPT: samples by decreasing normalised size, each to the bin that least raises the
-    bottleneck (ties: the bin whose normalised vision + LLM load stays lowest).
-
-    For speed, all but the last `exact_tail_rounds` * (m * dp_llm) samples are dealt in rounds of
-    one sample per bin (the largest remaining sample to the least loaded bin, and so on), which
-    is what LPT does while every bin still takes one more sample; the smallest samples, which
-    set the final balance, are placed one at a time. With a memory guard every sample is placed
-    one at a time.
+    bottleneck (ties: the bin whose normalised vision + LLM load is lowest).
 
     mb_weight: [m] relative capacity of each microbatch (default all 1): loads are compared
     divided by it, so a microbatch of weight 0.5 is filled to about half the others.
@@ -86,44 +79,39 @@ def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weigh
     n_bins = m * dp_llm
     mb_of_bin = np.arange(n_bins) // dp_llm
     w_mb, w_bin = _weights(mb_weight, m, dp_llm)
+    weighted = mb_weight is not None
     tv, tl = _targets(sc, m, n_bins)
     size = np.maximum(sc.vision / tv, sc.llm / tl)
     order = np.argsort(-size, kind="stable")
-    V = np.full(m, sc.vision_const)
+    Vb = np.full(n_bins, sc.vision_const)   # vision load of each bin's microbatch
     L = np.full(n_bins, sc.llm_const)
-    cur = max(sc.vision_const, sc.llm_const)
+    tie = (Vb / tv + L / tl) / w_bin         # tie-break score, kept up to date
+    cur = max(sc.vision_const, sc.llm_const) / w_bin.min()
     bin_of = np.empty(len(size), dtype=np.int64)
-    start = 0
     if guard.active:
         mem_l = np.zeros((guard.llm_bytes.shape[0], n_bins))
         mem_v = np.zeros((guard.vision_bytes.shape[0], m))
-    else:
-        while start + (1 + exact_tail_rounds) * n_bins <= len(order):
-            items = order[start:start + n_bins]
-            bins = np.argsort((V[mb_of_bin] / tv + L / tl) / w_bin, kind="stable")
-            bin_of[items] = bins
-            L[bins] += sc.llm[items]
-            V += np.bincount(mb_of_bin[bins], weights=sc.vision[items], minlength=m)
-            start += n_bins
-        cur = max(cur, float((V / w_mb).max()), float((L / w_bin).max()))
-    for i in order[start:]:
-        nv = (V[mb_of_bin] + sc.vision[i]) / w_bin
-        nl = (L + sc.llm[i]) / w_bin
-        primary = np.maximum(np.maximum(nv, nl), cur)
+    vision, llm = sc.vision, sc.llm
+    for i in order:
+        key = np.maximum(Vb + vision[i], L + llm[i])
+        if weighted:
+            key /= w_bin
         if guard.active:
             fits = ((mem_l + guard.llm_bytes[:, i:i + 1]) <= guard.llm_limit[:, None]).all(axis=0)
             fits &= ((mem_v + guard.vision_bytes[:, i:i + 1]) <= guard.vision_limit[:, None]).all(axis=0)[mb_of_bin]
             if not fits.any():
                 raise MemoryGuardError(f"sample index {i}: fits in no bin under the per-stage memory limits")
-            primary = np.where(fits, primary, np.inf)
-        best = primary.min()
-        secondary = np.where(primary <= best * (1 + 1e-12), nv / tv + nl / tl, np.inf)
-        b = int(np.argmin(secondary))
-        bin_of[i] = b
+            key[~fits] = np.inf
+        # Bins that keep the bottleneck where it is are all equally good: take the least loaded.
+        ok = key <= cur
+        b = int(np.argmin(np.where(ok, tie, np.inf))) if ok.any() else int(np.argmin(key))
         j = b // dp_llm
-        V[j] += sc.vision[i]
-        L[b] += sc.llm[i]
-        cur = max(cur, V[j] / w_mb[j], L[b] / w_bin[b])
+        bin_of[i] = b
+        cur = max(cur, float(key[b]))
+        L[b] += llm[i]
+        lo, hi = j * dp_llm, (j + 1) * dp_llm
+        Vb[lo:hi] += vision[i]
+        tie[lo:hi] = (Vb[lo:hi] / tv + L[lo:hi] / tl) / w_bin[lo:hi]
         if guard.active:
             mem_l[:, b] += guard.llm_bytes[:, i]
             mem_v[:, j] += guard.vision_bytes[:, i]
@@ -147,7 +135,7 @@ def _subset(items: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
 
 def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard: MemoryGuard, *,
                  mb_weight=None, max_iters: int = 400, n_sources: int = 24, n_partner_bins: int = 8,
-                 tol: float = 1e-3, stall_iters: int = 25, stall_gain: float = 2e-4) -> np.ndarray:
+                 tol: float = 1e-3) -> np.ndarray:
     """Repeatedly take the bottleneck (a bin's LLM load or a microbatch's vision load) and apply
     the move of one of its samples to another bin, or the swap with a sample in one of the
     lightest bins, that most lowers the largest load it touches. Stops when no move lowers it.
@@ -172,15 +160,11 @@ def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard
     floor = max(float(L.sum() / w_bin.sum()), float(V.sum() / w_mb.sum()),
                 float((l.max(initial=0) + sc.llm_const) / w_bin.max()),
                 float((v.max(initial=0) + sc.vision_const) / w_mb.max()))
-    history: list[float] = []
     for _ in range(max_iters):
         b_max, j_max = int(np.argmax(L / w_bin)), int(np.argmax(V / w_mb))
         M = max(L[b_max] / w_bin[b_max], V[j_max] / w_mb[j_max])
         if M <= floor * (1 + tol):
             break
-        history.append(M)
-        if len(history) > stall_iters and M > history[-1 - stall_iters] * (1 - stall_gain):
-            break  # the last stall_iters moves gained less than stall_gain: not worth the time
         if L[b_max] / w_bin[b_max] >= V[j_max] / w_mb[j_max]:
             src = _subset(np.flatnonzero(bin_of == b_max), l, n_sources)
         else:

@@ -5,6 +5,8 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
   - greedy_aligned: the same bins, permuted within each replica so that the k-th heaviest bin of
     every replica runs in the same microbatch (one heavy microbatch instead of several out of
     step; only when dp_llm > 1);
+  - greedy_regrouped: the same bins regrouped so each microbatch holds dp_llm bins of similar
+    load (`regroup_bins`; only when dp_llm > 1);
   - lpt1d: 1-D LPT on LLM cost, a cheap second opinion when vision is light;
   - greedy_ends<w>: when the pipeline bubble is a large share of the step (few microbatches),
     greedy with the first and last microbatch filled to only w of the others: 1F1B pays the first
@@ -113,6 +115,24 @@ def align_replicas(bin_of: np.ndarray, llm_cost: np.ndarray, m: int, dp_llm: int
     return new_bin[bin_of]
 
 
+def regroup_bins(bin_of: np.ndarray, llm_cost: np.ndarray, m: int, dp_llm: int) -> np.ndarray:
+    """Keep the bins' contents but regroup them: all bins sorted by LLM load, every dp_llm
+    consecutive ones form a microbatch (replicas dealt in snake order to even replica totals).
+
+    Replicas run a microbatch in lockstep (its vision work is shared), so a microbatch costs about
+    its heaviest bin; grouping bins of similar load wastes the least.
+    """
+    n_bins = m * dp_llm
+    loads = np.bincount(bin_of, weights=llm_cost, minlength=n_bins)
+    ranked = np.argsort(-loads, kind="stable")
+    new_bin = np.empty(n_bins, dtype=np.int64)
+    for j in range(m):
+        group = ranked[j * dp_llm:(j + 1) * dp_llm]
+        reps = np.arange(dp_llm) if j % 2 == 0 else np.arange(dp_llm)[::-1]
+        new_bin[group] = j * dp_llm + reps
+    return new_bin[bin_of]
+
+
 def _check_args(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, policy: str) -> None:
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -178,6 +198,7 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
     members = [("greedy", greedy)]
     if dp_llm > 1:
         members.append(("greedy_aligned", align_replicas(greedy, sc.llm, m, dp_llm)))
+        members.append(("greedy_regrouped", regroup_bins(greedy, sc.llm, m, dp_llm)))
     members.append(("lpt1d", baselines.lpt1d(costs.llm_total(), m, dp_llm)))
     p = costs.pp_vision + costs.pp_llm
     if m >= 2 and (p - 1) / (m + p - 1) >= end_weights_min_bubble:
