@@ -62,6 +62,9 @@ def fit_profile(
     rows = []
     for (module, tp), shapes in summary.shapes.groupby(["module", "tp"], sort=True):
         features = MODULE_FEATURES[module][1]
+        if len(shapes) < len(features):
+            log.warning("%s at tp=%s: %d profiled shape(s) for %d features (%s); its fit is underdetermined",
+                        module, tp, len(shapes), len(features), ", ".join(features))
         X = profile_features(features, shapes["batch"].to_numpy(), shapes["seq_len"].to_numpy())
         coef = {}
         for target in TARGETS:

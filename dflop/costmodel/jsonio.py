@@ -8,7 +8,7 @@ Layout (``version`` 1)::
       "provenance": {"preset": ..., "device": ..., "dtype": "float32", "profile": "...parquet",
                      "profile_sha256": ..., "n_profile_rows": ..., "created": ..., "dflop_version": ...},
       "modules": [
-        {"module": "llm_layer", "tp": 1, "features": ["tokens", "sq_tokens", "const"],
+        {"module": "llm_layer", "tp": 1, "features": ["tokens", "tokens_pow1.5", "sq_tokens", "const"],
          "coef": {"fwd_ms": [...], "bwd_ms": [...], "act_bytes": [...]},
          "param_bytes": 3.1e6, "n_shapes": 24, "profiled_batch": [1, 8], "profiled_seq_len": [16, 2048]},
         ...
@@ -16,8 +16,9 @@ Layout (``version`` 1)::
     }
 
 A module's prediction for a target is ``coef[target] @ features`` where the features of a set of
-samples are defined in `dflop.costmodel.features` (``tokens`` = sum of lengths, ``sq_tokens`` =
-sum of squared lengths, ``tiles`` = sum of tiles, ``const`` = 1). Layer modules are per layer.
+samples are defined in `dflop.costmodel.features` (``tokens`` = sum of lengths, ``tokens_pow1.5``
+= sum of lengths**1.5, ``sq_tokens`` = sum of squared lengths, ``tiles`` = sum of tiles,
+``const`` = 1). Layer modules are per layer.
 Floats are written with Python's shortest round-trip repr, so a loaded model predicts bit-identically.
 """
 

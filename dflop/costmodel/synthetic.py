@@ -28,11 +28,11 @@ def _default_coef() -> dict[str, dict[str, tuple[float, ...]]]:
         # features: tokens, const
         "llm_embed": {"fwd_ms": (1e-5, 0.02), "bwd_ms": (2e-5, 0.03), "act_bytes": (8.0, 0.0)},
         "llm_head": {"fwd_ms": (2e-3, 0.10), "bwd_ms": (4e-3, 0.12), "act_bytes": (6.1e5, 0.0)},
-        # features: tokens, sq_tokens, const
-        "llm_layer": {"fwd_ms": (1.5e-3, 2e-7, 0.15), "bwd_ms": (3.1e-3, 5e-7, 0.20),
-                      "act_bytes": (3.4e4, 0.0, 0.0)},
-        "llm_attention": {"fwd_ms": (1e-4, 2e-7, 0.03), "bwd_ms": (2e-4, 5e-7, 0.05),
-                          "act_bytes": (4.0e3, 0.0, 0.0)},
+        # features: tokens, tokens_pow1.5, sq_tokens, const
+        "llm_layer": {"fwd_ms": (1.5e-3, 3e-6, 2e-7, 0.15), "bwd_ms": (3.1e-3, 0.0, 5e-7, 0.20),
+                      "act_bytes": (3.4e4, 0.0, 0.0, 0.0)},
+        "llm_attention": {"fwd_ms": (1e-4, 3e-6, 2e-7, 0.03), "bwd_ms": (2e-4, 0.0, 5e-7, 0.05),
+                          "act_bytes": (4.0e3, 0.0, 0.0, 0.0)},
     }
 
 

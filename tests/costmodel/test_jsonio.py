@@ -53,7 +53,7 @@ def test_damaged_files_name_the_problem(model, tmp_path):
 
     bad = json.loads(json.dumps(good))
     bad["modules"][0]["coef"]["bwd_ms"].pop()
-    with pytest.raises(UserError, match=r"modules/0/coef/bwd_ms has 2 coefficients for 3 features"):
+    with pytest.raises(UserError, match=r"modules/0/coef/bwd_ms has 3 coefficients for 4 features"):
         CostModel.load(_write(tmp_path, bad))
 
     bad = json.loads(json.dumps(good))
@@ -78,5 +78,5 @@ def test_file_is_plain_json_with_the_feature_spec(model, tmp_path):
     model.save(path)
     data = json.loads(path.read_text())
     layer = next(m for m in data["modules"] if m["module"] == "llm_layer" and m["tp"] == 1)
-    assert layer["features"] == ["tokens", "sq_tokens", "const"]
+    assert layer["features"] == ["tokens", "tokens_pow1.5", "sq_tokens", "const"]
     assert set(layer["coef"]) == {"fwd_ms", "bwd_ms", "act_bytes"}

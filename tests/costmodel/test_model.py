@@ -12,13 +12,13 @@ def _module(name, features, fwd, bwd, act, param_bytes, tp=1):
 
 
 def hand_model(dtype="float32"):
-    tiles, tokens, attn = ("tiles", "const"), ("tokens", "const"), ("tokens", "sq_tokens", "const")
+    tiles, tokens, attn = ("tiles", "const"), ("tokens", "const"), ("tokens", "tokens_pow1.5", "sq_tokens", "const")
     return CostModel([
         _module("vision_embed", tiles, (0.1, 1.0), (0.2, 2.0), (100.0, 10.0), 1000.0),
         _module("vision_layer", tiles, (1.0, 0.5), (2.0, 0.25), (1000.0, 0.0), 4000.0),
         _module("projector", tiles, (0.3, 0.7), (0.6, 0.9), (300.0, 5.0), 2000.0),
         _module("llm_embed", tokens, (1e-3, 0.1), (2e-3, 0.2), (8.0, 0.0), 8000.0),
-        _module("llm_layer", attn, (1e-2, 1e-5, 0.4), (2e-2, 3e-5, 0.6), (50.0, 0.5, 7.0), 6000.0),
+        _module("llm_layer", attn, (1e-2, 1e-3, 1e-5, 0.4), (2e-2, 0.0, 3e-5, 0.6), (50.0, 0.0, 0.5, 7.0), 6000.0),
         _module("llm_head", tokens, (5e-3, 0.3), (1e-2, 0.5), (40.0, 3.0), 8000.0),
     ], Provenance(preset="hand", device="cpu", dtype=dtype))
 
@@ -37,7 +37,8 @@ def test_vision_stage_time_is_layers_plus_embed_and_projector():
 def test_llm_stage_time_uses_per_sample_squared_lengths_not_the_packed_length():
     lens = [100, 300]
     got = hand_model().llm_stage_time(lens, n_layers=2, first=False, last=True, tp=1)
-    layer_fwd = 1e-2 * 400 + 1e-5 * (100**2 + 300**2) + 0.4  # not (100 + 300)**2
+    # per-sample squares and powers, not those of the packed length (100 + 300)
+    layer_fwd = 1e-2 * 400 + 1e-3 * (100**1.5 + 300**1.5) + 1e-5 * (100**2 + 300**2) + 0.4
     head_fwd = 5e-3 * 400 + 0.3
     assert got.fwd_s == pytest.approx((2 * layer_fwd + head_fwd) / 1e3, rel=1e-12)
     layer_bwd = 2e-2 * 400 + 3e-5 * (100**2 + 300**2) + 0.6
@@ -63,7 +64,7 @@ def test_colocated_stage_adds_the_whole_vision_tower_to_the_first_llm_stage():
     model = hand_model()
     got = model.colocated_stage_time([3, 1], [50, 70], vision_layers=5, llm_layers=2, last=False, tp_v=1, tp_l=1)
     vision_fwd = 5 * (1.0 * 4 + 0.5) + (0.1 * 4 + 1.0) + (0.3 * 4 + 0.7)
-    llm_fwd = 2 * (1e-2 * 120 + 1e-5 * (50**2 + 70**2) + 0.4) + (1e-3 * 120 + 0.1)
+    llm_fwd = 2 * (1e-2 * 120 + 1e-3 * (50**1.5 + 70**1.5) + 1e-5 * (50**2 + 70**2) + 0.4) + (1e-3 * 120 + 0.1)
     assert got.fwd_s == pytest.approx((vision_fwd + llm_fwd) / 1e3, rel=1e-12)
     memory = model.colocated_stage_memory([3, 1], [50, 70], vision_layers=5, llm_layers=2, last=False,
                                           tp_v=1, tp_l=1, in_flight=2)
