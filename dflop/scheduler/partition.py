@@ -5,8 +5,8 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
   - greedy_aligned: the same bins, permuted within each replica so that the k-th heaviest bin of
     every replica runs in the same microbatch (one heavy microbatch instead of several out of
     step; only when dp_llm > 1);
-  - greedy_regrouped: the same bins regrouped so each microbatch holds dp_llm bins of similar
-    load (`regroup_bins`; only when dp_llm > 1);
+  - greedy_regrouped<w>: the same bins regrouped so each microbatch holds dp_llm bins of similar
+    LLM load, vision evened over windows of w microbatches (`regroup_bins`; dp_llm > 1 only);
   - lpt1d: 1-D LPT on LLM cost, a cheap second opinion when vision is light;
   - greedy_ends<w>: when the pipeline bubble is a large share of the step (few microbatches),
     greedy with the first and last microbatch filled to only w of the others: 1F1B pays the first
@@ -115,21 +115,39 @@ def align_replicas(bin_of: np.ndarray, llm_cost: np.ndarray, m: int, dp_llm: int
     return new_bin[bin_of]
 
 
-def regroup_bins(bin_of: np.ndarray, llm_cost: np.ndarray, m: int, dp_llm: int) -> np.ndarray:
-    """Keep the bins' contents but regroup them: all bins sorted by LLM load, every dp_llm
-    consecutive ones form a microbatch (replicas dealt in snake order to even replica totals).
+def regroup_bins(bin_of: np.ndarray, llm_cost: np.ndarray, vision_cost: np.ndarray, m: int, dp_llm: int,
+                 window: int = 4) -> np.ndarray:
+    """Keep the bins' contents but regroup them into microbatches of dp_llm bins of similar LLM
+    load, with vision load evened out among neighbouring microbatches.
 
     Replicas run a microbatch in lockstep (its vision work is shared), so a microbatch costs about
-    its heaviest bin; grouping bins of similar load wastes the least.
+    its heaviest bin: bins are ranked by LLM load and every `window` * dp_llm consecutive ones are
+    dealt to `window` microbatches, largest vision load first to the microbatch with the least
+    vision so far (each takes dp_llm bins). Replicas are dealt in snake order to even their totals.
+    ``llm_cost`` and ``vision_cost`` are [n] per-sample seconds.
     """
     n_bins = m * dp_llm
-    loads = np.bincount(bin_of, weights=llm_cost, minlength=n_bins)
-    ranked = np.argsort(-loads, kind="stable")
+    l_bin = np.bincount(bin_of, weights=llm_cost, minlength=n_bins)
+    v_bin = np.bincount(bin_of, weights=vision_cost, minlength=n_bins)
+    ranked = np.argsort(-l_bin, kind="stable")
     new_bin = np.empty(n_bins, dtype=np.int64)
-    for j in range(m):
-        group = ranked[j * dp_llm:(j + 1) * dp_llm]
-        reps = np.arange(dp_llm) if j % 2 == 0 else np.arange(dp_llm)[::-1]
-        new_bin[group] = j * dp_llm + reps
+    j0 = 0
+    for start in range(0, n_bins, window * dp_llm):
+        chunk = ranked[start:start + window * dp_llm]
+        k = len(chunk) // dp_llm
+        vis, members = np.zeros(k), [[] for _ in range(k)]
+        for b in chunk[np.argsort(-v_bin[chunk], kind="stable")]:
+            open_ = [g for g in range(k) if len(members[g]) < dp_llm]
+            g = min(open_, key=lambda g: (vis[g], g))
+            members[g].append(b)
+            vis[g] += v_bin[b]
+        for g in range(k):
+            group = sorted(members[g], key=lambda b: -l_bin[b])
+            j = j0 + g
+            reps = range(dp_llm) if j % 2 == 0 else range(dp_llm - 1, -1, -1)
+            for b, r in zip(group, reps):
+                new_bin[b] = j * dp_llm + r
+        j0 += k
     return new_bin[bin_of]
 
 
@@ -198,7 +216,8 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
     members = [("greedy", greedy)]
     if dp_llm > 1:
         members.append(("greedy_aligned", align_replicas(greedy, sc.llm, m, dp_llm)))
-        members.append(("greedy_regrouped", regroup_bins(greedy, sc.llm, m, dp_llm)))
+        for window in (1, 4):
+            members.append((f"greedy_regrouped{window}", regroup_bins(greedy, sc.llm, sc.vision, m, dp_llm, window)))
     members.append(("lpt1d", baselines.lpt1d(costs.llm_total(), m, dp_llm)))
     p = costs.pp_vision + costs.pp_llm
     if m >= 2 and (p - 1) / (m + p - 1) >= end_weights_min_bubble:
