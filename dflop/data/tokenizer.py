@@ -303,36 +303,37 @@ def count_text_tokens_batch(
 ) -> np.ndarray:
     """count_text_tokens for many conversations at once: int64 array [len(batch)].
 
-    Renders each conversation, then encodes all of them in one call to the Rust tokenizer
-    (multi-threaded when TOKENIZERS_PARALLELISM allows). A bad conversation raises an error
-    naming its position in the batch.
+    One chat-template call renders the whole batch, then the texts are encoded: with tiktoken
+    for load_tokenizer("qwen2.5") (same ids as its HF tokenizer, ~2-4x faster), else with the
+    tokenizer's Rust backend in one batch. A bad conversation raises an error naming its
+    position in the batch.
     """
     ids_of_placeholders = list(placeholder_token_ids(tokenizer, placeholder_tokens).values())
-    texts = []
+    messages = []
     for position, conversations in enumerate(batch):
         try:
-            texts.append(render_conversation(tokenizer, conversations))
+            messages.append(to_chat_messages(conversations))
         except ValueError as exc:
             raise ValueError(f"batch item {position}: {exc}") from None
-    encodings = _encode_batch(tokenizer, texts)
+    if not messages:
+        return np.zeros(0, dtype=np.int64)
+    texts = tokenizer.apply_chat_template(messages, tokenize=False)
     counts = np.empty(len(texts), dtype=np.int64)
-    for i, ids in enumerate(encodings):
+    for i, ids in enumerate(_encode_batch(tokenizer, texts)):
         counts[i] = len(ids) - sum(ids.count(p) for p in ids_of_placeholders)
     return counts
 
 
 def _encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Ids of each text, no BOS/EOS added (the chat template writes what the model needs)."""
-    if not texts:
-        return []
     twin = _TIKTOKEN_TWINS.get(tokenizer)
     if twin is not None:
-        # Same NFC normalization as the HF tokenizer's normalizer.
-        texts = [unicodedata.normalize("NFC", text) for text in texts]
-        return twin.encode_batch(texts, allowed_special="all")
+        # NFC as the HF tokenizer's normalizer. One text at a time: tiktoken's encode_batch
+        # thread pool costs more than it saves on short texts.
+        return [twin.encode(unicodedata.normalize("NFC", t), allowed_special="all") for t in texts]
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
