@@ -1,0 +1,1 @@
+"""Runtime: process topology, heterogeneous pipeline, DP/TP, checkpointing, export, metrics, trainer loop."""

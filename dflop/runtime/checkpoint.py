@@ -1,0 +1,693 @@
+"""Atomic, resumable training checkpoints with torch.distributed.checkpoint (DCP).
+
+Every rank calls `save_checkpoint` / `load_latest` with its `TrainState`. Parameters and optimizer
+tensors are stored under the full model's global parameter names (the Hugging Face names), so
+pipeline stages never collide; DCP writes a tensor held by several data-parallel replicas once, and
+a tensor-parallel shard as its chunk of the global tensor (a plain shard is wrapped in a DTensor
+over its TP group; DTensor parameters go in as they are). Checkpoint layout, one directory per step:
+
+    <ckpt_root>/step_000123/
+        .metadata, __<rank>_0.distcp   DCP: "model.<name>" and "optim.<name>.<key>" tensors
+        rank_00000.json, ...           per rank: RNG states, optimizer hyper-parameters, LR scheduler
+        train_state.json               rank 0: step, world size, data seed, extra JSON state
+        COMPLETE                       written last by rank 0
+
+All ranks write into ``step_000123.tmp/``; after a barrier rank 0 writes COMPLETE and renames the
+directory, so a run killed mid-save leaves only a ``.tmp`` directory (or a directory without the
+marker), which `load_latest` ignores: the run resumes from the previous checkpoint.
+
+Nothing is unpickled freely: DCP tensor files are read with ``torch.load(weights_only=True)``,
+DCP's metadata file with an unpickler that only builds DCP's own metadata classes, and every
+non-tensor state is JSON. Works with gloo (CPU), NCCL (GPU), and in one process without a process
+group.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from dflop.errors import UserError
+from dflop.models.architectures import architecture_of
+from dflop.models.packing import PACKED_ATTENTION
+from dflop.models.stages import LLMStage, build_llm_stage, build_vision_stage
+from dflop.models.tensor_parallel import TPGroup
+
+FORMAT_VERSION = 1
+COMPLETE_MARKER = "COMPLETE"
+TRAIN_STATE_FILE = "train_state.json"
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+# --------------------------------------------------------------------------------------------------
+# Which parameters a rank holds, under which global names
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankParameters:
+    """The parameters this rank trains, under the full model's parameter names.
+
+    tensors: global name (``model.named_parameters()`` of the full transformers model, which is the
+        name in its Hugging Face checkpoint) -> the tensor this rank holds: the whole parameter, a
+        plain tensor-parallel shard (listed in `shards`), or a DTensor.
+    shards: global name -> (dim, tp) for plain shards: the parameter is split into tp.size equal
+        chunks along dim and this rank holds chunk tp.rank.
+    config: the full model's transformers config (export builds the model from it).
+    untrained: parameters of the full model that no pipeline stage runs (LLaVA-OneVision's vision
+        post_layernorm), taken from this rank's full model: they never change, so export writes
+        these values.
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    shards: Mapping[str, tuple[int, TPGroup]]
+    config: PreTrainedConfig
+    untrained: Mapping[str, torch.Tensor]
+
+
+def full_model_on_meta(config: PreTrainedConfig) -> PreTrainedModel:
+    """The full model of `config` with meta tensors (shapes and names only, no memory).
+
+    The LLM uses the packed attention so pipeline stages can be built on it."""
+    attn = {"text_config": PACKED_ATTENTION, "vision_config": "sdpa", "": "sdpa"}
+    with torch.device("meta"):
+        return architecture_of(config).model_class._from_config(copy.deepcopy(config), attn_implementation=attn)
+
+
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name, tied aliases included (``lm_head.weight``), -> the name
+    ``named_parameters()`` reports for that tensor (``model.language_model.embed_tokens.weight``)."""
+    first: dict[int, str] = {}
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[name] = first.setdefault(id(param), name)
+    return names
+
+
+def untrained_parameter_names(meta_model: PreTrainedModel) -> set[str]:
+    """Parameters of the full model outside every pipeline stage: the forward never uses them."""
+    stages = [build_vision_stage(meta_model, 0, 1), build_llm_stage(meta_model, 0, 1)]
+    used = {id(p) for stage in stages for p in stage.parameters()}
+    return {name for name, p in meta_model.named_parameters() if id(p) not in used}
+
+
+def rank_parameters(model: PreTrainedModel,
+                    parts: Iterable[tuple[nn.Module, TPGroup | None]] | None = None) -> RankParameters:
+    """This rank's parameters by global name, from the modules it runs.
+
+    model: this rank's full transformers model (``build_model``); pipeline stages are views of it,
+        so a stage parameter's global name is the full model's name for the same tensor. Layers
+        sharded in place (``shard_llm_layer``) stay reachable from it.
+    parts: the (module, TP group) pairs this rank runs, e.g. ``[(vision_stage, vision_tp),
+        (llm_stage, llm_tp)]``; the TP group (None: no TP) tells which plain tensors are shards.
+        None: the whole model, unsharded (single process).
+    The vocabulary-parallel wrappers of an `LLMStage` (``embedding.embed_tokens.weight``,
+    ``head.weight``) are named after the input / output embeddings they replace.
+    """
+    meta = full_model_on_meta(model.config)
+    full_shapes = {name: p.shape for name, p in meta.named_parameters()}
+    canonical = canonical_names(meta)
+    by_identity = {id(p): name for name, p in model.named_parameters()}
+    tensors: dict[str, torch.Tensor] = {}
+    shards: dict[str, tuple[int, TPGroup]] = {}
+    for module, tp in (parts if parts is not None else [(model, None)]):
+        for local_name, param in module.named_parameters():
+            name = by_identity.get(id(param)) or _wrapper_name(model, module, local_name)
+            if name is None or name not in canonical:
+                raise UserError(f"parameter {local_name!r} of {type(module).__name__} is not a parameter of "
+                                f"the full {type(model).__name__}; cannot name it in a checkpoint")
+            name = canonical[name]
+            if name in tensors:
+                if tensors[name] is not param:
+                    raise UserError(f"parameter {name} (tied) is held twice on this rank as different tensors; "
+                                    "tied weights must stay one tensor")
+                continue
+            dim = _shard_dim(name, param, full_shapes[name], tp)
+            tensors[name] = param
+            if dim is not None:
+                shards[name] = (dim, tp)
+    untrained_names = untrained_parameter_names(meta)
+    untrained = {name: p for name, p in model.named_parameters()
+                 if name in untrained_names and tuple(p.shape) == tuple(full_shapes[name]) and not p.is_meta}
+    return RankParameters(tensors=tensors, shards=shards, config=model.config, untrained=untrained)
+
+
+def _wrapper_name(model: PreTrainedModel, module: nn.Module, local_name: str) -> str | None:
+    """Global name of a parameter of a vocabulary-parallel wrapper inside an LLMStage."""
+    if not isinstance(module, LLMStage):
+        return None
+    by_identity = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    if local_name == "embedding.embed_tokens.weight":
+        return by_identity.get(id(model.get_input_embeddings().weight))
+    if local_name in ("head.weight", "head.lm_head.weight"):
+        return by_identity.get(id(model.get_output_embeddings().weight))
+    return None
+
+
+def _shard_dim(name: str, param: torch.Tensor, full_shape: torch.Size, tp: TPGroup | None) -> int | None:
+    """None for a whole tensor (or a DTensor), else the dimension a plain TP shard is cut along."""
+    shape = tuple(param.shape)  # a DTensor reports its global shape
+    if shape == tuple(full_shape):
+        return None
+    size = 1 if tp is None or isinstance(param, DTensor) else tp.size
+    differing = [d for d in range(len(shape)) if shape[d] != full_shape[d]] if len(shape) == len(full_shape) else []
+    if size > 1 and len(differing) == 1 and shape[differing[0]] * size == full_shape[differing[0]]:
+        return differing[0]
+    raise UserError(f"parameter {name}: shape {list(shape)} is neither the full shape {list(full_shape)} "
+                    f"nor a 1/{size} tensor-parallel shard of it")
+
+
+# --------------------------------------------------------------------------------------------------
+# Training state
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainState:
+    """What one rank checkpoints; `load_latest` restores it in place.
+
+    data_seed: seed of the global-batch order; with the step it is the data position.
+    extra: JSON-able state beyond the model (e.g. the scheduler's adaptive correction); rank 0's
+        copy is saved and every rank gets it back on load.
+    RNG states (python, numpy, torch CPU, CUDA) are saved and restored per rank automatically.
+    """
+
+    params: RankParameters
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    data_seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+
+def step_dir(ckpt_root: str | Path, step: int) -> Path:
+    """Directory of the checkpoint after `step` optimizer steps."""
+    return Path(ckpt_root) / f"step_{step:06d}"
+
+
+def complete_checkpoints(ckpt_root: str | Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint under `ckpt_root`, oldest first."""
+    root = Path(ckpt_root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(ckpt_root: str | Path) -> Path | None:
+    """The newest complete checkpoint directory, or None."""
+    found = complete_checkpoints(ckpt_root)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(ckpt_root: str | Path, step: int, state: TrainState, *, keep: int = 2) -> Path:
+    """Write the checkpoint after `step` optimizer steps (collective: every rank calls it) and keep
+    the newest `keep` complete checkpoints. Returns the checkpoint directory.
+
+    Returns only once the checkpoint is complete on disk (final barrier)."""
+    if keep < 1:
+        raise UserError(f"checkpoint keep must be at least 1, got {keep}")
+    if step < 0:
+        raise UserError(f"checkpoint step must be >= 0, got {step}")
+    rank, world = global_rank(), world_size()
+    final = step_dir(ckpt_root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob("step_*.tmp"):  # left by a run killed mid-save
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    barrier()
+
+    tensors = _tensor_state(state, _name_of_params(state))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP warns about every single-process save
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not is_distributed())
+    _write_json(tmp / f"rank_{rank:05d}.json", _rank_json(state, rank, world))
+    if rank == 0:
+        _write_json(tmp / TRAIN_STATE_FILE, {"format": FORMAT_VERSION, "step": step, "world_size": world,
+                                             "data_seed": state.data_seed, "extra": state.extra})
+    barrier()
+
+    if rank == 0:
+        _write_json(tmp / COMPLETE_MARKER, {"step": step})
+        if final.exists():  # the same step saved again (a re-run that did no new step)
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _fsync_dir(final.parent)
+        for _, older in complete_checkpoints(ckpt_root)[:-keep]:
+            shutil.rmtree(older)
+    barrier()
+    return final
+
+
+def load_latest(ckpt_root: str | Path, state: TrainState) -> int | None:
+    """Restore `state` from the newest complete checkpoint (collective: every rank calls it).
+
+    Returns the restored step (optimizer steps done = index of the next global batch), or None
+    when `ckpt_root` holds no complete checkpoint (then `state` is untouched).
+    """
+    latest = latest_checkpoint(ckpt_root) if global_rank() == 0 else None
+    step = _broadcast_int(-1 if latest is None else int(_STEP_DIR.match(latest.name).group(1)))
+    if step < 0:
+        return None
+    load_checkpoint(step_dir(ckpt_root, step), state)
+    return step
+
+
+def load_checkpoint(path: str | Path, state: TrainState) -> int:
+    """Restore `state` from one complete checkpoint directory; returns its step."""
+    path = Path(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker)")
+    rank, world = global_rank(), world_size()
+    train_state = _read_json(path / TRAIN_STATE_FILE)
+    if train_state.get("format") != FORMAT_VERSION:
+        raise UserError(f"checkpoint {path}: format {train_state.get('format')!r}, expected {FORMAT_VERSION}")
+    if train_state["world_size"] != world:
+        raise UserError(f"checkpoint {path} was written by {train_state['world_size']} ranks; this run has {world} "
+                        "(resume with the same world size)")
+    per_rank = _read_json(path / f"rank_{rank:05d}.json")
+    metadata = SafeFileSystemReader(path).read_metadata()
+    name_of = _name_of_params(state)
+
+    wanted = _tensor_state(state, name_of)
+    wanted = {key: value for key, value in wanted.items() if not key.startswith("optim.")}
+    optimizer_targets = _optimizer_targets(state, name_of, metadata)
+    for param_targets in optimizer_targets.values():
+        wanted.update(param_targets)
+    missing = [key for key in wanted if key not in metadata.state_dict_metadata]
+    if missing:
+        raise UserError(f"checkpoint {path} has no tensor {missing[0]!r}" +
+                        (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") +
+                        "; was it written for a different model?")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(wanted, storage_reader=SafeFileSystemReader(path), planner=_TensorOnlyLoadPlanner(),
+                 no_dist=not is_distributed())
+    _copy_back(state, wanted)
+    _restore_optimizer(state, per_rank.get("optimizer"), optimizer_targets, path)
+    if state.lr_scheduler is not None:
+        if per_rank.get("lr_scheduler") is None:
+            raise UserError(f"checkpoint {path} has no LR scheduler state for rank {rank}")
+        state.lr_scheduler.load_state_dict(per_rank["lr_scheduler"])
+    _set_rng_state(per_rank["rng"])
+    state.data_seed = int(train_state["data_seed"])
+    state.extra.clear()
+    state.extra.update(train_state["extra"])
+    return int(train_state["step"])
+
+
+def read_checkpoint_model(path: str | Path) -> dict[str, torch.Tensor]:
+    """Full model tensors (global name -> whole tensor, shards assembled) of a checkpoint, read in one
+    process without a process group, e.g. to compare the final weights of two runs."""
+    path = Path(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker)")
+    metadata = SafeFileSystemReader(path).read_metadata()
+    out = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
+            out[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(out, storage_reader=SafeFileSystemReader(path), planner=_TensorOnlyLoadPlanner(), no_dist=True)
+    return {key.removeprefix("model."): tensor for key, tensor in out.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors: what DCP writes and reads
+# --------------------------------------------------------------------------------------------------
+
+def _name_of_params(state: TrainState) -> dict[int, str]:
+    """id(parameter) -> global name, checking that the optimizer only holds this rank's parameters."""
+    name_of = {id(t): name for name, t in state.params.tensors.items()}
+    if state.optimizer is not None:
+        for g, group in enumerate(state.optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                if id(param) not in name_of:
+                    raise UserError(f"optimizer parameter {i} of group {g} (shape {list(param.shape)}) is not "
+                                    "among this rank's parameters (rank_parameters)")
+    return name_of
+
+
+def _meshes(state: TrainState) -> dict[int, DeviceMesh]:
+    """One 1-D device mesh per TP group of plain shards (id(TPGroup) -> mesh)."""
+    meshes = {}
+    for _, tp in state.params.shards.values():
+        if id(tp) not in meshes:
+            group = tp.group if tp.group is not None else dist.group.WORLD
+            meshes[id(tp)] = DeviceMesh.from_group(group, _device_type())
+    return meshes
+
+
+def _as_global(state: TrainState, name: str, tensor: torch.Tensor, meshes: dict[int, DeviceMesh]) -> torch.Tensor:
+    """The tensor as DCP should see it: a plain shard becomes a DTensor view over its TP group."""
+    if name not in state.params.shards or isinstance(tensor, DTensor):
+        return tensor.detach()
+    dim, tp = state.params.shards[name]
+    return DTensor.from_local(tensor.detach(), meshes[id(tp)], [Shard(dim)], run_check=False)
+
+
+def _tensor_state(state: TrainState, name_of: dict[int, str]) -> dict[str, torch.Tensor]:
+    """Flat DCP state: "model.<name>" and "optim.<name>.<key>" (optimizer tensors shaped like their
+    parameter are sharded like it; scalars such as Adam's step are whole)."""
+    meshes = _meshes(state)
+    out = {f"model.{name}": _as_global(state, name, t, meshes) for name, t in state.params.tensors.items()}
+    if state.optimizer is not None:
+        for group in state.optimizer.param_groups:
+            for param in group["params"]:
+                name = name_of[id(param)]
+                for key, value in state.optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        like_param = value.shape == param.shape
+                        out[f"optim.{name}.{key}"] = _as_global(state, name, value, meshes) if like_param else value.detach()
+    return out
+
+
+def _global_shape(state: TrainState, name: str, tensor: torch.Tensor) -> tuple[int, ...]:
+    """Shape of the whole parameter a local tensor (or a tensor shaped like it) belongs to."""
+    shape = list(tensor.shape)  # a DTensor reports its global shape already
+    if name in state.params.shards and not isinstance(tensor, DTensor):
+        dim, tp = state.params.shards[name]
+        shape[dim] *= tp.size
+    return tuple(shape)
+
+
+def _optimizer_targets(state: TrainState, name_of: dict[int, str],
+                       metadata: Metadata) -> dict[int, dict[str, torch.Tensor]]:
+    """id(param) -> {"optim.<name>.<key>": tensor to load into}, for every optimizer tensor the
+    checkpoint holds: existing state tensors where shapes fit, else new ones (a fresh optimizer)."""
+    if state.optimizer is None:
+        return {}
+    meshes = _meshes(state)
+    saved_keys: dict[str, list[tuple[str, TensorStorageMetadata]]] = {}  # name -> [(state key, meta)]
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("optim.") and isinstance(meta, TensorStorageMetadata):
+            name, _, state_key = key.removeprefix("optim.").rpartition(".")
+            saved_keys.setdefault(name, []).append((state_key, meta))
+    targets = {}
+    for group in state.optimizer.param_groups:
+        on_param_device = bool(group.get("capturable") or group.get("fused"))
+        for param in group["params"]:
+            name = name_of[id(param)]
+            current = state.optimizer.state.get(param, {})
+            entries = {}
+            for state_key, meta in saved_keys.get(name, []):
+                like_param = tuple(meta.size) == _global_shape(state, name, param)
+                want_shape = tuple(param.shape) if like_param else tuple(meta.size)
+                existing = current.get(state_key)
+                if (isinstance(existing, torch.Tensor) and tuple(existing.shape) == want_shape
+                        and existing.dtype == meta.properties.dtype):
+                    local = existing
+                elif like_param:
+                    local = torch.empty_like(param, dtype=meta.properties.dtype)
+                else:
+                    device = param.device if on_param_device else torch.device("cpu")
+                    local = torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
+                key = f"optim.{name}.{state_key}"
+                entries[key] = _as_global(state, name, local, meshes) if like_param else local
+            targets[id(param)] = entries
+    return targets
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _copy_back(state: TrainState, loaded: dict[str, torch.Tensor]) -> None:
+    """DCP loads in place; a DTensor view of a plain shard shares its storage, but copy to be sure."""
+    with torch.no_grad():
+        for name, tensor in state.params.tensors.items():
+            value, target = _local(loaded[f"model.{name}"]), _local(tensor)
+            if value.data_ptr() != target.data_ptr():
+                target.copy_(value)
+
+
+def _restore_optimizer(state: TrainState, saved: dict | None, targets: dict[int, dict[str, torch.Tensor]],
+                       path: Path) -> None:
+    if state.optimizer is None:
+        return
+    if saved is None:
+        raise UserError(f"checkpoint {path} has no optimizer state for rank {global_rank()}")
+    groups = state.optimizer.param_groups
+    name_of = {id(t): name for name, t in state.params.tensors.items()}
+    if len(saved["param_groups"]) != len(groups):
+        raise UserError(f"checkpoint {path}: rank {global_rank()} saved {len(saved['param_groups'])} optimizer groups, "
+                        f"the optimizer has {len(groups)}")
+    for g, (group, saved_group) in enumerate(zip(groups, saved["param_groups"])):
+        names = [name_of[id(p)] for p in group["params"]]
+        if names != saved_group["params"]:
+            raise UserError(f"checkpoint {path}: optimizer group {g} of rank {global_rank()} holds other parameters "
+                            "than the checkpoint's")
+        for key, value in saved_group.items():
+            if key == "params":
+                continue
+            current = group.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            elif isinstance(current, tuple):
+                group[key] = tuple(value)
+            else:
+                group[key] = value
+    state.optimizer.state.clear()
+    for group in groups:
+        for param in group["params"]:
+            name = name_of[id(param)]
+            entries = {}
+            for key, value in targets.get(id(param), {}).items():
+                if isinstance(value, DTensor) and not isinstance(param, DTensor):
+                    value = value.to_local()
+                entries[key[len(f"optim.{name}."):]] = value
+            entries.update(saved["non_tensor_state"].get(name, {}))
+            if entries:
+                state.optimizer.state[param] = entries
+
+
+# --------------------------------------------------------------------------------------------------
+# JSON state: per rank (RNG, optimizer hyper-parameters, LR scheduler)
+# --------------------------------------------------------------------------------------------------
+
+def _rank_json(state: TrainState, rank: int, world: int) -> dict:
+    out: dict[str, Any] = {"rank": rank, "world_size": world, "rng": _rng_state()}
+    if state.optimizer is not None:
+        name_of = {id(t): name for name, t in state.params.tensors.items()}
+        groups = []
+        for group in state.optimizer.param_groups:
+            hyper = {key: _plain(value) for key, value in group.items() if key != "params"}
+            hyper["params"] = [name_of[id(p)] for p in group["params"]]
+            groups.append(hyper)
+        non_tensor = {}
+        for param, values in state.optimizer.state.items():
+            plain = {key: value for key, value in values.items() if not isinstance(value, torch.Tensor)}
+            if plain:
+                non_tensor[name_of[id(param)]] = plain
+        out["optimizer"] = {"param_groups": groups, "non_tensor_state": non_tensor}
+    if state.lr_scheduler is not None:
+        out["lr_scheduler"] = {key: _plain(value) for key, value in state.lr_scheduler.state_dict().items()}
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """JSON form of an optimizer / scheduler setting (tensors become numbers, tuples lists)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _rng_state() -> dict:
+    """This rank's random generator states, JSON-able (torch states as base64 bytes)."""
+    version, mt_state, gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+
+    def b64(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+    cuda = [b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {
+        "python": [version, list(mt_state), gauss],
+        "numpy": [np_kind, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "torch": b64(torch.get_rng_state()),
+        "cuda": cuda,
+    }
+
+
+def _set_rng_state(saved: dict) -> None:
+    version, mt_state, gauss = saved["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = saved["numpy"]
+    np.random.set_state((np_kind, np.asarray(np_keys, dtype=np.uint32), np_pos, np_has_gauss, np_gauss))
+
+    def unb64(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(unb64(saved["torch"]))
+    if saved["cuda"] and torch.cuda.is_available():
+        if len(saved["cuda"]) != torch.cuda.device_count():
+            raise UserError(f"checkpoint RNG state is for {len(saved['cuda'])} CUDA devices; "
+                            f"this rank sees {torch.cuda.device_count()}")
+        torch.cuda.set_rng_state_all([unb64(s) for s in saved["cuda"]])
+
+
+def _write_json(path: Path, data: Any) -> None:
+    try:
+        text = json.dumps(data)
+    except TypeError as exc:
+        raise UserError(f"checkpoint: cannot write {path.name} as JSON: {exc}") from None
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"checkpoint file {path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"checkpoint file {path} is not valid JSON: {exc}") from None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Safe reading of DCP's files
+# --------------------------------------------------------------------------------------------------
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # layout name -> torch.strided etc.
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only DCP's metadata classes, torch dtypes and sizes; refuses any other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == _METADATA_MODULE:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == _METADATA_MODULE:
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with a restricted unpickler for the .metadata file."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError:
+            raise UserError(f"checkpoint metadata {path} is missing") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
+            raise UserError(f"checkpoint metadata {path} is not DCP metadata: {exc}") from None
+        if not isinstance(metadata, Metadata):
+            raise UserError(f"checkpoint metadata {path} is not DCP metadata (found {type(metadata).__name__})")
+        if metadata.storage_meta is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
+    """We never save pickled objects, so never unpickle one from a checkpoint."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise UserError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; refusing to load it")
+
+
+# --------------------------------------------------------------------------------------------------
+# Process-group helpers (all no-ops in one process without a process group)
+# --------------------------------------------------------------------------------------------------
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def _device_type() -> str:
+    """Device of collective buffers: CUDA under NCCL, else CPU."""
+    return "cuda" if is_distributed() and "nccl" in str(dist.get_backend()).lower() else "cpu"
+
+
+def collective_device() -> torch.device:
+    """The device tensors must live on for collectives of the default process group."""
+    if _device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    if is_distributed():
+        if _device_type() == "cuda":
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
+
+
+def _broadcast_int(value: int) -> int:
+    """Rank 0's value on every rank."""
+    if not is_distributed():
+        return value
+    buf = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    dist.broadcast(buf, src=0)
+    return int(buf.item())
