@@ -9,8 +9,8 @@ refinement). Modules and shapes are described in `dflop.profiling.model_modules`
 param/grad/optim bytes are exact from the module, act_bytes is exact (tensors saved for
 backward, `_memory.saved_tensor_bytes`), peak_bytes is the CUDA allocator peak during forward +
 backward above what was allocated before it (NaN on CPU). Times are milliseconds: CUDA events on
-GPU, perf_counter on CPU, after `warmup` (at least 1) untimed runs; every repeat is stored (the cost models
-take the median).
+GPU, perf_counter on CPU, after `warmup` (at least 1) untimed runs; every repeat is stored (the
+cost models take the median).
 
 TP degree 1 runs in this process; TP > 1 runs in ``tp`` worker processes launched with torchrun
 (`dflop.profiling.model_tp_worker`; gloo and one thread per rank on CPU, NCCL on GPU); rank 0
@@ -62,8 +62,8 @@ class ProfileSettings:
         min_seq_len up, and rows pack batch = 1, 4, 16, ... samples of equal length.
     time_budget_s: soft wall-time budget per TP degree; the coarse grid always completes,
         refinement stops once it is spent.
-    tol: relative interpolation error that makes the grid refine an interval; misses under
-        abs_tol_ms are noise and never do.
+    tol: relative interpolation error that makes the grid refine an interval; misses smaller
+        than abs_tol_ms or than the repeats' interquartile range are noise and never do.
     """
 
     max_tiles: int = 16
@@ -118,7 +118,6 @@ def profile_model(
     settings = ProfileSettings(max_tiles=max_tiles, max_seq_len=max_seq_len, min_seq_len=min_seq_len,
                                repeats=repeats, warmup=warmup, time_budget_s=time_budget_s)
     settings.check()
-    spec = architecture(arch)
     config = model_config(arch, vision, llm, weights_dir=weights_dir)
     resolve_dtype(dtype)
     _check_device(device, tp_degrees)

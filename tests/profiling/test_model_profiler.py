@@ -20,9 +20,10 @@ SMALL_GRID = dict(max_tiles=4, max_seq_len=128, min_seq_len=16, repeats=2, warmu
 @pytest.fixture(scope="module", params=[("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
                                         ("internvl", "internvit-tiny", "llama3-tiny")], ids=["llava_ov", "internvl"])
 def profiled(request, tmp_path_factory):
-    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("profile") / "model_profile.parquet"
-    table = profile_model(*request.param, out, tp_degrees=(1,), **SMALL_GRID)
+    threads = torch.get_num_threads()
+    table = profile_model(*request.param, out, tp_degrees=(1,), **SMALL_GRID)  # measures on 1 thread
+    assert torch.get_num_threads() == threads  # and gives the caller its threads back
     return request.param, out, table
 
 
