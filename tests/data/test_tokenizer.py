@@ -9,6 +9,7 @@ test_vision_tokens.py.
 from __future__ import annotations
 
 import random
+import unicodedata
 
 import numpy as np
 import pytest
@@ -140,8 +141,6 @@ def test_decode_round_trip(tok):
     for text in _random_texts(50, seed=1):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         # NFC is applied on the way in, so decode gives the NFC form back.
-        import unicodedata
-
         assert tok.decode(ids) == unicodedata.normalize("NFC", text)
 
 
