@@ -1,0 +1,202 @@
+"""Export trained weights as a Hugging Face model directory (config.json + model.safetensors).
+
+Every rank calls `export_hf` with its `RankParameters` (the stage modules it runs, by global name).
+Rank 0 learns from a small manifest what each rank holds, then receives each parameter once: a
+whole tensor from the lowest rank holding it (data-parallel replicas are skipped), a plain
+tensor-parallel parameter as its tp.size shards (concatenated along the shard dimension), a
+DTensor after ``full_tensor()`` on its mesh. Parameters no pipeline stage runs (never trained) come
+from the ranks' own full models. Rank 0 loads them into the transformers model built from the same
+config (on the meta device, so no second random init) and calls ``save_pretrained`` into a
+temporary directory that is renamed into place, so a reader never sees a half-written export.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from dflop.errors import UserError
+from dflop.models.architectures import architecture_of
+from dflop.models.builder import resolve_dtype
+from dflop.runtime.checkpoint import (
+    RankParameters,
+    barrier,
+    canonical_names,
+    collective_device,
+    global_rank,
+    is_distributed,
+)
+
+
+@dataclass(frozen=True)
+class HeldTensor:
+    """One rank's piece of one parameter, as advertised in the manifest.
+
+    shape: what the rank will send: its local shard, or the whole tensor (DTensors: after
+        ``full_tensor()``). shard_dim: None for whole tensors, else the dimension the tp_size
+        pieces concatenate along. gather_ranks: for a DTensor, the ranks of its device mesh, which
+        all take part in ``full_tensor()``.
+    """
+
+    name: str
+    rank: int
+    shape: tuple[int, ...]
+    dtype: str
+    shard_dim: int | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    gather_ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """How rank 0 gets one parameter: pieces in concatenation order (one piece if whole)."""
+
+    name: str
+    pieces: tuple[HeldTensor, ...]
+    shard_dim: int | None
+    gather_ranks: tuple[int, ...] = ()
+
+
+def manifest(params: RankParameters, rank: int) -> list[HeldTensor]:
+    """What this rank holds: its trained parameters, then the untrained ones of its full model."""
+    held = []
+    for name, tensor in sorted(params.tensors.items()):
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if isinstance(tensor, DTensor):
+            mesh_ranks = tuple(int(r) for r in tensor.device_mesh.mesh.flatten().tolist())
+            held.append(HeldTensor(name, rank, tuple(tensor.shape), dtype, gather_ranks=mesh_ranks))
+        elif name in params.shards:
+            dim, tp = params.shards[name]
+            held.append(HeldTensor(name, rank, tuple(tensor.shape), dtype, dim, tp.rank, tp.size))
+        else:
+            held.append(HeldTensor(name, rank, tuple(tensor.shape), dtype))
+    for name, tensor in sorted(params.untrained.items()):
+        if name not in params.tensors:
+            held.append(HeldTensor(name, rank, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+    return held
+
+
+def transfer_plan(manifests: list[list[HeldTensor]], expected: set[str]) -> list[Transfer]:
+    """Which piece of which parameter comes from which rank, by parameter name.
+
+    Whole tensors come from their lowest holding rank; sharded ones from the lowest rank holding
+    each shard. Raises UserError naming a parameter that no rank holds (completely).
+    """
+    by_name: dict[str, list[HeldTensor]] = {}
+    for entries in manifests:
+        for entry in entries:
+            by_name.setdefault(entry.name, []).append(entry)
+    unknown = sorted(set(by_name) - expected)
+    if unknown:
+        raise UserError(f"export: parameter {unknown[0]} is not a parameter of the model")
+    missing = sorted(expected - set(by_name))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"export: no rank holds parameter {missing[0]}{more}; pass every stage module to rank_parameters")
+    plan = []
+    for name in sorted(by_name):
+        holders = sorted(by_name[name], key=lambda e: e.rank)
+        whole = [e for e in holders if e.shard_dim is None]
+        if whole:
+            first = whole[0]
+            plan.append(Transfer(name, (first,), None, first.gather_ranks))
+            continue
+        sizes = {(e.shard_dim, e.tp_size) for e in holders}
+        if len(sizes) != 1:
+            raise UserError(f"export: ranks hold parameter {name} sharded in different ways: {sorted(sizes)}")
+        dim, tp_size = sizes.pop()
+        pieces = []
+        for tp_rank in range(tp_size):
+            found = [e for e in holders if e.tp_rank == tp_rank]
+            if not found:
+                raise UserError(f"export: no rank holds tensor-parallel shard {tp_rank} of {tp_size} of {name}")
+            pieces.append(found[0])
+        plan.append(Transfer(name, tuple(pieces), dim))
+    return plan
+
+
+def export_hf(out_dir: str | Path, params: RankParameters, *, dtype: str | torch.dtype | None = None) -> Path:
+    """Write the full model as a Hugging Face directory (collective: every rank calls it).
+
+    out_dir: the directory to create (replaced if it exists); rank 0 writes it.
+    params: this rank's parameters (`dflop.runtime.checkpoint.rank_parameters`).
+    dtype: dtype of the saved weights (default: as trained).
+    Returns out_dir on every rank, once it is complete.
+    """
+    rank = global_rank()
+    mine = manifest(params, rank)
+    if is_distributed():
+        manifests: list = [None] * dist.get_world_size()
+        dist.all_gather_object(manifests, mine)
+    else:
+        manifests = [mine]
+    expected = set(canonical_names(_meta_model(params.config)).values())
+    plan = transfer_plan(manifests, expected)  # the same on every rank, so a bad plan fails everywhere
+
+    weights: dict[str, torch.Tensor] = {}
+    for transfer in plan:
+        local = params.tensors.get(transfer.name, params.untrained.get(transfer.name))
+        if transfer.gather_ranks and rank in transfer.gather_ranks:
+            local = local.full_tensor()
+        received = []
+        for piece in transfer.pieces:
+            if piece.rank == rank:
+                if rank == 0:
+                    received.append(local.detach().cpu())
+                else:
+                    dist.send(local.detach().to(collective_device()).contiguous(), dst=0)
+            elif rank == 0:
+                buf = torch.empty(piece.shape, dtype=getattr(torch, piece.dtype), device=collective_device())
+                dist.recv(buf, src=piece.rank)
+                received.append(buf.cpu())
+        if rank == 0:
+            weights[transfer.name] = (received[0] if transfer.shard_dim is None
+                                      else torch.cat(received, dim=transfer.shard_dim))
+    out = Path(out_dir)
+    if rank == 0:
+        _write_hf_dir(out, params.config, weights, dtype)
+    barrier()
+    return out
+
+
+def _meta_model(config: PreTrainedConfig) -> PreTrainedModel:
+    """The transformers model of `config` on the meta device, default (SDPA) attention everywhere,
+    so the saved config.json names no dflop-only attention."""
+    with torch.device("meta"):
+        return architecture_of(config).model_class._from_config(copy.deepcopy(config), attn_implementation="sdpa")
+
+
+def _write_hf_dir(out: Path, config: PreTrainedConfig, weights: dict[str, torch.Tensor],
+                  dtype: str | torch.dtype | None) -> None:
+    model = _meta_model(config)
+    result = model.load_state_dict(weights, strict=False, assign=True)
+    aliases = set(canonical_names(model)) - set(weights)  # tied names (lm_head.weight) follow their tensor
+    if set(result.missing_keys) - aliases or result.unexpected_keys:
+        raise UserError(f"export: weights do not fit the model: missing {sorted(set(result.missing_keys) - aliases)[:3]}, "
+                        f"unexpected {result.unexpected_keys[:3]}")
+    model.tie_weights()
+    still_meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise UserError(f"export: parameter {still_meta[0]} got no weights")
+    if dtype is not None:
+        model.to(resolve_dtype(dtype))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
