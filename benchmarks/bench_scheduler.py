@@ -2,7 +2,7 @@
 
     python benchmarks/bench_scheduler.py [--shapes results/data/shapes.parquet] [--out bench.csv]
         [--batches 3] [--budget-s 0.25] [--costmodel results/costmodel/costmodel.json
-        --vision-layers 27 --llm-layers 28]
+        --vision-layers 27 --llm-layers 28] [--timing]
 
 Prints one row per (data set, n, m, dp): mean simulated step / bound per policy, our worst batch,
 our worst ratio to the best baseline, and our solve time p50/p99 in ms. See benchmarks/README.md.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from dflop.scheduler.bench import DEFAULT_GRID, bench_scheduler
+from dflop.scheduler.bench import DEFAULT_GRID, bench_scheduler, time_greedy_path
 from dflop.scheduler.costs import fitted_costs_fn
 
 
@@ -31,6 +31,8 @@ def main(argv=None) -> None:
     ap.add_argument("--llm-layers", type=int, help="LLM layers (with --costmodel)")
     ap.add_argument("--pp-llm", type=int, default=3, help="LLM pipeline stages (with --costmodel)")
     ap.add_argument("--mem-limit-gb", type=float, default=math.inf, help="GPU memory (with --costmodel)")
+    ap.add_argument("--timing", action="store_true",
+                    help="only time the greedy path at n=1024 with 64 bins (64x1, 16x4, 8x8)")
     args = ap.parse_args(argv)
     grid = DEFAULT_GRID if not args.grid else tuple(tuple(int(x) for x in p.split(":")) for p in args.grid.split(","))
     costs_fn = layout = None
@@ -40,6 +42,9 @@ def main(argv=None) -> None:
         costs_fn, layout = fitted_costs_fn(args.costmodel, vision_layers=args.vision_layers,
                                            llm_layers=args.llm_layers, pp_llm=args.pp_llm,
                                            mem_limit_bytes=args.mem_limit_gb * 2**30)
+    if args.timing:
+        time_greedy_path(layout=layout, costs_fn=costs_fn)
+        return
     bench_scheduler(args.shapes, args.out, grid=grid, batches=args.batches, budget_s=args.budget_s,
                     seed=args.seed, include_mix=not args.no_mix, layout=layout, costs_fn=costs_fn)
 

@@ -132,3 +132,35 @@ def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, 
     if verbose:
         print(format_table(summary))
     return summary
+
+
+def time_greedy_path(n: int = 1024, layouts=((64, 1), (16, 4), (8, 8)), *, repeats: int = 20, seed: int = 1,
+                     layout: StageLayout | None = None, costs_fn: CostsFn | None = None,
+                     verbose: bool = True) -> pd.DataFrame:
+    """Wall and CPU time of the portfolio without the ILP (what a step waits for at worst) on
+    `repeats` global batches of the generated mix, for each (m, dp) in `layouts`."""
+    import os
+
+    layout = layout or StageLayout()
+    costs_fn = costs_fn or AnalyticCostModel()
+    pool = llava_ov_mix(20000, seed=seed)
+    rng = np.random.default_rng(seed)
+    load_before = os.getloadavg()[0]
+    rows = []
+    for m, dp in layouts:
+        wall, cpu = [], []
+        for _ in range(repeats):
+            shapes = pool.iloc[rng.choice(len(pool), n)].reset_index(drop=True)
+            costs = batch_costs_from_shapes(shapes, layout, costs_fn)
+            t0, c0 = time.perf_counter(), time.process_time()
+            partition(costs, m, dp, dp, ilp="never")
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        rows.append(dict(n=n, m=m, dp=dp, bins=m * dp, wall_p50_ms=1e3 * np.median(wall),
+                         wall_p99_ms=1e3 * np.quantile(wall, 0.99), cpu_p50_ms=1e3 * np.median(cpu)))
+    table = pd.DataFrame(rows)
+    if verbose:
+        print(f"greedy path (ilp='never'), {repeats} batches each; load average {load_before:.1f} -> "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        print(table.to_string(index=False, float_format="{:.1f}".format))
+    return table

@@ -166,7 +166,7 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
               seed: int = 0, policy: str = "dflop", p2p_s: float = 0.0, allreduce_s=0.0,
               lengths: np.ndarray | None = None, ilp: str = "auto", ilp_max_vars: int = 4096,
               ilp_items_per_bin: float = 4.0, ilp_skew: float = 0.3, ilp_max_nodes: int = 200,
-              end_weights: tuple[tuple[float, float], ...] = ((0.9, 0.7), (0.8, 0.8), (0.8, 0.6), (0.7, 0.5)),
+              end_weights: tuple[tuple[float, float], ...] = ((0.9, 0.7), (0.8, 0.6)),
               end_weights_min_bubble: float = 0.2) -> Partition:
     """Partition one global batch (see module docstring for the portfolio).
 
