@@ -291,18 +291,17 @@ def load_checkpoint(path: str | Path, state: TrainState) -> int:
     if not (path / COMPLETE_MARKER).is_file():
         raise UserError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker)")
     rank, world = global_rank(), world_size()
-    train_state = _read_json(path / TRAIN_STATE_FILE)
-    if train_state.get("format") != FORMAT_VERSION:
-        raise UserError(f"checkpoint {path}: format {train_state.get('format')!r}, expected {FORMAT_VERSION}")
+    train_state = _read_json(path / TRAIN_STATE_FILE, ("format", "step", "world_size", "data_seed", "extra"))
+    if train_state["format"] != FORMAT_VERSION:
+        raise UserError(f"checkpoint {path}: format {train_state['format']!r}, expected {FORMAT_VERSION}")
     if train_state["world_size"] != world:
         raise UserError(f"checkpoint {path} was written by {train_state['world_size']} ranks; this run has {world} "
                         "(resume with the same world size)")
-    per_rank = _read_json(path / f"rank_{rank:05d}.json")
+    per_rank = _read_json(path / f"rank_{rank:05d}.json", ("rng",))
     metadata = SafeFileSystemReader(path).read_metadata()
     name_of = _name_of_params(state)
 
-    wanted = _tensor_state(state, name_of)
-    wanted = {key: value for key, value in wanted.items() if not key.startswith("optim.")}
+    wanted = _model_tensors(state)
     optimizer_targets = _optimizer_targets(state, name_of, metadata)
     for param_targets in optimizer_targets.values():
         wanted.update(param_targets)
@@ -379,11 +378,17 @@ def _as_global(state: TrainState, name: str, tensor: torch.Tensor, meshes: dict[
     return DTensor.from_local(tensor.detach(), meshes[id(tp)], [Shard(dim)], run_check=False)
 
 
+def _model_tensors(state: TrainState) -> dict[str, torch.Tensor]:
+    """Flat DCP state of the parameters: "model.<name>" -> tensor (plain shards as DTensors)."""
+    meshes = _meshes(state)
+    return {f"model.{name}": _as_global(state, name, t, meshes) for name, t in state.params.tensors.items()}
+
+
 def _tensor_state(state: TrainState, name_of: dict[int, str]) -> dict[str, torch.Tensor]:
     """Flat DCP state: "model.<name>" and "optim.<name>.<key>" (optimizer tensors shaped like their
     parameter are sharded like it; scalars such as Adam's step are whole)."""
     meshes = _meshes(state)
-    out = {f"model.{name}": _as_global(state, name, t, meshes) for name, t in state.params.tensors.items()}
+    out = _model_tensors(state)
     if state.optimizer is not None:
         for group in state.optimizer.param_groups:
             for param in group["params"]:
@@ -574,13 +579,18 @@ def _write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, required: tuple[str, ...]) -> dict:
+    """A JSON object with (at least) the `required` keys."""
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"checkpoint file {path} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"checkpoint file {path} is not valid JSON: {exc}") from None
+    missing = [key for key in required if not isinstance(data, dict) or key not in data]
+    if missing:
+        raise UserError(f"checkpoint file {path} has no {missing[0]!r} entry")
+    return data
 
 
 def _fsync_dir(path: Path) -> None:

@@ -13,7 +13,6 @@ import json
 import os
 import pickle
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -159,14 +158,14 @@ def test_resume_test_detects_a_lost_rng_state(tmp_path):
     assert any(not torch.equal(resumed[n], v) for n, v in expected.items())
 
 
-def _small_state(tmp_path) -> TrainState:
+def _small_state() -> TrainState:
     model = build_model(*LLAVA, seed=0)
     return make_state(rank_parameters(model))
 
 
 def test_half_written_checkpoints_are_ignored(tmp_path):
     root = tmp_path / "ckpt"
-    state = _small_state(tmp_path)
+    state = _small_state()
     fake_steps(state.params, state.optimizer, state.lr_scheduler, n=1, salt=1)
     save_checkpoint(root, 2, state)
     snap, draws = _snapshot(state), _draws()
@@ -188,7 +187,7 @@ def test_half_written_checkpoints_are_ignored(tmp_path):
 
 def test_keep_last_k_and_resaving_a_step(tmp_path):
     root = tmp_path / "ckpt"
-    state = _small_state(tmp_path)
+    state = _small_state()
     for step in range(1, 6):
         save_checkpoint(root, step, state, keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000005"]
@@ -201,7 +200,7 @@ def test_keep_last_k_and_resaving_a_step(tmp_path):
 
 
 def test_no_checkpoint_leaves_state_untouched(tmp_path):
-    state = _small_state(tmp_path)
+    state = _small_state()
     before = {n: t.clone() for n, t in state.params.tensors.items()}
     assert load_latest(tmp_path / "missing", state) is None
     (tmp_path / "empty" / "step_000001.tmp").mkdir(parents=True)
@@ -216,7 +215,7 @@ class _Exploit:
 
 def test_metadata_with_foreign_pickle_globals_is_refused_unexecuted(tmp_path):
     root = tmp_path / "ckpt"
-    state = _small_state(tmp_path)
+    state = _small_state()
     save_checkpoint(root, 1, state)
     exploit = _Exploit()
     exploit.marker = tmp_path / "pwned"
@@ -228,13 +227,19 @@ def test_metadata_with_foreign_pickle_globals_is_refused_unexecuted(tmp_path):
 
 def test_mismatches_are_one_line_errors(tmp_path):
     root = tmp_path / "ckpt"
-    state = _small_state(tmp_path)
+    state = _small_state()
     save_checkpoint(root, 1, state)
 
     meta = step_dir(root, 1) / "train_state.json"
     data = json.loads(meta.read_text())
     meta.write_text(json.dumps({**data, "world_size": 2}))
     with pytest.raises(UserError, match="written by 2 ranks; this run has 1"):
+        load_latest(root, state)
+    meta.write_text("{")
+    with pytest.raises(UserError, match=r"train_state\.json is not valid JSON"):
+        load_latest(root, state)
+    meta.write_text(json.dumps({k: v for k, v in data.items() if k != "data_seed"}))
+    with pytest.raises(UserError, match=r"train_state\.json has no 'data_seed' entry"):
         load_latest(root, state)
     meta.write_text(json.dumps(data))
 
@@ -335,4 +340,3 @@ def test_kill_and_resume_with_two_data_parallel_ranks(tmp_path):
     assert sorted(p.name for p in ckpt.glob("rank_*.json")) == ["rank_00000.json", "rank_00001.json"]
     rng = [json.loads((ckpt / f"rank_0000{r}.json").read_text())["rng"]["torch"] for r in (0, 1)]
     assert rng[0] != rng[1]
-    shutil.rmtree(tmp_path / "killed")
