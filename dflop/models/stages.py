@@ -68,6 +68,8 @@ class VisionStage(nn.Module):
         self.image_features = arch.image_features(model) if self.is_last else None
 
     def forward(self, x: torch.Tensor, layout: ImageLayout) -> torch.Tensor:
+        if x.shape[0] != layout.n_tiles:
+            raise UserError(f"vision stage got {x.shape[0]} tiles but the image layout has {layout.n_tiles}")
         hidden = self.embeddings(x) if self.is_first else x
         for layer in self.layers:
             hidden = self._run_layer(layer, hidden)

@@ -23,6 +23,7 @@ from transformers.loss.loss_utils import fixed_cross_entropy
 
 from dflop.errors import UserError
 from dflop.models.packing import IGNORE_INDEX
+from dflop.models.stages import LLMStage, VisionStage
 
 
 @dataclass(frozen=True)
@@ -252,3 +253,28 @@ class VocabParallelCausalLMHead(nn.Module):
         if num_items_in_batch is None:
             return per_token.mean()
         return per_token.sum() / num_items_in_batch
+
+
+def shard_stage(stage: VisionStage | LLMStage, tp: TPGroup) -> VisionStage | LLMStage:
+    """This rank's shard of a pipeline stage (in place): its layers, and projector, or token
+    embedding and LM head + loss. An embedding and head tied in one stage stay tied."""
+    if tp.size == 1:
+        return stage
+    if isinstance(stage, VisionStage):
+        for layer in stage.layers:
+            shard_vision_layer(layer, tp)
+        if stage.image_features is not None:
+            shard_projector(stage.image_features.projector, tp)
+        return stage
+    for layer in stage.layers:
+        shard_llm_layer(layer, tp)
+    embedding = None
+    if stage.embedding is not None:
+        full_table = stage.embedding.embed_tokens
+        embedding = stage.embedding.embed_tokens = VocabParallelEmbedding(full_table, tp)
+    if stage.head is not None:
+        tied = embedding is not None and stage.head.lm_head.weight is full_table.weight
+        stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp)
+        if tied:
+            stage.head.weight = embedding.weight
+    return stage

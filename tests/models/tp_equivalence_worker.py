@@ -12,17 +12,20 @@ import sys
 
 import torch
 import torch.distributed as dist
+from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
-from dflop.models.architectures import architecture, new_llm_layer, new_llm_norm, new_rotary_embedding
-from dflop.models.builder import model_config
+from dflop.models.architectures import ImageLayout, architecture, new_llm_layer, new_llm_norm, new_rotary_embedding
+from dflop.models.builder import build_model, model_config
 from dflop.models.llm_parts import CausalLMHead, TokenEmbedding, run_decoder_layers
 from dflop.models.packing import PackedSequence
+from dflop.models.stages import build_llm_stage, build_vision_stage
 from dflop.models.tensor_parallel import (
     TPGroup,
     VocabParallelCausalLMHead,
     VocabParallelEmbedding,
     shard_llm_layer,
     shard_projector,
+    shard_stage,
     shard_vision_layer,
 )
 
@@ -61,6 +64,46 @@ def check(name, full, sharded, run, inputs, tp, rename=None):
     for pname, param in sharded.named_parameters():
         ref = full_params[(rename or {}).get(pname, pname)]
         _close(f"{name} grad {pname}", param.grad, _matching_slice(ref.grad, param, tp.rank))
+
+
+def check_whole_stages(arch, vision, llm, tp, g):
+    """A vision stage + an LLM stage (pp = 1 each) sharded with shard_stage vs the full stages."""
+    full_model = build_model(arch, vision, llm, seed=0)
+    tp_model = build_model(arch, vision, llm, seed=0)
+    stages = {}
+    for name, model in (("full", full_model), ("tp", tp_model)):
+        stages[name] = [build_vision_stage(model, 0, 1), build_llm_stage(model, 0, 1)]
+    for stage in stages["tp"]:
+        shard_stage(stage, tp)
+
+    size = full_model.config.vision_config.image_size
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    image_sizes = torch.tensor([[size, 2 * size], [size, size]])
+    if arch == "llava_ov":  # AnyRes: base tile + crop grid, as transformers counts them
+        tiles = tuple(image_size_to_num_patches(s, full_model.config.image_grid_pinpoints, size) for s in image_sizes)
+    else:
+        tiles = (2, 1)
+    layout = ImageLayout(tiles, image_sizes)
+    pixels = torch.randn(layout.n_tiles, 3, size, size, generator=g)
+    with torch.no_grad():
+        n_image = stages["full"][0](pixels, layout).shape[0]
+    image = full_model.config.image_token_id
+    ids = torch.cat([torch.randint(0, 2000, (5,), generator=g), torch.full((n_image,), image),
+                     torch.randint(0, 2000, (16,), generator=g)])
+    packed = PackedSequence.from_lengths([5 + n_image + 7, 9])
+    labels = packed.shift_labels(ids.masked_fill(ids == image, -100))
+    losses = {}
+    for name, (vision_stage, llm_stage) in stages.items():
+        losses[name] = llm_stage(ids, packed, image_features=vision_stage(pixels, layout), shift_labels=labels)
+        losses[name].backward()
+    _close(f"{arch} stage loss", losses["tp"].detach(), losses["full"].detach())
+    for full_stage, tp_stage in zip(stages["full"], stages["tp"]):
+        full_params = dict(full_stage.named_parameters())
+        for pname, param in tp_stage.named_parameters():
+            ref = full_params[{"head.weight": "head.lm_head.weight"}.get(pname, pname)]
+            if ref.grad is None:
+                continue
+            _close(f"{arch} stage grad {pname}", param.grad, _matching_slice(ref.grad, param, tp.rank))
 
 
 def main() -> int:
@@ -119,6 +162,9 @@ def main() -> int:
         sharded = copy.deepcopy(projector)
         shard_projector(sharded.projector if hasattr(sharded, "projector") else sharded, tp)
         check(f"{arch} projector", projector, sharded, lambda m, x: m(x), [hidden], tp)
+
+    for arch, vision, llm in [("llava_ov", "siglip-tiny", "qwen2.5-tiny"), ("internvl", "internvit-tiny", "llama3-tiny")]:
+        check_whole_stages(arch, vision, llm, tp, g)
 
     for line in FAILURES:
         print(f"rank {tp.rank}: {line}", file=sys.stderr)
