@@ -11,9 +11,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import PreTrainedConfig
 
 from dflop.models.architectures import architecture_of
 from dflop.models.builder import model_config
+
+MAX_TP = 64
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class ModelInfo:
     *_params: parameter counts (elements) of one part; ``llm_head_params`` includes the LM head
         matrix even when it is tied to the embedding (the last stage holds a copy of it), while
         ``total_params`` counts every distinct parameter of the model once.
+    vision_tp_degrees, llm_tp_degrees: TP degrees up to MAX_TP that split heads (query and
+        key/value), MLP width and, for the LLM, the vocabulary evenly.
     """
 
     arch: str
@@ -47,15 +52,26 @@ class ModelInfo:
     llm_layer_params: int
     llm_head_params: int
     total_params: int
+    vision_tp_degrees: tuple[int, ...]
+    llm_tp_degrees: tuple[int, ...]
 
-    def vision_tp_degrees(self, max_tp: int = 64) -> tuple[int, ...]:
-        """TP degrees up to `max_tp` that split the vision heads and widths evenly."""
-        return tuple(t for t in range(1, max_tp + 1) if self.vision_heads % t == 0)
 
-    def llm_tp_degrees(self, max_tp: int = 64) -> tuple[int, ...]:
-        """TP degrees up to `max_tp` that split query and key/value heads and the vocabulary evenly."""
-        return tuple(t for t in range(1, max_tp + 1)
-                     if self.llm_heads % t == 0 and self.llm_kv_heads % t == 0 and self.vocab_size % t == 0)
+def vision_tp_divides(config: PreTrainedConfig, tp: int) -> bool:
+    """Whether `tp` ranks can split the vision tower's heads and MLP width evenly."""
+    v = config.vision_config
+    return v.num_attention_heads % tp == 0 and v.intermediate_size % tp == 0
+
+
+def llm_tp_divides(config: PreTrainedConfig, tp: int) -> bool:
+    """Whether `tp` ranks can split the LLM's query and key/value heads, MLP and vocabulary evenly."""
+    t = config.text_config
+    return (t.num_attention_heads % tp == 0 and t.num_key_value_heads % tp == 0
+            and t.intermediate_size % tp == 0 and t.vocab_size % tp == 0)
+
+
+def projector_tp_divides(config: PreTrainedConfig, tp: int) -> bool:
+    """Whether `tp` ranks can split the projector's hidden width (the LLM width) evenly."""
+    return config.text_config.hidden_size % tp == 0
 
 
 def model_info(arch: str, vision: str, llm: str, *, weights_dir: str | Path | None = None) -> ModelInfo:
@@ -87,6 +103,8 @@ def model_info(arch: str, vision: str, llm: str, *, weights_dir: str | Path | No
         llm_layer_params=count_params(lm.layers[0]),
         llm_head_params=count_params(lm.norm) + count_params(model.lm_head),
         total_params=count_params(model),
+        vision_tp_degrees=tuple(t for t in range(1, MAX_TP + 1) if vision_tp_divides(config, t)),
+        llm_tp_degrees=tuple(t for t in range(1, MAX_TP + 1) if llm_tp_divides(config, t)),
     )
 
 

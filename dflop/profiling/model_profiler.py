@@ -41,6 +41,7 @@ from dflop.errors import UserError
 from dflop.io import atomic_path
 from dflop.models.architectures import Architecture, architecture
 from dflop.models.builder import model_config, resolve_dtype
+from dflop.models.info import llm_tp_divides, projector_tp_divides, vision_tp_divides
 from dflop.models.tensor_parallel import TPGroup
 from dflop.profiling._memory import adam_state_bytes, grad_bytes, param_bytes, saved_tensor_bytes
 from dflop.profiling._timing import Timer
@@ -148,13 +149,10 @@ def profile_model(
 
 
 def modules_for_tp(config: PreTrainedConfig, tp: int) -> tuple[str, ...]:
-    """Modules whose heads and widths `tp` divides (vision: heads and MLP; LLM: q/kv heads and vocabulary)."""
-    v, t = config.vision_config, config.text_config
-    vision_ok = v.num_attention_heads % tp == 0 and v.intermediate_size % tp == 0
-    projector_ok = t.hidden_size % tp == 0
-    llm_ok = (t.num_attention_heads % tp == 0 and t.num_key_value_heads % tp == 0
-              and t.vocab_size % tp == 0 and t.intermediate_size % tp == 0)
-    allowed = {"vision_embed": vision_ok, "vision_layer": vision_ok, "projector": projector_ok}
+    """Modules whose heads and widths `tp` splits evenly (see `dflop.models.info`)."""
+    vision_ok = vision_tp_divides(config, tp)
+    allowed = {"vision_embed": vision_ok, "vision_layer": vision_ok, "projector": projector_tp_divides(config, tp)}
+    llm_ok = llm_tp_divides(config, tp)
     return tuple(m for m in MODULES if allowed.get(m, llm_ok))
 
 

@@ -40,7 +40,7 @@ def test_vision_presets_have_published_shapes():
     assert info.vision_tokens_per_tile == 1025 and info.llm_tokens_per_tile == 256
     info = model_info("internvl", "internvit-6b", "qwen2.5-0.5b")
     assert 5.5e9 < info.vision_embed_params + info.vision_layers * info.vision_layer_params < 5.6e9
-    assert info.vision_tp_degrees(8) == (1, 5)
+    assert info.vision_tp_degrees == (1, 5, 25)
 
 
 def test_part_counts_add_up_to_the_built_model():
@@ -63,8 +63,8 @@ def test_small_presets_are_about_fifty_million_parameters():
 
 def test_tp_degrees_divide_heads():
     info = model_info("llava_ov", "siglip-so400m", "qwen2.5-7b")  # 28 heads, 4 kv heads
-    assert info.llm_tp_degrees(8) == (1, 2, 4)
-    assert info.vision_tp_degrees(8) == (1, 2, 4, 8)
+    assert info.llm_tp_degrees == (1, 2, 4)
+    assert info.vision_tp_degrees == (1, 2, 4, 8, 16)
 
 
 def test_unknown_names_and_wrong_tower_are_one_line_errors():
