@@ -46,7 +46,7 @@ LAYER_MODULES = frozenset({"vision_layer", "llm_layer", "llm_attention"})
 IMAGE_TOKEN_SHARE = 0.5
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModuleBench:
     """One profiled module: ``forward(*make_inputs(batch, seq_len))`` is the timed forward.
 
