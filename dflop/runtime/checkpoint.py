@@ -239,8 +239,9 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: TrainState, *, keep
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
-        for stale in final.parent.glob("step_*.tmp"):  # left by a run killed mid-save
-            shutil.rmtree(stale)
+        for pattern in ("step_*.tmp", "step_*.old"):  # left by a run killed mid-save
+            for stale in final.parent.glob(pattern):
+                shutil.rmtree(stale)
         tmp.mkdir()
     barrier()
 
@@ -265,7 +266,8 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: TrainState, *, keep
         else:
             tmp.rename(final)
         _fsync_dir(final.parent)
-        for _, older in complete_checkpoints(ckpt_root)[:-keep]:
+        others = [path for s, path in complete_checkpoints(ckpt_root) if s != step]
+        for older in others[:max(0, len(others) + 1 - keep)]:  # oldest first; never the one just written
             shutil.rmtree(older)
     barrier()
     return final

@@ -44,6 +44,7 @@ from test_checkpoint_helpers import (
     perturbed_weights,
     pipeline_layout,
     run_toy_training,
+    tensor_parallel_layout,
     spawn,
 )
 
@@ -195,6 +196,8 @@ def test_keep_last_k_and_resaving_a_step(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000005"]
     save_checkpoint(root, 6, state, keep=1)
     assert sorted(p.name for p in root.iterdir()) == ["step_000006"]
+    save_checkpoint(root, 3, state, keep=1)  # an older step saved later is never pruned right away
+    assert sorted(p.name for p in root.iterdir()) == ["step_000003"]
     with pytest.raises(UserError, match="keep must be at least 1"):
         save_checkpoint(root, 7, state, keep=0)
 
@@ -340,3 +343,25 @@ def test_kill_and_resume_with_two_data_parallel_ranks(tmp_path):
     assert sorted(p.name for p in ckpt.glob("rank_*.json")) == ["rank_00000.json", "rank_00001.json"]
     rng = [json.loads((ckpt / f"rank_0000{r}.json").read_text())["rng"]["torch"] for r in (0, 1)]
     assert rng[0] != rng[1]
+
+
+def _tp_groups_with_replicas(rank: int, tmp: str) -> None:
+    layout = tensor_parallel_layout(rank, 4, tp_size=2)
+    root = Path(tmp) / "ckpt"
+    state = make_state(layout.params, data_seed=5)
+    save_checkpoint(root, 0, state, keep=5)
+    _round_trip(state, root, step=3)
+    if rank == 0:
+        full = read_checkpoint_model(step_dir(root, 0))
+        save_file({n: t.contiguous() for n, t in full.items()}, str(Path(tmp) / "step0.safetensors"))
+
+
+@pytest.mark.distributed
+def test_round_trip_with_tp_subgroups_and_data_parallel_replicas(tmp_path):
+    """4 ranks: TP groups {0, 1} and {2, 3} hold the same shards (two DP replicas)."""
+    spawn(_tp_groups_with_replicas, 4, tmp_path, str(tmp_path))
+    reference = perturbed_weights(INTERNVL)
+    full = load_file(str(tmp_path / "step0.safetensors"))
+    assert set(full) == set(reference)
+    for name, tensor in full.items():
+        assert torch.equal(tensor, reference[name]), name

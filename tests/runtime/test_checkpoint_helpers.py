@@ -172,13 +172,19 @@ def pipeline_layout(rank: int, world: int) -> Layout:
     return Layout(model, rank_parameters(model, parts), reference, LLAVA_UNTRAINED)
 
 
-def tensor_parallel_layout(rank: int, world: int) -> Layout:
-    """InternVL tiny, every part Megatron-sharded over all ranks with dflop's own TP
-    (heads/MLP columns, projector, vocabulary-parallel embedding and LM head)."""
+def tensor_parallel_layout(rank: int, world: int, tp_size: int | None = None) -> Layout:
+    """InternVL tiny, every part Megatron-sharded with dflop's own TP (heads/MLP columns,
+    projector, vocabulary-parallel embedding and LM head) over groups of `tp_size` neighbouring
+    ranks (default: all ranks); the world / tp_size groups are data-parallel replicas."""
     model = build_model(*INTERNVL, seed=0)
     perturb_(model)
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tp = TPGroup(rank=rank, size=world)
+    tp_size = tp_size or world
+    if tp_size == world:
+        tp = TPGroup(rank=rank, size=world)
+    else:  # every rank creates every group, in the same order
+        groups = [dist.new_group(list(range(start, start + tp_size))) for start in range(0, world, tp_size)]
+        tp = TPGroup(rank=rank % tp_size, size=tp_size, group=groups[rank // tp_size])
     vision, llm = build_vision_stage(model, 0, 1), build_llm_stage(model, 0, 1)
     for layer in vision.layers:
         shard_vision_layer(layer, tp)

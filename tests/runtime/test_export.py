@@ -14,7 +14,15 @@ from dflop.errors import UserError
 from dflop.models.builder import build_model
 from dflop.runtime.checkpoint import rank_parameters
 from dflop.runtime.export import HeldTensor, export_hf, transfer_plan
-from test_checkpoint_helpers import INTERNVL, LAYOUTS, LLAVA, perturbed_weights, spawn, toy_batch
+from test_checkpoint_helpers import (
+    INTERNVL,
+    LAYOUTS,
+    LLAVA,
+    perturbed_weights,
+    spawn,
+    tensor_parallel_layout,
+    toy_batch,
+)
 
 torch.set_num_threads(1)
 
@@ -129,3 +137,20 @@ def test_multi_rank_exports_equal_the_single_process_model(tmp_path):
         assert set(loaded.state_dict()) == set(expected), kind
         for name, value in loaded.state_dict().items():
             assert torch.equal(value, expected[name]), (kind, name)
+
+
+def _export_tp_groups_with_replicas(rank: int, tmp: str) -> None:
+    export_hf(f"{tmp}/final", tensor_parallel_layout(rank, 4, tp_size=2).params)
+
+
+@pytest.mark.distributed
+def test_export_with_tp_subgroups_and_data_parallel_replicas(tmp_path):
+    """4 ranks: TP groups {0, 1} and {2, 3}, each a full replica; every shard is taken once."""
+    spawn(_export_tp_groups_with_replicas, 4, tmp_path, str(tmp_path))
+    reference = build_model(*INTERNVL, seed=0)
+    reference.load_state_dict(perturbed_weights(INTERNVL))
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "final")
+    expected = reference.state_dict()
+    assert set(loaded.state_dict()) == set(expected)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[name]), name
