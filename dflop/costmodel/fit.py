@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dflop.costmodel.atomic import atomic_write
 from dflop.costmodel.features import MODULE_FEATURES, profile_features
 from dflop.costmodel.jsonio import save_cost_model
 from dflop.costmodel.model import TARGETS, CostModel, ModuleCosts, Provenance
 from dflop.costmodel.profile_table import ProfileSummary, read_profile
 from dflop.costmodel.regressor import NonNegativeLinearRegression
 from dflop.costmodel.validation import leave_one_shape_out
+from dflop.io import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,8 @@ def fit(profile_path: str | Path, out_json: str | Path, out_validation: str | Pa
     model, validation = fit_profile(
         summary, profile=str(profile_path), profile_sha256=_sha256(profile_path))
     save_cost_model(model, out_json)
-    atomic_write(out_validation, lambda tmp: validation.to_parquet(tmp, index=False))
+    with atomic_path(out_validation) as tmp:
+        validation.to_parquet(tmp, index=False)
     log.info("cost model fitted on %s (%s, %s, %d rows):\n%s", profile_path, summary.device,
              summary.dtype, summary.n_rows, format_validation(validation))
     log.info("wrote %s and %s", out_json, out_validation)

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import jsonschema
 
-from dflop.costmodel.atomic import atomic_write_text
 from dflop.costmodel.features import FEATURE_NAMES, MODULE_FEATURES
 from dflop.costmodel.model import TARGETS, CostModel, ModuleCosts, Provenance
 from dflop.errors import UserError
+from dflop.io import write_text_atomic
 
 FORMAT_NAME = "dflop-costmodel"
 FORMAT_VERSION = 1
@@ -159,10 +159,10 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
     return CostModel(modules, Provenance(**data["provenance"]))
 
 
-def save_cost_model(model: CostModel, path: str | Path) -> Path:
+def save_cost_model(model: CostModel, path: str | Path) -> None:
     """Write `model` to `path` as JSON, atomically (temporary file, then rename)."""
     text = json.dumps(cost_model_to_dict(model), indent=1, allow_nan=False) + "\n"
-    return atomic_write_text(path, text)
+    write_text_atomic(path, text)
 
 
 def load_cost_model(path: str | Path) -> CostModel:
