@@ -74,7 +74,8 @@ class PackedSequence:
     def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """[T] next-token targets: labels moved left by one inside each sample, -100 at its end."""
         if labels.shape != (self.total_tokens,):
-            raise UserError(f"packed sequence: labels have shape {tuple(labels.shape)}, expected ({self.total_tokens},)")
+            raise UserError(f"packed sequence: labels have shape {tuple(labels.shape)}, "
+                            f"expected ({self.total_tokens},)")
         shifted = torch.full_like(labels, IGNORE_INDEX)
         shifted[:-1] = labels[1:]
         shifted[self.cu_seqlens[1:].long() - 1] = IGNORE_INDEX
@@ -106,7 +107,8 @@ def packed_attention_forward(
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
-    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+    same_keys = cu_seq_lens_k is None or cu_seq_lens_k is cu_seq_lens_q or torch.equal(cu_seq_lens_k, cu_seq_lens_q)
+    if not same_keys:
         raise ValueError("packed attention needs the same sample boundaries for queries and keys")
     causal = module.is_causal if is_causal is None else is_causal
     dropout = dropout if module.training else 0.0

@@ -37,7 +37,8 @@ def uniform_layer_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _check_range(kind: str, stage: int, n_stages: int, layer_range: Sequence[int] | None, n_layers: int) -> tuple[int, int]:
+def _check_range(kind: str, stage: int, n_stages: int, layer_range: Sequence[int] | None,
+                 n_layers: int) -> tuple[int, int]:
     if not 0 <= stage < n_stages:
         raise UserError(f"{kind} stage {stage} does not exist in a pipeline of {n_stages} stages")
     if layer_range is None:

@@ -249,13 +249,13 @@ def _curves(bench: ModuleBench, spec: Architecture, config, settings: ProfileSet
         return [("batch", spec.layer_tokens_per_tile(config), curve(1, settings.max_tiles))]
     if bench.name in ("llm_layer", "llm_attention"):  # attention depends on per-sample lengths
         batches = geometric_points(1, settings.max_seq_len // settings.min_seq_len, settings.batch_ratio)
-        batches = [b for b in batches if b == 1 or b % settings.batch_ratio == 0]
         return [("seq_len", b, curve(settings.min_seq_len, settings.max_seq_len // b)) for b in batches]
     return [("seq_len", 1, curve(settings.min_seq_len, settings.max_seq_len))]
 
 
 def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) -> list[dict]:
-    curves = [(bench, axis, fixed, curve) for bench in benches for axis, fixed, curve in _curves(bench, spec, config, settings)]
+    curves = [(bench, axis, fixed, curve)
+              for bench in benches for axis, fixed, curve in _curves(bench, spec, config, settings)]
     rows: list[dict] = []
     began = time.perf_counter()
     bar = tqdm(total=0, desc=f"profile TP={common['tp']}", unit="shape", disable=not progress, leave=False)

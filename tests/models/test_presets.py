@@ -45,7 +45,8 @@ def test_vision_presets_have_published_shapes():
 
 def test_part_counts_add_up_to_the_built_model():
     """Reference: the parameters of the full transformers model built from the presets."""
-    for arch, vision, llm in [("llava_ov", "siglip-small", "qwen2.5-small"), ("internvl", "internvit-tiny", "llama3-tiny")]:
+    for arch, vision, llm in [("llava_ov", "siglip-small", "qwen2.5-small"),
+                              ("internvl", "internvit-tiny", "llama3-tiny")]:
         info = model_info(arch, vision, llm)
         model = build_model(arch, vision, llm, seed=0)
         tied = info.llm_embed_params if info.tied_embeddings else 0

@@ -53,7 +53,8 @@ def check(name, full, sharded, run, inputs, tp, rename=None):
     for module in (full, sharded):
         leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
         out = run(module, *leaves)
-        seed = torch.ones_like(out) if out.dim() == 0 else torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        seed = (torch.ones_like(out) if out.dim() == 0
+                else torch.randn(out.shape, generator=torch.Generator().manual_seed(7)))
         out.backward(seed)
         outs.append(out.detach())
         grads.append([x.grad for x in leaves if x.requires_grad])
@@ -163,7 +164,8 @@ def main() -> int:
         shard_projector(sharded.projector if hasattr(sharded, "projector") else sharded, tp)
         check(f"{arch} projector", projector, sharded, lambda m, x: m(x), [hidden], tp)
 
-    for arch, vision, llm in [("llava_ov", "siglip-tiny", "qwen2.5-tiny"), ("internvl", "internvit-tiny", "llama3-tiny")]:
+    for arch, vision, llm in [("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
+                              ("internvl", "internvit-tiny", "llama3-tiny")]:
         check_whole_stages(arch, vision, llm, tp, g)
 
     for line in FAILURES:
