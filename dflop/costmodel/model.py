@@ -10,6 +10,12 @@ folds the vision costs into LLM stage 0.
 
 Units: times in seconds (the JSON stores the fitted milliseconds), memory in bytes, all per rank
 at the given tensor-parallel degree.
+
+Memory of a stage = training state (`dflop.costmodel.memory`) + in-flight microbatches x the
+bytes saved for backward. Not modelled: transient workspace (the CUDA allocator peak the profiler
+records is not used), so keep a margin in the memory limit; and tied input/output embeddings are
+counted on both the first and the last LLM stage, as pipelines replicate them, which counts the
+table twice when one stage is both.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from dflop.costmodel.features import LAYER_MODULES, MODULE_FEATURES, ShapeKind
+from dflop.costmodel.model import TARGETS
 from dflop.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -24,8 +25,6 @@ REQUIRED_COLUMNS = (
     "module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
     "device", "dtype",
 )
-#: Measured quantities, reduced to their median over repeats.
-TARGETS = ("fwd_ms", "bwd_ms", "act_bytes")
 
 
 @dataclass(frozen=True)
