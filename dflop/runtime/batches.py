@@ -1,0 +1,213 @@
+"""Which samples each step trains on, and how they are split: the step plan rank 0 broadcasts.
+
+Global batches are a pure function of (seed, step): epoch e visits the usable samples of
+shapes.parquet in the order of a permutation seeded with (seed, e), cut into consecutive global
+batches (a last incomplete batch is dropped). Both scheduler policies therefore see the same
+batches, and a resumed run continues with the next batch.
+
+Rank 0 turns each batch into a `StepPlan` with the online scheduler (`SchedulerService`, running
+ahead in its background thread): which samples form each bin (microbatch x LLM replica) in execution
+order, and how each microbatch's images are shared among the vision replicas. Every other rank gets
+the plan (sample indices + the shapes.parquet numbers it needs) by broadcast and never decodes
+media to learn shapes.
+
+Vision sharing: a microbatch's samples that have tiles are dealt to the vision replicas by
+longest-processing-time on their vision cost, so the replicas' shares differ by at most one sample's
+cost (a sample's tiles stay together: LLaVA-OV packs an image's crops together). In colocated
+placement each replica encodes the images of its own bin.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from dflop.costmodel.types import BatchCosts
+from dflop.errors import UserError
+from dflop.runtime.plan import Plan
+from dflop.scheduler.correction import AdaptiveCorrection, MeasuredTimes, ShapeBuckets
+from dflop.scheduler.partition import Partition
+from dflop.scheduler.service import SchedulerService
+
+POLICIES = {"dflop": "dflop", "baseline": "megatron"}
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's work, the same on every rank. Sample k of the global batch is ``rows[k]`` of the
+    training pool (the usable rows of shapes.parquet, in file order).
+
+    bins[p][r]: batch indices of LLM replica r's packed row at execution position p.
+    vision_shares[p][v]: batch indices (with tiles) vision replica v encodes at position p.
+    microbatch_ids[p]: the scheduler's id of the microbatch run at position p.
+    n_tiles, seq_len, feature_rows: per batch sample (shapes.parquet; feature rows per `vision.feature_rows`).
+    predicted_step_s, lower_bound_s: the scheduler's simulated step and its lower bound (seconds);
+    sched_s: its solve time (seconds); member: the portfolio member that won.
+    """
+
+    step: int
+    rows: tuple[int, ...]
+    n_tiles: tuple[int, ...]
+    seq_len: tuple[int, ...]
+    feature_rows: tuple[int, ...]
+    bins: tuple[tuple[tuple[int, ...], ...], ...]
+    vision_shares: tuple[tuple[tuple[int, ...], ...], ...]
+    microbatch_ids: tuple[int, ...]
+    predicted_step_s: float = float("nan")
+    lower_bound_s: float = float("nan")
+    sched_s: float = 0.0
+    member: str = ""
+
+    @property
+    def n_microbatches(self) -> int:
+        return len(self.bins)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "StepPlan":
+        d = json.loads(text)
+        nest = lambda x: tuple(tuple(tuple(b) for b in mb) for mb in x)  # noqa: E731
+        return cls(step=d["step"], rows=tuple(d["rows"]), n_tiles=tuple(d["n_tiles"]), seq_len=tuple(d["seq_len"]),
+                   feature_rows=tuple(d["feature_rows"]), bins=nest(d["bins"]), vision_shares=nest(d["vision_shares"]),
+                   microbatch_ids=tuple(d["microbatch_ids"]), predicted_step_s=d["predicted_step_s"],
+                   lower_bound_s=d["lower_bound_s"], sched_s=d["sched_s"], member=d["member"])
+
+
+class GlobalBatches:
+    """Seeded global batches over a pool of `n_samples` (module docstring)."""
+
+    def __init__(self, n_samples: int, batch_size: int, seed: int, shuffle: bool = True):
+        if n_samples < batch_size:
+            raise UserError(f"train.global_batch_size is {batch_size} but the data has only {n_samples} usable samples")
+        self.n_samples, self.batch_size, self.seed, self.shuffle = n_samples, batch_size, seed, shuffle
+        self.per_epoch = n_samples // batch_size
+
+    def rows(self, step: int) -> np.ndarray:
+        """[batch_size] pool indices of global batch `step`."""
+        epoch, index = divmod(step, self.per_epoch)
+        order = (np.random.default_rng([self.seed, epoch]).permutation(self.n_samples) if self.shuffle
+                 else np.arange(self.n_samples))
+        return order[index * self.batch_size:(index + 1) * self.batch_size]
+
+
+def share_by_cost(indices: Sequence[int], cost: np.ndarray, n_replicas: int) -> list[tuple[int, ...]]:
+    """Deal `indices` (batch indices) to `n_replicas` by LPT on `cost[index]`; each share sorted."""
+    shares: list[list[int]] = [[] for _ in range(n_replicas)]
+    heap = [(0.0, v) for v in range(n_replicas)]
+    for i in sorted(indices, key=lambda i: (-float(cost[i]), i)):
+        load, v = heapq.heappop(heap)
+        shares[v].append(i)
+        heapq.heappush(heap, (load + float(cost[i]), v))
+    return [tuple(sorted(s)) for s in shares]
+
+
+def step_plan_from_partition(step: int, rows: np.ndarray, shapes: pd.DataFrame, part: Partition, plan: Plan,
+                             feature_rows: Sequence[int], vision_cost: np.ndarray) -> StepPlan:
+    """The StepPlan of one partitioned global batch (`shapes`: its rows, in batch order)."""
+    tiles = shapes["n_tiles"].to_numpy()
+    bins = tuple(tuple(tuple(int(i) for i in b) for b in mb) for mb in part.bins())
+    shares = []
+    for mb in bins:
+        if plan.colocated:
+            shares.append(tuple(tuple(i for i in b if tiles[i] > 0) for b in mb))
+        else:
+            with_tiles = [i for b in mb for i in b if tiles[i] > 0]
+            shares.append(tuple(share_by_cost(with_tiles, vision_cost, plan.vision.dp)))
+    return StepPlan(step=step, rows=tuple(int(r) for r in rows), n_tiles=tuple(int(t) for t in tiles),
+                    seq_len=tuple(int(s) for s in shapes["seq_len"]), feature_rows=tuple(int(f) for f in feature_rows),
+                    bins=bins, vision_shares=tuple(shares), microbatch_ids=tuple(int(j) for j in part.order),
+                    predicted_step_s=float(part.step_s), lower_bound_s=float(part.lower_bound_s),
+                    sched_s=float(part.solve_s), member=part.member)
+
+
+class StepPlanner:
+    """Rank 0's side of the data path: global batches -> costs -> scheduler service -> StepPlans.
+
+    costs_fn: shapes rows of one batch -> BatchCosts for the plan's layout.
+    feature_rows_fn: shapes rows -> [n] feature rows per sample.
+    policy: "dflop" (portfolio) or "baseline" (fixed count per microbatch in batch order).
+    """
+
+    def __init__(self, pool: pd.DataFrame, batches: GlobalBatches, plan: Plan,
+                 costs_fn: Callable[[pd.DataFrame], BatchCosts], feature_rows_fn: Callable[[pd.DataFrame], np.ndarray],
+                 *, policy: str = "dflop", budget_s: float = 0.2, prefetch: int = 2, seed: int = 0,
+                 total_steps: int | None = None, adaptive: bool = True):
+        if policy not in POLICIES:
+            raise UserError(f"scheduler.policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+        self.pool, self.batches, self.plan = pool.reset_index(drop=True), batches, plan
+        self.costs_fn, self.feature_rows_fn = costs_fn, feature_rows_fn
+        self.policy, self.prefetch, self.total_steps = policy, prefetch, total_steps
+        self.buckets = ShapeBuckets()
+        self.correction = AdaptiveCorrection(self.buckets.n_buckets) if adaptive and policy == "dflop" else None
+        dp_vision = 1 if plan.colocated else plan.vision.dp
+        self.service = SchedulerService(m=plan.microbatches, dp_llm=plan.llm.dp, dp_vision=dp_vision,
+                                        budget_s=budget_s, seed=seed, prefetch=prefetch, policy=POLICIES[policy],
+                                        correction=self.correction)
+        self._submitted = -1
+        self._costs: dict[int, tuple[BatchCosts, np.ndarray, Partition | None]] = {}
+
+    def _submit_through(self, step: int) -> None:
+        last = step if self.total_steps is None else min(step, self.total_steps - 1)
+        while self._submitted < last:
+            s = self._submitted + 1
+            shapes = self.pool.iloc[self.batches.rows(s)].reset_index(drop=True)
+            costs = self.costs_fn(shapes)
+            buckets = self.buckets.assign(shapes["n_tiles"].to_numpy(), shapes["seq_len"].to_numpy())
+            self.service.submit(s, costs, buckets)
+            self._costs[s] = (costs, buckets, None)
+            self._submitted = s
+
+    def get(self, step: int) -> StepPlan:
+        """The plan of `step` (submitting the next `prefetch` batches so the worker keeps ahead)."""
+        if step <= self._submitted and step not in self._costs:
+            raise ValueError(f"step {step} was already taken")
+        if self._submitted < step - 1:
+            self._submitted = step - 1  # resumed run: nothing before `step` is needed
+        self._submit_through(step + self.prefetch)
+        part = self.service.get(step)
+        rows = self.batches.rows(step)
+        shapes = self.pool.iloc[rows].reset_index(drop=True)
+        costs, buckets, _ = self._costs[step]
+        self._costs[step] = (costs, buckets, part)
+        return step_plan_from_partition(step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
+                                        costs.vision_total())
+
+    def report(self, step: int, measured: MeasuredTimes, decide_every: int = 4) -> None:
+        """Measured stage times of `step`, for the adaptive correction (dflop policy only)."""
+        costs, buckets, part = self._costs.pop(step, (None, None, None))
+        for old in [s for s in self._costs if s < step]:
+            del self._costs[old]
+        if self.correction is None or part is None:
+            return
+        self.service.report(step, measured, part)
+        if self.correction.n_obs_ and self.correction.n_obs_ % decide_every == 0:
+            dp_vision = 1 if self.plan.colocated else self.plan.vision.dp
+            self.correction.decide(costs, buckets, self.plan.microbatches, self.plan.llm.dp, dp_vision)
+
+    def close(self) -> None:
+        self.service.close()
+
+
+def broadcast_step_plan(plan: StepPlan | None, device: torch.device) -> StepPlan:
+    """Rank 0's plan on every rank, as JSON bytes (two broadcasts: length, then bytes)."""
+    if not dist.is_initialized():
+        return plan
+    if dist.get_rank() == 0:
+        data = torch.frombuffer(bytearray(plan.to_json().encode()), dtype=torch.uint8).to(device)
+        length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    if dist.get_rank() != 0:
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    return plan if dist.get_rank() == 0 else StepPlan.from_json(bytes(data.cpu().numpy()).decode())

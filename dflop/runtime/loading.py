@@ -1,0 +1,86 @@
+"""Each rank loads only what its stages consume, with loader worker processes, one step ahead.
+
+What a rank needs from a step's samples (DESIGN.md §6):
+- first vision stage: pixels of its replica's share (colocated: of its bin's images);
+- last vision stage: the layouts (image sizes, frames: headers only) of its share;
+- first LLM stage: token ids of its bin; last LLM stage: labels of its bin (both come from one
+  tokenisation); middle LLM stages: nothing (lengths travel in the StepPlan).
+
+`StepLoader.start` begins loading a step's requests in a background thread that pulls them through
+a persistent `torch.utils.data.DataLoader` (``workers`` processes; pinned memory on CUDA), so the
+next step's decoding overlaps the current step's compute.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from dflop.data.training import LoadedSample, Request, TrainingData
+from dflop.runtime.batches import StepPlan
+from dflop.runtime.topology import Topology
+
+
+def requests_for(plan: StepPlan, topo: Topology) -> list[Request]:
+    """The loads this rank needs for `plan`, keyed by training-pool index (one Request per sample)."""
+    want: dict[int, dict[str, bool]] = {}
+
+    def need(batch_index: int, **parts: bool) -> None:
+        entry = want.setdefault(batch_index, {"layout": False, "tokens": False, "pixels": False})
+        for key, value in parts.items():
+            entry[key] = entry[key] or value
+
+    vision, llm = topo.vision_role, topo.llm_role
+    if vision is not None:
+        for shares in plan.vision_shares:
+            for i in shares[vision.replica]:
+                need(i, pixels=vision.is_first, layout=vision.is_last)
+    if llm is not None and (llm.is_first or llm.is_last):
+        for bins in plan.bins:
+            for i in bins[llm.replica]:
+                need(i, tokens=True)
+    return [Request(plan.rows[i], **parts) for i, parts in sorted(want.items())]
+
+
+class _StepSampler(torch.utils.data.Sampler):
+    """The current step's requests; set before each pass over the persistent loader."""
+
+    def __init__(self):
+        self.requests: list[Request] = []
+
+    def __iter__(self):
+        return iter(list(self.requests))
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def _keep(sample: LoadedSample) -> LoadedSample:
+    return sample
+
+
+class StepLoader:
+    """Loads one step's requests at a time, in the background (module docstring)."""
+
+    def __init__(self, data: TrainingData, *, workers: int = 0, pin_memory: bool = False):
+        self._sampler = _StepSampler()
+        self._loader = torch.utils.data.DataLoader(
+            data, sampler=self._sampler, batch_size=None, collate_fn=_keep, num_workers=workers,
+            pin_memory=pin_memory, persistent_workers=workers > 0)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflop-loader")
+        self._pending: Future | None = None
+
+    def start(self, requests: list[Request]) -> Future:
+        """Begin loading; the future gives {pool index: LoadedSample}. One step in flight at a time."""
+        if self._pending is not None and not self._pending.done():
+            self._pending.result()
+        self._pending = self._thread.submit(self._load, list(requests))
+        return self._pending
+
+    def _load(self, requests: list[Request]) -> dict[int, LoadedSample]:
+        self._sampler.requests = requests
+        return {sample.index: sample for sample in self._loader} if requests else {}
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)

@@ -1,0 +1,69 @@
+"""Per-step metrics: metrics.parquet (DESIGN.md §4) and the model-FLOPs estimate behind ``tflops``.
+
+Columns: ``step`` (optimizer steps done, from 1), ``loss`` (mean over the global batch's answer
+tokens), ``step_s`` (wall seconds), ``samples``, ``tokens`` (real LLM tokens, no padding),
+``tflops`` (model TFLOP/s of the whole run: `step_flops` / step_s / 1e12), ``idle_frac`` (share of
+rank-seconds not computing: pipeline bubble + imbalance + communication waits), ``sched_ms``
+(scheduler solve time, off the critical path when it keeps ahead), ``sched_gap`` (its simulated
+step / lower bound), ``predicted_step_s`` (the cost model's simulated step), then ``lr``,
+``grad_norm``, ``data_wait_s``, ``member``, and per pipeline stage ``busy_s_<stage>`` /
+``idle_s_<stage>`` (mean over the stage's ranks; stages named vision0.., llm0..).
+
+The file is rewritten atomically after every step. A resumed run first drops rows after its
+checkpoint's step, so the file never has lost or repeated steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from dflop.io import atomic_path
+from dflop.models.info import ModelInfo
+
+BASE_COLUMNS = ("step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
+                "predicted_step_s")
+
+
+class MetricsWriter:
+    """Accumulates one row per step and rewrites `path` atomically (rank 0 only)."""
+
+    def __init__(self, path: str | Path, resume_step: int = 0):
+        self.path = Path(path)
+        self.rows: list[dict] = []
+        if resume_step > 0 and self.path.exists():
+            old = pd.read_parquet(self.path)
+            self.rows = old[old["step"] <= resume_step].to_dict("records")
+        elif self.path.exists():
+            self.path.unlink()
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+        frame = pd.DataFrame(self.rows)
+        ordered = [c for c in BASE_COLUMNS if c in frame.columns] + [c for c in frame.columns if c not in BASE_COLUMNS]
+        with atomic_path(self.path) as tmp:
+            frame[ordered].to_parquet(tmp, index=False)
+
+
+def step_flops(info: ModelInfo, n_tiles: Sequence[int], seq_len: Sequence[int], *, vision_trainable: bool = True,
+               llm_trainable: bool = True) -> float:
+    """Model FLOPs of one step (the MFU convention: matmuls only, 2 per multiply-add).
+
+    Forward: vision ``2 * params * tokens`` per layer + ``4 * T^2 * d`` attention per tile of T
+    tokens; LLM ``2 * params * s`` per layer and head + causal attention ``2 * s^2 * d`` per layer
+    for a sample of s tokens. Training counts 3 forwards for a trained part, 1 for a frozen vision
+    tower (it skips backward) and 2 for a frozen LLM (input gradients only).
+    """
+    tiles = np.asarray(n_tiles, dtype=np.float64)
+    seqs = np.asarray(seq_len, dtype=np.float64)
+    t = info.vision_tokens_per_tile
+    per_tile = (2 * (info.vision_embed_params + info.vision_layers * info.vision_layer_params) * t
+                + info.vision_layers * 4 * t * t * info.vision_hidden
+                + 2 * info.projector_params * info.llm_tokens_per_tile)
+    vision = per_tile * tiles.sum() * (3 if vision_trainable else 1)
+    llm = (2 * (info.llm_layers * info.llm_layer_params + info.llm_head_params) * seqs.sum()
+           + info.llm_layers * 2 * info.llm_hidden * (seqs ** 2).sum()) * (3 if llm_trainable else 2)
+    return float(vision + llm)

@@ -1,0 +1,181 @@
+"""The modules one rank runs: its vision stage and/or LLM stage, tensor-parallel shards, frozen parts.
+
+Every rank builds the full transformers model from the same seed (or local weights), takes the
+stage views of it that the `Topology` assigns (DESIGN.md §6), shards them for tensor parallelism
+(`dflop.models.tensor_parallel`, Megatron-style), and freezes parameters by their global name:
+
+- ``vision``: ``model.vision_tower.*`` (InternVL's final tower norm included);
+- ``projector``: ``model.multi_modal_projector.*`` and LLaVA-OV's ``model.image_newline``;
+- ``llm``: ``model.language_model.*`` and ``lm_head.*``.
+
+Tied input/output embeddings (Qwen2.5 small models): when one rank holds both (pp_l = 1) they stay
+one tensor, also when vocabulary-sharded; across ranks (pp_l > 1) the first and last LLM stage hold
+equal copies whose gradients the trainer sums over the ``tied_embedding`` group.
+
+Which stages run a backward pass is decided here from the freeze flags, identically on every rank,
+because it decides which gradient messages exist: a frozen vision tower with a trained projector
+runs backward only on the last vision stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from dflop.errors import UserError
+from dflop.models.architectures import architecture_of
+from dflop.models.builder import build_model, model_config
+from dflop.models.stages import LLMStage, VisionStage, build_llm_stage, build_vision_stage
+from dflop.models.tensor_parallel import (
+    VocabParallelCausalLMHead,
+    VocabParallelEmbedding,
+    shard_llm_layer,
+    shard_projector,
+    shard_vision_layer,
+)
+from dflop.runtime.topology import Topology
+
+FREEZE_PREFIXES = {
+    "vision": ("model.vision_tower.",),
+    "projector": ("model.multi_modal_projector.", "model.image_newline"),
+    "llm": ("model.language_model.", "lm_head."),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to train (the config's ``model`` section, as plain values)."""
+
+    arch: str
+    vision: str
+    llm: str
+    weights: str | Path | None = None
+    seed: int = 0
+    freeze_vision: bool = False
+    freeze_projector: bool = False
+    freeze_llm: bool = False
+
+    @property
+    def vision_side_trainable(self) -> bool:
+        """Whether anything before the LLM (tower or projector) learns: feature gradients flow back."""
+        return not (self.freeze_vision and self.freeze_projector)
+
+    def check_trainable(self) -> None:
+        if self.freeze_vision and self.freeze_projector and self.freeze_llm:
+            raise UserError("model.freeze: vision, projector and llm are all frozen; nothing to train")
+
+    def vision_stage_backward(self, stage: int, n_stages: int) -> bool:
+        """Whether vision stage `stage` runs backward (a frozen tower needs it only for the projector)."""
+        return not self.freeze_vision or (not self.freeze_projector and stage == n_stages - 1)
+
+    def vision_sends_input_grad(self) -> bool:
+        """Whether a vision stage sends its input gradient to the previous vision stage."""
+        return not self.freeze_vision
+
+    def tied_embeddings(self) -> bool:
+        config = model_config(self.arch, self.vision, self.llm, weights_dir=self.weights)
+        return bool(getattr(config.get_text_config(), "tie_word_embeddings", False)
+                    or getattr(config, "tie_word_embeddings", False))
+
+
+class RankModules(nn.Module):
+    """This rank's modules: ``vision`` (a VisionStage) and/or ``llm`` (an LLMStage).
+
+    full: the rank's full transformers model (stages are views of it; the checkpoint names
+    parameters through it).
+    """
+
+    def __init__(self, full: PreTrainedModel, vision: VisionStage | None, llm: LLMStage | None):
+        super().__init__()
+        self.vision = vision
+        self.llm = llm
+        object.__setattr__(self, "full", full)  # not a submodule: its parameters are not all ours
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for p in self.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+
+def _shard_vision(stage: VisionStage, topo: Topology) -> None:
+    tp = topo.vision_tp
+    if tp.size == 1:
+        return
+    for layer in stage.layers:
+        shard_vision_layer(layer, tp)
+    if stage.is_last:
+        shard_projector(stage.image_features.projector, tp)
+
+
+def _shard_llm(stage: LLMStage, topo: Topology, model: PreTrainedModel) -> None:
+    tp = topo.llm_tp
+    if tp.size == 1:
+        return
+    for layer in stage.layers:
+        shard_llm_layer(layer, tp)
+    if stage.is_first:
+        stage.embedding.embed_tokens = VocabParallelEmbedding(stage.embedding.embed_tokens, tp)
+    if stage.is_last:
+        stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp)
+        tied = model.lm_head.weight is model.get_input_embeddings().weight
+        if tied and stage.is_first:  # both on this rank: same vocabulary slice, keep one tensor
+            stage.head.weight = stage.embedding.embed_tokens.weight
+
+
+def build_rank_modules(topo: Topology, spec: ModelSpec, device: torch.device | str = "cpu") -> RankModules:
+    """Build, shard and freeze the modules of this rank (see module docstring)."""
+    spec.check_trainable()
+    model = build_model(spec.arch, spec.vision, spec.llm, weights_dir=spec.weights, seed=spec.seed, device=device)
+    plan = topo.plan
+    arch = architecture_of(model)
+    plan.check_model(arch.n_feature_layers(model.config), model.config.get_text_config().num_hidden_layers)
+    vision = llm = None
+    if topo.vision_role is not None:
+        role = topo.vision_role
+        vision = build_vision_stage(model, role.stage, role.n_stages, plan.vision.layer_ranges()[role.stage])
+        _shard_vision(vision, topo)
+    if topo.llm_role is not None:
+        role = topo.llm_role
+        llm = build_llm_stage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage])
+        _shard_llm(llm, topo, model)
+    modules = RankModules(model, vision, llm)
+    freeze(modules, spec)
+    return modules
+
+
+def freeze(modules: RankModules, spec: ModelSpec) -> None:
+    """Set requires_grad from the freeze flags, by global parameter name."""
+    frozen = tuple(prefix for part, flag in (("vision", spec.freeze_vision), ("projector", spec.freeze_projector),
+                                             ("llm", spec.freeze_llm)) if flag for prefix in FREEZE_PREFIXES[part])
+    names = parameter_names(modules)
+    for param in modules.parameters():
+        param.requires_grad_(not names[id(param)].startswith(frozen) if frozen else True)
+
+
+def parameter_names(modules: RankModules) -> dict[int, str]:
+    """id(parameter) -> global name, without the checkpoint module (identity, then TP wrappers)."""
+    full = modules.full
+    by_identity: dict[int, str] = {}
+    for n, p in full.named_parameters(remove_duplicate=False):
+        by_identity.setdefault(id(p), n)  # a tied tensor keeps its first (canonical) name
+    out = {}
+    for part in (modules.vision, modules.llm):
+        if part is None:
+            continue
+        for local, param in part.named_parameters():
+            name = by_identity.get(id(param))
+            if name is None and local == "embedding.embed_tokens.weight":
+                name = "model.language_model.embed_tokens.weight"
+            elif name is None and local in ("head.weight", "head.lm_head.weight"):
+                name = "lm_head.weight"
+            if name is None:
+                raise UserError(f"parameter {local!r} of this rank has no name in the full model")
+            out[id(param)] = name
+    return out

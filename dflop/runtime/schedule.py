@@ -1,0 +1,320 @@
+"""One training step through the heterogeneous pipeline: vision stages, then LLM stages, 1F1B.
+
+Every rank runs the textbook schedule for its position in the chain (`Topology.pipeline_stage`):
+warm-up forwards, steady one-forward-one-backward, cool-down backwards (GPipe: all forwards, then
+all backwards), over the microbatches in the order the scheduler chose. Microbatch p of the step
+is `StepPlan.bins[p]` (one packed row per LLM replica) and `StepPlan.vision_shares[p]` (one share of
+its images per vision replica).
+
+Messages (each a shape header + tensor, `P2P`): between stages of one module, activations forward
+and gradients back between the same replica and TP rank. The last vision stage sends each LLM
+replica the features of the samples of its share that belong to that replica's bin (in bin order);
+the first LLM stage assembles its bin's features from every vision replica and sends their
+gradients back the same way. Both sides derive which messages exist from the StepPlan alone, so a
+replica with nothing for another sends nothing. In colocated placement the vision tower runs inside
+LLM stage 0's forward, with no messages.
+
+The last LLM stage's loss is the SUM of its bin's answer-token losses; the trainer divides the
+summed gradients by the global answer-token count (see `dflop.runtime.optim`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from dflop.data.training import LoadedSample
+from dflop.models.packing import IGNORE_INDEX, PackedSequence
+from dflop.runtime.batches import StepPlan
+from dflop.runtime.model import ModelSpec, RankModules
+from dflop.runtime.p2p import P2P
+from dflop.runtime.topology import Topology
+from dflop.runtime.vision import VisionRunner
+
+SCHEDULES = ("1f1b", "gpipe")
+PAD_TOKEN_ID = 0
+
+
+def op_order(schedule: str, stage: int, n_stages: int, m: int) -> list[tuple[str, int]]:
+    """The ops of one stage as ("F" | "B", position), in the order the stage runs them."""
+    if schedule == "gpipe":
+        return [("F", p) for p in range(m)] + [("B", p) for p in range(m)]
+    if schedule != "1f1b":
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    warmup = min(n_stages - stage - 1, m)
+    ops = [("F", p) for p in range(warmup)]              # warm-up
+    for i in range(m - warmup):                           # steady state: one forward, one backward
+        ops += [("F", warmup + i), ("B", i)]
+    ops += [("B", p) for p in range(m - warmup, m)]       # cool-down
+    return ops
+
+
+class StageTimer:
+    """Busy seconds of this rank's forward and backward per microbatch position (compute only,
+    not waiting for messages). On CUDA, events are read once at the end of the step."""
+
+    def __init__(self, m: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.fwd = np.zeros(m)
+        self.bwd = np.zeros(m)
+        self._events: list[tuple[str, int, object, object]] = []
+
+    @contextlib.contextmanager
+    def measure(self, kind: str, position: int):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((kind, position, start, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        (self.fwd if kind == "F" else self.bwd)[position] += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        if self._events:
+            torch.cuda.synchronize()
+            for kind, position, start, end in self._events:
+                (self.fwd if kind == "F" else self.bwd)[position] += start.elapsed_time(end) / 1e3
+            self._events.clear()
+
+
+@dataclass
+class StepResult:
+    """What this rank measured in one step: loss sum and answer tokens (last LLM stage only, else 0),
+    busy seconds per microbatch position, bytes sent."""
+
+    loss_sum: float
+    n_answer: int
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    bytes_sent: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class _Saved:
+    inputs: torch.Tensor | None
+    output: torch.Tensor
+    features: torch.Tensor | None = None
+
+
+class PipelineExecutor:
+    """Runs one step's forwards and backwards on this rank (module docstring).
+
+    arch, tokens: the model's architecture name and its image / video placeholder ids.
+    pad_to_longest: baseline variant padding every sample of a bin to the bin's longest sample
+        (as batch padding would): pad tokens follow each sample, get no loss, and change no result.
+    autocast_dtype: bf16 autocast on CUDA (None: compute in the parameters' dtype).
+    """
+
+    def __init__(self, topo: Topology, modules: RankModules, spec: ModelSpec, p2p: P2P, *, image_token_id: int,
+                 video_token_id: int, schedule: str = "1f1b", pad_to_longest: bool = False,
+                 autocast_dtype: torch.dtype | None = None, device: torch.device = torch.device("cpu")):
+        self.topo, self.modules, self.spec, self.p2p = topo, modules, spec, p2p
+        self.image_token_id, self.video_token_id = image_token_id, video_token_id
+        self.schedule, self.pad_to_longest = schedule, pad_to_longest
+        self.autocast_dtype, self.device = autocast_dtype, device
+        self.vision_runner = VisionRunner(modules.vision, modules.full) if modules.vision is not None else None
+        role = topo.vision_role
+        self.vision_backward = role is not None and spec.vision_stage_backward(role.stage, role.n_stages)
+
+    # -- the schedule ------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan, inputs: Mapping[int, LoadedSample]) -> StepResult:
+        """Forward and backward of every microbatch of `plan` (gradients accumulate in .grad)."""
+        m = plan.n_microbatches
+        self._plan, self._inputs, self._saved = plan, inputs, {}
+        self._timer = StageTimer(m, self.device)
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._n_answer = 0
+        self._tokens = 0
+        sent_before = self.p2p.bytes_sent
+        for kind, position in op_order(self.schedule, self.topo.pipeline_stage, self.topo.n_pipeline_stages, m):
+            self._forward(position) if kind == "F" else self._backward(position)
+        self.p2p.wait_sends()
+        self._timer.finish()
+        if self._saved:
+            raise RuntimeError(f"microbatches {sorted(self._saved)} ran forward but not backward")
+        return StepResult(float(self._loss_sum), self._n_answer, self._timer.fwd, self._timer.bwd,
+                          self.p2p.bytes_sent - sent_before, self._tokens)
+
+    def _forward(self, p: int) -> None:
+        if self.topo.llm_role is None:
+            self._vision_forward(p)
+        else:
+            self._llm_forward(p)
+
+    def _backward(self, p: int) -> None:
+        if self.topo.llm_role is None:
+            self._vision_backward(p)
+        else:
+            self._llm_backward(p)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
+
+    def _pixels(self, share) -> torch.Tensor:
+        return self._to_device(torch.cat([self._inputs[i].pixels for i in share]))
+
+    def _layouts(self, share) -> list:
+        return [self._inputs[i].layout for i in share]
+
+    def _split_rows(self, features: torch.Tensor, samples) -> dict[int, torch.Tensor]:
+        """Feature rows of each sample, from a tensor holding `samples`' rows in order."""
+        sizes = [self._plan.feature_rows[i] for i in samples]
+        return dict(zip(samples, torch.split(features, sizes)))
+
+    def _lengths(self, bin_) -> list[int]:
+        lengths = [self._plan.seq_len[i] for i in bin_]
+        return [max(lengths)] * len(lengths) if self.pad_to_longest else lengths
+
+    def _padded(self, tensors: list[torch.Tensor], lengths: list[int], fill: int) -> torch.Tensor:
+        out = []
+        for t, n in zip(tensors, lengths):
+            out.append(t)
+            if n > t.numel():
+                out.append(torch.full((n - t.numel(),), fill, dtype=t.dtype))
+        return torch.cat(out)
+
+    # -- vision stages (disjoint placement) --------------------------------------------------
+
+    def _vision_forward(self, p: int) -> None:
+        role, stage = self.topo.vision_role, self.modules.vision
+        share = self._plan.vision_shares[p][role.replica]
+        if not share:
+            return
+        if stage.is_first:
+            x = self._pixels(share)
+        else:
+            x = self.p2p.recv_forward(self.topo.prev_rank(role), p)
+            x.requires_grad_(self.vision_backward and self.spec.vision_sends_input_grad())
+        layouts = self._layouts(share) if stage.is_last else None
+        with self._timer.measure("F", p), torch.set_grad_enabled(self.vision_backward), self._autocast():
+            out = self.vision_runner(x, layouts)
+        if stage.is_last:
+            rows = self._split_rows(out, share)
+            mine = set(share)
+            for r, destinations in self.topo.feature_destinations().items():
+                selected = [i for i in self._plan.bins[p][r] if i in mine]
+                if selected:
+                    message = torch.cat([rows[i] for i in selected])
+                    for dst in destinations:
+                        self.p2p.send_forward(message, dst, p)
+        else:
+            self.p2p.send_forward(out, self.topo.next_rank(role), p)
+        if self.vision_backward:
+            self._saved[p] = _Saved(x, out)
+
+    def _vision_backward(self, p: int) -> None:
+        role, stage = self.topo.vision_role, self.modules.vision
+        share = self._plan.vision_shares[p][role.replica]
+        if not share or not self.vision_backward:
+            return
+        saved = self._saved.pop(p)
+        if stage.is_last:
+            grads = {}
+            mine = set(share)
+            for r in range(self.topo.plan.llm.dp):
+                selected = [i for i in self._plan.bins[p][r] if i in mine]
+                if selected:
+                    message = self.p2p.recv_backward(self.topo.feature_grad_source(r), p)
+                    grads.update(self._split_rows(message, selected))
+            grad = torch.cat([grads[i] for i in share])
+        else:
+            grad = self.p2p.recv_backward(self.topo.next_rank(role), p)
+        with self._timer.measure("B", p):
+            saved.output.backward(grad.to(saved.output.dtype))
+        if not stage.is_first and self.spec.vision_sends_input_grad():
+            self.p2p.send_backward(saved.inputs.grad, self.topo.prev_rank(role), p)
+
+    # -- LLM stages --------------------------------------------------------------------------
+
+    def _features(self, p: int, bin_) -> torch.Tensor | None:
+        """Image features of a bin, in bin order (received, or encoded here when colocated)."""
+        role = self.topo.llm_role
+        if self.topo.plan.colocated:
+            share = self._plan.vision_shares[p][role.replica]
+            if not share:
+                return None
+            with torch.set_grad_enabled(self.spec.vision_side_trainable), self._autocast():
+                return self.vision_runner(self._pixels(share), self._layouts(share))
+        rows: dict[int, torch.Tensor] = {}
+        for v in range(self.topo.plan.vision.dp):
+            share = set(self._plan.vision_shares[p][v])
+            selected = [i for i in bin_ if i in share]
+            if selected:
+                rows.update(self._split_rows(self.p2p.recv_forward(self.topo.feature_source(v), p), selected))
+        if not rows:
+            return None
+        features = torch.cat([rows[i] for i in self._with_tiles(bin_)])
+        return features.requires_grad_(self.spec.vision_side_trainable)
+
+    def _with_tiles(self, bin_) -> list[int]:
+        """The bin's samples that have images, in bin order (the order of its feature rows)."""
+        return [i for i in bin_ if self._plan.n_tiles[i] > 0]
+
+    def _llm_forward(self, p: int) -> None:
+        role, stage = self.topo.llm_role, self.modules.llm
+        bin_ = self._plan.bins[p][role.replica]
+        if not bin_:
+            return
+        lengths = self._lengths(bin_)
+        packed = PackedSequence.from_lengths(lengths, device=self.device)
+        features = None
+        if stage.is_first:
+            ids = self._padded([self._inputs[i].input_ids for i in bin_], lengths, PAD_TOKEN_ID)
+            # Features arrive in sequence order, so video placeholders splice like image ones.
+            x = self._to_device(ids.masked_fill(ids == self.video_token_id, self.image_token_id))
+            features = self._features(p, bin_)
+            self._tokens += sum(self._plan.seq_len[i] for i in bin_)
+        else:
+            x = self.p2p.recv_forward(self.topo.prev_rank(role), p).requires_grad_(True)
+        kwargs = {"image_features": features} if stage.is_first else {}
+        if stage.is_last:
+            labels = self._padded([self._inputs[i].labels for i in bin_], lengths, IGNORE_INDEX)
+            shift = packed.shift_labels(self._to_device(labels))
+            kwargs.update(shift_labels=shift, num_items_in_batch=1)  # loss = sum over answer tokens
+            self._n_answer += int((shift != IGNORE_INDEX).sum())
+        with self._timer.measure("F", p), self._autocast():
+            out = stage(x, packed, **kwargs)
+        if stage.is_last:
+            self._loss_sum += out.detach().double().cpu()
+        else:
+            self.p2p.send_forward(out, self.topo.next_rank(role), p)
+        self._saved[p] = _Saved(None if stage.is_first else x, out, features)
+
+    def _llm_backward(self, p: int) -> None:
+        role, stage = self.topo.llm_role, self.modules.llm
+        bin_ = self._plan.bins[p][role.replica]
+        if not bin_:
+            return
+        saved = self._saved.pop(p)
+        grad = None if stage.is_last else self.p2p.recv_backward(self.topo.next_rank(role), p)
+        with self._timer.measure("B", p):
+            if saved.output.requires_grad:
+                saved.output.backward(None if grad is None else grad.to(saved.output.dtype))
+        if not stage.is_first:
+            self.p2p.send_backward(saved.inputs.grad, self.topo.prev_rank(role), p)
+        elif not self.topo.plan.colocated and saved.features is not None and self.spec.vision_side_trainable:
+            rows = self._split_rows(saved.features.grad, self._with_tiles(bin_))
+            for v, destinations in self.topo.feature_grad_destinations().items():
+                share = set(self._plan.vision_shares[p][v])
+                selected = [i for i in bin_ if i in share]
+                if selected:
+                    message = torch.cat([rows[i] for i in selected])
+                    for dst in destinations:
+                        self.p2p.send_backward(message, dst, p)

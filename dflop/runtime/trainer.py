@@ -1,0 +1,570 @@
+"""The training loop that runs inside every torchrun worker (rule train).
+
+`train(cfg, plan_path=..., shapes_path=..., costmodel_path=..., out_dir=...)` is the entry point;
+`Trainer` holds one rank's state and does one step at a time:
+
+1. rank 0's `StepPlanner` (the online scheduler in its background thread) has partitioned the
+   step's global batch; the plan is broadcast, and every rank's loader started on it one step ago;
+2. `PipelineExecutor.run`: 1F1B over vision then LLM stages; the loss is the SUM of answer-token
+   losses per bin;
+3. one world all-reduce of (loss sum, answer tokens); gradients: tied-embedding sum, data-parallel
+   sum, divided by the global answer-token count (the exact mean over the global batch);
+4. global-norm clipping, AdamW, LR schedule (warm-up + cosine);
+5. rank 0: metrics row (metrics.parquet), progress bar and a one-line log; measured stage times to
+   the scheduler's adaptive correction; every ``checkpoint_every`` steps and at the end a checkpoint
+   (`dflop.runtime.checkpoint`), from which a re-run resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from dflop.costmodel.types import BatchCosts
+from dflop.data.readers import RawSample, read_dataset
+from dflop.data.training import ExpectedShape, SampleRules, TrainingData
+from dflop.errors import UserError
+from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, broadcast_step_plan
+from dflop.runtime.loading import StepLoader, requests_for
+from dflop.runtime.metrics import MetricsWriter, step_flops
+from dflop.runtime.model import ModelSpec, RankModules, build_rank_modules, parameter_names
+from dflop.runtime.optim import GradientSync, ParamInfo, build_lr_scheduler, build_optimizer, warmup_cosine
+from dflop.runtime.p2p import P2P
+from dflop.runtime.plan import Plan, load_plan
+from dflop.runtime.schedule import PipelineExecutor
+from dflop.runtime.topology import LLM, VISION, Topology
+from dflop.runtime.vision import feature_rows
+
+log = logging.getLogger("dflop.train")
+
+EMBED_NAME = "model.language_model.embed_tokens.weight"
+TEST_PRESET_SUFFIXES = ("-tiny", "-small")
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    """One dataset of the mix (the config's data.datasets entry)."""
+
+    name: str
+    path: str
+    format: str = "auto"
+    media_root: str | None = None
+    sample: str = "all"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything the trainer reads from the config, as plain values (see `from_config`)."""
+
+    arch: str = "llava_ov"
+    vision: str = "siglip-tiny"
+    llm: str = "qwen2.5-tiny"
+    weights: str | None = None
+    tokenizer: str = "qwen2.5"
+    dtype: str = "float32"
+    freeze_vision: bool = False
+    freeze_projector: bool = False
+    freeze_llm: bool = False
+    arch_params: Mapping[str, Any] = field(default_factory=dict)
+    datasets: tuple[DatasetRef, ...] = ()
+    seed: int = 0
+    global_batch_size: int = 16
+    steps: int = 6
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 2
+    schedule: str = "1f1b"
+    loader_workers: int = 0
+    policy: str = "dflop"
+    budget_ms: float = 200.0
+    prefetch: int = 2
+    device: str = "cpu"
+    gpu_memory_gb: float = math.inf
+    pad_to_longest: bool = False
+    adaptive_correction: bool = True
+
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> "TrainSettings":
+        """From a `dflop.config.Config` (its defaulted ``raw`` sections)."""
+        raw = cfg.raw
+        model, train, sched, cluster = raw["model"], raw["train"], raw["scheduler"], raw["cluster"]
+        datasets = tuple(DatasetRef(d.name, str(d.path), d.format, None if d.media_root is None else str(d.media_root),
+                                    d.sample) for d in cfg.datasets)
+        values = dict(
+            arch=model["arch"], vision=model["vision"], llm=model["llm"], weights=model["weights"],
+            tokenizer=model["tokenizer"], dtype=model["dtype"], freeze_vision=model["freeze"]["vision"],
+            freeze_projector=model["freeze"]["projector"], freeze_llm=model["freeze"]["llm"],
+            arch_params=dict(model[model["arch"]]), datasets=datasets, seed=raw["run"]["seed"],
+            global_batch_size=train["global_batch_size"], steps=train["steps"], lr=train["lr"],
+            min_lr_ratio=train["min_lr_ratio"], warmup_steps=train["warmup_steps"],
+            weight_decay=train["weight_decay"], grad_clip=train["grad_clip"],
+            checkpoint_every=train["checkpoint_every"], schedule=train["schedule"],
+            loader_workers=train["loader_workers"], policy=sched["policy"], budget_ms=sched["budget_ms"],
+            prefetch=sched["prefetch"], device=cluster["device"], gpu_memory_gb=cluster["gpu_memory_gb"])
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(self.arch, self.vision, self.llm, self.weights, self.seed, self.freeze_vision,
+                         self.freeze_projector, self.freeze_llm)
+
+
+# -- process group -----------------------------------------------------------------------------
+
+
+def init_distributed(device: str) -> torch.device:
+    """Join torchrun's process group (NCCL on CUDA, gloo on CPU); a plain process is a world of 1."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("cluster.device is cuda but this machine has no CUDA device")
+        torch_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(torch_device)
+    else:
+        torch_device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a single process: a world of one over a local store
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=10),
+                                device_id=torch_device if device == "cuda" else None)
+    return torch_device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- data --------------------------------------------------------------------------------------
+
+
+def load_pool(shapes_path: str | Path) -> pd.DataFrame:
+    """The usable rows of shapes.parquet (status ok), in file order: the training pool."""
+    shapes = pd.read_parquet(shapes_path)
+    missing = [c for c in ("sample_id", "dataset", "n_tiles", "vision_tokens", "seq_len", "status") if c not in shapes]
+    if missing:
+        raise UserError(f"{shapes_path}: missing column(s) {', '.join(missing)} (not a shapes.parquet?)")
+    return shapes[shapes["status"] == "ok"].reset_index(drop=True)
+
+
+def pool_samples(pool: pd.DataFrame, datasets: Sequence[DatasetRef], seed: int) -> list[RawSample]:
+    """The RawSample of every pool row, read from the datasets (each rank reads the manifests)."""
+    wanted = set(zip(pool["dataset"], pool["sample_id"]))
+    found: dict[tuple[str, str], RawSample] = {}
+    for ds in datasets:
+        for sample in read_dataset(ds.path, dataset=ds.name, fmt=ds.format, media_root=ds.media_root,
+                                   sample=ds.sample, seed=seed):
+            key = (sample.dataset, sample.sample_id)
+            if key in wanted:
+                found[key] = sample
+    out = []
+    for dataset, sample_id in zip(pool["dataset"], pool["sample_id"]):
+        sample = found.get((dataset, sample_id))
+        if sample is None:
+            raise UserError(f"shapes.parquet sample {dataset}/{sample_id} is not in the configured datasets "
+                            "(data changed since profile_data? re-run it)")
+        out.append(sample)
+    return out
+
+
+def sample_rules(settings: TrainSettings, config) -> SampleRules:
+    """Token and pixel rules of the model (`config`: its transformers config)."""
+    from dflop.profiling.data_profiler import tower_arch_params
+
+    text = config.get_text_config()
+    remap = settings.weights is None and settings.llm.endswith(TEST_PRESET_SUFFIXES)
+    video_id = getattr(config, "video_token_index", None) or getattr(config, "video_token_id", None)
+    image_id = getattr(config, "image_token_index", None) or config.image_token_id
+    return SampleRules(settings.arch, tower_arch_params(settings.arch, settings.vision, settings.arch_params),
+                       image_token_id=int(image_id), video_token_id=int(video_id if video_id is not None else image_id),
+                       vocab_size=int(text.vocab_size), tokenizer=settings.tokenizer, remap_text_ids=remap)
+
+
+def feature_rows_fn(rules: SampleRules) -> Callable[[pd.DataFrame], np.ndarray]:
+    per_tile = int(rules.arch_params.get("tokens_per_tile", 0))
+
+    def rows(shapes: pd.DataFrame) -> np.ndarray:
+        return np.array([feature_rows(rules.arch, t, v, per_tile)
+                         for t, v in zip(shapes["n_tiles"], shapes["vision_tokens"])], dtype=np.int64)
+
+    return rows
+
+
+def make_costs_fn(plan: Plan, costmodel_path: str | Path | None, memory_gb: float) -> Callable[[pd.DataFrame], BatchCosts]:
+    """shapes rows of a batch -> BatchCosts for the plan's layout: the fitted cost model, or (no
+    costmodel.json) the documented analytic stand-in with the plan's layer shares."""
+    from dflop.costmodel.memory import in_flight_1f1b
+
+    vision_layers, llm_layers = plan.vision.layers_per_stage, plan.llm.layers_per_stage
+    if costmodel_path is not None:
+        from dflop.costmodel.model import CostModel
+
+        model = CostModel.load(costmodel_path)
+        n_stages = plan.llm.pp + (0 if plan.colocated else plan.vision.pp)
+        in_flight = in_flight_1f1b(n_stages, plan.microbatches)
+        memory = memory_gb * 2**30 if math.isfinite(memory_gb) else math.inf
+
+        def fitted(shapes: pd.DataFrame) -> BatchCosts:
+            return model.batch_costs(shapes["n_tiles"].to_numpy(), shapes["seq_len"].to_numpy(),
+                                     vision_layers_per_stage=vision_layers, llm_layers_per_stage=llm_layers,
+                                     tp_v=plan.vision.tp, tp_l=plan.llm.tp, mem_limit_bytes=memory,
+                                     in_flight_per_stage=in_flight, colocated=plan.colocated)
+
+        return fitted
+    from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
+
+    def share(layers: Sequence[int]) -> tuple[float, ...]:
+        total = sum(layers)
+        return tuple((n + 1e-9) / (total + 1e-9 * len(layers)) for n in layers)
+
+    layout = StageLayout(vision_layer_share=share(vision_layers), llm_layer_share=share(llm_layers))
+    analytic = AnalyticCostModel()
+
+    def approximate(shapes: pd.DataFrame) -> BatchCosts:
+        costs = batch_costs_from_shapes(shapes, layout, analytic)
+        if plan.colocated:  # the tower runs on LLM stage 0: its cost goes there
+            from dataclasses import replace
+
+            llm_fwd, llm_bwd = costs.llm_fwd.copy(), costs.llm_bwd.copy()
+            llm_fwd[0] += costs.vision_fwd.sum(0)
+            llm_bwd[0] += costs.vision_bwd.sum(0)
+            empty = np.zeros((0, costs.n_samples))
+            costs = replace(costs, llm_fwd=llm_fwd, llm_bwd=llm_bwd, vision_fwd=empty, vision_bwd=empty,
+                            vision_act_bytes=empty, vision_fwd_const=np.zeros(0), vision_bwd_const=np.zeros(0),
+                            vision_mem_limit_bytes=np.zeros(0))
+        return costs
+
+    return approximate
+
+
+# -- one rank ----------------------------------------------------------------------------------
+
+
+class Trainer:
+    """One rank's model, optimizer, data path and step (module docstring)."""
+
+    def __init__(self, settings: TrainSettings, plan: Plan, pool: pd.DataFrame, samples: Sequence[RawSample], *,
+                 costs_fn: Callable[[pd.DataFrame], BatchCosts] | None = None, device: torch.device | None = None):
+        self.settings = settings
+        self.device = device if device is not None else torch.device("cpu")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        spec = settings.model_spec
+        from dflop.models.builder import model_config
+
+        config = model_config(settings.arch, settings.vision, settings.llm, weights_dir=settings.weights)
+        if settings.policy == "baseline":  # data-blind: the same grid with a uniform layer split
+            from dflop.models.architectures import architecture_of
+
+            plan = plan.with_uniform_layers(architecture_of(config).n_feature_layers(config),
+                                            config.get_text_config().num_hidden_layers)
+        if settings.global_batch_size != plan.global_batch_size:
+            raise UserError(f"train.global_batch_size is {settings.global_batch_size} but {plan.source} was planned "
+                            f"for {plan.global_batch_size} (re-run optimize)")
+        self.plan = plan
+        self.topo = Topology(plan, self.rank, self.world, tied_embeddings=spec.tied_embeddings())
+        self.topo.create_groups()
+        self.modules = build_rank_modules(self.topo, spec, self.device)
+        self.rules = sample_rules(settings, config)
+        self._setup_parameters(spec)
+        autocast = torch.bfloat16 if (self.device.type == "cuda" and settings.dtype == "bfloat16") else None
+        self.p2p = P2P(self.device, autocast or torch.float32)
+        self.executor = PipelineExecutor(self.topo, self.modules, spec, self.p2p,
+                                         image_token_id=self.rules.image_token_id,
+                                         video_token_id=self.rules.video_token_id, schedule=settings.schedule,
+                                         pad_to_longest=settings.pad_to_longest, autocast_dtype=autocast,
+                                         device=self.device)
+        self.pool = pool
+        expected = [ExpectedShape(int(t), int(v), int(s)) for t, v, s in
+                    zip(pool["n_tiles"], pool["vision_tokens"], pool["seq_len"])]
+        self.data = TrainingData(samples, self.rules, expected)
+        self.loader = StepLoader(self.data, workers=settings.loader_workers, pin_memory=self.device.type == "cuda")
+        self.batches = GlobalBatches(len(pool), plan.global_batch_size, settings.seed)
+        self.planner = None
+        if self.rank == 0:
+            self.planner = StepPlanner(pool, self.batches, plan, costs_fn or make_costs_fn(plan, None, math.inf),
+                                       feature_rows_fn(self.rules), policy=settings.policy,
+                                       budget_s=settings.budget_ms / 1e3, prefetch=settings.prefetch,
+                                       seed=settings.seed, total_steps=settings.steps,
+                                       adaptive=settings.adaptive_correction)
+        from dflop.models.info import model_info
+
+        self.info = model_info(settings.arch, settings.vision, settings.llm, weights_dir=settings.weights)
+
+    def _setup_parameters(self, spec: ModelSpec) -> None:
+        """Global names, replication info, optimizer, LR schedule, checkpoint state."""
+        from dflop.runtime.checkpoint import rank_parameters
+
+        parts = []
+        if self.modules.vision is not None:
+            parts.append((self.modules.vision, self.topo.vision_tp))
+        if self.modules.llm is not None:
+            parts.append((self.modules.llm, self.topo.llm_tp))
+        self.rank_params = rank_parameters(self.modules.full, parts)
+        names = parameter_names(self.modules)
+        canonical = {id(t): n for n, t in self.rank_params.tensors.items()}
+        llm_role = self.topo.llm_role
+        head_copy = (self.topo.tied_embeddings and llm_role is not None and llm_role.is_last and not llm_role.is_first)
+        infos: dict[torch.nn.Parameter, ParamInfo] = {}
+        for param in self.modules.trainable_parameters():
+            name = canonical.get(id(param), names[id(param)])
+            module = LLM if name.startswith(("model.language_model.", "lm_head.")) else VISION
+            infos[param] = ParamInfo(name, module, name in self.rank_params.shards,
+                                     tied_copy=head_copy and name == EMBED_NAME)
+        self.param_infos = infos
+        self.sync = GradientSync(self.topo, infos)
+        s = self.settings
+        self.optimizer = self.lr_scheduler = None  # a rank whose modules are all frozen has none
+        if infos:
+            self.optimizer = build_optimizer([(i.name, p) for p, i in infos.items()], lr=s.lr,
+                                             weight_decay=s.weight_decay)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, total_steps=s.steps, warmup_steps=s.warmup_steps,
+                                                   min_lr_ratio=s.min_lr_ratio)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def next_plan(self, step: int) -> StepPlan:
+        """Step `step`'s plan on every rank (collective)."""
+        plan = self.planner.get(step) if self.rank == 0 else None
+        return broadcast_step_plan(plan, self.device)
+
+    def load(self, plan: StepPlan):
+        """Start loading what this rank needs of `plan` (returns a future of {pool index: sample})."""
+        return self.loader.start(requests_for(plan, self.topo))
+
+    def compute_gradients(self, plan: StepPlan, loaded: Mapping[int, Any]) -> dict:
+        """Forward + backward of one global batch; leaves in .grad the gradient of the mean
+        answer-token loss of the whole batch, summed over replicas. Returns step statistics."""
+        for param in self.param_infos:  # zeros, not None: every replica all-reduces the same list
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            else:
+                param.grad.zero_()
+        inputs = {i: loaded[row] for i, row in enumerate(plan.rows) if row in loaded}
+        t0 = time.perf_counter()
+        result = self.executor.run(plan, inputs)
+        pipeline_s = time.perf_counter() - t0
+        counts_here = self.topo.llm_role is not None and self.topo.llm_role.is_last and self.topo.llm_role.tp_rank == 0
+        totals = torch.tensor([result.loss_sum if counts_here else 0.0, result.n_answer if counts_here else 0],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        loss_sum, n_answer = float(totals[0]), int(totals[1])
+        if n_answer == 0:
+            raise UserError(f"step {plan.step}: the global batch has no answer tokens to train on")
+        self.sync.all_reduce()
+        self.sync.scale(1.0 / n_answer)
+        return {"loss": loss_sum / n_answer, "n_answer": n_answer, "result": result, "pipeline_s": pipeline_s}
+
+    def optimizer_step(self) -> float:
+        """Clip by the global norm, AdamW step, LR schedule step; returns the norm before clipping."""
+        norm = self.sync.global_norm(self.device)
+        self.sync.clip(self.settings.grad_clip, norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        return norm
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate used by optimizer step `step` (0-based)."""
+        s = self.settings
+        return s.lr * warmup_cosine(step, total_steps=s.steps, warmup_steps=s.warmup_steps, min_lr_ratio=s.min_lr_ratio)
+
+    def gather_times(self, result) -> np.ndarray | None:
+        """[world, 2, m] (forward, backward) busy seconds of every rank per position, on rank 0."""
+        mine = torch.tensor(np.stack([result.fwd_s, result.bwd_s]), dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine.to(self.device) if self.device.type == "cuda" else mine)
+        return torch.stack([g.cpu() for g in gathered]).numpy() if self.rank == 0 else None
+
+    def close(self) -> None:
+        self.loader.close()
+        if self.planner is not None:
+            self.planner.close()
+
+    # -- checkpoint state ------------------------------------------------------------------------
+
+    def train_state(self):
+        from dflop.runtime.checkpoint import TrainState
+
+        return TrainState(params=self.rank_params, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                          data_seed=self.settings.seed)
+
+
+# -- metrics from the gathered times -------------------------------------------------------------
+
+
+def stage_labels(topo: Topology) -> list[str]:
+    """Name of every pipeline stage, in chain order (vision0.., llm0..)."""
+    vision = [] if topo.plan.colocated else [f"vision{k}" for k in range(topo.plan.vision.pp)]
+    return vision + [f"llm{j}" for j in range(topo.plan.llm.pp)]
+
+
+def rank_stage(topo: Topology, rank: int) -> int:
+    """Chain position of `rank`."""
+    other = Topology(topo.plan, rank, topo.world_size)
+    return other.pipeline_stage
+
+
+def measured_times(topo: Topology, times: np.ndarray, plan: StepPlan):
+    """MeasuredTimes (by microbatch id) from the gathered [world, 2, m] busy seconds: per stage the
+    slowest replica/TP rank (vision) or the slowest TP rank of each replica (LLM)."""
+    from dflop.scheduler.correction import MeasuredTimes
+
+    p_v = 0 if topo.plan.colocated else topo.plan.vision.pp
+    m, dp = plan.n_microbatches, topo.plan.llm.dp
+    ids = np.asarray(plan.microbatch_ids)
+    vision_fwd, vision_bwd = np.zeros((p_v, m)), np.zeros((p_v, m))
+    llm_fwd, llm_bwd = np.zeros((dp, topo.plan.llm.pp, m)), np.zeros((dp, topo.plan.llm.pp, m))
+    for rank in range(topo.world_size):
+        other = Topology(topo.plan, rank, topo.world_size)
+        fwd, bwd = times[rank, 0], times[rank, 1]
+        if other.llm_role is not None:
+            r, j = other.llm_role.replica, other.llm_role.stage
+            llm_fwd[r, j, ids] = np.maximum(llm_fwd[r, j, ids], fwd)
+            llm_bwd[r, j, ids] = np.maximum(llm_bwd[r, j, ids], bwd)
+        else:
+            k = other.vision_role.stage
+            vision_fwd[k, ids] = np.maximum(vision_fwd[k, ids], fwd)
+            vision_bwd[k, ids] = np.maximum(vision_bwd[k, ids], bwd)
+    return MeasuredTimes(vision_fwd, vision_bwd, llm_fwd, llm_bwd)
+
+
+def stage_busy(topo: Topology, times: np.ndarray) -> dict[str, float]:
+    """Mean busy seconds of each pipeline stage's ranks."""
+    labels = stage_labels(topo)
+    per_stage: dict[int, list[float]] = {}
+    for rank in range(topo.world_size):
+        per_stage.setdefault(rank_stage(topo, rank), []).append(float(times[rank].sum()))
+    return {labels[s]: float(np.mean(v)) for s, v in sorted(per_stage.items())}
+
+
+# -- the entry point -------------------------------------------------------------------------
+
+
+def train(cfg, *, plan_path: str | Path, shapes_path: str | Path, costmodel_path: str | Path | None,
+          out_dir: str | Path, steps: int | None = None, policy: str | None = None, pad_to_longest: bool = False,
+          progress: bool = True, stop_after: int | None = None) -> Path:
+    """Train inside a torchrun worker (every rank calls it); returns metrics.parquet's path.
+
+    cfg: a `dflop.config.Config`. plan_path: plan.yaml; shapes_path: shapes.parquet; costmodel_path:
+    costmodel.json (None: the analytic stand-in cost model). out_dir gets ``metrics.parquet`` and
+    ``checkpoints/``; a re-run resumes from the newest complete checkpoint there.
+    steps / policy / pad_to_longest: override train.steps / scheduler.policy / the baseline's
+    padding variant. stop_after: stop (as if killed) after this many steps of this run (tests).
+    """
+    overrides = {k: v for k, v in (("steps", steps), ("policy", policy)) if v is not None}
+    settings = TrainSettings.from_config(cfg, pad_to_longest=pad_to_longest, **overrides)
+    return run_training(settings, plan_path=plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path,
+                        out_dir=out_dir, progress=progress, stop_after=stop_after)
+
+
+def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path: str | Path,
+                 costmodel_path: str | Path | None, out_dir: str | Path, progress: bool = True,
+                 stop_after: int | None = None) -> Path:
+    """`train` with explicit settings (see there)."""
+    from dflop.runtime.checkpoint import load_latest, save_checkpoint
+
+    device = init_distributed(settings.device)
+    torch.manual_seed(settings.seed)
+    out_dir = Path(out_dir)
+    plan = load_plan(plan_path)
+    pool = load_pool(shapes_path)
+    trainer = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed),
+                      costs_fn=make_costs_fn(plan_for_costs(settings, plan), costmodel_path, settings.gpu_memory_gb),
+                      device=device)
+    ckpt_dir = out_dir / "checkpoints"
+    start = load_latest(ckpt_dir, trainer.train_state()) or 0
+    metrics = MetricsWriter(out_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None
+    bar = _progress_bar(settings.steps, start, progress and trainer.rank == 0)
+    last = settings.steps if stop_after is None else min(settings.steps, start + stop_after)
+    try:
+        if start < last:
+            plan_now = trainer.next_plan(start)
+            pending = trainer.load(plan_now)
+        for step in range(start, last):
+            t0 = time.perf_counter()
+            loaded = pending.result()
+            data_wait = time.perf_counter() - t0
+            if step + 1 < last:
+                plan_next = trainer.next_plan(step + 1)
+                pending = trainer.load(plan_next)
+            stats = trainer.compute_gradients(plan_now, loaded)
+            norm = trainer.optimizer_step()
+            step_s = time.perf_counter() - t0
+            times = trainer.gather_times(stats["result"])
+            if trainer.rank == 0:
+                row = _metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm)
+                metrics.append(row)
+                trainer.planner.report(step, measured_times(trainer.topo, times, plan_now))
+                bar.update(1)
+                log.info("step %d/%d loss %.4f step %.3fs idle %.1f%% sched %.1fms gap %.3f pred %.3fs lr %.2e",
+                         step + 1, settings.steps, row["loss"], step_s, 100 * row["idle_frac"], row["sched_ms"],
+                         row["sched_gap"], row["predicted_step_s"], row["lr"])
+            done = step + 1
+            if done % settings.checkpoint_every == 0 or done == settings.steps:
+                save_checkpoint(ckpt_dir, done, trainer.train_state())
+            if step + 1 < last:
+                plan_now = plan_next
+    finally:
+        bar.close()
+        trainer.close()
+    return out_dir / "metrics.parquet"
+
+
+def plan_for_costs(settings: TrainSettings, plan: Plan) -> Plan:
+    """The layout the cost model prices: the baseline runs a uniform layer split."""
+    if settings.policy != "baseline":
+        return plan
+    from dflop.models.architectures import architecture_of
+    from dflop.models.builder import model_config
+
+    config = model_config(settings.arch, settings.vision, settings.llm, weights_dir=settings.weights)
+    return plan.with_uniform_layers(architecture_of(config).n_feature_layers(config),
+                                    config.get_text_config().num_hidden_layers)
+
+
+def _metrics_row(trainer: Trainer, plan: StepPlan, stats: dict, times: np.ndarray, step_s: float,
+                 data_wait: float, norm: float) -> dict:
+    spec = trainer.settings.model_spec
+    flops = step_flops(trainer.info, plan.n_tiles, plan.seq_len, vision_trainable=spec.vision_side_trainable,
+                       llm_trainable=not spec.freeze_llm)
+    busy = stage_busy(trainer.topo, times)
+    row = {
+        "step": plan.step + 1, "loss": stats["loss"], "step_s": step_s, "samples": len(plan.rows),
+        "tokens": int(sum(plan.seq_len)), "tflops": flops / step_s / 1e12,
+        "idle_frac": float(1 - times.sum() / (trainer.world * step_s)),
+        "sched_ms": plan.sched_s * 1e3, "sched_gap": plan.predicted_step_s / plan.lower_bound_s
+        if plan.lower_bound_s > 0 else float("nan"),
+        "predicted_step_s": plan.predicted_step_s, "lr": trainer.lr_at(plan.step),
+        "grad_norm": norm, "answer_tokens": stats["n_answer"], "data_wait_s": data_wait, "member": plan.member,
+    }
+    for label, seconds in busy.items():
+        row[f"busy_s_{label}"] = seconds
+        row[f"idle_s_{label}"] = step_s - seconds
+    return row
+
+
+def _progress_bar(total: int, start: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="step", desc="train", disable=not enabled, file=sys.stderr)

@@ -1,0 +1,56 @@
+"""Runtime fixtures: shapes of a small demo dataset for each architecture, and small training pools.
+
+A pool is a shapes.parquet with a handful of chosen samples (every modality the architecture
+supports), so a global batch of the whole pool exercises images, multi-image posts, videos and
+text-only samples in one step.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from dflop.config import Config
+from dflop.data.demo import make_demo_data
+from dflop.profiling.data_profiler import profile_data
+from trainer_reference import MODELS, config_dict
+
+
+
+@pytest.fixture(scope="session")
+def runtime_demo(tmp_path_factory):
+    """demo.json of a 60-sample demo dataset (seed 0)."""
+    return make_demo_data(tmp_path_factory.mktemp("runtime_demo"), n_samples=60, seed=0)
+
+
+@pytest.fixture(scope="session")
+def demo_shapes(runtime_demo, tmp_path_factory):
+    """arch -> shapes.parquet of the demo dataset under that architecture's tiny model."""
+    out = {}
+    for arch in MODELS:
+        path = tmp_path_factory.mktemp(f"shapes_{arch}") / "shapes.parquet"
+        profile_data(Config.from_dict(config_dict(arch, runtime_demo)), shapes_path=path,
+                     histograms_path=path.with_name("histograms.parquet"), workers=1, progress=False)
+        out[arch] = path
+    return out
+
+
+def pick_pool(shapes_path, path, per_modality: dict[str, int]) -> str:
+    """Write a shapes.parquet with the first `n` samples of each modality; returns its path."""
+    shapes = pd.read_parquet(shapes_path)
+    parts = [shapes[shapes["modality"] == m].head(n) for m, n in per_modality.items()]
+    pd.concat(parts).to_parquet(path, index=False)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def pools(demo_shapes, tmp_path_factory):
+    """arch -> 8-sample pool: LLaVA-OV 2 of each modality; InternVL without videos (see
+    test_training_data.test_internvl_video_token_count_disagrees_with_the_data_profiler)."""
+    root = tmp_path_factory.mktemp("pools")
+    return {
+        "llava_ov": pick_pool(demo_shapes["llava_ov"], root / "llava_ov.parquet",
+                              {"image": 2, "multi_image": 2, "video": 2, "text": 2}),
+        "internvl": pick_pool(demo_shapes["internvl"], root / "internvl.parquet",
+                              {"image": 4, "multi_image": 2, "text": 2}),
+    }

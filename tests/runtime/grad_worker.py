@@ -1,0 +1,78 @@
+"""torchrun worker for test_pipeline_equivalence.py: global batches through the real trainer.
+
+Runs several cases in one launch (imports and process start dominate on CPU). Per case, rank 0's
+scheduler (the case's policy) partitions the batch; with ``shuffle_seed`` the microbatch execution
+order is then permuted. Every rank runs the trainer's forward/backward and gradient
+synchronisation (no optimizer step) and writes the gradients it holds, under the full model's
+parameter names, to ``<case>/grads_rank<r>.safetensors`` with a JSON sidecar naming each tensor's
+tensor-parallel shard (dim, tp rank, tp size); rank 0 also writes the loss and the batch rows.
+
+    python -m torch.distributed.run --nproc-per-node N grad_worker.py CASES.json
+    CASES.json: {"shapes": ..., "manifest": ..., "cases": [{"name", "out", "plan", "config",
+                 "overrides", "shuffle_seed"}, ...]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from dflop.config import Config
+from dflop.runtime.batches import broadcast_step_plan
+from dflop.runtime.plan import plan_from_dict
+from dflop.runtime.trainer import Trainer, TrainSettings, init_distributed, load_pool, pool_samples
+
+
+def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> None:
+    raw = dict(case["config"])
+    raw["data"] = {"datasets": [{"name": "demo", "path": manifest}]}
+    settings = TrainSettings.from_config(Config.from_dict(raw), **case.get("overrides", {}))
+    plan = plan_from_dict(case["plan"], f"case {case['name']}")
+    pool = load_pool(shapes)
+    trainer = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed), device=device)
+    step_plan = trainer.planner.get(0) if trainer.rank == 0 else None
+    if trainer.rank == 0 and case.get("shuffle_seed") is not None:
+        order = np.random.default_rng(case["shuffle_seed"]).permutation(step_plan.n_microbatches)
+        step_plan = dataclasses.replace(step_plan, bins=tuple(step_plan.bins[k] for k in order),
+                                        vision_shares=tuple(step_plan.vision_shares[k] for k in order),
+                                        microbatch_ids=tuple(step_plan.microbatch_ids[k] for k in order))
+    step_plan = broadcast_step_plan(step_plan, device)
+    stats = trainer.compute_gradients(step_plan, trainer.load(step_plan).result())
+    out = Path(case["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    grads, shards = {}, {}
+    for param, info in trainer.param_infos.items():
+        key = f"{info.name}@{len(grads)}"
+        grads[key] = param.grad.detach().contiguous().clone()
+        if info.name in trainer.rank_params.shards:
+            dim, tp = trainer.rank_params.shards[info.name]
+            shards[key] = [dim, tp.rank, tp.size]
+    save_file(grads, out / f"grads_rank{trainer.rank}.safetensors")
+    (out / f"shards_rank{trainer.rank}.json").write_text(json.dumps(shards))
+    if trainer.rank == 0:
+        (out / "result.json").write_text(json.dumps({
+            "loss": stats["loss"], "n_answer": stats["n_answer"], "rows": list(step_plan.rows),
+            "bins": step_plan.bins, "vision_shares": step_plan.vision_shares, "member": step_plan.member}))
+    trainer.close()
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    device = init_distributed("cpu")
+    for case in spec["cases"]:
+        run_case(case, case["shapes"] if "shapes" in case else spec["shapes"], spec["manifest"], device)
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
