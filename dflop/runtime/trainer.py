@@ -463,24 +463,25 @@ def stage_busy(topo: Topology, times: np.ndarray) -> dict[str, float]:
 
 def train(cfg, *, plan_path: str | Path, shapes_path: str | Path, costmodel_path: str | Path | None,
           out_dir: str | Path, steps: int | None = None, policy: str | None = None, pad_to_longest: bool = False,
-          progress: bool = True, stop_after: int | None = None) -> Path:
+          export: bool = True, progress: bool = True, stop_after: int | None = None) -> Path:
     """Train inside a torchrun worker (every rank calls it); returns metrics.parquet's path.
 
     cfg: a `dflop.config.Config`. plan_path: plan.yaml; shapes_path: shapes.parquet; costmodel_path:
     costmodel.json (None: the analytic stand-in cost model). out_dir gets ``metrics.parquet`` and
-    ``checkpoints/``; a re-run resumes from the newest complete checkpoint there.
+    ``checkpoints/`` and, at the end, ``final/`` (a Hugging Face directory, unless export=False);
+    a re-run resumes from the newest complete checkpoint there.
     steps / policy / pad_to_longest: override train.steps / scheduler.policy / the baseline's
     padding variant. stop_after: stop (as if killed) after this many steps of this run (tests).
     """
     overrides = {k: v for k, v in (("steps", steps), ("policy", policy)) if v is not None}
     settings = TrainSettings.from_config(cfg, pad_to_longest=pad_to_longest, **overrides)
     return run_training(settings, plan_path=plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path,
-                        out_dir=out_dir, progress=progress, stop_after=stop_after)
+                        out_dir=out_dir, export=export, progress=progress, stop_after=stop_after)
 
 
 def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path: str | Path,
-                 costmodel_path: str | Path | None, out_dir: str | Path, progress: bool = True,
-                 stop_after: int | None = None) -> Path:
+                 costmodel_path: str | Path | None, out_dir: str | Path, export: bool = True,
+                 progress: bool = True, stop_after: int | None = None) -> Path:
     """`train` with explicit settings (see there)."""
     from dflop.runtime.checkpoint import load_latest, save_checkpoint
 
@@ -525,6 +526,10 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                 save_checkpoint(ckpt_dir, done, trainer.train_state())
             if step + 1 < last:
                 plan_now = plan_next
+        if export and last == settings.steps:
+            from dflop.runtime.export import export_hf
+
+            export_hf(out_dir / "final", trainer.rank_params)
     finally:
         bar.close()
         trainer.close()

@@ -1,0 +1,98 @@
+"""Launch training with the plan's world size: ``python -m dflop.runtime.launch --plan ... [args]``.
+
+Outside torchrun this builds the torchrun command from plan.yaml (one process per plan rank;
+single node: ``--standalone``; several nodes: c10d rendezvous, one agent per node, as
+``srun ... python -m dflop.runtime.launch --nodes N --rdzv-endpoint HOST:PORT``) and runs it with
+the same arguments; inside torchrun (``RANK`` is set) each worker calls `trainer.train`.
+
+    python -m dflop.runtime.launch --config config/config.yaml --plan results/plan/plan.yaml \\
+        --shapes results/data/shapes.parquet --costmodel results/costmodel/costmodel.json \\
+        --out-dir results/train
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from dflop.errors import UserError
+from dflop.runtime.plan import load_plan
+
+
+def torchrun_command(plan_path: str | Path, worker_args: Sequence[str], *, nodes: int = 1,
+                     rdzv_endpoint: str | None = None, rdzv_id: str = "dflop-train",
+                     python: str = sys.executable) -> list[str]:
+    """The torchrun command that starts the plan's world size of workers running `worker_args`.
+
+    nodes > 1: ``world_size / nodes`` processes per node and a c10d rendezvous at `rdzv_endpoint`
+    (the first node's host:port); run the same command once per node (e.g. under srun).
+    """
+    plan = load_plan(plan_path)
+    if nodes < 1 or plan.world_size % nodes:
+        raise UserError(f"{plan.source}: world_size {plan.world_size} does not split over {nodes} node(s)")
+    command = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(plan.world_size // nodes)]
+    if nodes == 1:
+        command.append("--standalone")
+    else:
+        if not rdzv_endpoint:
+            raise UserError("multi-node training needs --rdzv-endpoint HOST:PORT (the first node)")
+        command += ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                    "--rdzv-id", rdzv_id]
+    return command + ["-m", "dflop.runtime.launch", *worker_args]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dflop.runtime.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, help="YAML config (default: the demo default)")
+    parser.add_argument("--settings", help="JSON object laid over --config")
+    parser.add_argument("--plan", type=Path, required=True, help="plan.yaml")
+    parser.add_argument("--shapes", type=Path, required=True, help="shapes.parquet")
+    parser.add_argument("--costmodel", type=Path, help="costmodel.json (default: the analytic stand-in)")
+    parser.add_argument("--out-dir", type=Path, required=True, help="metrics.parquet, checkpoints/, final/")
+    parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument("--policy", choices=["dflop", "baseline"], help="override scheduler.policy")
+    parser.add_argument("--pad", action="store_true", help="baseline variant: pad samples to the longest of their bin")
+    parser.add_argument("--no-export", action="store_true", help="skip writing the Hugging Face directory final/")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--rdzv-endpoint")
+    return parser
+
+
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    out = []
+    for flag in ("config", "settings", "plan", "shapes", "costmodel", "out_dir", "steps", "policy"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    out += ["--pad"] if args.pad else []
+    out += ["--no-export"] if args.no_export else []
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        if "RANK" not in os.environ:
+            command = torchrun_command(args.plan, _worker_args(args), nodes=args.nodes,
+                                       rdzv_endpoint=args.rdzv_endpoint)
+            return subprocess.run(command).returncode
+        from dflop.config import load
+        from dflop.runtime.trainer import train
+
+        train(load(args.config, args.settings), plan_path=args.plan, shapes_path=args.shapes,
+              costmodel_path=args.costmodel, out_dir=args.out_dir, steps=args.steps, policy=args.policy,
+              pad_to_longest=args.pad, export=not args.no_export)
+    except UserError as exc:
+        print(f"dflop train: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
