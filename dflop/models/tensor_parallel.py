@@ -241,18 +241,44 @@ class VocabParallelCausalLMHead(nn.Module):
         targets = shift_labels.view(-1).to(logits.device)
         if self.tp.size == 1:
             return fixed_cross_entropy(logits, targets, num_items_in_batch, IGNORE_INDEX)
-        row_max = logits.detach().amax(-1, keepdim=True)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.tp.group)
-        logits = logits - row_max
-        local = targets - self.start
-        mine = (local >= 0) & (local < logits.shape[1]) & (targets != IGNORE_INDEX)
-        target_logit = logits.gather(1, local.clamp(0, logits.shape[1] - 1).unsqueeze(1)).squeeze(1)
-        target_logit = reduce_from_tp(target_logit * mine, self.tp)
-        sum_exp = reduce_from_tp(logits.exp().sum(-1), self.tp)
-        per_token = (sum_exp.log() - target_logit)[targets != IGNORE_INDEX]
+        per_token = _VocabParallelCrossEntropy.apply(logits, targets, self.start, self.tp)
+        per_token = per_token[targets != IGNORE_INDEX]
         if num_items_in_batch is None:
             return per_token.mean()
         return per_token.sum() / num_items_in_batch
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy [T] of logits split over the vocabulary ([T, V/tp] on each rank).
+
+    Keeps only the local softmax [T, V/tp] for backward (autograd through the same formula would
+    also keep the shifted logits: twice the memory of the largest activation of the model).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, tp):
+        row_max = logits.amax(-1, keepdim=True)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
+        shifted = logits - row_max
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < logits.shape[1])
+        index = local.clamp(0, logits.shape[1] - 1).unsqueeze(1)
+        target_logit = shifted.gather(1, index).squeeze(1) * mine
+        dist.all_reduce(target_logit, group=tp.group)
+        softmax = shifted.exp_()
+        sum_exp = softmax.sum(-1)
+        dist.all_reduce(sum_exp, group=tp.group)
+        softmax.div_(sum_exp.unsqueeze(1))
+        ctx.save_for_backward(softmax, index, mine)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, index, mine = ctx.saved_tensors
+        grad = softmax  # d loss / d logits = softmax - one_hot(target), in place as backward runs once
+        grad.scatter_add_(1, index, -mine.to(grad.dtype).unsqueeze(1))
+        grad.mul_(grad_loss.unsqueeze(1))
+        return grad, None, None, None
 
 
 def shard_stage(stage: VisionStage | LLMStage, tp: TPGroup) -> VisionStage | LLMStage:

@@ -42,3 +42,7 @@ def test_tp2_profile_under_torchrun_holds_half_of_each_split_module(tmp_path):
     shared = attention.loc[1].index.intersection(attention.loc[2].index)
     assert len(shared) > 3
     assert (attention.loc[2][shared] * 2 == attention.loc[1][shared]).all()
+    # The vocabulary-parallel loss keeps only its half of the [T, V] softmax.
+    head = table[table.module == "llm_head"].groupby(["tp", "batch", "seq_len"])["act_bytes"].first()
+    largest = head.loc[1].index.intersection(head.loc[2].index).max()
+    assert head.loc[2][largest] < 0.6 * head.loc[1][largest]
