@@ -1,0 +1,10 @@
+"""Data-aware 3D parallelism optimizer (DESIGN.md §5): search layouts, split layers by MILP, rank plans
+by simulating sampled global batches through the online scheduler, write plan.yaml.
+
+Entry points: `optimize` (rule optimize / `dflop optimize`) and `simulate_plan` (`dflop simulate`).
+"""
+
+from dflop.planner.optimize import optimize
+from dflop.planner.whatif import simulate_plan
+
+__all__ = ["optimize", "simulate_plan"]

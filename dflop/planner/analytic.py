@@ -1,0 +1,90 @@
+"""A cost model from FLOP counts, for planning GPU clusters before any GPU profile exists.
+
+The what-if question ("how fast on 512 H100s?") comes before GPU hours are bought, so there is
+no GPU profile to fit. This module writes the same `CostModel` the fitted one is, from the model's
+shapes and a stated achieved throughput:
+
+- time of an op = FLOPs / ``achieved_tflops`` + tensor-parallel all-reduces (ring, intra-node
+  ``tp_gbps``) + ``op_overhead_ms`` per layer per microbatch (kernel launches); backward = 2 x
+  forward FLOPs and the same all-reduces;
+- FLOPs (forward, per rank at TP degree t; P = parameters of the part, h = hidden size):
+  vision layer per tile of T tokens ``(2 P T + 4 T^2 h) / t`` (bidirectional attention);
+  vision embeddings and projector ``2 P T / t``; LLM layer per sample of s tokens
+  ``(2 P s + 2 h s^2) / t`` (causal attention inside the sample: QK^T and AV, halved);
+  LM head ``2 h V s / t``; token embeddings: a lookup, charged as memory traffic
+  ``2 h s`` bytes at ``hbm_gbps``;
+- TP communication (Megatron): 2 all-reduces of the layer output per forward and 2 per backward,
+  ``2 (t-1)/t * bytes / tp_gbps`` each;
+- activation bytes kept for the backward (bf16, flash attention, no recomputation, no sequence
+  parallelism), per token per layer: ``2 * (4 h + (6 h + 3 I) / t)`` (norm inputs and residuals
+  replicated; q, k, v, attention output, MLP gate/up/activation split by TP; I = MLP width);
+  LM head: fp32 logits ``4 V / t`` per token;
+- parameters: the model's exact counts (`dflop.models.info`) x dtype bytes / t.
+
+It is a first-order model (no kernel efficiency curves, no overlap of TP communication); use a
+fitted GPU profile when one exists. Defaults: an H100 SXM at ~40% of its 989 dense bf16 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+from dflop.costmodel.features import MODULE_FEATURES
+from dflop.costmodel.memory import canonical_dtype
+from dflop.costmodel.model import CostModel, ModuleCosts, Provenance
+from dflop.models.info import ModelInfo
+from dflop.models.presets import llm_preset, vision_preset
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def analytic_cost_model(info: ModelInfo, *, vision: str, llm: str, tp_degrees=(1, 2, 4, 8),
+                        achieved_tflops: float = 400.0, tp_gbps: float = 300.0, hbm_gbps: float = 2000.0,
+                        op_overhead_ms: float = 0.03, dtype: str = "bfloat16", arch: str | None = None) -> CostModel:
+    """The FLOP-count `CostModel` of `info` (module docstring) at every TP degree in `tp_degrees`.
+
+    vision / llm: preset names (for the MLP widths); achieved_tflops: sustained dense TFLOP/s per
+    GPU; tp_gbps: TP all-reduce bandwidth (GB/s); hbm_gbps: memory bandwidth for the embedding
+    lookup; op_overhead_ms: fixed milliseconds per layer (or part) per microbatch, forward and backward.
+    """
+    flops_per_ms = achieved_tflops * 1e12 / 1e3
+    nbytes = _DTYPE_BYTES[canonical_dtype(dtype)]
+    v_pre, l_pre = vision_preset(vision), llm_preset(llm)
+    T, hv, hl, V = info.vision_tokens_per_tile, info.vision_hidden, info.llm_hidden, info.vocab_size
+    modules = []
+    for t in tp_degrees:
+        def allreduce_ms(bytes_per_unit: float) -> float:
+            return 0.0 if t == 1 else 2 * (t - 1) / t * bytes_per_unit / (tp_gbps * 1e9) * 1e3
+
+        def act_layer(h: int, inter: int) -> float:
+            return nbytes * (4 * h + (6 * h + 3 * inter) / t)
+
+        parts = {
+            # (forward FLOPs per unit, forward TP comm ms per unit, activation bytes per unit, params)
+            "vision_embed": ({"tiles": 2 * info.vision_embed_params * T / t}, 0.0, {"tiles": nbytes * T * hv},
+                             info.vision_embed_params),
+            "vision_layer": ({"tiles": (2 * info.vision_layer_params * T + 4 * T * T * hv) / t},
+                             2 * allreduce_ms(nbytes * T * hv), {"tiles": T * act_layer(hv, v_pre.intermediate_size)},
+                             info.vision_layer_params),
+            "projector": ({"tiles": 2 * info.projector_params * T / t}, allreduce_ms(nbytes * T * hl),
+                          {"tiles": nbytes * T * (hv + hl) / t}, info.projector_params),
+            "llm_embed": ({}, 0.0, {"tokens": nbytes * hl}, info.llm_embed_params),
+            "llm_layer": ({"tokens": 2 * info.llm_layer_params / t, "sq_tokens": 2 * hl / t},
+                          2 * allreduce_ms(nbytes * hl), {"tokens": act_layer(hl, l_pre.intermediate_size)},
+                          info.llm_layer_params),
+            "llm_head": ({"tokens": 2 * hl * V / t}, allreduce_ms(4), {"tokens": nbytes * hl + 4 * V / t},
+                         info.llm_head_params),
+        }
+        for name, (flops, comm_ms, act, params) in parts.items():
+            features = MODULE_FEATURES[name][1]
+            unit = "tiles" if "tiles" in features else "tokens"
+            fwd = {f: v / flops_per_ms for f, v in flops.items()}
+            bwd = {f: 2 * v for f, v in fwd.items()}
+            if name == "llm_embed":  # lookup: memory traffic, not FLOPs
+                fwd[unit] = bwd[unit] = nbytes * hl / (hbm_gbps * 1e9) * 1e3
+            fwd[unit] = fwd.get(unit, 0.0) + comm_ms
+            bwd[unit] = bwd.get(unit, 0.0) + comm_ms
+            fwd["const"] = bwd["const"] = op_overhead_ms
+            coef = {target: tuple(float(values.get(f, 0.0)) for f in features)
+                    for target, values in (("fwd_ms", fwd), ("bwd_ms", bwd), ("act_bytes", act))}
+            modules.append(ModuleCosts(name, int(t), features, coef, float(params * nbytes / t), 0, (1, 1), (1, 1)))
+    preset = f"{arch or info.arch}/{vision}/{llm}"
+    return CostModel(modules, Provenance(preset=preset, device=f"analytic {achieved_tflops:g} TFLOP/s", dtype=dtype))

@@ -1,0 +1,106 @@
+"""The data-blind baseline layout (Megatron-style), evaluated exactly like the DFLOP plan.
+
+What a data-blind stack runs: the vision tower colocated on the first LLM stage (torchtitan,
+Megatron), LLM layers split uniformly over the stages (``llm_layers % pp == 0``), every GPU a data-
+parallel replica (``dp = world // (tp * pp)``, or the largest divisor of the global batch below
+it), and microbatches of a fixed sample count (``global_batch % (m * dp) == 0``) cut from the batch
+in order. Among those layouts the baseline is the best one by the same simulation over the same
+sampled batches (the mean-shape step picks which `simulate` of them are simulated), so the
+reported speedup is what data awareness buys over a tuned data-blind layout, not over a bad one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflop.planner.candidates import evaluation_columns, plan_columns
+from dflop.planner.cluster import Cluster
+from dflop.planner.expected import Evaluation
+from dflop.planner.layout import Layout, Plan
+from dflop.planner.means import ModuleMeans
+from dflop.planner.screen import SearchSpace
+from dflop.planner.stages import StageModel, TransferMeans, build_stage_model
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """The chosen baseline (None when no data-blind layout runs) and one row per layout tried."""
+
+    evaluation: Evaluation | None
+    stage_model: StageModel | None
+    rows: list[dict]
+
+
+def baseline_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout], list[dict]]:
+    """Every data-blind layout, and rejection rows for (tp, pp, m) that break its divisibility rules."""
+    W, B, L = cluster.world_size, space.global_batch, space.llm_layers
+    layouts, rejected = [], []
+    for t in space.shared_tp:
+        for pp in range(1, L + 1):
+            if L % pp:
+                rejected.append(_row("rejected", "divisibility", f"uniform split: {L} llm layers not divisible by "
+                                     f"pp={pp}", tp_v=t, tp_l=t, pp_l=pp))
+                continue
+            dp_max = W // (t * pp)
+            if dp_max < 1:
+                break
+            dps = sorted({dp_max, max(d for d in range(1, dp_max + 1) if B % d == 0)})
+            for dp in dps:
+                for m in space.microbatches:
+                    if B % (m * dp):
+                        rejected.append(_row("rejected", "divisibility", f"fixed-count microbatches: global batch "
+                                             f"{B} not divisible by m x dp = {m} x {dp}", tp_v=t, tp_l=t, pp_l=pp,
+                                             dp_v=dp, dp_l=dp, m=m))
+                    else:
+                        layouts.append(Layout("colocated", t, 1, dp, t, pp, dp, m))
+    return layouts, rejected
+
+
+def search_baseline(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, ModuleMeans],
+                    cluster: Cluster, transfer: TransferMeans, evaluate, *, simulate: int = 4) -> BaselineResult:
+    """The best data-blind layout; `evaluate(plan) -> Evaluation` runs the sampled batches."""
+    layouts, rows = baseline_layouts(space, cluster)
+    scored = []
+    for lay in layouts:
+        sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster,
+                               global_batch=space.global_batch, transfer=transfer)
+        split = np.r_[[space.llm_layers // lay.pp_l] * lay.pp_l]
+        plan = sm.plan(split)
+        if not sm.fits(split):
+            s = int(np.argmax(sm.memory_at(split) - sm.memory_bytes))
+            rows.append(_row("rejected", "memory", f"uniform split needs {sm.memory_at(split)[s] / 1e9:.3g} GB on "
+                             f"llm stage {s}", plan=plan))
+            continue
+        scored.append((sm.objective_s(split), sm, plan))
+    scored.sort(key=lambda x: x[0])
+    best: tuple[Evaluation, StageModel] | None = None
+    best_row = -1
+    for rank, (objective, sm, plan) in enumerate(scored):
+        if rank >= simulate and best is not None:
+            rows.append(_row("pruned", "bound", "not among the best data-blind layouts by the mean-shape step",
+                             plan=plan, milp_objective_s=objective))
+            continue
+        ev = evaluate(plan)
+        rows.append(_row("simulated" if ev.ok else "rejected", "" if ev.ok else "memory", ev.failure or "",
+                         plan=plan, milp_objective_s=objective, evaluation=ev))
+        if ev.ok and (best is None or ev.mean_s < best[0].mean_s):
+            best, best_row = (ev, sm), len(rows) - 1
+    if best is None:
+        return BaselineResult(None, None, rows)
+    rows[best_row]["status"] = "chosen"
+    return BaselineResult(best[0], best[1], rows)
+
+
+def _row(status: str, reason: str, detail: str, *, plan: Plan | None = None, evaluation: Evaluation | None = None,
+         milp_objective_s: float | None = None, **layout) -> dict:
+    row = {"kind": "baseline", "level": "layout" if plan else "degree", "placement": "colocated", "status": status,
+           "reason": reason, "detail": detail, **layout}
+    if plan is not None:
+        row.update(plan_columns(plan))
+    if milp_objective_s is not None:
+        row["mean_shape_step_s"] = milp_objective_s
+    if evaluation is not None:
+        row.update(evaluation_columns(evaluation))
+    return row

@@ -1,0 +1,109 @@
+"""candidates.parquet: every layout the optimizer looked at, and what became of it.
+
+One row per (columns in this order; missing values are null):
+
+- ``kind``: "plan" (the data-aware search) or "baseline" (the data-blind layouts);
+- ``level``: "degree" (a TP degree or m rejected for every layout), "group" (all layouts of one
+  placement, tp_v, pp_v, tp_l, pp_l, m, i.e. all their dp splits: ``n_layouts`` of them, with
+  the dp split of the best feasible one), or "layout" (one layout, with its layer split);
+- ``placement``, ``tp_v``, ``pp_v``, ``dp_v``, ``tp_l``, ``pp_l``, ``dp_l``, ``m``, ``world_size``;
+- ``status``: "rejected", "pruned" (feasible, but its lower bound could not beat the plans kept,
+  or it lost the race), "solved" (MILP solved, not simulated), "simulated", "chosen";
+- ``reason``: why rejected or pruned: tp_not_dividing_heads, tp_not_profiled, tp_not_within_node,
+  divisibility, memory, bound, racing, milp_<status>; ``detail``: the same in words;
+- ``n_layouts``; ``bound_s`` (lower bound of the mean-shape step); ``mean_shape_step_s`` (MILP
+  objective: the 1F1B step under mean shapes); ``milp_status``; ``milp_solve_s``;
+- ``vision_layers``, ``llm_layers``: layers per stage;
+- ``step_mean_s``, ``step_p50_s``, ``step_p90_s``, ``utilisation``, ``peak_memory_gb`` (over the
+  sampled batches), ``batches`` (how many were simulated).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from dflop.io import atomic_path
+from dflop.planner.expected import Evaluation
+from dflop.planner.layout import Plan
+
+STRING_COLUMNS = ("kind", "level", "placement", "status", "reason", "detail", "milp_status")
+INT_COLUMNS = ("tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m", "world_size", "n_layouts", "batches")
+FLOAT_COLUMNS = ("bound_s", "mean_shape_step_s", "milp_solve_s", "step_mean_s", "step_p50_s", "step_p90_s",
+                 "utilisation", "peak_memory_gb")
+LIST_COLUMNS = ("vision_layers", "llm_layers")
+COLUMNS = ("kind", "level", "placement", "tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m", "world_size",
+           "status", "reason", "detail", "n_layouts", "bound_s", "mean_shape_step_s", "milp_status", "milp_solve_s",
+           "vision_layers", "llm_layers", "step_mean_s", "step_p50_s", "step_p90_s", "utilisation",
+           "peak_memory_gb", "batches")
+
+
+def plan_columns(plan: Plan) -> dict:
+    """The layout and split columns of a plan."""
+    lay = plan.layout
+    return {"placement": lay.placement, "tp_v": lay.tp_v, "pp_v": lay.pp_v, "dp_v": lay.dp_v, "tp_l": lay.tp_l,
+            "pp_l": lay.pp_l, "dp_l": lay.dp_l, "m": lay.m, "world_size": lay.world_size,
+            "vision_layers": list(plan.vision_layers), "llm_layers": list(plan.llm_layers)}
+
+
+def evaluation_columns(ev: Evaluation) -> dict:
+    """The simulated columns of an evaluation (only `batches`=0 when it failed)."""
+    if not ev.ok:
+        return {"batches": 0}
+    return {"step_mean_s": ev.mean_s, "step_p50_s": ev.p50_s, "step_p90_s": ev.p90_s,
+            "utilisation": ev.mean_utilisation, "peak_memory_gb": float(np.max(ev.memory_bytes)) / 1e9,
+            "batches": len(ev.step_s)}
+
+
+def group_rows(groups: pd.DataFrame) -> pd.DataFrame:
+    """Candidate rows of the screen's group summaries (`dflop.planner.screen.ScreenResult.groups`)."""
+    if groups.empty:
+        return pd.DataFrame(columns=list(COLUMNS))
+    g = groups
+    no_fit = g["n_fit"].to_numpy() == 0
+    side = np.where(~g["llm_fits"] & ~g["vision_fits"], "llm and vision stages",
+                    np.where(~g["llm_fits"], "llm stages", "vision stages"))
+    detail = np.where(no_fit, "no layer split fits in GPU memory on the " + side + " for any dp split",
+                      "lower bound above the plans kept")
+    colocated = g["colocated"].to_numpy(dtype=bool)
+    world = np.where(colocated, 0, g["tp_v"] * g["pp_v"] * g["dp_v"]) + g["tp_l"] * g["pp_l"] * g["dp_l"]
+    has = g["dp_l"].to_numpy() >= 1
+    out = pd.DataFrame({
+        "kind": "plan", "level": "group", "placement": np.where(colocated, "colocated", "disjoint"),
+        "tp_v": g["tp_v"], "pp_v": g["pp_v"], "dp_v": np.where(has, g["dp_v"], -1), "tp_l": g["tp_l"],
+        "pp_l": g["pp_l"], "dp_l": np.where(has, g["dp_l"], -1), "m": g["m"], "world_size": np.where(has, world, -1),
+        "status": np.where(no_fit, "rejected", "pruned"), "reason": np.where(no_fit, "memory", "bound"),
+        "detail": detail, "n_layouts": g["n_layouts"], "bound_s": g["bound_s"],
+    })
+    for col in ("dp_v", "dp_l", "world_size"):
+        out[col] = out[col].astype("Int64").mask(out[col] < 1)
+    return out
+
+
+def candidates_frame(rows: list[dict], groups: pd.DataFrame | None = None) -> pd.DataFrame:
+    """All rows in the documented column order and types."""
+    frames = [pd.DataFrame(rows)] if rows else []
+    if groups is not None and len(groups):
+        frames.append(group_rows(groups))
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    for col in COLUMNS:
+        if col not in df.columns:
+            df[col] = None
+    df = df[list(COLUMNS)].copy()
+    for col in STRING_COLUMNS:
+        df[col] = df[col].astype("string")
+    for col in INT_COLUMNS:
+        df[col] = pd.to_numeric(df[col], errors="coerce").astype("Int64")
+    for col in FLOAT_COLUMNS:
+        df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
+    for col in LIST_COLUMNS:
+        df[col] = [list(map(int, v)) if isinstance(v, (list, tuple, np.ndarray)) else None for v in df[col]]
+    return df
+
+
+def write_candidates(df: pd.DataFrame, path: str | Path) -> None:
+    """Write candidates.parquet atomically."""
+    with atomic_path(path) as tmp:
+        df.to_parquet(tmp, index=False)

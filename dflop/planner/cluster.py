@@ -1,0 +1,114 @@
+"""The machines a plan is for, and the communication times the planner charges.
+
+Rank layout (what plan.yaml's topology describes): the vision ranks come first, then the LLM ranks
+(in the colocated placement the vision tower runs on the LLM's first-stage ranks). Inside a module
+``rank = first_rank + (stage * dp + replica) * tp + tp_rank``: tensor-parallel ranks are adjacent
+(TP never leaves a node, since tp divides gpus_per_node), then data-parallel replicas, then stages.
+
+Communication model (bandwidths from the `cluster` config section; every function here works on
+numpy arrays as well as scalars, so the search can use it on many layouts at once):
+- a pipeline hop inside a module uses the intra-node bandwidth when all of that module's ranks
+  sit in one node, otherwise the inter-node bandwidth (conservative: one slow hop slows them all);
+- the vision -> LLM hop (disjoint placement) is intra-node only when both modules fit in one node;
+- the gradient all-reduce of a stage is a ring over its dp replicas:
+  ``2 (dp - 1) / dp * bytes / bandwidth + 2 (dp - 1) * latency`` seconds, intra-node when every
+  stage's replica block is aligned inside a node, 0 when dp = 1.
+Transfers are charged as time the receiving stage cannot compute (no overlap), which is
+conservative for large messages and exact for latency-bound ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflop.errors import UserError
+
+GB = 1e9  # config sizes and bandwidths are decimal gigabytes
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """nodes x gpus_per_node GPUs (on CPU: processes) with `gpu_memory_bytes` each.
+
+    Bandwidths in bytes/s; latency in seconds (one pipeline send or one all-reduce ring step).
+    """
+
+    nodes: int = 1
+    gpus_per_node: int = 2
+    gpu_memory_bytes: float = 8 * GB
+    intra_node_bytes_per_s: float = 150 * GB
+    inter_node_bytes_per_s: float = 25 * GB
+    p2p_latency_s: float = 20e-6
+    device: str = "cpu"
+
+    def __post_init__(self):
+        for key, value, minimum in (("nodes", self.nodes, 1), ("gpus_per_node", self.gpus_per_node, 1)):
+            if int(value) != value or value < minimum:
+                raise UserError(f"cluster.{key} must be a whole number >= {minimum}, got {value!r}")
+        for key in ("gpu_memory_bytes", "intra_node_bytes_per_s", "inter_node_bytes_per_s"):
+            if not getattr(self, key) > 0:
+                raise UserError(f"cluster.{key} must be > 0, got {getattr(self, key)!r}")
+        if not self.p2p_latency_s >= 0:
+            raise UserError(f"cluster.p2p_latency_s must be >= 0, got {self.p2p_latency_s!r}")
+
+    @classmethod
+    def from_config(cls, *, nodes: int = 1, gpus_per_node: int = 2, gpu_memory_gb: float = 8,
+                    intra_node_gbps: float = 150, inter_node_gbps: float = 25, p2p_latency_us: float = 20,
+                    device: str = "cpu") -> "Cluster":
+        """The cluster from the config's units (GB, GB/s, microseconds); keys as in config.schema."""
+        for key, value in (("gpu_memory_gb", gpu_memory_gb), ("intra_node_gbps", intra_node_gbps),
+                           ("inter_node_gbps", inter_node_gbps)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise UserError(f"cluster.{key} must be a number > 0, got {value!r}")
+        return cls(nodes=int(nodes), gpus_per_node=int(gpus_per_node), gpu_memory_bytes=gpu_memory_gb * GB,
+                   intra_node_bytes_per_s=intra_node_gbps * GB, inter_node_bytes_per_s=inter_node_gbps * GB,
+                   p2p_latency_s=p2p_latency_us * 1e-6, device=device)
+
+    def to_config(self) -> dict:
+        """The inverse of `from_config` (config units), for plan.yaml."""
+        return {"device": self.device, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+                "gpu_memory_gb": self.gpu_memory_bytes / GB, "intra_node_gbps": self.intra_node_bytes_per_s / GB,
+                "inter_node_gbps": self.inter_node_bytes_per_s / GB, "p2p_latency_us": self.p2p_latency_s * 1e6}
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def with_gpus(self, gpus: int) -> "Cluster":
+        """The same kind of machines, `gpus` of them (whole nodes when gpus > gpus_per_node)."""
+        if gpus < 1:
+            raise UserError(f"--gpus must be >= 1, got {gpus}")
+        if gpus <= self.gpus_per_node:
+            return Cluster(1, gpus, self.gpu_memory_bytes, self.intra_node_bytes_per_s,
+                           self.inter_node_bytes_per_s, self.p2p_latency_s, self.device)
+        if gpus % self.gpus_per_node:
+            raise UserError(f"--gpus {gpus} is not a whole number of {self.gpus_per_node}-GPU nodes")
+        return Cluster(gpus // self.gpus_per_node, self.gpus_per_node, self.gpu_memory_bytes,
+                       self.intra_node_bytes_per_s, self.inter_node_bytes_per_s, self.p2p_latency_s, self.device)
+
+    # ---- communication (array-friendly) --------------------------------------------------------
+
+    def in_one_node(self, first_rank, n_ranks):
+        """True where ranks [first_rank, first_rank + n_ranks) all sit in one node."""
+        g = self.gpus_per_node
+        first = np.asarray(first_rank)
+        return (first // g) == ((first + np.asarray(n_ranks) - 1) // g)
+
+    def bandwidth(self, intra):
+        """Bytes/s of a link: intra-node where `intra` is true, else inter-node."""
+        return np.where(intra, self.intra_node_bytes_per_s, self.inter_node_bytes_per_s)
+
+    def dp_group_intra(self, first_rank, tp, pp, dp):
+        """True where every stage's dp x tp block of a module lies inside one node."""
+        block = np.asarray(tp) * np.asarray(dp)
+        g = self.gpus_per_node
+        aligned = (block <= g) & (g % block == 0) & (np.asarray(first_rank) % block == 0)
+        return aligned | self.in_one_node(first_rank, block * np.asarray(pp))
+
+    def allreduce_s(self, grad_bytes, dp, intra):
+        """Seconds of a ring all-reduce of `grad_bytes` over `dp` replicas (0 when dp == 1)."""
+        dp = np.asarray(dp, dtype=np.float64)
+        ring = 2.0 * (dp - 1.0) / dp * np.asarray(grad_bytes) / self.bandwidth(intra)
+        return np.where(dp > 1, ring + 2.0 * (dp - 1.0) * self.p2p_latency_s, 0.0)

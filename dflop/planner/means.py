@@ -1,0 +1,169 @@
+"""The data's shapes and each module part's costs averaged over them (what the search optimises).
+
+Every fitted cost is a per-microbatch constant plus a sum of per-sample terms
+(`dflop.costmodel.types`), so the mean time of a microbatch of ``nu`` samples drawn from the data
+is exactly ``const + nu * mean per-sample term``. `PartMeans` keeps those two numbers for one part
+(one layer, or the first/last-stage extras) of one module at one TP degree, and the largest single
+sample's activation bytes, which any microbatch holding that sample must fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from dflop.costmodel.memory import canonical_dtype
+from dflop.costmodel.model import CostModel, StageTerms
+from dflop.errors import UserError
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The samples plans are judged on (rows of shapes.parquet with status ok).
+
+    n_tiles, seq_len, vision_tokens: [N] tiles through the vision tower, tokens in the packed LLM
+    sequence, and tokens the vision features become. sample_id: [N] for error messages.
+    """
+
+    sample_id: np.ndarray
+    n_tiles: np.ndarray
+    seq_len: np.ndarray
+    vision_tokens: np.ndarray
+
+    @classmethod
+    def from_shapes(cls, shapes: pd.DataFrame, *, where: str = "shapes", llm_tokens_per_tile: int = 0) -> "Pool":
+        """The pool from a shapes table; `vision_tokens` falls back to tiles x llm_tokens_per_tile."""
+        missing = [c for c in ("sample_id", "n_tiles", "seq_len") if c not in shapes.columns]
+        if missing:
+            raise UserError(f"{where}: missing column(s) {', '.join(missing)} (expected shapes.parquet columns)")
+        if "status" in shapes.columns:
+            shapes = shapes[shapes["status"] == "ok"]
+        if shapes.empty:
+            raise UserError(f"{where}: no sample with status 'ok'")
+        ids = shapes["sample_id"].astype(str).to_numpy()
+        tiles = shapes["n_tiles"].to_numpy()
+        seq = shapes["seq_len"].to_numpy()
+        if "vision_tokens" in shapes.columns:
+            vis = shapes["vision_tokens"].to_numpy()
+        else:
+            vis = tiles * llm_tokens_per_tile
+        for name, col, lo in (("n_tiles", tiles, 0), ("seq_len", seq, 1), ("vision_tokens", vis, 0)):
+            bad = pd.isna(col) | (np.asarray(col, dtype=np.float64) < lo)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise UserError(f"{where}: sample {ids[i]!r} has invalid {name}={col[i]!r} (must be >= {lo})")
+        return cls(ids, tiles.astype(np.int64), seq.astype(np.int64), vis.astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self.seq_len)
+
+    def take(self, index: np.ndarray) -> "Pool":
+        return Pool(self.sample_id[index], self.n_tiles[index], self.seq_len[index], self.vision_tokens[index])
+
+
+@dataclass(frozen=True)
+class TransferSizes:
+    """Bytes that cross a pipeline hop per token or tile (activations in the training dtype).
+
+    llm_token_bytes: one LLM hidden state (hidden x dtype bytes): per sequence token between LLM
+        stages, and per vision token from the vision tower to the LLM.
+    vision_tile_bytes: one tile's hidden states between vision stages (tokens per tile x width).
+    """
+
+    llm_token_bytes: float
+    vision_tile_bytes: float
+
+    @classmethod
+    def for_model(cls, *, llm_hidden: int, vision_hidden: int, vision_tokens_per_tile: int, dtype: str):
+        nbytes = _DTYPE_BYTES[canonical_dtype(dtype)]
+        return cls(float(llm_hidden * nbytes), float(vision_tokens_per_tile * vision_hidden * nbytes))
+
+
+@dataclass(frozen=True)
+class PartMeans:
+    """One part of a module at one TP degree: per-microbatch constants and per-sample means.
+
+    Seconds (forward, backward) and bytes (activations kept until the backward, per rank);
+    act_max_bytes is the largest single sample's activation bytes; static_bytes is parameters +
+    gradients + optimizer state, grad_bytes the gradients alone (what the all-reduce moves).
+    """
+
+    fwd_const_s: float = 0.0
+    bwd_const_s: float = 0.0
+    fwd_mean_s: float = 0.0
+    bwd_mean_s: float = 0.0
+    act_const_bytes: float = 0.0
+    act_mean_bytes: float = 0.0
+    act_max_bytes: float = 0.0
+    static_bytes: float = 0.0
+    grad_bytes: float = 0.0
+
+    @classmethod
+    def from_terms(cls, terms: StageTerms) -> "PartMeans":
+        return cls(
+            fwd_const_s=terms.fwd_const_s, bwd_const_s=terms.bwd_const_s,
+            fwd_mean_s=float(np.mean(terms.fwd_s)), bwd_mean_s=float(np.mean(terms.bwd_s)),
+            act_const_bytes=terms.act_const_bytes, act_mean_bytes=float(np.mean(terms.act_bytes)),
+            act_max_bytes=float(np.max(terms.act_bytes)),
+            static_bytes=terms.static.static_bytes, grad_bytes=terms.static.grad_bytes,
+        )
+
+    def time_s(self, nu):
+        """Forward + backward seconds on a microbatch of `nu` samples (mean shapes)."""
+        return self.fwd_const_s + self.bwd_const_s + nu * (self.fwd_mean_s + self.bwd_mean_s)
+
+    def bwd_s(self, nu):
+        return self.bwd_const_s + nu * self.bwd_mean_s
+
+    def act_mean(self, nu):
+        """Activation bytes of a microbatch of `nu` mean samples."""
+        return self.act_const_bytes + nu * self.act_mean_bytes
+
+    def act_heaviest(self, share=1.0):
+        """Activation bytes of a microbatch holding `share` of the heaviest sample."""
+        return self.act_const_bytes + share * self.act_max_bytes
+
+    def __add__(self, other: "PartMeans") -> "PartMeans":
+        return PartMeans(*(a + b for a, b in zip(_values(self), _values(other))))
+
+    def scaled(self, k: float) -> "PartMeans":
+        return PartMeans(*(k * a for a in _values(self)))
+
+
+def _values(p: PartMeans) -> tuple[float, ...]:
+    return (p.fwd_const_s, p.bwd_const_s, p.fwd_mean_s, p.bwd_mean_s, p.act_const_bytes, p.act_mean_bytes,
+            p.act_max_bytes, p.static_bytes, p.grad_bytes)
+
+
+@dataclass(frozen=True)
+class ModuleMeans:
+    """A module (vision tower or LLM) at one TP degree: one layer, the first-stage extras
+    (vision embeddings / token embeddings) and the last-stage extras (projector / norm, head, loss)."""
+
+    module: str
+    tp: int
+    n_layers: int
+    layer: PartMeans
+    first: PartMeans
+    last: PartMeans
+
+    def whole(self) -> PartMeans:
+        """The whole module on one stage (what the colocated first LLM stage carries)."""
+        return self.layer.scaled(self.n_layers) + self.first + self.last
+
+
+def module_means(cost: CostModel, module: str, tp: int, pool: Pool, n_layers: int) -> ModuleMeans:
+    """`ModuleMeans` of "vision" or "llm" at `tp` over the pool's samples."""
+    if module == "vision":
+        sizes, terms = pool.n_tiles, cost.vision_stage_terms
+    elif module == "llm":
+        sizes, terms = pool.seq_len, cost.llm_stage_terms
+    else:
+        raise ValueError(f"module must be 'vision' or 'llm', got {module!r}")
+    part = lambda n, first, last: PartMeans.from_terms(terms(sizes, n_layers=n, first=first, last=last, tp=tp))
+    return ModuleMeans(module, int(tp), int(n_layers), layer=part(1, False, False), first=part(0, True, False),
+                       last=part(0, False, True))

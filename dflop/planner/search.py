@@ -1,0 +1,337 @@
+"""The data-aware 3D-parallelism search: screen -> MILP per layout -> simulate the best.
+
+1. `build_space`: admissible TP degrees and microbatch counts (rejections recorded).
+2. `screen`: every layout (placement, degrees, m) gets an exact memory-feasibility test and a lower
+   bound on its mean-shape step; the best `keep` feasible layouts are kept, best bound first.
+3. MILP per layout (`solve_split`) in bound order until the next bound cannot beat the `top_k`-th
+   best objective found (within rel_gap): those top_k are then the best by the MILP objective
+   among all layouts ("top_k_proven").
+4. The top_k are simulated over the same `sample_batches` global batches sampled from the data,
+   each partitioned by the online scheduler (`dflop.planner.expected`); the lowest mean step wins
+   (ties: fewer GPUs). With ``racing`` the batches are spent by successive halving: all candidates
+   on 1 batch, the better half on 2, ... until the last ones have all K (same batches for all, so
+   the comparison is paired); this approximates simulating everything on K batches at a fraction of
+   the cost on large clusters.
+5. The data-blind baseline (`dflop.planner.baseline`) on the same batches.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import pandas as pd
+
+from dflop.costmodel.model import CostModel
+from dflop.errors import UserError
+from dflop.planner.baseline import BaselineResult, search_baseline
+from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
+from dflop.planner.cluster import Cluster
+from dflop.planner.expected import (Evaluation, SchedulerSettings, evaluate_plan, sample_batches, stage_name)
+from dflop.planner.layout import Layout, Plan
+from dflop.planner.means import ModuleMeans, Pool, TransferSizes, module_means
+from dflop.planner.milp import SplitResult, solve_split
+from dflop.planner.screen import ScreenResult, SearchSpace, layout_of, screen
+from dflop.planner.space import ModelShape, build_space
+from dflop.planner.stages import StageModel, TransferMeans, build_stage_model, min_peak_split, split_bound_s
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """Knobs of the search (config: planner.*, train.global_batch_size, run.seed).
+
+    keep: layouts kept by the screen for the tighter bound (default max(2048, 8 top_k)); max_milps:
+    MILP solver calls at most (default max(64, 4 top_k)); baseline_simulate: data-blind layouts
+    simulated.
+    """
+
+    global_batch: int = 16
+    placements: tuple[str, ...] = ("disjoint", "colocated")
+    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    sample_batches: int = 8
+    top_k: int = 16
+    time_limit_s: float = 10.0
+    rel_gap: float = 0.01
+    seed: int = 0
+    racing: bool = True
+    keep: int | None = None
+    max_milps: int | None = None
+    baseline_simulate: int = 4
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+
+    def __post_init__(self):
+        for key in ("sample_batches", "top_k", "baseline_simulate"):
+            if int(getattr(self, key)) != getattr(self, key) or getattr(self, key) < 1:
+                raise UserError(f"planner.{key} must be a whole number >= 1, got {getattr(self, key)!r}")
+        if not self.time_limit_s > 0:
+            raise UserError(f"planner.time_limit_s must be > 0, got {self.time_limit_s!r}")
+        if not self.rel_gap >= 0:
+            raise UserError(f"planner.rel_gap must be >= 0, got {self.rel_gap!r}")
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The chosen plan and baseline, every candidate row, and search statistics.
+
+    stats: layouts, feasible, milps, milp_s (sum of solve walls), milp_statuses, top_k_proven,
+    simulated, screen_s, milp_wall_s, simulate_s, baseline_s, wall_s.
+    """
+
+    chosen: Evaluation
+    stage_model: StageModel
+    milp: SplitResult
+    baseline: BaselineResult
+    candidates: pd.DataFrame
+    stats: dict
+    sizes: TransferSizes
+
+
+@dataclass
+class _Solved:
+    layout: Layout
+    bound_s: float
+    stage_model: StageModel
+    result: SplitResult
+    evaluation: Evaluation | None = None
+    status: str = "solved"
+    reason: str = ""
+
+    @property
+    def plan(self) -> Plan:
+        return self.stage_model.plan(self.result.split)
+
+
+def prepare_means(cost: CostModel, shape: ModelShape, pool: Pool, space: SearchSpace):
+    """ModuleMeans per admissible TP degree: ({tp: vision}, {tp: llm})."""
+    vision_tps = sorted(set(space.vision_tp) | set(space.shared_tp))
+    vision = {t: module_means(cost, "vision", t, pool, shape.vision_layers) for t in vision_tps}
+    llm = {t: module_means(cost, "llm", t, pool, shape.llm_layers) for t in space.llm_tp}
+    return vision, llm
+
+
+def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
+           settings: SearchSettings = SearchSettings()) -> SearchResult:
+    """Run the whole search (module docstring); raises UserError when nothing can run."""
+    t0 = time.perf_counter()
+    s = settings
+    space, rejected = build_space(shape, cost, cluster, placements=s.placements, microbatches=s.microbatches,
+                                  global_batch=s.global_batch, mean_tiles=float(pool.n_tiles.mean()))
+    vision, llm = prepare_means(cost, shape, pool, space)
+    sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
+                                    vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
+    transfer = TransferMeans.of(pool, sizes)
+    keep = s.keep or max(2048, 8 * s.top_k)
+    screened = screen(space, vision, llm, cluster, transfer, keep=keep)
+    t_screen = time.perf_counter()
+    if screened.n_feasible == 0:
+        raise UserError(closest_fit_message(space, screened, vision, llm, cluster, transfer))
+
+    solved, proven = _solve_layouts(screened, space, vision, llm, cluster, transfer, s, keep)
+    t_milp = time.perf_counter()
+    if not any(x.result.has_solution for x in solved):
+        statuses = sorted({x.result.status for x in solved})
+        raise UserError(f"no layer split found by the MILP for any feasible layout (statuses: {statuses})")
+
+    batches = sample_batches(len(pool), s.sample_batches, s.global_batch, s.seed)
+
+    def evaluate(plan: Plan, subset: slice, scheduler: SchedulerSettings) -> Evaluation:
+        return evaluate_plan(plan, cost, pool, batches[subset], cluster, sizes, scheduler,
+                             seed=s.seed + (subset.start or 0))
+
+    ranked = sorted((x for x in solved if x.result.has_solution), key=lambda x: x.result.objective_s)
+    chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
+    t_sim = time.perf_counter()
+    baseline = search_baseline(space, vision, llm, cluster, transfer,
+                               lambda plan: evaluate(plan, slice(0, None), replace(s.scheduler, policy="megatron")),
+                               simulate=s.baseline_simulate)
+    t_base = time.perf_counter()
+
+    rows = list(rejected) + [_layout_row(x) for x in solved] + baseline.rows
+    solved_groups = {_group_key(x.layout) for x in solved}
+    groups = screened.groups
+    if len(groups):
+        cols = [groups[c].tolist() for c in ("colocated", "tp_v", "pp_v", "tp_l", "pp_l", "m")]
+        groups = groups[[(bool(c), *map(int, rest)) not in solved_groups for c, *rest in zip(*cols)]]
+    candidates = candidates_frame(rows, groups)
+    milp_s = [x.result.solve_s for x in solved]
+    stats = {
+        "layouts": screened.n_layouts, "feasible": screened.n_feasible, "milps": len(solved),
+        "milp_s": float(np.sum(milp_s)), "milp_statuses": _counts(x.result.status for x in solved),
+        "top_k_proven": proven, "simulated": sum(x.evaluation is not None for x in solved),
+        "screen_s": t_screen - t0, "milp_wall_s": t_milp - t_screen, "simulate_s": t_sim - t_milp,
+        "baseline_s": t_base - t_sim, "wall_s": time.perf_counter() - t0,
+    }
+    return SearchResult(chosen.evaluation, chosen.stage_model, chosen.result, baseline, candidates, stats, sizes)
+
+
+def _solve_layouts(screened: ScreenResult, space: SearchSpace, vision, llm, cluster, transfer,
+                   s: SearchSettings, keep: int) -> tuple[list[_Solved], bool]:
+    """MILPs in bound order until the top_k by objective are certain (or max_milps).
+
+    The kept layouts are re-ranked by the tighter `split_bound_s`; a layout whose modules have one
+    stage each has a single split, computed directly (milp status "single_split").
+    """
+    max_milps = s.max_milps or max(64, 4 * s.top_k)
+    rows = list(screened.layouts.itertuples(index=False))
+    # Lazy re-ranking: pop the smallest bound; a screen bound is replaced by the tighter
+    # split_bound_s (never smaller) and pushed back, so a popped refined bound is the next best.
+    heap = [(float(r.bound_s), i, None) for i, r in enumerate(rows)]
+    heapq.heapify(heap)
+
+    def next_layout():
+        while heap:
+            bound, i, sm = heapq.heappop(heap)
+            if sm is not None:
+                return bound, sm
+            lay = layout_of(rows[i])
+            sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster,
+                                   global_batch=space.global_batch, transfer=transfer)
+            heapq.heappush(heap, (max(split_bound_s(sm), bound), i, sm))
+        return None
+
+    truncated = screened.n_feasible > len(screened.layouts)
+    unseen_bound = float(screened.layouts["bound_s"].max()) if truncated else np.inf
+    solved: list[_Solved] = []
+    objectives: list[float] = []
+    proven = not truncated
+    n_calls = 0
+    while (item := next_layout()) is not None:
+        bound, sm = item
+        lay = sm.layout
+        if len(objectives) >= s.top_k:
+            kth = sorted(objectives)[s.top_k - 1] * (1 - s.rel_gap)
+            if bound >= kth:
+                proven = kth <= unseen_bound
+                break
+        single = sm.n_stages == (1 if lay.colocated else 2)
+        if not single and n_calls >= max_milps:
+            proven = False
+            break
+        if single:
+            split = np.array([sm.llm_layers] if lay.colocated else [sm.vision_layers, sm.llm_layers])
+            objective = sm.objective_s(split)
+            res = SplitResult("single_split", split, objective, objective, 0.0)
+        else:
+            res = solve_split(sm, time_limit_s=s.time_limit_s, rel_gap=s.rel_gap)
+            n_calls += 1
+        item = _Solved(lay, bound, sm, res)
+        if res.has_solution:
+            objectives.append(res.objective_s)
+        else:
+            item.status, item.reason = "rejected", f"milp_{res.status}"
+        solved.append(item)
+    return solved, proven
+
+
+def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _Solved:
+    """Simulate the top_k (racing or not), mark statuses, return the winner."""
+    finalists, rest = ranked[:s.top_k], ranked[s.top_k:]
+    K = s.sample_batches
+    for x in rest:
+        x.status, x.reason = "solved", ""
+    alive = list(finalists)
+    done, n = 0, (1 if s.racing and len(finalists) > 1 else K)
+    while alive:
+        n = min(n, K)
+        for x in alive:
+            ev = evaluate(x.plan, slice(done, n))
+            x.evaluation = ev if x.evaluation is None else x.evaluation.extended(ev)
+        for x in alive:
+            if not x.evaluation.ok:
+                x.status, x.reason = "rejected", "memory"
+        alive = sorted((x for x in alive if x.evaluation.ok), key=lambda x: (x.evaluation.mean_s, x.layout.world_size))
+        done = n
+        if n >= K:
+            break
+        if len(alive) <= 1:
+            n = K  # finish the last one on every batch
+            continue
+        for x in alive[math.ceil(len(alive) / 2):]:
+            x.status, x.reason = "pruned", "racing"
+        alive = alive[:math.ceil(len(alive) / 2)]
+        n *= 2
+    for x in alive:
+        x.status = "simulated"
+    if not alive:
+        if rest:  # every finalist ran out of memory on a sampled batch: try the next ones
+            return _simulate_finalists(rest, s, evaluate)
+        first = next(x for x in finalists if x.evaluation is not None and not x.evaluation.ok)
+        raise UserError(f"every plan that fits the mean-shape memory check runs out of memory on the sampled "
+                        f"batches; first: {first.layout.describe()}: {first.evaluation.failure}")
+    winner = alive[0]
+    winner.status = "chosen"
+    return winner
+
+
+def _layout_row(x: _Solved) -> dict:
+    row = {"kind": "plan", "level": "layout", "status": x.status, "reason": x.reason,
+           "detail": x.evaluation.failure if (x.evaluation is not None and not x.evaluation.ok) else "",
+           "bound_s": x.bound_s, "milp_status": x.result.status, "milp_solve_s": x.result.solve_s,
+           "mean_shape_step_s": x.result.objective_s, "n_layouts": 1}
+    if x.result.has_solution:
+        row.update(plan_columns(x.plan))
+    else:
+        lay = x.layout
+        row.update({"placement": lay.placement, "tp_v": lay.tp_v, "pp_v": lay.pp_v, "dp_v": lay.dp_v,
+                    "tp_l": lay.tp_l, "pp_l": lay.pp_l, "dp_l": lay.dp_l, "m": lay.m, "world_size": lay.world_size})
+    if x.evaluation is not None:
+        row.update(evaluation_columns(x.evaluation))
+    return row
+
+
+def _group_key(lay: Layout) -> tuple:
+    return (bool(lay.colocated), lay.tp_v, lay.pp_v, lay.tp_l, lay.pp_l, lay.m)
+
+
+def _counts(values) -> dict:
+    out: dict = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def closest_fit_message(space: SearchSpace, screened: ScreenResult, vision: dict[int, ModuleMeans],
+                        llm: dict[int, ModuleMeans], cluster: Cluster, transfer: TransferMeans,
+                        max_groups: int = 2000) -> str:
+    """One line naming the layout that misses GPU memory by the least, and by how much.
+
+    Checks the most memory-friendly layouts of each group (largest and smallest LLM dp) exactly
+    (`min_peak_split`), most GPUs per model replica first, at most `max_groups` groups.
+    """
+    W, B, M = cluster.world_size, space.global_batch, cluster.gpu_memory_bytes
+    g = screened.groups
+    if g.empty:
+        return "no layout to try: the cluster is too small for one model replica"
+    order = np.lexsort((-g["m"].to_numpy(), -(g["tp_v"] * g["pp_v"]).to_numpy(), -(g["tp_l"] * g["pp_l"]).to_numpy()))
+    best = None
+    for r in g.iloc[order[:max_groups]].itertuples(index=False):
+        for lay in _representatives(r, W, B, space):
+            sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster, global_batch=B,
+                                   transfer=transfer)
+            split, mem = min_peak_split(sm)
+            s = int(np.argmax(mem))
+            if best is None or mem[s] < best[0]:
+                best = (float(mem[s]), sm.plan(split), s)
+    need, plan, s = best
+    return (f"no plan fits in {M / 1e9:.3g} GB per GPU: the closest, {plan.layout.describe()}, needs "
+            f"{need / 1e9:.3g} GB on {stage_name(plan, s)} ({(need - M) / 1e9:.3g} GB short); use more GPUs or "
+            f"GPU memory, more microbatches, or a smaller global batch")
+
+
+def _representatives(r, W: int, B: int, space: SearchSpace) -> list[Layout]:
+    tp_l, pp_l, m = int(r.tp_l), int(r.pp_l), int(r.m)
+    if bool(r.colocated):
+        dp = min(W // (tp_l * pp_l), B // m)
+        return [Layout("colocated", tp_l, 1, dp, tp_l, pp_l, dp, m)] if dp >= 1 else []
+    tp_v, pp_v = int(r.tp_v), int(r.pp_v)
+    hi = min((W - tp_v * pp_v) // (tp_l * pp_l), B // m)
+    cap = max(1, int(np.floor(B / m * space.mean_tiles)))
+    out = []
+    for dp_l in sorted({1, hi}):
+        dp_v = min((W - tp_l * pp_l * dp_l) // (tp_v * pp_v), cap)
+        if dp_l >= 1 and dp_v >= 1:
+            out.append(Layout("disjoint", tp_v, pp_v, dp_v, tp_l, pp_l, dp_l, m))
+    return out

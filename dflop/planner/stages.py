@@ -1,0 +1,313 @@
+"""Per-stage costs of a layout as linear functions of the layers on each stage (mean shapes).
+
+For one layout every stage ``s`` has ``value_s = fixed_s + per_layer_s * n_s`` for its time per
+microbatch (forward + backward, seconds), its backward, its peak memory (bytes) and its gradient
+bytes, where ``n_s`` is the number of layers the stage runs. The first stage of a module also holds
+that module's first-stage extras, the last its last-stage extras, and in the colocated placement
+the first LLM stage holds the whole vision tower. Transfers are charged to the receiving stage
+(see `dflop.planner.cluster`).
+
+Memory of a stage (bytes per rank) is its training state plus ``in_flight`` microbatches of
+activations (1F1B peak), and must fit for two microbatches: the mean one (``nu`` mean samples)
+and one holding the heaviest sample of the data (vision: its share per vision replica).
+
+The pipeline step under mean shapes (`StageModel.objective_s`) is the 1F1B formula with
+identical microbatches on heterogeneous stages, ``sum_s t_s + (m - 1) max_s t_s``, plus the
+gradient all-reduce left over after the pipeline drains (stage ``s`` finishes its backwards about
+``sum_{s' < s} b_s'`` before stage 0), plus ``2 (P - 1)`` hop latencies. It is an upper bound of
+the simulated step of identical microbatches and tighter than the reference's
+``(m + P - 1) max_s t_s``; the simulation over sampled batches makes the final choice.
+
+Everything here broadcasts over numpy arrays so the search can score many layouts at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from dflop.planner.cluster import Cluster
+from dflop.planner.layout import Layout, Plan
+from dflop.planner.means import ModuleMeans, PartMeans, Pool, TransferSizes
+
+
+@dataclass(frozen=True)
+class StageCoeffs:
+    """``fixed + per_layer * n`` coefficients of stages (arrays or scalars; seconds and bytes)."""
+
+    time_fixed: np.ndarray
+    time_layer: np.ndarray
+    bwd_fixed: np.ndarray
+    bwd_layer: np.ndarray
+    mem_mean_fixed: np.ndarray
+    mem_mean_layer: np.ndarray
+    mem_max_fixed: np.ndarray
+    mem_max_layer: np.ndarray
+    grad_fixed: np.ndarray
+    grad_layer: np.ndarray
+
+    def plus_time(self, fwd_s=0.0, bwd_s=0.0) -> "StageCoeffs":
+        """The same stages with `fwd_s` / `bwd_s` more seconds per microbatch (transfers)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["time_fixed"] = self.time_fixed + fwd_s + bwd_s
+        values["bwd_fixed"] = self.bwd_fixed + bwd_s
+        return StageCoeffs(**values)
+
+    def max_layers(self, memory_bytes):
+        """Most layers each stage can hold within `memory_bytes` (may be negative: not even 0 fit)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            caps = [np.where(layer > 0, np.floor((memory_bytes - fixed) / np.where(layer > 0, layer, 1.0)),
+                             np.where(fixed <= memory_bytes, np.inf, -1.0))
+                    for fixed, layer in ((self.mem_mean_fixed, self.mem_mean_layer),
+                                         (self.mem_max_fixed, self.mem_max_layer))]
+        return np.minimum(*caps)
+
+
+def stage_coeffs(means: ModuleMeans, *, nu, heaviest_share, first, last, in_flight,
+                 extra: PartMeans | None = None, extra_nu=None, extra_on=True) -> StageCoeffs:
+    """Coefficients of stages of one module.
+
+    nu: samples per microbatch on one replica of the stage (mean); heaviest_share: share of the
+    heaviest sample one replica holds (1, or 1/dp_v for vision stages); first/last: whether the
+    stage holds the module's first/last extras (bools or arrays); in_flight: 1F1B microbatches held;
+    extra: a part the stages where `extra_on` is true also run in full (the vision tower on
+    colocated LLM stage 0), on `extra_nu` samples.
+    """
+    first = np.asarray(first, dtype=np.float64)
+    last = np.asarray(last, dtype=np.float64)
+    layer = _PartAt.of(means.layer, nu, heaviest_share)
+    fixed = _PartAt.of(means.first, nu, heaviest_share).scaled(first) + \
+        _PartAt.of(means.last, nu, heaviest_share).scaled(last)
+    if extra is not None:
+        fixed = fixed + _PartAt.of(extra, extra_nu, 1.0).scaled(np.asarray(extra_on, dtype=np.float64))
+    return StageCoeffs(
+        time_fixed=fixed.time, time_layer=layer.time,
+        bwd_fixed=fixed.bwd, bwd_layer=layer.bwd,
+        mem_mean_fixed=fixed.static + in_flight * fixed.act_mean,
+        mem_mean_layer=layer.static + in_flight * layer.act_mean,
+        mem_max_fixed=fixed.static + in_flight * fixed.act_heaviest,
+        mem_max_layer=layer.static + in_flight * layer.act_heaviest,
+        grad_fixed=fixed.grad, grad_layer=layer.grad,
+    )
+
+
+@dataclass(frozen=True)
+class _PartAt:
+    """A part's costs on one microbatch: seconds (fwd + bwd, bwd) and bytes (activations of the
+    mean and of the heaviest-sample microbatch, training state, gradients)."""
+
+    time: np.ndarray
+    bwd: np.ndarray
+    act_mean: np.ndarray
+    act_heaviest: np.ndarray
+    static: np.ndarray
+    grad: np.ndarray
+
+    @classmethod
+    def of(cls, part: PartMeans, nu, heaviest_share) -> "_PartAt":
+        return cls(part.time_s(nu), part.bwd_s(nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
+                   part.static_bytes, part.grad_bytes)
+
+    def scaled(self, k) -> "_PartAt":
+        return _PartAt(*(k * getattr(self, f.name) for f in fields(self)))
+
+    def __add__(self, other: "_PartAt") -> "_PartAt":
+        return _PartAt(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class Links:
+    """Link bandwidths (bytes/s) and all-reduce placement of layouts (arrays broadcast)."""
+
+    vision_to_llm_bps: np.ndarray
+    llm_hop_bps: np.ndarray
+    vision_hop_bps: np.ndarray
+    vision_allreduce_intra: np.ndarray
+    llm_allreduce_intra: np.ndarray
+
+
+def links(cluster: Cluster, *, colocated, tp_v, pp_v, dp_v, tp_l, pp_l, dp_l) -> Links:
+    """Which links the layout's transfers and all-reduces use (rank layout in `dflop.planner.cluster`)."""
+    n_vision = np.where(colocated, 0, np.asarray(tp_v) * pp_v * dp_v)
+    n_llm = np.asarray(tp_l) * pp_l * dp_l
+    return Links(
+        vision_to_llm_bps=cluster.bandwidth(cluster.in_one_node(0, n_vision + n_llm)),
+        llm_hop_bps=cluster.bandwidth(cluster.in_one_node(n_vision, n_llm)),
+        vision_hop_bps=cluster.bandwidth(cluster.in_one_node(0, np.maximum(n_vision, 1))),
+        vision_allreduce_intra=cluster.dp_group_intra(0, tp_v, pp_v, dp_v),
+        llm_allreduce_intra=cluster.dp_group_intra(n_vision, tp_l, pp_l, dp_l),
+    )
+
+
+@dataclass(frozen=True)
+class TransferMeans:
+    """Mean bytes per sample that cross each kind of hop (see `TransferSizes`)."""
+
+    feature_bytes: float  # vision features into the LLM (vision tokens x LLM hidden)
+    llm_hop_bytes: float  # LLM hidden states between LLM stages (sequence tokens x hidden)
+    vision_hop_bytes: float  # vision hidden states between vision stages (tiles x tile bytes)
+
+    @classmethod
+    def of(cls, pool: Pool, sizes: TransferSizes) -> "TransferMeans":
+        return cls(float(pool.vision_tokens.mean()) * sizes.llm_token_bytes,
+                   float(pool.seq_len.mean()) * sizes.llm_token_bytes,
+                   float(pool.n_tiles.mean()) * sizes.vision_tile_bytes)
+
+
+@dataclass(frozen=True)
+class StageModel:
+    """Linear per-stage costs of one layout (stages in pipeline order, vision first).
+
+    is_vision: [P]; coeffs: arrays [P]; ar_fixed / ar_layer: [P] all-reduce seconds
+    (``fixed + per_layer * n``); vision_layers / llm_layers: layers of each module (the colocated
+    vision tower is inside LLM stage 0's fixed terms); memory_bytes: the per-GPU limit.
+    """
+
+    layout: Layout
+    is_vision: np.ndarray
+    coeffs: StageCoeffs
+    ar_fixed: np.ndarray
+    ar_layer: np.ndarray
+    vision_layers: int
+    llm_layers: int
+    latency_s: float
+    memory_bytes: float
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.is_vision)
+
+    def stage_time_s(self, n) -> np.ndarray:
+        """[P] forward + backward seconds per microbatch of each stage holding n[s] layers."""
+        return self.coeffs.time_fixed + self.coeffs.time_layer * np.asarray(n)
+
+    def memory_at(self, n) -> np.ndarray:
+        """[P] peak bytes per rank (the larger of the mean and heaviest-sample microbatches)."""
+        n = np.asarray(n)
+        return np.maximum(self.coeffs.mem_mean_fixed + self.coeffs.mem_mean_layer * n,
+                          self.coeffs.mem_max_fixed + self.coeffs.mem_max_layer * n)
+
+    def allreduce_at(self, n) -> np.ndarray:
+        return self.ar_fixed + self.ar_layer * np.asarray(n)
+
+    def objective_s(self, n) -> float:
+        """Mean-shape step seconds of the split n (module docstring)."""
+        n = np.asarray(n)
+        t = self.stage_time_s(n)
+        bwd = self.coeffs.bwd_fixed + self.coeffs.bwd_layer * n
+        ahead = np.concatenate([[0.0], np.cumsum(bwd)[:-1]])
+        tail = max(0.0, float(np.max(self.allreduce_at(n) - ahead)))
+        m, p = self.layout.m, self.n_stages
+        return float((m - 1) * t.max() + t.sum() + tail + 2 * (p - 1) * self.latency_s)
+
+    def fits(self, n) -> bool:
+        return bool(np.all(self.memory_at(n) <= self.memory_bytes))
+
+    def max_layers(self) -> np.ndarray:
+        """[P] most layers each stage can hold in memory."""
+        return self.coeffs.max_layers(self.memory_bytes)
+
+    def plan(self, n) -> Plan:
+        """The `Plan` of split n ([P] layers per stage)."""
+        n = [int(x) for x in n]
+        pp_v = self.layout.n_vision_stages
+        vision = (self.vision_layers,) if self.layout.colocated else tuple(n[:pp_v])
+        return Plan(self.layout, vision, tuple(n[pp_v:]))
+
+    def split_of(self, plan: Plan) -> np.ndarray:
+        """[P] layers per stage of a plan (inverse of `plan`)."""
+        vision = () if self.layout.colocated else plan.vision_layers
+        return np.array(vision + plan.llm_layers)
+
+
+def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, cluster: Cluster,
+                      global_batch: int, transfer: TransferMeans) -> StageModel:
+    """The `StageModel` of a layout, from the module means at its TP degrees."""
+    lay, m, B = layout, layout.m, global_batch
+    link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
+                 tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
+    in_flight = np.asarray(lay.in_flight(), dtype=np.float64)
+    n_v, pp_l = lay.n_vision_stages, lay.pp_l
+    parts, ar = [], []
+
+    def allreduce(c: StageCoeffs, dp, intra):
+        fixed = cluster.allreduce_s(c.grad_fixed, dp, intra)
+        return fixed, cluster.allreduce_s(c.grad_layer, dp, intra) - cluster.allreduce_s(0.0, dp, intra)
+
+    if n_v:
+        nu_v = B / (m * lay.dp_v)
+        k = np.arange(n_v)
+        c = stage_coeffs(vision, nu=np.full(n_v, nu_v), heaviest_share=1.0 / lay.dp_v, first=k == 0,
+                         last=k == n_v - 1, in_flight=in_flight[:n_v])
+        hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
+        out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
+        c = c.plus_time(fwd_s=np.where(k > 0, hop, 0.0), bwd_s=np.where(k < n_v - 1, hop, out))
+        parts.append(c)
+        ar.append(allreduce(c, lay.dp_v, link.vision_allreduce_intra))
+    nu_l = B / (m * lay.dp_l)
+    j = np.arange(pp_l)
+    c = stage_coeffs(llm, nu=np.full(pp_l, nu_l), heaviest_share=1.0, first=j == 0, last=j == pp_l - 1,
+                     in_flight=in_flight[n_v:], extra=vision.whole() if lay.colocated else None, extra_nu=nu_l,
+                     extra_on=j == 0)  # colocated: the whole vision tower rides on LLM stage 0
+    hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
+    features = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
+    c = c.plus_time(fwd_s=np.where(j > 0, hop, features), bwd_s=np.where(j < pp_l - 1, hop, 0.0))
+    parts.append(c)
+    ar.append(allreduce(c, lay.dp_l, link.llm_allreduce_intra))
+    stacked = StageCoeffs(**{f.name: np.concatenate([np.broadcast_to(getattr(p, f.name), (len(p.time_layer),))
+                                                      for p in parts]).astype(np.float64) for f in fields(StageCoeffs)})
+    return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(pp_l, dtype=bool)],
+                      coeffs=stacked, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64),
+                      ar_layer=np.concatenate([np.broadcast_to(a[1], np.shape(a[0])) for a in ar]).astype(np.float64),
+                      vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=cluster.p2p_latency_s,
+                      memory_bytes=cluster.gpu_memory_bytes)
+
+
+def min_peak_split(sm: StageModel) -> tuple[np.ndarray, np.ndarray]:
+    """The split with the smallest largest stage memory, and its [P] memory (bytes per rank).
+
+    Each stage's memory grows with its layers, so giving every next layer to the stage whose
+    memory after taking it is smallest minimises the maximum (per module, >= 1 layer per stage).
+    Used to explain how far a layout is from fitting.
+    """
+    n = np.ones(sm.n_stages, dtype=np.int64)
+    for is_vision, total in ((True, sm.vision_layers), (False, sm.llm_layers)):
+        stages = np.flatnonzero(sm.is_vision == is_vision)
+        if len(stages) == 0:
+            continue
+        for _ in range(total - len(stages)):
+            after = sm.memory_at(n + 1)[stages]
+            n[stages[int(np.argmin(after))]] += 1
+    return n, sm.memory_at(n)
+
+
+def split_bound_s(sm: StageModel) -> float:
+    """Lower bound of `objective_s` over the splits that fit in memory (inf when none does).
+
+    Within a module every stage has the same seconds per layer, so the smallest bottleneck under
+    the per-stage memory caps is reached by giving each next layer to the stage that is fastest
+    after taking it among those with room left (water-filling, exact for min-max of increasing
+    functions under upper bounds); the sum of stage times does not depend on the split, and the
+    all-reduce tail is at least 0. Equal to the MILP optimum whenever that split has no tail.
+    """
+    caps = sm.max_layers()
+    if np.any(caps < 1):
+        return float("inf")
+    n = np.ones(sm.n_stages, dtype=np.int64)
+    for is_vision, total in ((True, sm.vision_layers), (False, sm.llm_layers)):
+        stages = np.flatnonzero(sm.is_vision == is_vision)
+        if len(stages) == 0:
+            continue
+        heap = [(float(sm.coeffs.time_fixed[s] + 2 * sm.coeffs.time_layer[s]), int(s)) for s in stages if caps[s] >= 2]
+        heapq.heapify(heap)
+        for _ in range(total - len(stages)):
+            if not heap:
+                return float("inf")
+            _, s = heapq.heappop(heap)
+            n[s] += 1
+            if n[s] < caps[s]:
+                heapq.heappush(heap, (float(sm.coeffs.time_fixed[s] + (n[s] + 1) * sm.coeffs.time_layer[s]), s))
+    t = sm.stage_time_s(n)
+    return float((sm.layout.m - 1) * t.max() + t.sum() + 2 * (sm.n_stages - 1) * sm.latency_s)

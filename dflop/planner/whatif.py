@@ -1,0 +1,162 @@
+"""`dflop simulate --plan plan.yaml [--gpus N] [--shapes other.parquet]`: re-evaluate a plan.
+
+Users ask this before buying GPU hours: how fast would this plan run on other data, or on N GPUs?
+The plan (and its data-blind baseline) is simulated over sampled global batches exactly as the
+optimizer did (`dflop.planner.expected`), with the cost model and cluster recorded in plan.yaml
+unless overridden, and a Gantt chart of a median batch is drawn.
+
+With ``gpus=N`` the plan keeps its TP and PP degrees, layer split and microbatch count and scales
+data parallelism to fit N GPUs: colocated ``dp = N // (tp * pp)``; disjoint keeps the vision/LLM
+GPU ratio (LLM dp rounded, the vision tower takes what is left). The global batch stays the same
+(convergence depends on it); LLM dp is capped so every bin gets a sample. The baseline is scaled
+the same way, keeping its fixed-count microbatches (dp reduced to a divisor of the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflop.costmodel.model import CostModel
+from dflop.errors import UserError
+from dflop.planner.cluster import Cluster
+from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch, \
+    stage_name
+from dflop.planner.layout import Layout, Plan
+from dflop.planner.means import Pool, TransferSizes
+from dflop.planner.inputs import check_cost_model_matches, load_model_shape, read_shapes
+from dflop.planner.planfile import read_plan
+from dflop.planner.space import ModelShape
+from dflop.sim import plot_gantt
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The re-evaluated plan and baseline (None when it cannot be scaled), and the chart written."""
+
+    plan: Evaluation
+    baseline: Evaluation | None
+    cluster: Cluster
+    gantt_png: Path | None
+    notes: tuple[str, ...]
+
+
+def scale_plan(plan: Plan, gpus: int, global_batch: int, gpus_per_node: int) -> Plan:
+    """`plan` with its data parallelism scaled to at most `gpus` GPUs (module docstring)."""
+    lay = plan.layout
+    for module, tp in (("vision", lay.tp_v), ("llm", lay.tp_l)):
+        if gpus_per_node % tp:
+            raise UserError(f"--gpus {gpus}: {module} tp={tp} does not fit in a {gpus_per_node}-GPU node")
+    per_llm = lay.tp_l * lay.pp_l
+    cap = global_batch // lay.m
+    if lay.colocated:
+        dp = min(gpus // per_llm, cap)
+        if dp < 1:
+            raise UserError(f"--gpus {gpus}: one replica of this plan needs {per_llm} GPUs (tp {lay.tp_l} x pp {lay.pp_l})")
+        new = Layout("colocated", lay.tp_l, 1, dp, lay.tp_l, lay.pp_l, dp, lay.m)
+        return Plan(new, plan.vision_layers, plan.llm_layers)
+    per_vision = lay.tp_v * lay.pp_v
+    if gpus < per_vision + per_llm:
+        raise UserError(f"--gpus {gpus}: this disjoint plan needs at least {per_vision + per_llm} GPUs "
+                        f"(one vision replica of {per_vision} and one LLM replica of {per_llm})")
+    dp_l = max(1, min(round(lay.dp_l * gpus / lay.world_size), cap, (gpus - per_vision) // per_llm))
+    dp_v = (gpus - dp_l * per_llm) // per_vision
+    new = Layout("disjoint", lay.tp_v, lay.pp_v, dp_v, lay.tp_l, lay.pp_l, dp_l, lay.m)
+    return Plan(new, plan.vision_layers, plan.llm_layers)
+
+
+def scale_baseline(plan: Plan, gpus: int, global_batch: int) -> Plan | None:
+    """The data-blind baseline on `gpus` GPUs, or None if no dp keeps fixed-count microbatches."""
+    lay = plan.layout
+    dp_max = gpus // (lay.tp_l * lay.pp_l)
+    dps = [d for d in range(dp_max, 0, -1) if global_batch % (lay.m * d) == 0]
+    if not dps:
+        return None
+    new = Layout("colocated", lay.tp_l, 1, dps[0], lay.tp_l, lay.pp_l, dps[0], lay.m)
+    return Plan(new, plan.vision_layers, plan.llm_layers)
+
+
+def simulate_plan(plan_path, *, gpus: int | None = None, shapes_path=None, out_png=None, costmodel_path=None,
+                  sample_batches_k: int | None = None, seed: int | None = None, scheduler_budget_ms: float = 50.0,
+                  verbose: bool = True, shape: ModelShape | None = None) -> WhatIf:
+    """Re-evaluate plan.yaml (optionally on `gpus` GPUs and/or other shapes); draw the Gantt chart.
+
+    shapes_path / costmodel_path default to the ones recorded in plan.yaml; sample_batches_k and
+    seed to its evaluation settings; out_png: where to write the Gantt chart (None: no chart).
+    `shape` overrides the model structure (tests).
+    """
+    pf = read_plan(plan_path)
+    doc = pf.doc
+    inputs, model, evaluation = doc.get("inputs") or {}, doc.get("model") or {}, doc.get("evaluation") or {}
+    shapes_path = shapes_path or inputs.get("shapes")
+    costmodel_path = costmodel_path or inputs.get("costmodel")
+    if not shapes_path or not costmodel_path:
+        raise UserError(f"{plan_path}: inputs.shapes / inputs.costmodel missing; pass --shapes and --costmodel")
+    cost = CostModel.load(costmodel_path)
+    if shape is None:
+        try:
+            arch, vision, llm = model["arch"], model["vision"], model["llm"]
+        except KeyError as exc:
+            raise UserError(f"{plan_path}: model.{exc.args[0]} missing") from None
+        check_cost_model_matches(cost, arch, vision, llm, costmodel_path)
+        shape = load_model_shape(arch, vision, llm, model.get("weights"))
+    pool = Pool.from_shapes(read_shapes(shapes_path), where=str(shapes_path), llm_tokens_per_tile=shape.llm_tokens_per_tile)
+    try:
+        cluster = Cluster.from_config(**(doc.get("cluster") or {}))
+    except TypeError as exc:
+        raise UserError(f"{plan_path}: cluster: {exc}") from None
+    B = pf.global_batch
+    plan, baseline, notes = pf.plan, pf.baseline, []
+    if gpus is not None:
+        cluster = cluster.with_gpus(int(gpus))
+        plan = scale_plan(plan, cluster.world_size, B, cluster.gpus_per_node)
+        notes.append(f"scaled to {cluster.world_size} GPUs: {plan.layout.describe()}")
+        if baseline is not None:
+            baseline = scale_baseline(baseline, cluster.world_size, B)
+            if baseline is None:
+                notes.append("baseline: no dp keeps fixed-count microbatches on this many GPUs")
+    if plan.layout.world_size > cluster.world_size:
+        raise UserError(f"{plan_path}: the plan needs {plan.layout.world_size} GPUs, the cluster has {cluster.world_size}")
+    k = int(sample_batches_k or evaluation.get("sample_batches", 8))
+    seed = int(evaluation.get("seed", 0) if seed is None else seed)
+    sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
+                                    vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
+    batches = sample_batches(len(pool), k, B, seed)
+    scheduler = SchedulerSettings(budget_s=scheduler_budget_ms / 1e3)
+    ev = evaluate_plan(plan, cost, pool, batches, cluster, sizes, scheduler, seed=seed)
+    if not ev.ok:
+        raise UserError(f"plan {plan.describe()} cannot run on {shapes_path}: {ev.failure}")
+    base = None
+    if baseline is not None:
+        base = evaluate_plan(baseline, cost, pool, batches, cluster, sizes,
+                             SchedulerSettings(policy="megatron", budget_s=scheduler.budget_s), seed=seed)
+        if not base.ok:
+            notes.append(f"baseline {baseline.describe()} cannot run: {base.failure}")
+            base = None
+    png = None
+    if out_png is not None:
+        median = int(sorted(range(len(ev.step_s)), key=lambda i: ev.step_s[i])[len(ev.step_s) // 2])
+        _, timeline = simulate_batch(plan, cost, pool.take(batches[median]), cluster, sizes, scheduler, seed=seed + median)
+        png = plot_gantt(timeline, out_png, title=f"{plan.layout.describe()}: step {timeline.step_s:.4g} s "
+                         f"(median of {len(ev.step_s)} sampled batches), idle {100 * timeline.idle_fraction():.1f}%")
+    result = WhatIf(ev, base, cluster, png, tuple(notes))
+    if verbose:
+        print(whatif_summary(result, B, shapes_path))
+    return result
+
+
+def whatif_summary(w: WhatIf, global_batch: int, shapes_path) -> str:
+    ev = w.plan
+    lines = [f"what-if on {w.cluster.world_size} GPUs with {shapes_path} (global batch {global_batch}):"]
+    lines += [f"  note: {n}" for n in w.notes]
+    lines += [f"  plan     {ev.plan.describe()}",
+              f"           step {ev.mean_s:.4g} s mean / {ev.p50_s:.4g} p50 / {ev.p90_s:.4g} p90, "
+              f"{global_batch / ev.mean_s:.4g} samples/s, utilisation {100 * ev.mean_utilisation:.1f}%",
+              "           memory per stage (GB): " + ", ".join(
+                  f"{stage_name(ev.plan, s)} {m / 1e9:.3g}" for s, m in enumerate(ev.memory_bytes))]
+    if w.baseline is not None:
+        lines += [f"  baseline {w.baseline.plan.describe()}: step {w.baseline.mean_s:.4g} s mean",
+                  f"  predicted speedup over the baseline: {w.baseline.mean_s / ev.mean_s:.2f}x"]
+    if w.gantt_png is not None:
+        lines.append(f"  Gantt chart: {w.gantt_png}")
+    return "\n".join(lines)
