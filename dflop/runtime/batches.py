@@ -33,7 +33,7 @@ from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
 from dflop.runtime.plan import Plan
 from dflop.scheduler.correction import AdaptiveCorrection, MeasuredTimes, ShapeBuckets
-from dflop.scheduler.partition import Partition
+from dflop.scheduler.partition import Partition, partition
 from dflop.scheduler.service import SchedulerService
 
 POLICIES = {"dflop": "dflop", "baseline": "megatron"}
@@ -149,10 +149,13 @@ class StepPlanner:
         self.buckets = ShapeBuckets()
         self.correction = AdaptiveCorrection(self.buckets.n_buckets) if adaptive and policy == "dflop" else None
         dp_vision = 1 if plan.colocated else plan.vision.dp
-        self.service = SchedulerService(m=plan.microbatches, dp_llm=plan.llm.dp, dp_vision=dp_vision,
-                                        budget_s=budget_s, seed=seed, prefetch=prefetch, policy=POLICIES[policy],
-                                        correction=self.correction)
+        self.budget_s = budget_s
+        # The baseline's split is instant and must not fall back to the DFLOP greedy: no service.
+        self.service = None if policy == "baseline" else SchedulerService(
+            m=plan.microbatches, dp_llm=plan.llm.dp, dp_vision=dp_vision, budget_s=budget_s, seed=seed,
+            prefetch=prefetch, policy=POLICIES[policy], correction=self.correction)
         self._submitted = -1
+        self._first: int | None = None
         self._costs: dict[int, tuple[BatchCosts, np.ndarray, Partition | None]] = {}
 
     def _submit_through(self, step: int) -> None:
@@ -162,7 +165,8 @@ class StepPlanner:
             shapes = self.pool.iloc[self.batches.rows(s)].reset_index(drop=True)
             costs = self.costs_fn(shapes)
             buckets = self.buckets.assign(shapes["n_tiles"].to_numpy(), shapes["seq_len"].to_numpy())
-            self.service.submit(s, costs, buckets)
+            if self.service is not None:
+                self.service.submit(s, costs, buckets)
             self._costs[s] = (costs, buckets, None)
             self._submitted = s
 
@@ -170,13 +174,20 @@ class StepPlanner:
         """The plan of `step` (submitting the next `prefetch` batches so the worker keeps ahead)."""
         if step <= self._submitted and step not in self._costs:
             raise ValueError(f"step {step} was already taken")
+        if self._first is None:
+            self._first = step
         if self._submitted < step - 1:
             self._submitted = step - 1  # resumed run: nothing before `step` is needed
         self._submit_through(step + self.prefetch)
-        part = self.service.get(step)
+        costs, buckets, _ = self._costs[step]
+        if self.service is None:
+            dp_vision = 1 if self.plan.colocated else self.plan.vision.dp
+            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron")
+        else:
+            # The first step has nothing to overlap with: wait for the solve rather than fall back.
+            part = self.service.get(step, timeout_s=self.budget_s + 1.0 if step == self._first else 0.0)
         rows = self.batches.rows(step)
         shapes = self.pool.iloc[rows].reset_index(drop=True)
-        costs, buckets, _ = self._costs[step]
         self._costs[step] = (costs, buckets, part)
         return step_plan_from_partition(step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
                                         costs.vision_total())
@@ -194,7 +205,8 @@ class StepPlanner:
             self.correction.decide(costs, buckets, self.plan.microbatches, self.plan.llm.dp, dp_vision)
 
     def close(self) -> None:
-        self.service.close()
+        if self.service is not None:
+            self.service.close()
 
 
 def broadcast_step_plan(plan: StepPlan | None, device: torch.device) -> StepPlan:

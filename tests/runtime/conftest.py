@@ -45,8 +45,8 @@ def pick_pool(shapes_path, path, per_modality: dict[str, int]) -> str:
 
 @pytest.fixture(scope="session")
 def pools(demo_shapes, tmp_path_factory):
-    """arch -> 8-sample pool: LLaVA-OV 2 of each modality; InternVL without videos (see
-    test_training_data.test_internvl_video_token_count_disagrees_with_the_data_profiler)."""
+    """arch -> 8-sample pool: LLaVA-OV 2 of each modality; InternVL without videos (the data
+    profiler miscounts their text: tests/data/test_training.py, the xfail test)."""
     root = tmp_path_factory.mktemp("pools")
     return {
         "llava_ov": pick_pool(demo_shapes["llava_ov"], root / "llava_ov.parquet",

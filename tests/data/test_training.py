@@ -1,0 +1,220 @@
+"""Training inputs of a sample against transformers' own processors.
+
+References: LlavaOnevisionProcessor (run on the sample's rendered conversation, its images and its
+sampled frames) for the expanded input ids and the image tiles; an independent decode + PIL resize
+for video frames; the tokenizer's decode for the answer mask; InternVLProcessor for InternVL's
+token expansion. The processors are the PIL classes (torchvision is not installed); HF's video
+processors need torchvision, so a stand-in hands the frames through (the expansion only counts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import av
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from PIL import Image
+from transformers import InternVLProcessor, LlavaOnevisionProcessor
+from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
+
+from dflop.config import Config
+from dflop.data.demo import make_demo_data
+from dflop.data.readers import read_dataset
+from dflop.data.tokenizer import load_tokenizer, render_conversation
+from dflop.data.training import ExpectedShape, SampleError, SampleRules, TrainingData
+from dflop.data.vision_tokens import sample_frame_indices
+from dflop.profiling.data_profiler import profile_data, tower_arch_params
+
+torch.set_num_threads(1)
+TINY_IMAGE, TINY_VIDEO, TINY_VOCAB = 2040, 2041, 2048
+QWEN_IMAGE, QWEN_VIDEO = 151665, 151666  # <image>, <video> in the bundled Qwen2.5 tokenizer
+
+
+class _FrameCountVideoProcessor:
+    def __call__(self, videos, **kwargs):
+        return {"pixel_values_videos": torch.stack([torch.zeros(len(v), 3, 2, 2) for v in videos])}
+
+
+class _LlavaProcessor(LlavaOnevisionProcessor):
+    def check_argument_for_proper_class(self, argument_name, argument):
+        return type(argument) if argument_name == "video_processor" else super().check_argument_for_proper_class(
+            argument_name, argument)
+
+
+class _InternVLProcessor(InternVLProcessor):
+    def check_argument_for_proper_class(self, argument_name, argument):
+        return type(argument) if argument_name == "video_processor" else super().check_argument_for_proper_class(
+            argument_name, argument)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """(samples, shapes, manifest) of a 40-sample demo dataset under the tiny LLaVA-OV model."""
+    manifest = make_demo_data(tmp_path_factory.mktemp("train_demo"), n_samples=40, seed=2)
+    path = tmp_path_factory.mktemp("shapes") / "shapes.parquet"
+    profile_data(Config.from_dict({"data": {"datasets": [{"name": "demo", "path": str(manifest)}]}}),
+                 shapes_path=path, histograms_path=path.with_name("h.parquet"), workers=1, progress=False)
+    return list(read_dataset(manifest, dataset="demo")), pd.read_parquet(path), manifest
+
+
+def llava_rules(**changes) -> SampleRules:
+    params = tower_arch_params("llava_ov", "siglip-tiny", {"anyres_max_tiles": 9, "video_frames": 32})
+    return replace(SampleRules("llava_ov", params, TINY_IMAGE, TINY_VIDEO, TINY_VOCAB, remap_text_ids=True), **changes)
+
+
+def expected(shapes: pd.DataFrame) -> list[ExpectedShape]:
+    return [ExpectedShape(int(r.n_tiles), int(r.vision_tokens), int(r.seq_len)) for r in shapes.itertuples()]
+
+
+def hf_llava(sample, params):
+    """LlavaOnevisionProcessor's input ids and pixel values for one sample."""
+    tokenizer = load_tokenizer("qwen2.5")
+    size = params["image_size"]
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": size, "width": size},
+                                                      image_grid_pinpoints=[list(p) for p in params["grid_pinpoints"]],
+                                                      image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = _LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                video_processor=_FrameCountVideoProcessor(),
+                                num_image_tokens=(size // params["patch_size"]) ** 2,
+                                vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9")
+    text = render_conversation(tokenizer, sample.conversations)
+    kwargs = {}
+    if sample.images:
+        kwargs["images"] = [[Image.open(ref.path).convert("RGB") for ref in sample.images]]
+    if sample.video is not None:
+        with av.open(str(sample.video.path)) as container:
+            stream = container.streams.video[0]
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        kwargs["videos"] = [np.stack([frames[i] for i in sample_frame_indices(len(frames), params["video_frames"])])]
+        text = text.replace("<image>", "<video>")
+    out = processor(text=[text], return_tensors="np", **kwargs)
+    return np.asarray(out["input_ids"][0]), out.get("pixel_values")
+
+
+def to_tiny_vocab(ids: np.ndarray) -> np.ndarray:
+    """The module's documented mapping, restated: placeholders -> the model's ids, text mod 2040."""
+    text = np.where(ids >= 2040, ids % 2040, ids)
+    return np.where(ids == QWEN_IMAGE, TINY_IMAGE, np.where(ids == QWEN_VIDEO, TINY_VIDEO, text))
+
+
+@pytest.mark.parametrize("modality", ["image", "multi_image", "video", "text"])
+def test_llava_ov_ids_and_tiles_match_the_hf_processor(demo, modality):
+    samples, shapes, _ = demo
+    data = TrainingData(samples, llava_rules(), expected(shapes))
+    rows = shapes.index[shapes["modality"] == modality][:2]
+    for i in rows:
+        loaded = data[int(i)]
+        hf_ids, hf_pixels = hf_llava(samples[i], data.rules.arch_params)
+        np.testing.assert_array_equal(loaded.input_ids.numpy(), to_tiny_vocab(hf_ids))
+        assert loaded.input_ids.numel() == shapes.loc[i, "seq_len"]
+        assert loaded.pixels.shape[0] == shapes.loc[i, "n_tiles"]
+        if modality in ("image", "multi_image"):  # processor pads images to the most tiles: [images, tiles, ...]
+            tiles = [m.n_tiles for m in loaded.layout.media]
+            ours = torch.split(loaded.pixels, tiles)
+            for k, n in enumerate(tiles):
+                np.testing.assert_allclose(ours[k].numpy(), hf_pixels[k][:n], rtol=0, atol=1e-6)
+
+
+def test_video_frames_are_the_sampled_frames_resized(demo):
+    samples, shapes, _ = demo
+    data = TrainingData(samples, llava_rules(), expected(shapes))
+    i = int(shapes.index[shapes["modality"] == "video"][0])
+    pixels = data[i].pixels
+    with av.open(str(samples[i].video.path)) as container:
+        frames = [f.to_image() for f in container.decode(video=0)]
+    picked = sample_frame_indices(len(frames), 32)
+    assert pixels.shape == (len(picked), 3, 56, 56)
+    for k, index in enumerate(picked[:4] + picked[-2:]):
+        resized = np.asarray(frames[index].resize((56, 56), Image.BICUBIC), dtype=np.float32) / 255.0
+        reference = (resized - 0.5) / 0.5
+        position = picked.index(index)
+        np.testing.assert_allclose(pixels[position].permute(1, 2, 0).numpy(), reference, atol=1e-5)
+
+
+def test_labels_are_exactly_the_answers(demo):
+    samples, shapes, _ = demo
+    # The real vocabulary (no remapping), so the labels decode back to text.
+    data = TrainingData(samples, llava_rules(image_token_id=151646, video_token_id=151647, vocab_size=151936,
+                                             remap_text_ids=False), expected(shapes))
+    tokenizer = load_tokenizer("qwen2.5")
+    for i in range(6):
+        ids, labels = data.tokens(i)
+        answers = "".join(t["value"] + "<|im_end|>\n" for t in samples[i].conversations if t["from"] == "gpt")
+        assert tokenizer.decode(labels[labels != -100].tolist()) == answers
+        assert not ((labels != -100) & ((ids == 151646) | (ids == 151647))).any()
+
+
+def test_small_vocabulary_remap_and_real_vocabulary_errors(demo):
+    samples, shapes, _ = demo
+    tiny = TrainingData(samples, llava_rules(), expected(shapes))
+    ids, _ = tiny.tokens(0)
+    assert int(ids.max()) < TINY_VOCAB
+    assert int((ids == TINY_IMAGE).sum() + (ids == TINY_VIDEO).sum()) == shapes.loc[0, "vision_tokens"]
+    real = TrainingData(samples, llava_rules(vocab_size=128256, image_token_id=128002, video_token_id=128003,
+                                             remap_text_ids=False))
+    with pytest.raises(SampleError, match=r"sample demo/\S+: text token id 1516\d\d is outside the LLM vocabulary"):
+        real.tokens(0)
+
+
+def test_shape_mismatch_names_the_sample(demo):
+    samples, shapes, _ = demo
+    bad = expected(shapes)
+    bad[3] = replace(bad[3], seq_len=bad[3].seq_len + 1)
+    bad[4] = replace(bad[4], n_tiles=bad[4].n_tiles + 1)
+    data = TrainingData(samples, llava_rules(), bad)
+    with pytest.raises(SampleError, match=rf"sample demo/{shapes.sample_id[3]}: the trainer builds \d+ tokens"):
+        data.tokens(3)
+    with pytest.raises(SampleError, match=rf"sample demo/{shapes.sample_id[4]}: the trainer builds n_tiles="):
+        data.layout(4)
+
+
+def internvl_rules() -> SampleRules:
+    params = tower_arch_params("internvl", "internvit-tiny", {"min_tiles": 1, "max_tiles": 12,
+                                                             "use_thumbnail": True, "video_frames": 8})
+    return SampleRules("internvl", params, TINY_IMAGE, TINY_VIDEO, TINY_VOCAB, remap_text_ids=True)
+
+
+def test_internvl_expansion_and_tiles_match_the_hf_processor(demo):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    samples, shapes, _ = demo
+    data = TrainingData(samples, internvl_rules())
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    names = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>"}
+    words = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]",
+                                    extra_special_tokens={"video_token": "<video>", **names})
+    image_processor = GotOcr2ImageProcessorPil(size={"height": 56, "width": 56}, crop_to_patches=True, max_patches=12,
+                                               image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225])
+    processor = _InternVLProcessor(image_processor=image_processor,
+                                   tokenizer=words, video_processor=_FrameCountVideoProcessor(), image_seq_length=4)
+    for i in shapes.index[shapes["modality"].isin(["image", "multi_image"])][:4]:
+        sample, loaded = samples[i], data[int(i)]
+        images = [Image.open(ref.path).convert("RGB") for ref in sample.images]
+        out = processor(text=[" ".join(["<IMG_CONTEXT>"] * len(images))], images=images, return_tensors="np")
+        hf = np.asarray(out["input_ids"][0])
+        count = lambda t: int((hf == words.convert_tokens_to_ids(t)).sum())  # noqa: E731
+        assert int((loaded.input_ids == TINY_IMAGE).sum()) == count("<IMG_CONTEXT>")
+        start, end = (int(x) for x in data._text_id(np.array(data._marker_ids()), int(i)))
+        assert int((loaded.input_ids == start).sum()) == count("<img>") == len(images)
+        assert int((loaded.input_ids == end).sum()) == count("</img>")
+        np.testing.assert_allclose(loaded.pixels.numpy(), out["pixel_values"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="data profiler counts InternVL video text without the 'FrameK: ' labels "
+                                       "InternVLProcessor writes (tokenizer.expand_video_placeholders is not applied)")
+def test_internvl_video_sequence_length_agrees_with_the_data_profiler(demo, tmp_path):
+    samples, _, manifest = demo
+    cfg = Config.from_dict({"model": {"arch": "internvl", "vision": "internvit-tiny", "llm": "llama3-tiny"},
+                            "data": {"datasets": [{"name": "demo", "path": str(manifest)}]}})
+    path = tmp_path / "shapes.parquet"
+    profile_data(cfg, shapes_path=path, histograms_path=tmp_path / "h.parquet", workers=1, progress=False)
+    shapes = pd.read_parquet(path)
+    data = TrainingData(samples, internvl_rules(), expected(shapes))
+    i = int(shapes.index[shapes["modality"] == "video"][0])
+    data.tokens(i)

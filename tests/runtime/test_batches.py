@@ -1,0 +1,103 @@
+"""Global batches, vision shares and step plans (what rank 0 broadcasts)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dflop.errors import UserError
+from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, share_by_cost
+from dflop.runtime.plan import plan_from_dict
+from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
+
+
+def test_global_batches_are_seeded_and_cover_each_epoch_once():
+    batches = GlobalBatches(n_samples=50, batch_size=8, seed=3)
+    assert batches.per_epoch == 6
+    epoch0 = np.concatenate([batches.rows(s) for s in range(6)])
+    assert len(set(epoch0)) == 48 and epoch0.max() < 50
+    assert not np.array_equal(batches.rows(0), batches.rows(6))  # a new permutation per epoch
+    again = GlobalBatches(50, 8, seed=3)
+    assert all(np.array_equal(batches.rows(s), again.rows(s)) for s in range(14))
+    assert not np.array_equal(GlobalBatches(50, 8, seed=4).rows(0), batches.rows(0))
+    with pytest.raises(UserError, match="global_batch_size is 8 but the data has only 5"):
+        GlobalBatches(5, 8, 0)
+
+
+def _best_split(costs: np.ndarray, k: int) -> float:
+    """Brute force: the smallest possible largest share."""
+    best = np.inf
+    for assignment in itertools.product(range(k), repeat=len(costs)):
+        loads = np.bincount(assignment, weights=costs, minlength=k)
+        best = min(best, loads.max())
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vision_shares_are_within_lpt_bound_of_the_optimum(seed):
+    rng = np.random.default_rng(seed)
+    costs = rng.lognormal(0, 1, size=7)
+    for k in (2, 3):
+        shares = share_by_cost(range(7), costs, k)
+        assert sorted(i for s in shares for i in s) == list(range(7))
+        largest = max(costs[list(s)].sum() for s in shares)
+        assert largest <= (4 / 3 - 1 / (3 * k)) * _best_split(costs, k) + 1e-12  # Graham's LPT bound
+
+
+def _pool(n=24, seed=0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    tiles = rng.choice([0, 1, 5, 17, 32], size=n)
+    seq = rng.integers(40, 900, size=n)
+    return pd.DataFrame({"sample_id": [f"s{i}" for i in range(n)], "dataset": "d", "n_tiles": tiles,
+                         "vision_tokens": tiles * 10, "seq_len": seq + tiles * 10})
+
+
+def _planner(placement="disjoint", policy="dflop", vision_dp=2):
+    plan = plan_from_dict({"vision": {"tp": 1, "pp": 1, "dp": vision_dp if placement == "disjoint" else 2,
+                                      "layers_per_stage": [2]},
+                           "llm": {"tp": 1, "pp": 2, "dp": 2, "layers_per_stage": [1, 1]},
+                           "placement": placement, "microbatches": 3, "global_batch_size": 12,
+                           "world_size": 4 + (vision_dp if placement == "disjoint" else 0)})
+    layout = StageLayout(vision_layer_share=(1.0,), llm_layer_share=(0.5, 0.5))
+    pool = _pool()
+    return StepPlanner(pool, GlobalBatches(len(pool), 12, seed=1), plan,
+                       lambda s: batch_costs_from_shapes(s, layout, AnalyticCostModel()),
+                       lambda s: s["vision_tokens"].to_numpy(), policy=policy, budget_s=0.05, total_steps=4), pool
+
+
+@pytest.mark.parametrize("placement", ["disjoint", "colocated"])
+@pytest.mark.parametrize("policy", ["dflop", "baseline"])
+def test_step_plan_covers_the_batch_once(placement, policy):
+    planner, pool = _planner(placement, policy)
+    try:
+        for step in range(2):
+            plan = planner.get(step)
+            assert plan.step == step and len(plan.rows) == 12
+            assert list(plan.rows) == list(planner.batches.rows(step))
+            assert list(plan.n_tiles) == pool["n_tiles"].to_numpy()[list(plan.rows)].tolist()
+            in_bins = sorted(i for mb in plan.bins for b in mb for i in b)
+            assert in_bins == list(range(12)) and len(plan.bins) == 3 and all(len(mb) == 2 for mb in plan.bins)
+            for mb, shares in zip(plan.bins, plan.vision_shares):
+                with_tiles = sorted(i for b in mb for i in b if plan.n_tiles[i] > 0)
+                assert sorted(i for s in shares for i in s) == with_tiles
+                if placement == "colocated":
+                    assert [list(s) for s in shares] == [[i for i in b if plan.n_tiles[i] > 0] for b in mb]
+            if policy == "baseline":
+                assert plan.member == "megatron"
+            elif step == 0:  # the first step waits for the portfolio; later ones may fall back
+                assert not plan.member.startswith("fallback")
+            assert StepPlan.from_json(plan.to_json()) == plan
+    finally:
+        planner.close()
+
+
+def test_baseline_cuts_contiguous_equal_counts():
+    planner, _ = _planner(policy="baseline")
+    try:
+        plan = planner.get(0)
+    finally:
+        planner.close()
+    assert [list(b) for mb in plan.bins for b in mb] == [[0, 1], [6, 7], [2, 3], [8, 9], [4, 5], [10, 11]]

@@ -1,0 +1,105 @@
+"""LR schedule, optimizer groups and the global gradient norm; metrics file; launcher command."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+import torch
+
+from dflop.errors import UserError
+from dflop.models.info import model_info
+from dflop.runtime.launch import torchrun_command
+from dflop.runtime.metrics import MetricsWriter, step_flops
+from dflop.runtime.optim import GradientSync, ParamInfo, build_optimizer, warmup_cosine
+from dflop.runtime.plan import plan_from_dict, write_plan
+from dflop.runtime.topology import Topology
+
+
+def test_warmup_then_cosine_closed_form():
+    lr = [warmup_cosine(s, total_steps=10, warmup_steps=3, min_lr_ratio=0.1) for s in range(10)]
+    assert lr[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert lr[3] == pytest.approx(1.0) and lr[9] == pytest.approx(0.1)
+    # halfway through the decay: min + (1 - min) * (1 + cos(pi / 2)) / 2
+    assert warmup_cosine(3 + 3, total_steps=10, warmup_steps=3, min_lr_ratio=0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert all(a >= b for a, b in zip(lr[3:], lr[4:]))
+    assert warmup_cosine(0, total_steps=1, warmup_steps=0, min_lr_ratio=0.0) == pytest.approx(1.0)
+
+
+def test_weight_decay_only_on_matrices():
+    w, b = torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(3))
+    opt = build_optimizer([("w", w), ("b", b)], lr=0.1, weight_decay=0.5)
+    assert [(g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [(0.5, 1), (0.0, 1)]
+
+
+def _single_rank_topology():
+    plan = plan_from_dict({"vision": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [1]},
+                           "llm": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [1]}, "placement": "colocated",
+                           "microbatches": 1, "global_batch_size": 1, "world_size": 1})
+    return Topology(plan, 0, 1)
+
+
+def test_global_norm_and_clipping_on_one_rank():
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 2))
+    a.grad, b.grad = torch.tensor([3.0, 0, 0, 0]), torch.tensor([[0.0, 4.0], [0, 0]])
+    sync = GradientSync(_single_rank_topology(), {a: ParamInfo("a", "llm", False, False),
+                                                  b: ParamInfo("b", "vision", False, False)})
+    norm = sync.global_norm(torch.device("cpu"))
+    assert norm == pytest.approx(5.0)
+    sync.clip(1.0, norm)
+    assert torch.cat([a.grad, b.grad.flatten()]).norm() == pytest.approx(1.0, rel=1e-5)
+    sync.clip(0.0, 100.0)  # 0 = no clipping
+    assert torch.cat([a.grad, b.grad.flatten()]).norm() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_tied_copies_and_replicated_tensors_are_counted_once():
+    sync = GradientSync(_single_rank_topology(), {})
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.tensor([2.0])
+    sync.params = [(p, ParamInfo("model.language_model.embed_tokens.weight", "llm", False, tied_copy=True))]
+    assert sync.global_norm(torch.device("cpu")) == 0.0
+
+
+def test_metrics_rows_survive_a_resume_without_repeats(tmp_path):
+    path = tmp_path / "metrics.parquet"
+    writer = MetricsWriter(path)
+    for step in (1, 2, 3):
+        writer.append({"step": step, "loss": 1.0 / step, "step_s": 0.1, "busy_s_llm0": 0.05})
+    resumed = MetricsWriter(path, resume_step=2)  # the checkpoint was after step 2
+    resumed.append({"step": 3, "loss": 0.3, "step_s": 0.1, "busy_s_llm0": 0.05})
+    frame = pd.read_parquet(path)
+    assert frame["step"].tolist() == [1, 2, 3] and frame["loss"].iloc[-1] == 0.3
+    assert list(frame.columns[:3]) == ["step", "loss", "step_s"]
+    MetricsWriter(path)  # a fresh run starts a fresh file
+    assert not path.exists()
+
+
+def test_step_flops_closed_form():
+    info = replace(model_info("llava_ov", "siglip-tiny", "qwen2.5-tiny"), vision_layers=2, vision_hidden=8,
+                   vision_tokens_per_tile=4, llm_tokens_per_tile=4, llm_layers=3, llm_hidden=16,
+                   vision_embed_params=5, vision_layer_params=7, projector_params=11, llm_layer_params=13,
+                   llm_head_params=17)
+    per_tile = 2 * (5 + 2 * 7) * 4 + 2 * 4 * 16 * 8 + 2 * 11 * 4
+    llm = 2 * (3 * 13 + 17) * (10 + 20) + 3 * 2 * 16 * (10**2 + 20**2)
+    assert step_flops(info, [1, 2], [10, 20]) == pytest.approx(3 * (3 * per_tile + llm))
+    assert step_flops(info, [1, 2], [10, 20], vision_trainable=False, llm_trainable=False) == pytest.approx(
+        3 * per_tile + 2 * llm)
+
+
+def test_torchrun_command_from_the_plan(tmp_path):
+    plan = plan_from_dict({"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
+                           "llm": {"tp": 1, "pp": 2, "dp": 1, "layers_per_stage": [1, 1]}, "placement": "disjoint",
+                           "microbatches": 2, "global_batch_size": 4, "world_size": 4})
+    path = tmp_path / "plan.yaml"
+    write_plan(plan, path)
+    single = torchrun_command(path, ["--plan", str(path)], python="py")
+    assert single == ["py", "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+                      "-m", "dflop.runtime.launch", "--plan", str(path)]
+    multi = torchrun_command(path, [], nodes=2, rdzv_endpoint="node1:29500", python="py")
+    assert multi[:5] == ["py", "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    assert "--rdzv-backend" in multi and multi[multi.index("--rdzv-endpoint") + 1] == "node1:29500"
+    with pytest.raises(UserError, match="world_size 4 does not split over 3 node"):
+        torchrun_command(path, [], nodes=3, rdzv_endpoint="x:1")
+    with pytest.raises(UserError, match="needs --rdzv-endpoint"):
+        torchrun_command(path, [], nodes=2)
