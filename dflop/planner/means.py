@@ -55,7 +55,8 @@ class Pool:
             bad = pd.isna(col) | (np.asarray(col, dtype=np.float64) < lo)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
-                raise UserError(f"{where}: sample {ids[i]!r} has invalid {name}={col[i]!r} (must be >= {lo})")
+                value = col[i].item() if hasattr(col[i], "item") else col[i]
+                raise UserError(f"{where}: sample {ids[i]!r} has invalid {name}={value!r} (must be >= {lo})")
         return cls(ids, tiles.astype(np.int64), seq.astype(np.int64), vis.astype(np.int64))
 
     def __len__(self) -> int:

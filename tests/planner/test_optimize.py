@@ -1,0 +1,135 @@
+"""`optimize` and `simulate_plan` end to end: files, keys, the demo default, what-if, one-line errors."""
+
+import pandas as pd
+import pytest
+import yaml
+
+from dflop.costmodel.model import CostModel, Provenance
+from dflop.errors import UserError
+from dflop.planner import optimize, simulate_plan
+from dflop.planner.candidates import COLUMNS
+from dflop.planner.planfile import read_plan
+from planner_testlib import toy_cost_model, toy_shapes
+
+DEMO = dict(arch="llava_ov", vision="siglip-tiny", llm="qwen2.5-tiny")
+DESIGN_KEYS = {"vision", "llm", "placement", "microbatches", "global_batch_size", "predicted", "baseline", "solver",
+               "world_size"}
+
+
+@pytest.fixture(scope="module")
+def tiny_shape():
+    from dflop.planner.inputs import load_model_shape
+
+    return load_model_shape(**DEMO)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("planner_inputs")
+    toy_shapes(300, seed=3).to_parquet(d / "shapes.parquet")
+    cost = toy_cost_model(tp_degrees=(1,))
+    demo = CostModel(cost.modules.values(), Provenance(preset="llava_ov/siglip-tiny/qwen2.5-tiny", device="synthetic",
+                                                       dtype="float32"))
+    demo.save(d / "costmodel.json")
+    return d
+
+
+def _optimize(inputs, out, shape, **kw):
+    args = dict(nodes=1, gpus_per_node=2, gpu_memory_gb=4, global_batch_size=16, verbose=False, shape=shape, **DEMO)
+    args.update(kw)
+    return optimize(inputs / "shapes.parquet", inputs / "costmodel.json", out / "plan.yaml", out / "candidates.parquet",
+                    **args)
+
+
+def test_demo_default_writes_a_valid_plan(inputs, tmp_path, tiny_shape, capsys):
+    result = _optimize(inputs, tmp_path, tiny_shape, verbose=True)
+    assert result.stats["wall_s"] < 30  # "a few seconds" on an idle core; generous for a shared machine
+    doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert DESIGN_KEYS <= set(doc)
+    assert doc["world_size"] <= 2 and doc["global_batch_size"] == 16
+    for module, layers in (("vision", tiny_shape.vision_layers), ("llm", tiny_shape.llm_layers)):
+        assert set(doc[module]) == {"tp", "pp", "dp", "layers_per_stage"}  # exactly what the trainer reads
+        assert sum(doc[module]["layers_per_stage"]) == layers and len(doc[module]["layers_per_stage"]) == doc[module]["pp"]
+    pred = doc["predicted"]
+    assert pred["step_s"]["p50"] <= pred["step_s"]["p90"] and pred["step_s"]["mean"] > 0
+    assert max(pred["memory_bytes"]["vision"] + pred["memory_bytes"]["llm"]) <= 4e9
+    assert doc["baseline"]["predicted"]["step_s"]["mean"] > 0
+    assert doc["speedup"] == pytest.approx(doc["baseline"]["predicted"]["step_s"]["mean"] / pred["step_s"]["mean"])
+    assert doc["solver"]["status"] in ("optimal", "single_split")
+    plan = read_plan(tmp_path / "plan.yaml")
+    assert plan.plan == result.chosen.plan
+    cand = pd.read_parquet(tmp_path / "candidates.parquet")
+    assert tuple(cand.columns) == COLUMNS
+    assert (cand["status"] == "chosen").sum() == 2
+    assert "predicted speedup over the baseline" in capsys.readouterr().out
+
+
+def test_one_gpu_cluster_gives_a_world_size_one_plan(inputs, tmp_path, tiny_shape):
+    result = _optimize(inputs, tmp_path, tiny_shape, gpus_per_node=1)
+    assert result.chosen.plan.layout.world_size == 1
+    assert result.chosen.plan.layout.placement == "colocated"
+
+
+def test_what_if_scales_dp_and_draws_the_gantt_chart(inputs, tmp_path, tiny_shape):
+    _optimize(inputs, tmp_path, tiny_shape, gpus_per_node=2)
+    same = simulate_plan(tmp_path / "plan.yaml", verbose=False, shape=tiny_shape)
+    doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    assert same.plan.mean_s == pytest.approx(doc["predicted"]["step_s"]["mean"], rel=1e-12)  # same batches, same answer
+    more = simulate_plan(tmp_path / "plan.yaml", gpus=4, out_png=tmp_path / "gantt.png", verbose=False, shape=tiny_shape)
+    assert more.plan.plan.layout.world_size <= 4 and more.cluster.world_size == 4
+    assert more.plan.plan.llm_layers == same.plan.plan.llm_layers  # only data parallelism changes
+    assert (tmp_path / "gantt.png").stat().st_size > 1000
+    for factor, name in ((1.2, "longer.parquet"), (3, "much_longer.parquet")):
+        longer = toy_shapes(300, seed=3)
+        longer["seq_len"] = (longer["seq_len"] * factor).astype(int)
+        longer.to_parquet(tmp_path / name)
+    other = simulate_plan(tmp_path / "plan.yaml", shapes_path=tmp_path / "longer.parquet", verbose=False,
+                          shape=tiny_shape)
+    assert other.plan.mean_s > same.plan.mean_s
+    with pytest.raises(UserError, match=r"cannot run on .*much_longer\.parquet: memory: sampled batch \d+: sample 's\d+'"):
+        simulate_plan(tmp_path / "plan.yaml", shapes_path=tmp_path / "much_longer.parquet", verbose=False,
+                      shape=tiny_shape)
+    with pytest.raises(UserError, match="not a whole number of 2-GPU nodes"):
+        simulate_plan(tmp_path / "plan.yaml", gpus=3, verbose=False, shape=tiny_shape)
+
+
+def test_cost_model_of_another_model_is_refused(inputs, tmp_path, tiny_shape):
+    with pytest.raises(UserError, match="fitted on llava_ov/siglip-tiny/qwen2.5-tiny"):
+        _optimize(inputs, tmp_path, tiny_shape, llm="qwen2.5-7b")
+
+
+def test_bad_shapes_file_names_the_file_and_column(inputs, tmp_path, tiny_shape):
+    bad = toy_shapes(20).drop(columns=["seq_len"])
+    bad.to_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(UserError, match=r"bad\.parquet: missing column\(s\) seq_len"):
+        optimize(tmp_path / "bad.parquet", inputs / "costmodel.json", tmp_path / "p.yaml", tmp_path / "c.parquet",
+                 shape=tiny_shape, verbose=False, **DEMO)
+    neg = toy_shapes(20)
+    neg.loc[3, "n_tiles"] = -1
+    neg.to_parquet(tmp_path / "neg.parquet")
+    with pytest.raises(UserError, match=r"sample 's3' has invalid n_tiles=-1"):
+        optimize(tmp_path / "neg.parquet", inputs / "costmodel.json", tmp_path / "p.yaml", tmp_path / "c.parquet",
+                 shape=tiny_shape, verbose=False, **DEMO)
+
+
+def test_plan_file_errors_name_the_key(tmp_path):
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"placement": "disjoint", "microbatches": 2,
+                                                         "global_batch_size": 8, "vision": {"tp": 1, "pp": 1, "dp": 1},
+                                                         "llm": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]}}))
+    with pytest.raises(UserError, match=r"vision\.layers_per_stage must be a list"):
+        read_plan(tmp_path / "plan.yaml")
+    with pytest.raises(UserError, match="no such plan file"):
+        read_plan(tmp_path / "missing.yaml")
+
+
+def test_outputs_are_written_atomically(inputs, tmp_path, tiny_shape, monkeypatch):
+    """A failure while writing candidates leaves no partial file behind."""
+    def broken(self, path, **kw):
+        path.write_bytes(b"partial")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        _optimize(inputs, tmp_path, tiny_shape)
+    assert not (tmp_path / "candidates.parquet").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

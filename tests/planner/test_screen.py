@@ -1,0 +1,62 @@
+"""The vectorized screen against an independent enumeration of every layout and split."""
+
+import numpy as np
+import pytest
+
+from dflop.planner.cluster import Cluster
+from dflop.planner.means import Pool, TransferSizes, module_means
+from dflop.planner.screen import SearchSpace, layout_of, screen
+from dflop.planner.stages import TransferMeans, build_stage_model
+from planner_testlib import all_splits, enumerate_layouts
+
+LV, LL, B = 4, 6, 16
+
+
+@pytest.fixture(scope="module")
+def setup(cost_model, shapes):
+    pool = Pool.from_shapes(shapes)
+    vision = {t: module_means(cost_model, "vision", t, pool, LV) for t in (1, 2)}
+    llm = {t: module_means(cost_model, "llm", t, pool, LL) for t in (1, 2)}
+    transfer = TransferMeans.of(pool, TransferSizes(1024.0, 32768.0))
+    space = SearchSpace(vision_tp=(1, 2), llm_tp=(1, 2), colocated_tp=(1, 2), shared_tp=(1, 2), microbatches=(1, 2, 4),
+                        placements=("disjoint", "colocated"), vision_layers=LV, llm_layers=LL, global_batch=B,
+                        mean_tiles=float(pool.n_tiles.mean()))
+    return pool, vision, llm, transfer, space
+
+
+def layouts_of(space, cluster):
+    return enumerate_layouts(world=cluster.world_size, global_batch=B, microbatches=space.microbatches,
+                             vision_tp=space.vision_tp, llm_tp=space.llm_tp, colocated_tp=space.colocated_tp,
+                             vision_layers=LV, llm_layers=LL, mean_tiles=space.mean_tiles)
+
+
+@pytest.mark.parametrize("memory", [0.6e9, 1.5e9, 3e9])
+def test_feasibility_and_bounds_match_enumeration(setup, memory):
+    pool, vision, llm, transfer, space = setup
+    cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory_bytes=memory, inter_node_bytes_per_s=1e9)
+    result = screen(space, vision, llm, cluster, transfer, keep=10_000)
+    best = {}
+    n = 0
+    for lay in layouts_of(space, cluster):
+        n += 1
+        sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster, global_batch=B, transfer=transfer)
+        objectives = [sm.objective_s(s) for s in all_splits(sm) if sm.fits(s)]
+        if objectives:
+            best[lay] = min(objectives)
+    assert result.n_layouts == n
+    assert result.n_feasible == len(best)
+    kept = {layout_of(r): r.bound_s for r in result.layouts.itertuples()}
+    assert set(kept) == set(best)
+    for lay, bound in kept.items():
+        assert bound <= best[lay] * (1 + 1e-12), lay
+    groups = result.groups
+    assert groups["n_layouts"].sum() == n and groups["n_fit"].sum() == len(best)
+
+
+def test_keep_returns_the_smallest_bounds(setup):
+    pool, vision, llm, transfer, space = setup
+    cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory_bytes=3e9)
+    everything = screen(space, vision, llm, cluster, transfer, keep=10_000).layouts
+    top = screen(space, vision, llm, cluster, transfer, keep=5).layouts
+    assert len(top) == 5
+    np.testing.assert_allclose(np.sort(top["bound_s"]), np.sort(everything["bound_s"])[:5])
