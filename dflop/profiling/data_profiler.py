@@ -30,7 +30,7 @@ from tqdm import tqdm
 from dflop.config import Config
 from dflop.data.media import MediaError, image_size, video_meta
 from dflop.data.readers import RawSample, check_dataset, count_records, read_dataset
-from dflop.data.tokenizer import count_text_tokens_batch, load_tokenizer
+from dflop.data.tokenizer import count_text_tokens_batch, expand_video_placeholders, load_tokenizer
 from dflop.data.vision_tokens import NO_VISION, sample_vision_shape, sampled_frame_count
 from dflop.errors import UserError
 from dflop.io import atomic_path
@@ -192,13 +192,27 @@ def shape_rows(samples: Sequence[RawSample], rules: ShapeRules, tokenizer=None) 
         out.append((row, None))
         pending.append(len(out) - 1)
     if pending:
-        conversations = [samples[i].conversations for i in pending]
+        # InternVL writes a "FrameK: " label before each video frame: text tokens of their own.
+        conversations = [
+            _internvl_video_conversation(samples[i], out[i][0]["n_frames"])
+            if rules.arch == "internvl" and samples[i].video else samples[i].conversations
+            for i in pending
+        ]
         counts = count_text_tokens_batch(tokenizer, conversations)
         for i, n_text in zip(pending, counts):
             row = out[i][0]
             row["text_tokens"] = int(n_text)
             row["seq_len"] = int(n_text) + row["vision_tokens"]
     return out
+
+
+def _internvl_video_conversation(sample: RawSample, n_frames: int) -> list[dict]:
+    """The video sample's turns as InternVLProcessor lays them out ("Frame1: <video>\\n...")."""
+    turns = sample.conversations
+    if not any("<video>" in turn.get("value", "") for turn in turns):
+        # LLaVA-Video style data marks the video with <image> (accepted by placeholder_problem).
+        turns = [{**turn, "value": turn.get("value", "").replace("<image>", "<video>")} for turn in turns]
+    return expand_video_placeholders(turns, [n_frames], arch="internvl")
 
 
 def _shape_chunk(args: tuple[list[RawSample], ShapeRules]) -> list[tuple[dict, str | None]]:

@@ -17,14 +17,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import InternVLProcessor, LlavaOnevisionProcessor, PreTrainedTokenizerFast
-from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
     LlavaOnevisionImageProcessorPil,
 )
-from transformers.utils import is_torchvision_available
 from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+import hf_reference
+from hf_reference import (
+    INTERNVL_TOKEN_NAMES,
+    _FrameKeepingVideoProcessor,
+    _LlavaOnevisionProcessor,
+    _placeholder_tokenizer,
+    make_internvl_processor,
+    make_llava_ov_processor,
+)
 
 from dflop.data.vision_tokens import (
     LLAVA_OV_GRID_PINPOINTS,
@@ -69,85 +75,10 @@ IMAGE_SIZES = [
     (1008, 896),  # InternVL: area exactly half of 3x3 tiles, where 2x2 and 3x3 tie
 ]
 
-INTERNVL_TOKEN_NAMES = {
-    "start_image_token": "<img>",
-    "end_image_token": "</img>",
-    "context_image_token": "<IMG_CONTEXT>",
-}
 
 
 # --------------------------------------------------------------------------------------------
 # Processors, built offline
-
-
-def _placeholder_tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer that knows the multimodal tokens: we only count those."""
-    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="[UNK]",
-        extra_special_tokens={
-            "image_token": "<image>",
-            "video_token": "<video>",
-            **INTERNVL_TOKEN_NAMES,
-        },
-    )
-
-
-class _FrameKeepingVideoProcessor:
-    """Stand-in for HF's video processors when torchvision is missing: frames pass unchanged."""
-
-    def __call__(self, videos, **kwargs):
-        return {"pixel_values_videos": torch.stack([torch.zeros(len(v), 3, 2, 2) for v in videos])}
-
-
-def _video_processor(hf_class_name: str):
-    if is_torchvision_available():
-        import transformers
-
-        return getattr(transformers, hf_class_name)(do_sample_frames=False)
-    return _FrameKeepingVideoProcessor()
-
-
-class _LlavaOnevisionProcessor(LlavaOnevisionProcessor):
-    # HF checks sub-processors against `VideoProcessorMixin` looked up by name, which fails
-    # without torchvision; skip only that check.
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name == "video_processor":
-            return type(argument)
-        return super().check_argument_for_proper_class(argument_name, argument)
-
-
-class _InternVLProcessor(InternVLProcessor):
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name == "video_processor":
-            return type(argument)
-        return super().check_argument_for_proper_class(argument_name, argument)
-
-
-def make_llava_ov_processor(tokenizer) -> LlavaOnevisionProcessor:
-    """As llava-onevision-qwen2-7b-ov-hf: SigLIP 384/14 (729 tokens), anyres_max_9."""
-    return _LlavaOnevisionProcessor(
-        image_processor=LlavaOnevisionImageProcessorPil(),
-        tokenizer=tokenizer,
-        video_processor=_video_processor("LlavaOnevisionVideoProcessor"),
-        num_image_tokens=729,
-        vision_feature_select_strategy="full",
-        vision_aspect_ratio="anyres_max_9",
-    )
-
-
-def make_internvl_processor(tokenizer) -> InternVLProcessor:
-    """As InternVL3-*-hf: 448 px tiles, 1..12 tiles + thumbnail, 256 tokens per tile."""
-    return _InternVLProcessor(
-        image_processor=GotOcr2ImageProcessorPil(
-            size={"height": 448, "width": 448}, min_patches=1, max_patches=12
-        ),
-        tokenizer=tokenizer,
-        video_processor=_video_processor("InternVLVideoProcessor"),
-        image_seq_length=256,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -426,16 +357,7 @@ def qwen_tokenizer():
 
 @pytest.fixture(scope="module")
 def qwen_processor_tokenizer(qwen_tokenizer):
-    """A separate copy of the Qwen2.5 tokenizer that also knows InternVL's image tokens."""
-    backend = Tokenizer.from_str(qwen_tokenizer.backend_tokenizer.to_str())
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        extra_special_tokens={
-            "image_token": "<image>",
-            "video_token": "<video>",
-            **INTERNVL_TOKEN_NAMES,
-        },
-    )
+    return hf_reference.qwen_processor_tokenizer(qwen_tokenizer)
 
 
 SEQUENCE_SAMPLES = [

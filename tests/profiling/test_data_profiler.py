@@ -9,18 +9,12 @@ import pytest
 from PIL import Image
 
 from dflop.config import Config
-from dflop.data.demo import make_demo_data
 from dflop.data.media import image_size
 from dflop.errors import UserError
-from dflop.profiling.data_profiler import SHAPE_COLUMNS, histograms, profile_data
+from dflop.profiling.data_profiler import SHAPE_COLUMNS, profile_data
 
 DESIGN_SHAPE_COLUMNS = ["sample_id", "dataset", "modality", "n_images", "n_frames", "n_tiles",
                         "vision_tokens", "text_tokens", "seq_len", "status"]
-
-
-@pytest.fixture(scope="module")
-def demo_manifest(tmp_path_factory):
-    return make_demo_data(tmp_path_factory.mktemp("demo"), n_samples=60, seed=1)
 
 
 def _cfg(datasets, **data):
@@ -147,3 +141,48 @@ def test_sampling_rule_limits_rows(tmp_path, demo_manifest):
     assert len(first) == 17
     _, again, _ = _run(tmp_path, _cfg([{"name": "demo", "path": str(demo_manifest), "sample": "random:17"}]))
     assert list(pd.read_parquet(again)["sample_id"]) == list(first["sample_id"])
+
+
+def _decoded_frame_count(path: Path) -> int:
+    import av
+
+    with av.open(str(path)) as container:
+        return sum(1 for _ in container.decode(video=0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, vision", [("llava_ov", "siglip-so400m"), ("internvl", "internvit-300m")])
+def test_profiled_sequence_equals_hf_processor_on_demo_data(tmp_path, demo_manifest, arch, vision):
+    """End to end: every profiled sample's seq_len and vision_tokens are what transformers' own
+    processor produces from the decoded media and the chat-templated text."""
+    from hf_reference import make_internvl_processor, make_llava_ov_processor, qwen_processor_tokenizer
+
+    from dflop.data.tokenizer import load_tokenizer, render_conversation
+
+    n = 45
+    cfg = Config.from_dict({"model": {"arch": arch, "vision": vision},
+                            "data": {"datasets": [{"name": "demo", "path": str(demo_manifest), "sample": f"first:{n}"}]}})
+    _, shapes_path, _ = _run(tmp_path, cfg, workers=1)
+    shapes = pd.read_parquet(shapes_path).set_index("sample_id")
+    qwen = load_tokenizer("qwen2.5")
+    processor = (make_llava_ov_processor if arch == "llava_ov" else make_internvl_processor)(qwen_processor_tokenizer(qwen))
+    frames_per_video = cfg.model.arch_params["video_frames"]
+    records = json.loads(Path(demo_manifest).read_text())[:n]
+    assert {r.get("video") is not None for r in records} == {True, False}  # the slice has videos
+    for record in records:
+        row = shapes.loc[record["id"]]
+        conversation = record["conversations"]
+        prompt = render_conversation(qwen, conversation)
+        inputs = {}
+        images = record.get("image", [])
+        images = [images] if isinstance(images, str) else images
+        if images:
+            arrays = [np.asarray(Image.open(Path(demo_manifest).parent / p).convert("RGB")) for p in images]
+            inputs["images"] = [arrays] if arch == "llava_ov" else arrays
+        if record.get("video"):
+            total = _decoded_frame_count(Path(demo_manifest).parent / record["video"])
+            inputs["videos"] = [np.zeros((min(total, frames_per_video), 8, 8, 3), dtype=np.uint8)]
+        if arch == "internvl":
+            prompt = prompt.replace("<image>", "<IMG_CONTEXT>")
+        out = processor(text=[prompt], return_tensors="pt", **inputs)
+        assert row["seq_len"] == out["input_ids"].shape[1], record["id"]
