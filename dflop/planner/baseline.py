@@ -19,7 +19,7 @@ from dflop.planner.candidates import evaluation_columns, plan_columns
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.layout import Layout, Plan
-from dflop.planner.means import ModuleMeans
+from dflop.planner.means import Granularity, ModuleMeans
 from dflop.planner.screen import SearchSpace
 from dflop.planner.stages import StageModel, TransferMeans, build_stage_model
 
@@ -59,13 +59,14 @@ def baseline_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout]
 
 
 def search_baseline(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, ModuleMeans],
-                    cluster: Cluster, transfer: TransferMeans, evaluate, *, simulate: int = 4) -> BaselineResult:
+                    cluster: Cluster, transfer: TransferMeans, granularity: Granularity, evaluate, *,
+                    simulate: int = 4) -> BaselineResult:
     """The best data-blind layout; `evaluate(plan) -> Evaluation` runs the sampled batches."""
     layouts, rows = baseline_layouts(space, cluster)
     scored = []
     for lay in layouts:
         sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster,
-                               global_batch=space.global_batch, transfer=transfer)
+                               global_batch=space.global_batch, transfer=transfer, granularity=granularity)
         split = np.r_[[space.llm_layers // lay.pp_l] * lay.pp_l]
         plan = sm.plan(split)
         if not sm.fits(split):

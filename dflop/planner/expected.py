@@ -40,11 +40,14 @@ class SchedulerSettings:
 
     policy: "dflop" (the portfolio) or "megatron" (data-blind, fixed-count contiguous microbatches);
     budget_s: wall seconds its exact ILP may use per batch; ilp: "auto", "always" or "never".
+    The default leaves the ILP out: its wall-clock budget makes results depend on machine load, and
+    the same inputs must give the same plan. Online the ILP can only improve on the greedy members,
+    so planning without it is conservative.
     """
 
     policy: str = "dflop"
     budget_s: float = 0.05
-    ilp: str = "auto"
+    ilp: str = "never"
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,17 @@ def run_partition(pc: PlanCosts, plan: Plan, scheduler: SchedulerSettings, clust
     return partition(pc.costs, lay.m, lay.dp_l, 1 if lay.colocated else lay.dp_v, budget_s=scheduler.budget_s,
                      seed=seed, policy=scheduler.policy, p2p_s=cluster.p2p_latency_s, allreduce_s=pc.allreduce_s,
                      ilp=scheduler.ilp)
+
+
+def quick_step_s(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes) -> float:
+    """Simulated step of `batch` split by 1-D LPT (the scheduler's "lpt1d" policy), memory unchecked.
+
+    The online portfolio has an LPT member and orders its result by simulation, so on the same
+    batch its step is at most this: a cheap upper bound for ranking many plans before the full
+    scheduler runs on the best of them.
+    """
+    pc = plan_costs(plan, cost, batch, cluster, sizes)
+    return run_partition(pc, plan, SchedulerSettings(policy="lpt1d"), cluster).step_s
 
 
 def simulate_batch(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes,

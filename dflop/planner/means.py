@@ -168,3 +168,41 @@ def module_means(cost: CostModel, module: str, tp: int, pool: Pool, n_layers: in
     part = lambda n, first, last: PartMeans.from_terms(terms(sizes, n_layers=n, first=first, last=last, tp=tp))
     return ModuleMeans(module, int(tp), int(n_layers), layer=part(1, False, False), first=part(0, True, False),
                        last=part(0, False, True))
+
+
+@dataclass(frozen=True)
+class Granularity:
+    """Effective samples per LLM bin for stage *times*: the data's heaviest samples cannot be split.
+
+    A bin holding the heaviest of the B/m samples of its microbatch takes at least as long as that
+    sample, so the microbatch's bottleneck bin costs at least ``max(nu, E[max of B/m costs] / mean)``
+    mean samples (nu = samples per bin). The expectation is over random microbatches of the data
+    (order statistics with replacement). Memory keeps its own heaviest-sample bound.
+
+    ratio: {m: E[max per-sample LLM cost among B/m samples] / mean per-sample cost}.
+    """
+
+    ratio: dict
+
+    @classmethod
+    def of(cls, sample_cost: np.ndarray, global_batch: int, microbatches) -> "Granularity":
+        x = np.sort(np.asarray(sample_cost, dtype=np.float64))
+        n, mean = len(x), float(np.mean(sample_cost))
+        grid = np.arange(n + 1) / n
+        ratio = {}
+        for m in microbatches:
+            k = max(1, int(global_batch) // int(m))
+            weights = np.diff(grid ** k)  # P(the max of k draws is the i-th smallest)
+            ratio[int(m)] = float(weights @ x) / mean if mean > 0 else 0.0
+        return cls(ratio)
+
+    @classmethod
+    def none(cls) -> "Granularity":
+        return cls({})
+
+    def nu_time(self, nu, m):
+        """Effective samples per bin for times (same shape as nu; m scalar or array)."""
+        if not self.ratio:
+            return nu
+        floor = np.vectorize(lambda mm: self.ratio.get(int(mm), 0.0), otypes=[float])(m)
+        return np.maximum(nu, floor)

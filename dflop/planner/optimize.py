@@ -30,15 +30,16 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *,
              p2p_latency_us: float = 20.0, placements: Sequence[str] = ("disjoint", "colocated"),
              microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), sample_batches: int = 8, top_k: int = 16,
              time_limit_s: float = 10.0, rel_gap: float = 0.01, global_batch_size: int = 16, seed: int = 0,
-             scheduler_budget_ms: float = 50.0, racing: bool = True, verbose: bool = True,
+             scheduler_ilp: str = "never", scheduler_budget_ms: float = 50.0, racing: bool = True,
+             verbose: bool = True,
              shape: ModelShape | None = None) -> SearchResult:
     """Plan the parallel layout; write plan.yaml and candidates.parquet; return the search result.
 
     Keyword arguments mirror the config: model.{arch, vision, llm, weights}, cluster.*,
     planner.{placements, microbatches, sample_batches, top_k, time_limit_s, rel_gap},
-    train.global_batch_size, run.seed; scheduler_budget_ms is the ILP budget of the online
-    scheduler per sampled batch (scheduler.budget_ms is the training-time budget; planning
-    simulates many batches, so it uses a smaller one); racing: successive halving over the
+    train.global_batch_size, run.seed; scheduler_ilp / scheduler_budget_ms: whether the online
+    scheduler's exact ILP runs on each sampled batch and its wall budget (default "never": plans
+    must not depend on machine load, see `SchedulerSettings`); racing: successive halving over the
     sampled batches (see `dflop.planner.search`). `shape` overrides the model structure (tests).
     """
     t0 = time.perf_counter()
@@ -50,7 +51,7 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *,
     cluster = Cluster.from_config(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gb=gpu_memory_gb,
                                   intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps,
                                   p2p_latency_us=p2p_latency_us, device=device)
-    scheduler = SchedulerSettings(budget_s=scheduler_budget_ms / 1e3)
+    scheduler = SchedulerSettings(budget_s=scheduler_budget_ms / 1e3, ilp=scheduler_ilp)
     settings = SearchSettings(global_batch=global_batch_size, placements=tuple(placements),
                               microbatches=tuple(microbatches), sample_batches=sample_batches, top_k=top_k,
                               time_limit_s=time_limit_s, rel_gap=rel_gap, seed=seed, racing=racing, scheduler=scheduler)

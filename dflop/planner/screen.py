@@ -28,7 +28,7 @@ import pandas as pd
 
 from dflop.planner.cluster import Cluster
 from dflop.planner.layout import Layout
-from dflop.planner.means import ModuleMeans, PartMeans
+from dflop.planner.means import Granularity, ModuleMeans, PartMeans
 from dflop.planner.stages import TransferMeans, links
 
 LAYOUT_COLUMNS = ("colocated", "tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m")
@@ -152,7 +152,7 @@ def _cap(room, per_layer):
 
 
 def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int, ModuleMeans], cluster: Cluster,
-              colocated: bool) -> _Side:
+              colocated: bool, granularity: Granularity) -> _Side:
     """Every LLM side (tp_l, pp_l, dp_l, m) of one placement, with its times and memory feasibility.
 
     Sorted by (tp_l, pp_l, m, dp_l) so that a group's layouts are contiguous.
@@ -177,15 +177,16 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
     order = np.lexsort((dp, m, pp, tp))
     tp, pp, dp, m = tp[order], pp[order], dp[order], m[order]
     nu = B / (m * dp)
+    tnu = granularity.nu_time(nu, m)
     layer_s, extras_s, max_extra_s, first_s, last_s = (np.zeros(len(tp)) for _ in range(5))
     for t in np.unique(tp):
         rows = np.flatnonzero(tp == t)
         mm = llm[int(t)]
-        first = mm.first.time_s(nu[rows])
+        first = mm.first.time_s(tnu[rows])
         if colocated:
-            first = first + vision[int(t)].whole().time_s(nu[rows])
-        last = mm.last.time_s(nu[rows])
-        layer_s[rows] = mm.layer.time_s(nu[rows])
+            first = first + vision[int(t)].whole().time_s(tnu[rows])
+        last = mm.last.time_s(tnu[rows])
+        layer_s[rows] = mm.layer.time_s(tnu[rows])
         extras_s[rows] = first + last
         first_s[rows], last_s[rows] = first, last
         max_extra_s[rows] = np.where(pp[rows] == 1, first + last, np.maximum(first, last))
@@ -250,7 +251,7 @@ def _concat(parts: list[dict], columns) -> pd.DataFrame:
 
 
 def screen(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, ModuleMeans], cluster: Cluster,
-           transfer: TransferMeans, *, keep: int = 256) -> ScreenResult:
+           transfer: TransferMeans, *, keep: int = 256, granularity: Granularity = Granularity.none()) -> ScreenResult:
     """Memory feasibility and MILP lower bound of every layout; the best `keep` feasible ones."""
     B, W, lat = space.global_batch, cluster.world_size, cluster.p2p_latency_s
     kept: list[dict] = []
@@ -258,7 +259,7 @@ def screen(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, Mo
     n_layouts = n_feasible = 0
 
     if "colocated" in space.placements and space.colocated_tp:
-        side = _llm_side(space, llm, vision, cluster, colocated=True)
+        side = _llm_side(space, llm, vision, cluster, colocated=True, granularity=granularity)
         link = links(cluster, colocated=True, tp_v=side.tp, pp_v=1, dp_v=side.dp, tp_l=side.tp, pp_l=side.pp,
                      dp_l=side.dp)
         hops = 2 * (side.pp - 1) * side.nu * transfer.llm_hop_bytes / link.llm_hop_bps
@@ -272,7 +273,7 @@ def screen(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, Mo
             kept.append(_best_rows(True, side.tp, 1, side.dp, side, side.fits, bound, keep))
 
     if "disjoint" in space.placements and space.vision_tp:
-        full = _llm_side(space, llm, vision, cluster, colocated=False)
+        full = _llm_side(space, llm, vision, cluster, colocated=False, granularity=granularity)
         tiles_per_mb = B / full.m * space.mean_tiles
         dp_v_cap = np.maximum(1, np.floor(tiles_per_mb)).astype(np.int64)
         m_index = np.searchsorted(np.array(space.microbatches), full.m)

@@ -6,13 +6,17 @@
 3. MILP per layout (`solve_split`) in bound order until the next bound cannot beat the `top_k`-th
    best objective found (within rel_gap): those top_k are then the best by the MILP objective
    among all layouts ("top_k_proven").
-4. The top_k are simulated over the same `sample_batches` global batches sampled from the data,
+4. Prescreen: the best `prescreen` layouts by MILP objective are simulated on the first sampled
+   batch split by plain LPT (`quick_step_s`: an upper bound of the online scheduler's step on that
+   batch). This catches what the mean-shape objective cannot see — bins of one or two samples,
+   vision/LLM imbalance of real batches — at one simulation per plan. The best top_k go on.
+5. The top_k are simulated over the same `sample_batches` global batches sampled from the data,
    each partitioned by the online scheduler (`dflop.planner.expected`); the lowest mean step wins
    (ties: fewer GPUs). With ``racing`` the batches are spent by successive halving: all candidates
    on 1 batch, the better half on 2, ... until the last ones have all K (same batches for all, so
    the comparison is paired); this approximates simulating everything on K batches at a fraction of
    the cost on large clusters.
-5. The data-blind baseline (`dflop.planner.baseline`) on the same batches.
+6. The data-blind baseline (`dflop.planner.baseline`) on the same batches.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ from dflop.errors import UserError
 from dflop.planner.baseline import BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.planner.cluster import Cluster
-from dflop.planner.expected import (Evaluation, SchedulerSettings, evaluate_plan, sample_batches, stage_name)
+from dflop.planner.expected import (Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches,
+                                    stage_name)
 from dflop.planner.layout import Layout, Plan
-from dflop.planner.means import ModuleMeans, Pool, TransferSizes, module_means
+from dflop.planner.means import Granularity, ModuleMeans, Pool, TransferSizes, module_means
 from dflop.planner.milp import SplitResult, solve_split
 from dflop.planner.screen import ScreenResult, SearchSpace, layout_of, screen
 from dflop.planner.space import ModelShape, build_space
@@ -43,7 +48,9 @@ from dflop.planner.stages import StageModel, TransferMeans, build_stage_model, m
 class SearchSettings:
     """Knobs of the search (config: planner.*, train.global_batch_size, run.seed).
 
-    keep: layouts kept by the screen for the tighter bound (default max(2048, 8 top_k)); max_milps:
+    prescreen: layouts (best by MILP objective) ranked by the LPT simulation before the top_k are
+    chosen (default max(2 top_k, 16)); keep: layouts kept by the screen for the tighter bound
+    (default max(2048, 8 prescreen)); max_milps:
     MILP solver calls at most (default max(64, 4 top_k)); baseline_simulate: data-blind layouts
     simulated.
     """
@@ -57,10 +64,15 @@ class SearchSettings:
     rel_gap: float = 0.01
     seed: int = 0
     racing: bool = True
+    prescreen: int | None = None
     keep: int | None = None
     max_milps: int | None = None
     baseline_simulate: int = 4
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+
+    @property
+    def n_prescreen(self) -> int:
+        return max(self.top_k, self.prescreen or max(2 * self.top_k, 16))
 
     def __post_init__(self):
         for key in ("sample_batches", "top_k", "baseline_simulate"):
@@ -98,10 +110,17 @@ class _Solved:
     evaluation: Evaluation | None = None
     status: str = "solved"
     reason: str = ""
+    detail: str = ""
 
     @property
     def plan(self) -> Plan:
         return self.stage_model.plan(self.result.split)
+
+
+def bin_granularity(cost: CostModel, pool: Pool, space: SearchSpace) -> Granularity:
+    """`Granularity` of the data's per-sample LLM layer cost (at the smallest admissible TP degree)."""
+    terms = cost.llm_stage_terms(pool.seq_len, n_layers=1, first=False, last=False, tp=min(space.llm_tp))
+    return Granularity.of(terms.fwd_s + terms.bwd_s, space.global_batch, space.microbatches)
 
 
 def prepare_means(cost: CostModel, shape: ModelShape, pool: Pool, space: SearchSpace):
@@ -123,13 +142,14 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
                                     vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
     transfer = TransferMeans.of(pool, sizes)
-    keep = s.keep or max(2048, 8 * s.top_k)
-    screened = screen(space, vision, llm, cluster, transfer, keep=keep)
+    granularity = bin_granularity(cost, pool, space)
+    keep = s.keep or max(2048, 8 * s.n_prescreen)
+    screened = screen(space, vision, llm, cluster, transfer, keep=keep, granularity=granularity)
     t_screen = time.perf_counter()
     if screened.n_feasible == 0:
         raise UserError(closest_fit_message(space, screened, vision, llm, cluster, transfer))
 
-    solved, proven = _solve_layouts(screened, space, vision, llm, cluster, transfer, s, keep)
+    solved, proven = _solve_layouts(screened, space, vision, llm, cluster, transfer, s, granularity)
     t_milp = time.perf_counter()
     if not any(x.result.has_solution for x in solved):
         statuses = sorted({x.result.status for x in solved})
@@ -142,9 +162,10 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
                              seed=s.seed + (subset.start or 0))
 
     ranked = sorted((x for x in solved if x.result.has_solution), key=lambda x: x.result.objective_s)
+    ranked = _prescreen(ranked, s, lambda plan: quick_step_s(plan, cost, pool.take(batches[0]), cluster, sizes))
     chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
     t_sim = time.perf_counter()
-    baseline = search_baseline(space, vision, llm, cluster, transfer,
+    baseline = search_baseline(space, vision, llm, cluster, transfer, granularity,
                                lambda plan: evaluate(plan, slice(0, None), replace(s.scheduler, policy="megatron")),
                                simulate=s.baseline_simulate)
     t_base = time.perf_counter()
@@ -168,13 +189,14 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
 
 
 def _solve_layouts(screened: ScreenResult, space: SearchSpace, vision, llm, cluster, transfer,
-                   s: SearchSettings, keep: int) -> tuple[list[_Solved], bool]:
+                   s: SearchSettings, granularity: Granularity) -> tuple[list[_Solved], bool]:
     """MILPs in bound order until the top_k by objective are certain (or max_milps).
 
     The kept layouts are re-ranked by the tighter `split_bound_s`; a layout whose modules have one
     stage each has a single split, computed directly (milp status "single_split").
     """
-    max_milps = s.max_milps or max(64, 4 * s.top_k)
+    max_milps = s.max_milps or max(64, 4 * s.n_prescreen)
+    want = s.n_prescreen
     rows = list(screened.layouts.itertuples(index=False))
     # Lazy re-ranking: pop the smallest bound; a screen bound is replaced by the tighter
     # split_bound_s (never smaller) and pushed back, so a popped refined bound is the next best.
@@ -188,7 +210,7 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, vision, llm, clus
                 return bound, sm
             lay = layout_of(rows[i])
             sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster,
-                                   global_batch=space.global_batch, transfer=transfer)
+                                   global_batch=space.global_batch, transfer=transfer, granularity=granularity)
             heapq.heappush(heap, (max(split_bound_s(sm), bound), i, sm))
         return None
 
@@ -201,8 +223,8 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, vision, llm, clus
     while (item := next_layout()) is not None:
         bound, sm = item
         lay = sm.layout
-        if len(objectives) >= s.top_k:
-            kth = sorted(objectives)[s.top_k - 1] * (1 - s.rel_gap)
+        if len(objectives) >= want:
+            kth = sorted(objectives)[want - 1] * (1 - s.rel_gap)
             if bound >= kth:
                 proven = kth <= unseen_bound
                 break
@@ -226,12 +248,26 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, vision, llm, clus
     return solved, proven
 
 
+def _prescreen(ranked: list[_Solved], s: SearchSettings, quick) -> list[_Solved]:
+    """The best `n_prescreen` by MILP objective, re-ranked by `quick(plan)` (seconds); the rest after."""
+    head, tail = ranked[:s.n_prescreen], ranked[s.n_prescreen:]
+    if len(head) <= s.top_k:
+        return ranked
+    steps = {id(x): quick(x.plan) for x in head}
+    head = sorted(head, key=lambda x: (steps[id(x)], x.result.objective_s))
+    for x in head[s.top_k:]:
+        x.status, x.reason = "pruned", "prescreen"
+        x.detail = f"LPT-partitioned step on sampled batch 0: {steps[id(x)]:.4g} s"
+    return head + tail
+
+
 def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _Solved:
     """Simulate the top_k (racing or not), mark statuses, return the winner."""
     finalists, rest = ranked[:s.top_k], ranked[s.top_k:]
     K = s.sample_batches
     for x in rest:
-        x.status, x.reason = "solved", ""
+        if x.status not in ("pruned", "rejected"):
+            x.status, x.reason = "solved", ""
     alive = list(finalists)
     done, n = 0, (1 if s.racing and len(finalists) > 1 else K)
     while alive:
@@ -268,7 +304,7 @@ def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _
 
 def _layout_row(x: _Solved) -> dict:
     row = {"kind": "plan", "level": "layout", "status": x.status, "reason": x.reason,
-           "detail": x.evaluation.failure if (x.evaluation is not None and not x.evaluation.ok) else "",
+           "detail": x.evaluation.failure if (x.evaluation is not None and not x.evaluation.ok) else x.detail,
            "bound_s": x.bound_s, "milp_status": x.result.status, "milp_solve_s": x.result.solve_s,
            "mean_shape_step_s": x.result.objective_s, "n_layouts": 1}
     if x.result.has_solution:

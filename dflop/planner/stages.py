@@ -30,7 +30,7 @@ import numpy as np
 
 from dflop.planner.cluster import Cluster
 from dflop.planner.layout import Layout, Plan
-from dflop.planner.means import ModuleMeans, PartMeans, Pool, TransferSizes
+from dflop.planner.means import Granularity, ModuleMeans, PartMeans, Pool, TransferSizes
 
 
 @dataclass(frozen=True)
@@ -66,22 +66,24 @@ class StageCoeffs:
 
 
 def stage_coeffs(means: ModuleMeans, *, nu, heaviest_share, first, last, in_flight,
-                 extra: PartMeans | None = None, extra_nu=None, extra_on=True) -> StageCoeffs:
+                 extra: PartMeans | None = None, extra_nu=None, extra_on=True, time_nu=None) -> StageCoeffs:
     """Coefficients of stages of one module.
 
     nu: samples per microbatch on one replica of the stage (mean); heaviest_share: share of the
     heaviest sample one replica holds (1, or 1/dp_v for vision stages); first/last: whether the
     stage holds the module's first/last extras (bools or arrays); in_flight: 1F1B microbatches held;
     extra: a part the stages where `extra_on` is true also run in full (the vision tower on
-    colocated LLM stage 0), on `extra_nu` samples.
+    colocated LLM stage 0), on `extra_nu` samples. time_nu: samples per microbatch for times, if
+    different from `nu` (see `dflop.planner.means.Granularity`); memory always uses `nu`.
     """
     first = np.asarray(first, dtype=np.float64)
     last = np.asarray(last, dtype=np.float64)
-    layer = _PartAt.of(means.layer, nu, heaviest_share)
-    fixed = _PartAt.of(means.first, nu, heaviest_share).scaled(first) + \
-        _PartAt.of(means.last, nu, heaviest_share).scaled(last)
+    tnu = nu if time_nu is None else time_nu
+    layer = _PartAt.of(means.layer, nu, heaviest_share, tnu)
+    fixed = _PartAt.of(means.first, nu, heaviest_share, tnu).scaled(first) + \
+        _PartAt.of(means.last, nu, heaviest_share, tnu).scaled(last)
     if extra is not None:
-        fixed = fixed + _PartAt.of(extra, extra_nu, 1.0).scaled(np.asarray(extra_on, dtype=np.float64))
+        fixed = fixed + _PartAt.of(extra, extra_nu, 1.0, tnu).scaled(np.asarray(extra_on, dtype=np.float64))
     return StageCoeffs(
         time_fixed=fixed.time, time_layer=layer.time,
         bwd_fixed=fixed.bwd, bwd_layer=layer.bwd,
@@ -106,8 +108,8 @@ class _PartAt:
     grad: np.ndarray
 
     @classmethod
-    def of(cls, part: PartMeans, nu, heaviest_share) -> "_PartAt":
-        return cls(part.time_s(nu), part.bwd_s(nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
+    def of(cls, part: PartMeans, nu, heaviest_share, time_nu) -> "_PartAt":
+        return cls(part.time_s(time_nu), part.bwd_s(time_nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
                    part.static_bytes, part.grad_bytes)
 
     def scaled(self, k) -> "_PartAt":
@@ -223,8 +225,12 @@ class StageModel:
 
 
 def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, cluster: Cluster,
-                      global_batch: int, transfer: TransferMeans) -> StageModel:
-    """The `StageModel` of a layout, from the module means at its TP degrees."""
+                      global_batch: int, transfer: TransferMeans,
+                      granularity: Granularity = Granularity.none()) -> StageModel:
+    """The `StageModel` of a layout, from the module means at its TP degrees.
+
+    granularity: effective samples per LLM bin for times (default: the mean, nu).
+    """
     lay, m, B = layout, layout.m, global_batch
     link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
                  tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
@@ -250,7 +256,7 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
     j = np.arange(pp_l)
     c = stage_coeffs(llm, nu=np.full(pp_l, nu_l), heaviest_share=1.0, first=j == 0, last=j == pp_l - 1,
                      in_flight=in_flight[n_v:], extra=vision.whole() if lay.colocated else None, extra_nu=nu_l,
-                     extra_on=j == 0)  # colocated: the whole vision tower rides on LLM stage 0
+                     extra_on=j == 0, time_nu=np.full(pp_l, float(granularity.nu_time(nu_l, m))))  # colocated: the whole vision tower rides on LLM stage 0
     hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
     features = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
     c = c.plus_time(fwd_s=np.where(j > 0, hop, features), bwd_s=np.where(j < pp_l - 1, hop, 0.0))

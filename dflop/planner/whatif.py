@@ -14,7 +14,7 @@ the same way, keeping its fixed-count microbatches (dp reduced to a divisor of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dflop.costmodel.model import CostModel
@@ -77,12 +77,13 @@ def scale_baseline(plan: Plan, gpus: int, global_batch: int) -> Plan | None:
 
 
 def simulate_plan(plan_path, *, gpus: int | None = None, shapes_path=None, out_png=None, costmodel_path=None,
-                  sample_batches_k: int | None = None, seed: int | None = None, scheduler_budget_ms: float = 50.0,
-                  verbose: bool = True, shape: ModelShape | None = None) -> WhatIf:
+                  sample_batches_k: int | None = None, seed: int | None = None, verbose: bool = True,
+                  shape: ModelShape | None = None) -> WhatIf:
     """Re-evaluate plan.yaml (optionally on `gpus` GPUs and/or other shapes); draw the Gantt chart.
 
-    shapes_path / costmodel_path default to the ones recorded in plan.yaml; sample_batches_k and
-    seed to its evaluation settings; out_png: where to write the Gantt chart (None: no chart).
+    shapes_path / costmodel_path default to the ones recorded in plan.yaml; sample_batches_k, seed
+    and the scheduler settings to its evaluation settings; out_png: where to write the Gantt chart
+    (None: no chart).
     `shape` overrides the model structure (tests).
     """
     pf = read_plan(plan_path)
@@ -122,14 +123,15 @@ def simulate_plan(plan_path, *, gpus: int | None = None, shapes_path=None, out_p
     sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
                                     vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
     batches = sample_batches(len(pool), k, B, seed)
-    scheduler = SchedulerSettings(budget_s=scheduler_budget_ms / 1e3)
+    recorded = evaluation.get("scheduler") or {}
+    scheduler = SchedulerSettings(budget_s=float(recorded.get("budget_s", 0.05)), ilp=str(recorded.get("ilp", "never")))
     ev = evaluate_plan(plan, cost, pool, batches, cluster, sizes, scheduler, seed=seed)
     if not ev.ok:
         raise UserError(f"plan {plan.describe()} cannot run on {shapes_path}: {ev.failure}")
     base = None
     if baseline is not None:
         base = evaluate_plan(baseline, cost, pool, batches, cluster, sizes,
-                             SchedulerSettings(policy="megatron", budget_s=scheduler.budget_s), seed=seed)
+                             replace(scheduler, policy="megatron"), seed=seed)
         if not base.ok:
             notes.append(f"baseline {baseline.describe()} cannot run: {base.failure}")
             base = None
