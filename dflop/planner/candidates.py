@@ -5,12 +5,14 @@ One row per (columns in this order; missing values are null):
 - ``kind``: "plan" (the data-aware search) or "baseline" (the data-blind layouts);
 - ``level``: "degree" (a TP degree or m rejected for every layout), "group" (all layouts of one
   placement, tp_v, pp_v, tp_l, pp_l, m, i.e. all their dp splits: ``n_layouts`` of them, with
-  the dp split of the best feasible one), or "layout" (one layout, with its layer split);
+  the dp split of the best feasible one; groups some of whose layouts reached the MILP appear as
+  their layout rows instead), or "layout" (one layout, with its layer split);
 - ``placement``, ``tp_v``, ``pp_v``, ``dp_v``, ``tp_l``, ``pp_l``, ``dp_l``, ``m``, ``world_size``;
 - ``status``: "rejected", "pruned" (feasible, but its lower bound could not beat the plans kept,
-  or it lost the race), "solved" (MILP solved, not simulated), "simulated", "chosen";
+  its LPT-simulated step lost the prescreen, or it lost the race), "solved" (MILP solved, not
+  simulated), "simulated", "chosen";
 - ``reason``: why rejected or pruned: tp_not_dividing_heads, tp_not_profiled, tp_not_within_node,
-  divisibility, memory, bound, racing, milp_<status>; ``detail``: the same in words;
+  divisibility, memory, bound, prescreen, racing, milp_<status>; ``detail``: the same in words;
 - ``n_layouts``; ``bound_s`` (lower bound of the mean-shape step); ``mean_shape_step_s`` (MILP
   objective: the 1F1B step under mean shapes); ``milp_status``; ``milp_solve_s``;
 - ``vision_layers``, ``llm_layers``: layers per stage;

@@ -8,11 +8,9 @@ times). Every bad input is a one-line `UserError` naming the file or key.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Sequence
 
 from dflop.costmodel.model import CostModel
-from dflop.errors import UserError
 from dflop.planner.candidates import write_candidates
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings, stage_name

@@ -109,3 +109,19 @@ def test_allreduce_and_node_placement_closed_forms():
     assert c.dp_group_intra(0, 2, 2, 2)  # stage blocks of 4 ranks aligned with nodes
     assert not c.dp_group_intra(2, 2, 2, 2)  # shifted by 2 ranks: blocks straddle nodes
     assert not c.dp_group_intra(0, 1, 1, 8)  # 8 replicas span both nodes
+
+
+def test_granularity_is_the_expected_heaviest_of_a_microbatch():
+    """E[max of k draws with replacement] / mean, against enumerating every draw of a small pool."""
+    import itertools
+
+    from dflop.planner.means import Granularity
+
+    x = np.array([1.0, 2.0, 2.0, 5.0, 11.0])
+    g = Granularity.of(x, global_batch=6, microbatches=(2, 3, 6))
+    for m in (2, 3, 6):
+        k = 6 // m
+        exact = np.mean([max(draw) for draw in itertools.product(x, repeat=k)]) / x.mean()
+        assert g.ratio[m] == pytest.approx(exact, rel=1e-12)
+    assert g.nu_time(np.array([0.5, 4.0]), 2) == pytest.approx([g.ratio[2], 4.0])
+    assert Granularity.none().nu_time(0.5, 2) == 0.5
