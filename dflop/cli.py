@@ -68,6 +68,26 @@ def cmd_fit(args: argparse.Namespace) -> None:
     fit(args.profile, args.costmodel, args.validation)
 
 
+def cmd_optimize(args: argparse.Namespace) -> None:
+    from dflop.planner import optimize
+
+    cfg = _config(args)
+    m = cfg.model
+    optimize(
+        args.shapes, args.costmodel, args.plan, args.candidates,
+        arch=m.arch, vision=m.vision, llm=m.llm, weights=m.weights,
+        **cfg.section("cluster"), **cfg.section("planner"),
+        global_batch_size=cfg.section("train")["global_batch_size"], seed=cfg.seed,
+    )
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from dflop.planner import simulate_plan
+
+    simulate_plan(args.plan, gpus=args.gpus, shapes_path=args.shapes, costmodel_path=args.costmodel,
+                  out_png=args.gantt, sample_batches_k=args.batches)
+
+
 def cmd_install_profile(args: argparse.Namespace) -> None:
     from dflop.profiles import install_profile
 
@@ -108,6 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=Path, required=True, help="input model_profile.parquet")
     p.add_argument("--costmodel", type=Path, required=True, help="output costmodel.json")
     p.add_argument("--validation", type=Path, required=True, help="output validation.parquet (held-out errors)")
+
+    p = add("optimize", cmd_optimize,
+            "plan the 3D-parallel layout from the data and cost models (plan.yaml, candidates.parquet)")
+    _add_config_args(p)
+    p.add_argument("--shapes", type=Path, required=True, help="input shapes.parquet")
+    p.add_argument("--costmodel", type=Path, required=True, help="input costmodel.json")
+    p.add_argument("--plan", type=Path, required=True, help="output plan.yaml")
+    p.add_argument("--candidates", type=Path, required=True, help="output candidates.parquet")
+
+    p = add("simulate", cmd_simulate, "what-if: re-evaluate a plan on other data or GPU counts, draw its Gantt chart")
+    p.add_argument("--plan", type=Path, required=True)
+    p.add_argument("--gpus", type=int, default=None, help="scale data parallelism to this many GPUs")
+    p.add_argument("--shapes", type=Path, default=None, help="other shapes.parquet (default: the plan's)")
+    p.add_argument("--costmodel", type=Path, default=None, help="other costmodel.json (default: the plan's)")
+    p.add_argument("--batches", type=int, default=None, help="global batches to sample (default: the plan's)")
+    p.add_argument("--gantt", type=Path, default=None, help="write a Gantt chart of one simulated step (PNG)")
 
     p = add("install-profile", cmd_install_profile, "copy a Snakemake profile where `snakemake --profile NAME` finds it")
     p.add_argument("name", choices=["slurm", "local"])

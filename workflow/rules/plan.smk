@@ -1,0 +1,25 @@
+# The data-aware 3D parallelism optimizer.
+
+
+rule optimize:
+    input:
+        shapes=rules.profile_data.output.shapes,
+        costmodel=rules.fit.output.costmodel,
+    output:
+        plan=f"{RESULTS}/plan/plan.yaml",
+        candidates=f"{RESULTS}/plan/candidates.parquet",
+    params:
+        settings=settings_json(
+            run={"seed": config["run"]["seed"]},
+            model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights")},
+            cluster=config["cluster"],
+            planner=config["planner"],
+            train={"global_batch_size": config["train"]["global_batch_size"]},
+        ),
+    log:
+        "logs/optimize.log",
+    conda:
+        ENV_FILE
+    shell:
+        "dflop optimize --settings {params.settings:q} --shapes {input.shapes} --costmodel {input.costmodel}"
+        " --plan {output.plan} --candidates {output.candidates} > {log} 2>&1"
