@@ -170,8 +170,12 @@ class StepPlanner:
             self._costs[s] = (costs, buckets, None)
             self._submitted = s
 
-    def get(self, step: int) -> StepPlan:
-        """The plan of `step` (submitting the next `prefetch` batches so the worker keeps ahead)."""
+    def get(self, step: int, timeout_s: float | None = None) -> StepPlan:
+        """The plan of `step` (submitting the next `prefetch` batches so the worker keeps ahead).
+
+        timeout_s: how long to wait for the portfolio before taking the greedy fallback; default
+        0, except on the run's first step, which has no training to overlap with (budget + 1 s).
+        """
         if step <= self._submitted and step not in self._costs:
             raise ValueError(f"step {step} was already taken")
         if self._first is None:
@@ -185,7 +189,9 @@ class StepPlanner:
             part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron")
         else:
             # The first step has nothing to overlap with: wait for the solve rather than fall back.
-            part = self.service.get(step, timeout_s=self.budget_s + 1.0 if step == self._first else 0.0)
+            if timeout_s is None:
+                timeout_s = self.budget_s + 1.0 if step == self._first else 0.0
+            part = self.service.get(step, timeout_s=timeout_s)
         rows = self.batches.rows(step)
         shapes = self.pool.iloc[rows].reset_index(drop=True)
         self._costs[step] = (costs, buckets, part)

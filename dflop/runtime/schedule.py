@@ -250,8 +250,10 @@ class PipelineExecutor:
             share = self._plan.vision_shares[p][role.replica]
             if not share:
                 return None
-            with torch.set_grad_enabled(self.spec.vision_side_trainable), self._autocast():
-                return self.vision_runner(self._pixels(share), self._layouts(share))
+            pixels = self._pixels(share)
+            with self._timer.measure("F", p), torch.set_grad_enabled(self.spec.vision_side_trainable), \
+                    self._autocast():
+                return self.vision_runner(pixels, self._layouts(share))
         rows: dict[int, torch.Tensor] = {}
         for v in range(self.topo.plan.vision.dp):
             share = set(self._plan.vision_shares[p][v])
