@@ -39,7 +39,7 @@ from dflop.errors import UserError
 from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, broadcast_step_plan
 from dflop.runtime.loading import StepLoader, requests_for
 from dflop.runtime.metrics import MetricsWriter, step_flops
-from dflop.runtime.model import ModelSpec, RankModules, build_rank_modules, parameter_names
+from dflop.runtime.model import ModelSpec, build_rank_modules, parameter_names
 from dflop.runtime.optim import GradientSync, ParamInfo, build_lr_scheduler, build_optimizer, warmup_cosine
 from dflop.runtime.p2p import P2P
 from dflop.runtime.plan import Plan, load_plan
@@ -391,9 +391,9 @@ class Trainer:
 
     def gather_times(self, result) -> np.ndarray | None:
         """[world, 2, m] (forward, backward) busy seconds of every rank per position, on rank 0."""
-        mine = torch.tensor(np.stack([result.fwd_s, result.bwd_s]), dtype=torch.float64)
+        mine = torch.tensor(np.stack([result.fwd_s, result.bwd_s]), dtype=torch.float64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(gathered, mine.to(self.device) if self.device.type == "cuda" else mine)
+        dist.all_gather(gathered, mine)
         return torch.stack([g.cpu() for g in gathered]).numpy() if self.rank == 0 else None
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 References: LlavaOnevisionProcessor (run on the sample's rendered conversation, its images and its
 sampled frames) for the expanded input ids and the image tiles; an independent decode + PIL resize
 for video frames; the tokenizer's decode for the answer mask; InternVLProcessor for InternVL's
-token expansion. The processors are the PIL classes (torchvision is not installed); HF's video
+token expansion, and the data profiler's InternVL video counts. The processors are the PIL classes (torchvision is not installed); HF's video
 processors need torchvision, so a stand-in hands the frames through (the expansion only counts them).
 """
 
@@ -206,9 +206,8 @@ def test_internvl_expansion_and_tiles_match_the_hf_processor(demo):
         np.testing.assert_allclose(loaded.pixels.numpy(), out["pixel_values"], rtol=0, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="data profiler counts InternVL video text without the 'FrameK: ' labels "
-                                       "InternVLProcessor writes (tokenizer.expand_video_placeholders is not applied)")
 def test_internvl_video_sequence_length_agrees_with_the_data_profiler(demo, tmp_path):
+    """The trainer writes InternVLProcessor's 'FrameK: ' labels; shapes.parquet must count them."""
     samples, _, manifest = demo
     cfg = Config.from_dict({"model": {"arch": "internvl", "vision": "internvit-tiny", "llm": "llama3-tiny"},
                             "data": {"datasets": [{"name": "demo", "path": str(manifest)}]}})
@@ -216,5 +215,6 @@ def test_internvl_video_sequence_length_agrees_with_the_data_profiler(demo, tmp_
     profile_data(cfg, shapes_path=path, histograms_path=tmp_path / "h.parquet", workers=1, progress=False)
     shapes = pd.read_parquet(path)
     data = TrainingData(samples, internvl_rules(), expected(shapes))
-    i = int(shapes.index[shapes["modality"] == "video"][0])
-    data.tokens(i)
+    for i in shapes.index[shapes["modality"] == "video"][:3]:
+        ids, _ = data.tokens(int(i))  # raises SampleError on any disagreement
+        assert ids.numel() == shapes.loc[i, "seq_len"]

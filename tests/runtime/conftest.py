@@ -45,12 +45,7 @@ def pick_pool(shapes_path, path, per_modality: dict[str, int]) -> str:
 
 @pytest.fixture(scope="session")
 def pools(demo_shapes, tmp_path_factory):
-    """arch -> 8-sample pool: LLaVA-OV 2 of each modality; InternVL without videos (the data
-    profiler miscounts their text: tests/data/test_training.py, the xfail test)."""
+    """arch -> 8-sample pool: 2 samples of each modality."""
     root = tmp_path_factory.mktemp("pools")
-    return {
-        "llava_ov": pick_pool(demo_shapes["llava_ov"], root / "llava_ov.parquet",
-                              {"image": 2, "multi_image": 2, "video": 2, "text": 2}),
-        "internvl": pick_pool(demo_shapes["internvl"], root / "internvl.parquet",
-                              {"image": 4, "multi_image": 2, "text": 2}),
-    }
+    mix = {"image": 2, "multi_image": 2, "video": 2, "text": 2}
+    return {arch: pick_pool(demo_shapes[arch], root / f"{arch}.parquet", mix) for arch in MODELS}
