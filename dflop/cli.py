@@ -88,6 +88,14 @@ def cmd_simulate(args: argparse.Namespace) -> None:
                   out_png=args.gantt, sample_batches_k=args.batches)
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from dflop.runtime.launch import main as launch_main
+
+    code = launch_main(args.extra)
+    if code:
+        raise SystemExit(code)
+
+
 def cmd_install_profile(args: argparse.Namespace) -> None:
     from dflop.profiles import install_profile
 
@@ -145,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=None, help="global batches to sample (default: the plan's)")
     p.add_argument("--gantt", type=Path, default=None, help="write a Gantt chart of one simulated step (PNG)")
 
+    # `dflop train` hands every argument to the launcher, which also runs inside each torchrun worker.
+    train_help = "train with the plan: torchrun with the plan's world size (srun per node on Slurm)"
+    p = sub.add_parser("train", help=train_help, description=train_help, add_help=False)
+    p.set_defaults(func=cmd_train)
+
     p = add("install-profile", cmd_install_profile, "copy a Snakemake profile where `snakemake --profile NAME` finds it")
     p.add_argument("name", choices=["slurm", "local"])
     p.add_argument("--dest", type=Path, default=None,
@@ -154,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if args.command == "train":
+        args.extra = extra
+    elif extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         args.func(args)

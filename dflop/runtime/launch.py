@@ -46,8 +46,38 @@ def torchrun_command(plan_path: str | Path, worker_args: Sequence[str], *, nodes
     return command + ["-m", "dflop.runtime.launch", *worker_args]
 
 
+def slurm_job_nodes(env: dict | None = None) -> list[str]:
+    """Host names of the current Slurm job, [] outside one.
+
+    Snakemake's Slurm executor strips SLURM_JOB_NODELIST from the job step's environment, so
+    when it is missing the list is asked from squeue and expanded with scontrol.
+    """
+    env = os.environ if env is None else env
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
+        return []
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        nodelist = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+    if not nodelist:
+        raise UserError(f"Slurm job {job_id}: squeue reports no nodes")
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           check=True).stdout.split()
+    return hosts
+
+
+def slurm_command(plan_path: str | Path, worker_args: Sequence[str], hosts: Sequence[str], *,
+                  port: int = 29500, job_id: str = "dflop") -> list[str]:
+    """srun one torchrun agent per node of the job, meeting at a c10d rendezvous on the first node."""
+    nodes = len(hosts)
+    inner = torchrun_command(plan_path, worker_args, nodes=nodes, rdzv_endpoint=f"{hosts[0]}:{port}",
+                             rdzv_id=f"dflop-{job_id}")
+    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *inner]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dflop.runtime.launch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="dflop train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, help="YAML config (default: the demo default)")
     parser.add_argument("--settings", help="JSON object laid over --config")
     parser.add_argument("--plan", type=Path, required=True, help="plan.yaml")
@@ -58,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=["dflop", "baseline"], help="override scheduler.policy")
     parser.add_argument("--pad", action="store_true", help="baseline variant: pad samples to the longest of their bin")
     parser.add_argument("--no-export", action="store_true", help="skip writing the Hugging Face directory final/")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--rdzv-endpoint")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="nodes (default: those of the enclosing Slurm job, else 1)")
+    parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node without Slurm)")
     return parser
 
 
@@ -79,8 +110,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         if "RANK" not in os.environ:
-            command = torchrun_command(args.plan, _worker_args(args), nodes=args.nodes,
-                                       rdzv_endpoint=args.rdzv_endpoint)
+            # Check inputs here, once, so a typo is one line instead of a traceback per rank.
+            for flag in ("config", "plan", "shapes", "costmodel"):
+                path = getattr(args, flag)
+                if path is not None and not Path(path).exists():
+                    raise UserError(f"--{flag}: file not found: {path}")
+            hosts = slurm_job_nodes() if args.nodes is None and args.rdzv_endpoint is None else []
+            if len(hosts) > 1:
+                command = slurm_command(args.plan, _worker_args(args), hosts,
+                                        job_id=os.environ.get("SLURM_JOB_ID", "dflop"))
+            else:
+                command = torchrun_command(args.plan, _worker_args(args), nodes=args.nodes or 1,
+                                           rdzv_endpoint=args.rdzv_endpoint)
+            print("launching: " + " ".join(command), file=sys.stderr, flush=True)
             return subprocess.run(command).returncode
         from dflop.config import load
         from dflop.runtime.trainer import train

@@ -29,7 +29,13 @@ BASE_COLUMNS = ("step", "loss", "step_s", "samples", "tokens", "tflops", "idle_f
 
 
 class MetricsWriter:
-    """Accumulates one row per step and rewrites `path` atomically (rank 0 only)."""
+    """Accumulates one row per step (rank 0 only) in a working file next to the checkpoints.
+
+    The working file survives a killed run (Snakemake deletes the declared outputs of an
+    incomplete job, but not the checkpoint folder), so a re-run keeps the rows up to the checkpoint
+    it resumes from and drops later ones: no step is lost or repeated. `publish` copies the rows to
+    the run's metrics.parquet when training ends. Every write is atomic.
+    """
 
     def __init__(self, path: str | Path, resume_step: int = 0):
         self.path = Path(path)
@@ -42,9 +48,16 @@ class MetricsWriter:
 
     def append(self, row: dict) -> None:
         self.rows.append(row)
+        self._write(self.path)
+
+    def publish(self, path: str | Path) -> None:
+        """Write every row so far to `path` (the stage's metrics.parquet)."""
+        self._write(Path(path))
+
+    def _write(self, path: Path) -> None:
         frame = pd.DataFrame(self.rows)
         ordered = [c for c in BASE_COLUMNS if c in frame.columns] + [c for c in frame.columns if c not in BASE_COLUMNS]
-        with atomic_path(self.path) as tmp:
+        with atomic_path(path) as tmp:
             frame[ordered].to_parquet(tmp, index=False)
 
 

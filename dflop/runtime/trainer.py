@@ -495,7 +495,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                       device=device)
     ckpt_dir = out_dir / "checkpoints"
     start = load_latest(ckpt_dir, trainer.train_state()) or 0
-    metrics = MetricsWriter(out_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None
+    metrics = MetricsWriter(ckpt_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None
     bar = _progress_bar(settings.steps, start, progress and trainer.rank == 0)
     last = settings.steps if stop_after is None else min(settings.steps, start + stop_after)
     try:
@@ -526,6 +526,8 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                 save_checkpoint(ckpt_dir, done, trainer.train_state())
             if step + 1 < last:
                 plan_now = plan_next
+        if metrics is not None and last == settings.steps:
+            metrics.publish(out_dir / "metrics.parquet")
         if export and last == settings.steps:
             from dflop.runtime.export import export_hf
 

@@ -22,6 +22,9 @@ from dflop.scheduler.evaluate import simulate_times, stage_times
 from dflop.scheduler.partition import greedy_partition
 
 
+FACTOR_LIMIT = 8.0  # learned factors stay within [1/8, 8]
+
+
 @dataclass(frozen=True)
 class ShapeBuckets:
     """Buckets by tiles and sequence length: bucket = tile_bucket * n_seq_buckets + seq_bucket.
@@ -140,7 +143,11 @@ class AdaptiveCorrection:
             self._rhs[mod] = self.decay * self._rhs[mod] + a.T @ y
             g = self._gram[mod]
             lam = self.ridge * max(np.trace(g) / len(g), 1e-30)
-            self.factors_[mod] = np.linalg.solve(g + lam * np.eye(len(g)), self._rhs[mod] + lam)
+            factors = np.linalg.solve(g + lam * np.eye(len(g)), self._rhs[mod] + lam)
+            # A factor is a ratio of times: keep it positive and sane. Noisy measurements of
+            # nearly collinear buckets can otherwise push one below zero (negative stage times).
+            factors = np.where(np.isfinite(factors), factors, 1.0)
+            self.factors_[mod] = np.clip(factors, 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
         self.n_obs_ += 1
         self._track(time.perf_counter() - t0)
 

@@ -26,6 +26,8 @@ def main() -> int:
     common = dict(plan_path=spec["plan"], shapes_path=spec["shapes"], costmodel_path=None, progress=False)
     train(cfg, out_dir=spec["full"], **common)
     train(cfg, out_dir=spec["resumed"], stop_after=spec["stop_after"], **common)  # "killed"
+    # Snakemake deletes an incomplete job's declared outputs before the re-run.
+    assert not (Path(spec["resumed"]) / "metrics.parquet").exists()
     train(cfg, out_dir=spec["resumed"], **common)  # re-run: resumes from the last checkpoint
     dist.destroy_process_group()
     return 0

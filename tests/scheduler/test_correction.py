@@ -100,3 +100,29 @@ def test_service_feeds_and_applies_the_correction(make_costs):
     seen = np.unique(np.concatenate([buckets_def.assign(make_costs(64, seed=500 + s)[0].n_tiles,
                                                         make_costs(64, seed=500 + s)[0].seq_len) for s in range(4)]))
     np.testing.assert_allclose(corr.factors_["llm"][seen], 1.5, rtol=0.02)
+
+
+
+def test_factors_stay_positive_under_contradictory_measurements(make_costs):
+    """Wild measurements (half of them near zero, half 50x the prediction, as a CPU under load or a
+    bad timer gives) cannot make any corrected stage time negative or non-finite."""
+    from dflop.scheduler.correction import FACTOR_LIMIT
+
+    rng = np.random.default_rng(5)
+    buckets_def = ShapeBuckets()
+    corr = AdaptiveCorrection(buckets_def.n_buckets)
+    for step in range(6):
+        shapes, costs = make_costs(64, seed=300 + step)
+        buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
+        part = greedy_partition(costs, M, DP, DP)
+        st = stage_times(costs, part.microbatch, part.replica, part.m, part.dp_llm, part.dp_vision)
+        wild = lambda x: x * np.where(rng.random(x.shape) < 0.5, 1e-6, 50.0)  # noqa: E731
+        corr.observe(costs, part, buckets, MeasuredTimes(wild(st.vision_fwd), wild(st.vision_bwd),
+                                                         wild(st.llm_fwd), wild(st.llm_bwd)))
+    for factors in corr.factors_.values():
+        assert np.isfinite(factors).all()
+        assert (factors >= 1 / FACTOR_LIMIT).all() and (factors <= FACTOR_LIMIT).all()
+    shapes, costs = make_costs(64, seed=999)
+    fixed = corr.corrected(costs, buckets_def.assign(shapes.n_tiles, shapes.seq_len))
+    for arr in (fixed.vision_fwd, fixed.llm_fwd, fixed.llm_bwd, fixed.llm_fwd_const):
+        assert (arr >= 0).all()

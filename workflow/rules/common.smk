@@ -2,6 +2,8 @@
 # dflop.config also uses, and the per-rule settings passed on the command line.
 import json
 import os
+
+import yaml
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -47,3 +49,20 @@ def dataset_files(wildcards=None):
         else:
             files.append(str(path))
     return files
+
+
+def plan_world_size(path):
+    with open(path) as f:
+        return int(yaml.safe_load(f)["world_size"])
+
+
+def train_nodes(wildcards, input):
+    """Nodes the plan needs: its world size over the GPUs (processes on CPU) per node."""
+    per_node = config["cluster"]["gpus_per_node"]
+    return max(1, -(-plan_world_size(input.plan) // per_node))
+
+
+def train_gres(wildcards, input):
+    if config["cluster"]["device"] != "cuda":
+        return ""
+    return f"gpu:{min(plan_world_size(input.plan), config['cluster']['gpus_per_node'])}"

@@ -1,0 +1,36 @@
+# Training with the plan: torchrun with the plan's world size; on Slurm one torchrun agent per node
+# (srun) meeting at a c10d rendezvous. Checkpoints live in results/train/checkpoints, outside the
+# declared outputs, so a re-run of a killed job resumes from the last one.
+
+
+rule train:
+    input:
+        plan=rules.optimize.output.plan,
+        shapes=rules.profile_data.output.shapes,
+        costmodel=rules.fit.output.costmodel,
+    output:
+        metrics=f"{RESULTS}/train/metrics.parquet",
+        final=directory(f"{RESULTS}/train/final"),
+    params:
+        out_dir=lambda wildcards, output: os.path.dirname(output.metrics),
+        settings=settings_json(
+            run={"seed": config["run"]["seed"]},
+            model=config["model"],
+            data={"datasets": config["data"]["datasets"]},
+            cluster={k: config["cluster"][k] for k in ("device", "gpu_memory_gb")},
+            train=config["train"],
+            scheduler=config["scheduler"],
+        ),
+    threads: workflow.cores
+    resources:
+        nodes=train_nodes,
+        tasks=train_nodes,
+        slurm_extra=lambda wildcards, input: "--ntasks-per-node=1",
+        gres=train_gres,
+    log:
+        "logs/train.log",
+    conda:
+        ENV_FILE
+    shell:
+        "dflop train --settings {params.settings:q} --plan {input.plan} --shapes {input.shapes}"
+        " --costmodel {input.costmodel} --out-dir {params.out_dir} > {log} 2>&1"
