@@ -53,7 +53,7 @@ def test_killed_run_resumes_to_the_same_parameters_and_metrics(tmp_path, demo_sh
                                rtol=1e-5, atol=1e-6)
     assert full["loss"].iloc[-1] < full["loss"].iloc[0]
 
-    steps = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
+    steps = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step_*"))
     assert steps == ["step_000002", "step_000004"]
     final_full = load_file(tmp_path / "full" / "final" / "model.safetensors")
     final_resumed = load_file(tmp_path / "resumed" / "final" / "model.safetensors")
