@@ -50,10 +50,11 @@ def test_lines_are_the_metrics_columns_in_step_order():
     for stage in STAGES:
         busy, idle = ordered[f"busy_s_{stage}"].to_numpy(), ordered[f"idle_s_{stage}"].to_numpy()
         np.testing.assert_allclose(_line(idle_ax, stage).get_ydata(), 100 * idle / (busy + idle))
-    points = scatter_ax.collections[0].get_offsets()
-    np.testing.assert_allclose(points, np.c_[ordered["step_s"], ordered["predicted_step_s"]])
-    ratio = np.median(metrics["step_s"] / metrics["predicted_step_s"])
-    assert f"median measured / predicted {ratio:.2f}" in scatter_ax.get_title()
+    steady, first = scatter_ax.collections[0].get_offsets(), scatter_ax.collections[1].get_offsets()
+    np.testing.assert_allclose(np.r_[first, steady], np.c_[ordered["step_s"], ordered["predicted_step_s"]])
+    later = ordered[ordered["step"] > ordered["step"].min()]  # the first step pays start-up; out of the ratio
+    ratio = np.median(later["step_s"] / later["predicted_step_s"])
+    assert f"median measured / predicted: {ratio:.2f} (first step left out)" in scatter_ax.get_title()
     plt.close(fig)
 
 
