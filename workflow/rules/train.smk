@@ -21,7 +21,7 @@ rule train:
             train=config["train"],
             scheduler=config["scheduler"],
         ),
-    threads: workflow.cores
+    threads: config["cluster"]["gpus_per_node"]
     resources:
         nodes=train_nodes,
         tasks=train_nodes,
