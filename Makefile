@@ -29,6 +29,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(BIN)/snakemake --profile $(PROFILE) $(TARGET)
+	$(BIN)/snakemake --report report.html $(TARGET)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
