@@ -1,0 +1,99 @@
+"""Fault on Slurm: scancel the training job step mid-run, re-run the same snakemake command, and the
+training resumes from the last checkpoint and finishes with every step exactly once."""
+
+import re
+import shutil
+import subprocess
+import time
+
+import pandas as pd
+import pytest
+import yaml
+
+from dflop.runtime.checkpoint import complete_checkpoints
+from slurm_testlib import NODES, env, hostnames, run_snakemake, snakemake_command, tail, train_rule_exists
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+STEPS, CHECKPOINT_EVERY = 24, 4  # enough steps after a checkpoint to kill the job between two of them
+
+
+def _running_train_job() -> str | None:
+    out = subprocess.run(["squeue", "-h", "-t", "running", "-o", "%i|%k"], env=env(), capture_output=True,
+                         text=True).stdout
+    jobs = [line.split("|")[0] for line in out.splitlines() if line.split("|")[1].strip() == "rule_train"]
+    return jobs[0] if jobs else None
+
+
+def _training_step(job_id: str) -> str | None:
+    """The job step that runs on every node: the srun of the torchrun agents."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%N"], env=env(), capture_output=True,
+                         text=True).stdout
+    for line in out.splitlines():
+        step, nodes = line.split("|")
+        if re.fullmatch(rf"{job_id}\.\d+", step) and sorted(hostnames(nodes)) == sorted(NODES):
+            return step
+    return None
+
+
+def _rows(path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except (OSError, ValueError):  # not written yet
+        return pd.DataFrame({"step": []})
+
+
+def test_scancel_mid_run_then_rerun_resumes_from_the_checkpoint(slurm_chain, tmp_path):
+    if not train_rule_exists():
+        pytest.skip("train rule not yet in workflow")
+    # The chain's working copy with its planned inputs, a longer training and no training output yet.
+    workdir = tmp_path / "wc"
+    shutil.copytree(slurm_chain.workdir, workdir, symlinks=True)
+    shutil.rmtree(workdir / "results/train")
+    shutil.rmtree(workdir / ".snakemake/slurm_logs", ignore_errors=True)
+    config = yaml.safe_load((workdir / "config/config.yaml").read_text())
+    config["train"].update(steps=STEPS, checkpoint_every=CHECKPOINT_EVERY)
+    (workdir / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    ckpt = workdir / "results/train/checkpoints"
+    working_metrics = ckpt / "metrics.parquet"  # rewritten after every step, published at the end
+
+    first = subprocess.Popen(snakemake_command("train"), cwd=workdir, env=env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    killed = None
+    deadline = time.monotonic() + 600
+    try:
+        while killed is None and time.monotonic() < deadline and first.poll() is None:
+            done = complete_checkpoints(ckpt)
+            rows = _rows(working_metrics)
+            # Kill past a checkpoint, with steps done after it that the re-run must not lose or repeat.
+            if done and done[-1][0] >= CHECKPOINT_EVERY and len(rows) and rows["step"].max() > done[-1][0]:
+                job = _running_train_job()
+                step = _training_step(job) if job else None
+                if step:
+                    subprocess.run(["scancel", step], env=env(), check=True)
+                    killed = step
+            time.sleep(0.2)
+        output, _ = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert killed, f"training finished or stalled before it could be killed mid-run:\n{tail(workdir / 'logs/train.log')}"
+    assert first.returncode != 0, f"snakemake succeeded although its train job step {killed} was cancelled:\n{output[-3000:]}"
+    assert not (workdir / "results/train/metrics.parquet").exists()
+
+    resume_step = complete_checkpoints(ckpt)[-1][0]
+    assert CHECKPOINT_EVERY <= resume_step < STEPS
+    before = _rows(working_metrics)
+    kept = before[before["step"] <= resume_step].reset_index(drop=True)
+    assert kept["step"].tolist() == list(range(1, resume_step + 1))
+
+    rerun = run_snakemake(workdir, "train")  # the same command, again
+    assert rerun.returncode == 0, rerun.stdout[-6000:]
+    assert "has been submitted with SLURM jobid" in rerun.stdout
+    metrics = pd.read_parquet(workdir / "results/train/metrics.parquet")
+    assert metrics["step"].tolist() == list(range(1, STEPS + 1)), "lost or repeated step rows"
+    # Rows up to the checkpoint are the first run's own (wall times never repeat), so training resumed
+    # there instead of starting over; and the re-run's first step is the one after the checkpoint.
+    pd.testing.assert_frame_equal(metrics[metrics["step"] <= resume_step].reset_index(drop=True)[kept.columns], kept)
+    logged = [int(s) for s in re.findall(rf"step (\d+)/{STEPS} loss", (workdir / "logs/train.log").read_text())]
+    assert logged == list(range(resume_step + 1, STEPS + 1)), logged
