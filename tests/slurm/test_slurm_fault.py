@@ -10,7 +10,6 @@ import pandas as pd
 import pytest
 import yaml
 
-from dflop.runtime.checkpoint import complete_checkpoints
 from slurm_testlib import NODES, env, hostnames, run_snakemake, snakemake_command, tail, train_rule_exists
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -46,6 +45,8 @@ def _rows(path) -> pd.DataFrame:
 def test_scancel_mid_run_then_rerun_resumes_from_the_checkpoint(slurm_chain, tmp_path):
     if not train_rule_exists():
         pytest.skip("train rule not yet in workflow")
+    from dflop.runtime.checkpoint import complete_checkpoints  # torch: only when the test runs
+
     # The chain's working copy with its planned inputs, a longer training and no training output yet.
     workdir = tmp_path / "wc"
     shutil.copytree(slurm_chain.workdir, workdir, symlinks=True)
