@@ -239,3 +239,58 @@ def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard
                 mem_v[:, mb_of_bin[c]] += guard.vision_bytes[:, i]
             bin_of[i] = c
     return bin_of
+
+
+def lockstep_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, *, max_iters: int = 1000,
+                    n_sources: int = 32) -> np.ndarray:
+    """Swap search on the lockstep estimate: sum over microbatches of T_j, where
+    T_j = max(vision load of j, heaviest LLM bin of j).
+
+    Replicas run each microbatch together (its vision output is shared and its vision backward
+    waits for every replica), so when bins hold few samples a microbatch costs its heaviest bin,
+    not the average one; min-max balancing ignores that. Each step takes the microbatch with the
+    largest T_j and applies the swap of one of its samples with a sample of another microbatch
+    that most lowers T_j1 + T_j2 without raising the largest T_j. Swaps keep every bin's sample
+    count. No memory guard here: callers keep the result only if it passes the guard.
+    """
+    bin_of = bin_of.copy()
+    n_bins = m * dp_llm
+    mb_of_bin = np.arange(n_bins) // dp_llm
+    v, l = sc.vision, sc.llm
+    L = np.bincount(bin_of, weights=l, minlength=n_bins) + sc.llm_const
+    V = np.bincount(mb_of_bin[bin_of], weights=v, minlength=m) + sc.vision_const
+    all_items = np.arange(len(l))
+    for _ in range(max_iters):
+        Lm = L.reshape(m, dp_llm)
+        top_r = np.argmax(Lm, axis=1)
+        top1 = Lm[np.arange(m), top_r]
+        second = np.partition(Lm, dp_llm - 2, axis=1)[:, dp_llm - 2] if dp_llm > 1 else np.full(m, -np.inf)
+        T = np.maximum(V, top1)
+        t_max = T.max()
+        j1 = int(np.argmax(T))
+        src = _subset(np.flatnonzero(mb_of_bin[bin_of] == j1), np.maximum(l, v), n_sources)
+        others = all_items[mb_of_bin[bin_of] != j1]
+        if len(src) == 0 or len(others) == 0:
+            break
+        b1, b2 = bin_of[src], bin_of[others]
+        j2 = mb_of_bin[b2]
+        # Heaviest other bin of each microbatch, excluding the bin that changes.
+        excl1 = np.where(b1 % dp_llm == top_r[j1], second[j1], top1[j1])          # [k]
+        excl2 = np.where(b2 % dp_llm == top_r[j2], second[j2], top1[j2])          # [q]
+        dl = l[src][:, None] - l[others][None, :]
+        dv = v[src][:, None] - v[others][None, :]
+        t1 = np.maximum(V[j1] - dv, np.maximum(L[b1][:, None] - dl, excl1[:, None]))
+        t2 = np.maximum(V[j2][None, :] + dv, np.maximum(L[b2][None, :] + dl, excl2[None, :]))
+        delta = t1 + t2 - (T[j1] + T[j2])[None, :]
+        delta[np.maximum(t1, t2) > t_max * (1 + 1e-12)] = np.inf
+        a, q = np.unravel_index(int(np.argmin(delta)), delta.shape)
+        if delta[a, q] >= -1e-9 * t_max:
+            break
+        i, k = int(src[a]), int(others[q])
+        bi, bk = int(bin_of[i]), int(bin_of[k])
+        L[bi] += l[k] - l[i]
+        L[bk] += l[i] - l[k]
+        V[mb_of_bin[bi]] += v[k] - v[i]
+        V[mb_of_bin[bk]] += v[i] - v[k]
+        bin_of[i], bin_of[k] = bk, bi
+    return bin_of

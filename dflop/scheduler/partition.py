@@ -7,6 +7,9 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
     step; only when dp_llm > 1);
   - greedy_regrouped<w>: the same bins regrouped so each microbatch holds dp_llm bins of similar
     LLM load, vision evened over windows of w microbatches (`regroup_bins`; dp_llm > 1 only);
+  - lockstep: with few samples per bin and dp_llm > 1, the greedy bins improved by swaps on the
+    sum over microbatches of their heaviest bin (`lockstep_search`): replicas run a microbatch
+    together, so it costs its heaviest bin;
   - lpt1d: 1-D LPT on LLM cost, a cheap second opinion when vision is light;
   - greedy_ends<w>: when the pipeline bubble is a large share of the step (few microbatches),
     greedy with the first and last microbatch filled to only w of the others: 1F1B pays the first
@@ -28,7 +31,7 @@ import numpy as np
 from dflop.costmodel.types import BatchCosts
 from dflop.scheduler import baselines
 from dflop.scheduler.evaluate import lower_bound, memory_ok, scalar_costs, stage_times
-from dflop.scheduler.greedy import MemoryGuard, greedy_2d, local_search, proxy
+from dflop.scheduler.greedy import MemoryGuard, greedy_2d, local_search, lockstep_search, proxy
 from dflop.scheduler.ilp import solve_ilp
 from dflop.scheduler.ordering import best_order
 
@@ -167,7 +170,7 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
               lengths: np.ndarray | None = None, ilp: str = "auto", ilp_max_vars: int = 4096,
               ilp_items_per_bin: float = 4.0, ilp_skew: float = 0.3, ilp_max_nodes: int = 200,
               end_weights: tuple[tuple[float, float], ...] = ((0.9, 0.7), (0.8, 0.6)),
-              end_weights_min_bubble: float = 0.2) -> Partition:
+              end_weights_min_bubble: float = 0.2, lockstep_items_per_bin: float = 4.0) -> Partition:
     """Partition one global batch (see module docstring for the portfolio).
 
     Args:
@@ -180,6 +183,8 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
         lengths: [n] lengths llava_group sorts by (LLaVA uses text length); default LLM cost.
         ilp: "auto" (when items per bin <= ilp_items_per_bin or skew >= ilp_skew, and
             n * m * dp_llm <= ilp_max_vars), "always" or "never".
+        lockstep_items_per_bin: with dp_llm > 1 and at most this many samples per bin, also run
+            `lockstep_search` from the greedy result ("lockstep").
         end_weights: when the pipeline bubble (p - 1) / (m + p - 1) is at least
             end_weights_min_bubble, also try greedy members whose first and last microbatch are
             filled to only this share of the others (cheaper fill and drain; "greedy_ends<w>").
@@ -218,6 +223,8 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
         members.append(("greedy_aligned", align_replicas(greedy, sc.llm, m, dp_llm)))
         for window in (1, 4):
             members.append((f"greedy_regrouped{window}", regroup_bins(greedy, sc.llm, sc.vision, m, dp_llm, window)))
+        if n / n_bins <= lockstep_items_per_bin:
+            members.append(("lockstep", lockstep_search(sc, greedy, m, dp_llm)))
     members.append(("lpt1d", baselines.lpt1d(costs.llm_total(), m, dp_llm)))
     p = costs.pp_vision + costs.pp_llm
     if m >= 2 and (p - 1) / (m + p - 1) >= end_weights_min_bubble:
