@@ -154,3 +154,24 @@ def test_baselines_follow_their_definitions():
     llava = baselines.llava_group(rng.uniform(1, 100, 64), mm, 8, 2, seed=0)
     mixed = [j for j in range(8) if len(set(mm[llava // 2 == j])) > 1]
     assert len(mixed) <= 2  # only the leftover megabatch mixes modalities
+
+
+def test_lockstep_search_lowers_sum_of_heaviest_bins_and_keeps_counts(make_costs):
+    from dflop.scheduler.greedy import lockstep_search
+
+    _, costs = make_costs(256, seed=9)
+    m, dp = 16, 8
+    sc = scalar_costs(costs, m, dp, dp)
+    guard = MemoryGuard.from_costs(costs, dp)
+    start = local_search(sc, greedy_2d(sc, m, dp, guard), m, dp, guard)
+
+    def lockstep(bin_of):  # independent recomputation from the assignment
+        L = np.bincount(bin_of, weights=sc.llm, minlength=m * dp).reshape(m, dp) + sc.llm_const
+        V = np.bincount(bin_of // dp, weights=sc.vision, minlength=m) + sc.vision_const
+        T = np.maximum(V, L.max(axis=1))
+        return T.sum(), T.max()
+
+    out = lockstep_search(sc, start, m, dp)
+    assert lockstep(out)[0] < lockstep(start)[0]
+    assert lockstep(out)[1] <= lockstep(start)[1] + 1e-12
+    np.testing.assert_array_equal(np.bincount(out, minlength=m * dp), np.bincount(start, minlength=m * dp))
