@@ -16,6 +16,11 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
     forward and the last backward p - 1 times, so light ends can beat equal microbatches;
   - length_grouped: LLaVA's grouping by modality and length, reordered by simulation; its uneven
     vision/LLM profiles sometimes fit the fill and drain better (cheap, always tried);
+  - batch_order: contiguous slices in batch order (the data-blind split), reordered by simulation;
+    a cheap safety net, it only wins when nothing is left to balance (e.g. one sample per bin).
+With lpt1d, length_grouped and batch_order in the portfolio, and every member's order chosen
+among candidates that include the order as built, the result is never slower (by the simulated
+1F1B step) than the megatron, llava_group and lpt1d baselines.
   - ilp: the exact 1F1B-aware MILP (`ilp`) warm-started from greedy, within the time budget,
     when items per bin are few or the vision/LLM cost skew is high and the model is small enough.
 The member with the shortest simulated 1F1B step wins; every member respects the memory guard.
@@ -237,6 +242,7 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
     if length.shape != (n,):
         raise ValueError(f"lengths must have one entry per sample ({n}), got shape {length.shape}")
     members.append(("length_grouped", baselines.llava_group(length, costs.vision_total() > 0, m, dp_llm, seed)))
+    members.append(("batch_order", baselines.megatron(n, m, dp_llm)))
 
     ilp_status = "not_run"
     few_items = n / n_bins <= ilp_items_per_bin
