@@ -8,13 +8,14 @@ max(T*, heaviest sample's critical path) and the wall time of the solve. Costs c
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from dflop.scheduler.costs import AnalyticCostModel, CostsFn, StageLayout, batch_costs_from_shapes
+from dflop.scheduler.costs import AnalyticCostModel, CostsFn, StageLayout, batch_costs_from_shapes, fitted_costs_fn
 from dflop.scheduler.partition import POLICIES, partition
 from dflop.scheduler.synthetic import llava_ov_mix
 
@@ -164,3 +165,32 @@ def time_greedy_path(n: int = 1024, layouts=((64, 1), (16, 4), (8, 8)), *, repea
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         print(table.to_string(index=False, float_format="{:.1f}".format))
     return table
+
+
+def parse_grid(text: str | None) -> tuple[tuple[int, int, int], ...]:
+    """``"64:4:1,256:16:4"`` -> ((64, 4, 1), (256, 16, 4)); the default grid when empty."""
+    if not text:
+        return DEFAULT_GRID
+    points = []
+    for point in text.split(","):
+        parts = point.split(":")
+        if len(parts) != 3 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"--grid: {point!r} is not n:m:dp with three positive integers")
+        points.append(tuple(int(x) for x in parts))
+    return tuple(points)
+
+
+def run_from_args(args: argparse.Namespace) -> pd.DataFrame | None:
+    """Run the benchmark with the options of `dflop bench-scheduler` (see dflop.cli)."""
+    grid = parse_grid(args.grid)
+    costs_fn = layout = None
+    if args.costmodel:
+        if not (args.vision_layers and args.llm_layers):
+            raise ValueError("--costmodel needs --vision-layers and --llm-layers")
+        costs_fn, layout = fitted_costs_fn(args.costmodel, vision_layers=args.vision_layers,
+                                           llm_layers=args.llm_layers, pp_llm=args.pp_llm,
+                                           mem_limit_bytes=args.mem_limit_gb * 2**30)
+    if args.timing:
+        return time_greedy_path(layout=layout, costs_fn=costs_fn)
+    return bench_scheduler(args.shapes, args.out, grid=grid, batches=args.batches, budget_s=args.budget_s,
+                           seed=args.seed, include_mix=not args.no_mix, layout=layout, costs_fn=costs_fn)

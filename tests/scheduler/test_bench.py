@@ -27,3 +27,23 @@ def test_load_shapes_errors(tmp_path):
     llava_ov_mix(3).assign(status="skipped:x").to_parquet(tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match="no sample with status 'ok'"):
         load_shapes(tmp_path / "bad.parquet")
+
+
+def test_dflop_bench_scheduler_command(tmp_path, capsys):
+    from dflop.cli import main
+
+    llava_ov_mix(200, seed=2, dataset="cli").to_parquet(tmp_path / "shapes.parquet")
+    code = main(["bench-scheduler", "--shapes", str(tmp_path / "shapes.parquet"), "--no-mix", "--grid", "64:4:1",
+                 "--batches", "1", "--budget-s", "0.05", "--out", str(tmp_path / "b.csv")])
+    assert code == 0
+    raw = pd.read_csv(tmp_path / "b.csv")
+    assert set(raw.policy) == {"dflop", "megatron", "llava_group", "lpt1d"} and set(raw.dataset) == {"cli"}
+    assert "vs_best_baseline" in capsys.readouterr().out
+
+
+def test_dflop_bench_scheduler_bad_grid_is_one_line(capsys):
+    from dflop.cli import main
+
+    assert main(["bench-scheduler", "--grid", "64:4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'64:4' is not n:m:dp" in err
