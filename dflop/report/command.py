@@ -1,6 +1,6 @@
-"""Command-line form of the report plots: ``python -m dflop.report GROUP --... --out PNG``.
+"""Command-line form of the report plots: ``dflop report GROUP --... --out PNG``.
 
-`add_arguments` fills an argparse parser (so `dflop report-plots` can reuse it) and `run` calls the
+`add_arguments` fills the parser of `dflop report` and `run` calls the
 group's plot function. Importing this module is cheap: matplotlib and the planner load in `run`.
 """
 

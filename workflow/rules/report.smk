@@ -30,7 +30,7 @@ rule plot_data:
     conda:
         ENV_FILE
     shell:
-        "python -m dflop.report data --histograms {input.histograms} --out {output.png} > {log} 2>&1"
+        "dflop report data --histograms {input.histograms} --out {output.png} > {log} 2>&1"
 
 
 rule plot_costmodel:
@@ -50,7 +50,7 @@ rule plot_costmodel:
     conda:
         ENV_FILE
     shell:
-        "python -m dflop.report costmodel --profile {input.profile} --costmodel {input.costmodel}"
+        "dflop report costmodel --profile {input.profile} --costmodel {input.costmodel}"
         " --validation {input.validation} --out {output.png} > {log} 2>&1"
 
 
@@ -83,7 +83,7 @@ rule plot_plan:
     conda:
         ENV_FILE
     shell:
-        "python -m dflop.report plan --plan {input.plan} --shapes {input.shapes} --costmodel {input.costmodel}"
+        "dflop report plan --plan {input.plan} --shapes {input.shapes} --costmodel {input.costmodel}"
         " --out {output.comparison} --gantt-plan {output.gantt_plan} --gantt-baseline {output.gantt_baseline}"
         " > {log} 2>&1"
 
@@ -108,7 +108,7 @@ if HAS_TRAIN:
         conda:
             ENV_FILE
         shell:
-            "python -m dflop.report training --metrics {input.metrics} --out {output.png} > {log} 2>&1"
+            "dflop report training --metrics {input.metrics} --out {output.png} > {log} 2>&1"
 
 
 rule report_plots:
