@@ -209,7 +209,7 @@ def iter_json_array(
                 buf, pos = buf[pos:], 0
             try:
                 chunk = f.read(max(chunk_chars, min_chars))
-            except UnicodeDecodeError as exc:
+            except UnicodeDecodeError:
                 raise DatasetError(
                     f"dataset {path}: not UTF-8 text after character {offset + len(buf)}"
                 ) from None

@@ -19,6 +19,7 @@ times after a barrier and all ranks follow rank 0's grid decisions.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -321,7 +322,7 @@ def _measure(bench: ModuleBench, batch: int, seq_len: int, settings: ProfileSett
             out, fwd_ms = timer(lambda: bench.forward(*inputs))
         seed = None if out.dim() == 0 else torch.randn_like(out)
         sync.barrier()
-        _, bwd_ms = timer(lambda: out.backward(seed))
+        _, bwd_ms = timer(functools.partial(out.backward, seed))
         peak = float(torch.cuda.max_memory_allocated() - base) if cuda else float("nan")
         del out, seed
         if i >= untimed:

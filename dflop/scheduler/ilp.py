@@ -74,7 +74,7 @@ def _build(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int) -> highspy.Hi
     mem_l = np.flatnonzero(np.isfinite(llm_lim))
     mem_v = np.flatnonzero(np.isfinite(vis_lim))
     n_x = n * n_bins
-    c_zr, c_zv, c_y = n_x, n_x + dp_llm, n_x + dp_llm + 1
+    c_zr, c_y = n_x, n_x + dp_llm + 1  # z_r: dp_llm columns from c_zr; z_v follows them, then y
 
     # Row blocks: assign [n] | bin time [Sl, B] | mb vision time [Sv, m] | replica estimate
     # [Sl, dp] | vision estimate [Sv] | LLM memory [.., B] | vision memory [.., m] | bin not

@@ -1,7 +1,6 @@
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from dflop.scheduler.partition import greedy_partition, partition

@@ -1,7 +1,6 @@
 """The Snakemake workflow: lint, real runs of the data stages, and exact re-run triggers."""
 
 import os
-import shutil
 import subprocess
 import sys
 import time
