@@ -49,17 +49,15 @@ def torchrun_command(plan_path: str | Path, worker_args: Sequence[str], *, nodes
 def slurm_job_nodes(env: dict | None = None) -> list[str]:
     """Host names of the current Slurm job, [] outside one.
 
-    Snakemake's Slurm executor strips SLURM_JOB_NODELIST from the job step's environment, so
-    when it is missing the list is asked from squeue and expanded with scontrol.
+    Always asked from squeue (and expanded with scontrol): Snakemake's Slurm executor strips
+    SLURM_JOB_NODELIST, and inside its `srun -n1` step SLURM_NODELIST names only the step's node.
     """
     env = os.environ if env is None else env
     job_id = env.get("SLURM_JOB_ID")
     if not job_id:
         return []
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not nodelist:
-        nodelist = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
-                                  check=True).stdout.strip()
+    nodelist = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
+                              check=True).stdout.strip()
     if not nodelist:
         raise UserError(f"Slurm job {job_id}: squeue reports no nodes")
     hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
@@ -73,7 +71,17 @@ def slurm_command(plan_path: str | Path, worker_args: Sequence[str], hosts: Sequ
     nodes = len(hosts)
     inner = torchrun_command(plan_path, worker_args, nodes=nodes, rdzv_endpoint=f"{hosts[0]}:{port}",
                              rdzv_id=f"dflop-{job_id}")
-    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", *inner]
+    # --overlap: the step running this command already holds CPUs of the first node.
+    return ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1", *inner]
+
+
+def srun_environment(env: dict | None = None) -> dict:
+    """The environment for srun inside a job step: without the step's SLURM_*/SRUN_* variables
+    (they pin srun to the step's one node), keeping SLURM_JOB_ID so srun joins the job."""
+    env = dict(os.environ if env is None else env)
+    return {k: v for k, v in env.items()
+            if not k.startswith(("SLURM_", "SRUN_", "SBATCH_")) or k == "SLURM_JOB_ID"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 command = torchrun_command(args.plan, _worker_args(args), nodes=args.nodes or 1,
                                            rdzv_endpoint=args.rdzv_endpoint)
             print("launching: " + " ".join(command), file=sys.stderr, flush=True)
-            return subprocess.run(command).returncode
+            env = srun_environment() if command[0] == "srun" else None
+            return subprocess.run(command, env=env).returncode
         from dflop.config import load
         from dflop.runtime.trainer import train
 

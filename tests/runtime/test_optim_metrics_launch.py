@@ -10,7 +10,7 @@ import torch
 
 from dflop.errors import UserError
 from dflop.models.info import model_info
-from dflop.runtime.launch import torchrun_command
+from dflop.runtime.launch import slurm_command, srun_environment, torchrun_command
 from dflop.runtime.metrics import MetricsWriter, step_flops
 from dflop.runtime.optim import GradientSync, ParamInfo, build_optimizer, warmup_cosine
 from dflop.runtime.plan import plan_from_dict, write_plan
@@ -103,3 +103,17 @@ def test_torchrun_command_from_the_plan(tmp_path):
         torchrun_command(path, [], nodes=3, rdzv_endpoint="x:1")
     with pytest.raises(UserError, match="needs --rdzv-endpoint"):
         torchrun_command(path, [], nodes=2)
+
+
+def test_srun_inside_a_job_step_spans_the_job_and_drops_the_step_environment(tmp_path):
+    # Snakemake runs the rule in a one-node step; its SLURM_* variables would pin srun to that node.
+    step_env = {"SLURM_JOB_ID": "42", "SLURM_NODELIST": "node1", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0",
+                "SRUN_DEBUG": "3", "SBATCH_PARTITION": "debug", "PATH": "/bin", "HOME": "/root"}
+    assert srun_environment(step_env) == {"SLURM_JOB_ID": "42", "PATH": "/bin", "HOME": "/root"}
+    plan = plan_from_dict({"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
+                           "llm": {"tp": 1, "pp": 2, "dp": 1, "layers_per_stage": [1, 1]}, "placement": "disjoint",
+                           "microbatches": 2, "global_batch_size": 4, "world_size": 4})
+    write_plan(plan, tmp_path / "plan.yaml")
+    cmd = slurm_command(tmp_path / "plan.yaml", [], ["node1", "node2"], job_id="42")
+    assert cmd[:6] == ["srun", "--overlap", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "node1:29500" and cmd[cmd.index("--rdzv-id") + 1] == "dflop-42"
