@@ -25,7 +25,7 @@ from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan,
 from dflop.planner.layout import Layout, Plan
 from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.inputs import check_cost_model_matches, load_model_shape, read_shapes
-from dflop.planner.planfile import read_plan
+from dflop.planner.planfile import PlanFile, read_plan
 from dflop.planner.space import ModelShape
 from dflop.sim import plot_gantt
 
@@ -39,6 +39,58 @@ class WhatIf:
     cluster: Cluster
     gantt_png: Path | None
     notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """Everything needed to re-simulate plan.yaml as the optimizer judged it.
+
+    shapes_path / costmodel_path: the inputs used (plan.yaml's unless overridden); seed and
+    sample_batches: the recorded evaluation settings; scheduler: the recorded scheduler settings.
+    """
+
+    plan_file: PlanFile
+    cost: CostModel
+    shape: ModelShape
+    pool: Pool
+    cluster: Cluster
+    sizes: TransferSizes
+    scheduler: SchedulerSettings
+    seed: int
+    sample_batches: int
+    shapes_path: str | Path
+    costmodel_path: str | Path
+
+
+def load_plan_context(plan_path, *, shapes_path=None, costmodel_path=None, shape: ModelShape | None = None) -> PlanContext:
+    """Read plan.yaml and the inputs it names (or the ones given); one-line UserErrors for missing keys."""
+    pf = read_plan(plan_path)
+    doc = pf.doc
+    inputs, model, evaluation = doc.get("inputs") or {}, doc.get("model") or {}, doc.get("evaluation") or {}
+    shapes_path = shapes_path or inputs.get("shapes")
+    costmodel_path = costmodel_path or inputs.get("costmodel")
+    if not shapes_path or not costmodel_path:
+        raise UserError(f"{plan_path}: inputs.shapes / inputs.costmodel missing; pass --shapes and --costmodel")
+    cost = CostModel.load(costmodel_path)
+    if shape is None:
+        try:
+            arch, vision, llm = model["arch"], model["vision"], model["llm"]
+        except KeyError as exc:
+            raise UserError(f"{plan_path}: model.{exc.args[0]} missing") from None
+        check_cost_model_matches(cost, arch, vision, llm, costmodel_path)
+        shape = load_model_shape(arch, vision, llm, model.get("weights"))
+    pool = Pool.from_shapes(read_shapes(shapes_path), where=str(shapes_path), llm_tokens_per_tile=shape.llm_tokens_per_tile)
+    try:
+        cluster = Cluster.from_config(**(doc.get("cluster") or {}))
+    except TypeError as exc:
+        raise UserError(f"{plan_path}: cluster: {exc}") from None
+    sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
+                                    vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
+    recorded = evaluation.get("scheduler") or {}
+    scheduler = SchedulerSettings(budget_s=float(recorded.get("budget_s", 0.05)), ilp=str(recorded.get("ilp", "never")))
+    return PlanContext(pf, cost, shape, pool, cluster, sizes, scheduler, seed=int(evaluation.get("seed", 0)),
+                       sample_batches=int(evaluation.get("sample_batches", 8)), shapes_path=shapes_path,
+                       costmodel_path=costmodel_path)
 
 
 def scale_plan(plan: Plan, gpus: int, global_batch: int, gpus_per_node: int) -> Plan:
@@ -86,26 +138,9 @@ def simulate_plan(plan_path, *, gpus: int | None = None, shapes_path=None, out_p
     (None: no chart).
     `shape` overrides the model structure (tests).
     """
-    pf = read_plan(plan_path)
-    doc = pf.doc
-    inputs, model, evaluation = doc.get("inputs") or {}, doc.get("model") or {}, doc.get("evaluation") or {}
-    shapes_path = shapes_path or inputs.get("shapes")
-    costmodel_path = costmodel_path or inputs.get("costmodel")
-    if not shapes_path or not costmodel_path:
-        raise UserError(f"{plan_path}: inputs.shapes / inputs.costmodel missing; pass --shapes and --costmodel")
-    cost = CostModel.load(costmodel_path)
-    if shape is None:
-        try:
-            arch, vision, llm = model["arch"], model["vision"], model["llm"]
-        except KeyError as exc:
-            raise UserError(f"{plan_path}: model.{exc.args[0]} missing") from None
-        check_cost_model_matches(cost, arch, vision, llm, costmodel_path)
-        shape = load_model_shape(arch, vision, llm, model.get("weights"))
-    pool = Pool.from_shapes(read_shapes(shapes_path), where=str(shapes_path), llm_tokens_per_tile=shape.llm_tokens_per_tile)
-    try:
-        cluster = Cluster.from_config(**(doc.get("cluster") or {}))
-    except TypeError as exc:
-        raise UserError(f"{plan_path}: cluster: {exc}") from None
+    ctx = load_plan_context(plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path, shape=shape)
+    pf, cost, pool, cluster, sizes, scheduler = ctx.plan_file, ctx.cost, ctx.pool, ctx.cluster, ctx.sizes, ctx.scheduler
+    shapes_path = ctx.shapes_path
     B = pf.global_batch
     plan, baseline, notes = pf.plan, pf.baseline, []
     if gpus is not None:
@@ -118,13 +153,9 @@ def simulate_plan(plan_path, *, gpus: int | None = None, shapes_path=None, out_p
                 notes.append("baseline: no dp keeps fixed-count microbatches on this many GPUs")
     if plan.layout.world_size > cluster.world_size:
         raise UserError(f"{plan_path}: the plan needs {plan.layout.world_size} GPUs, the cluster has {cluster.world_size}")
-    k = int(sample_batches_k or evaluation.get("sample_batches", 8))
-    seed = int(evaluation.get("seed", 0) if seed is None else seed)
-    sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
-                                    vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
+    k = int(sample_batches_k or ctx.sample_batches)
+    seed = ctx.seed if seed is None else int(seed)
     batches = sample_batches(len(pool), k, B, seed)
-    recorded = evaluation.get("scheduler") or {}
-    scheduler = SchedulerSettings(budget_s=float(recorded.get("budget_s", 0.05)), ilp=str(recorded.get("ilp", "never")))
     ev = evaluate_plan(plan, cost, pool, batches, cluster, sizes, scheduler, seed=seed)
     if not ev.ok:
         raise UserError(f"plan {plan.describe()} cannot run on {shapes_path}: {ev.failure}")

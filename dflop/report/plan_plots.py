@@ -21,15 +21,11 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
-from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch, \
     stage_name
-from dflop.planner.inputs import check_cost_model_matches, load_model_shape, read_shapes
 from dflop.planner.layout import Plan
-from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.planfile import read_plan
+from dflop.planner.whatif import load_plan_context
 from dflop.report.style import BASELINE_COLOUR, PLAN_COLOUR, save_figure
 from dflop.sim import SimResult, plot_gantt
 
@@ -78,31 +74,10 @@ def compare_plan(plan_path: str | Path, *, shapes: str | Path | None = None,
 
     shapes / costmodel default to the paths recorded in plan.yaml (``inputs``).
     """
-    pf = read_plan(plan_path)
-    doc = pf.doc
-    inputs, model, evaluation = doc.get("inputs") or {}, doc.get("model") or {}, doc.get("evaluation") or {}
-    shapes = shapes or inputs.get("shapes")
-    costmodel = costmodel or inputs.get("costmodel")
-    if not shapes or not costmodel:
-        raise UserError(f"{plan_path}: inputs.shapes / inputs.costmodel missing; pass the shapes and cost model")
-    cost = CostModel.load(costmodel)
-    try:
-        arch, vision, llm = model["arch"], model["vision"], model["llm"]
-    except KeyError as exc:
-        raise UserError(f"{plan_path}: model.{exc.args[0]} missing") from None
-    check_cost_model_matches(cost, arch, vision, llm, costmodel)
-    shape = load_model_shape(arch, vision, llm, model.get("weights"))
-    pool = Pool.from_shapes(read_shapes(shapes), where=str(shapes), llm_tokens_per_tile=shape.llm_tokens_per_tile)
-    try:
-        cluster = Cluster.from_config(**(doc.get("cluster") or {}))
-    except TypeError as exc:
-        raise UserError(f"{plan_path}: cluster: {exc}") from None
-    sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
-                                    vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
-    seed = int(evaluation.get("seed", 0))
-    batches = sample_batches(len(pool), int(evaluation.get("sample_batches", 8)), pf.global_batch, seed)
-    recorded = evaluation.get("scheduler") or {}
-    scheduler = SchedulerSettings(budget_s=float(recorded.get("budget_s", 0.05)), ilp=str(recorded.get("ilp", "never")))
+    ctx = load_plan_context(plan_path, shapes_path=shapes, costmodel_path=costmodel)
+    pf, cost, pool, cluster, sizes, seed = ctx.plan_file, ctx.cost, ctx.pool, ctx.cluster, ctx.sizes, ctx.seed
+    shapes, scheduler = ctx.shapes_path, ctx.scheduler
+    batches = sample_batches(len(pool), ctx.sample_batches, pf.global_batch, seed)
 
     def simulate(label: str, plan: Plan, settings: SchedulerSettings, median: int | None) -> tuple[LayoutStep, int]:
         ev = evaluate_plan(plan, cost, pool, batches, cluster, sizes, settings, seed=seed)
