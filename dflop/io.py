@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -45,3 +46,20 @@ def write_text_atomic(target: str | os.PathLike, text: str) -> None:
     """Write `text` to `target` atomically."""
     with atomic_path(target) as tmp:
         tmp.write_text(text)
+
+
+def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Move the finished directory `tmp` to `final`, replacing any old `final`.
+
+    The old one is renamed aside first and removed only after the new one is in place, so a kill
+    at any point leaves a complete directory at `final` or at `final`.old, never a mix.
+    """
+    tmp, final = Path(tmp), Path(final)
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from dflop.errors import UserError
+from dflop.io import replace_dir
 from dflop.models.architectures import architecture_of
 from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.stages import LLMStage, build_llm_stage, build_vision_stage
@@ -257,14 +258,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: TrainState, *, keep
 
     if rank == 0:
         _write_json(tmp / COMPLETE_MARKER, {"step": step})
-        if final.exists():  # the same step saved again (a re-run that did no new step)
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+        replace_dir(tmp, final)  # also when the same step is saved again (a re-run that did no new step)
         _fsync_dir(final.parent)
         others = [path for s, path in complete_checkpoints(ckpt_root) if s != step]
         for older in others[:max(0, len(others) + 1 - keep)]:  # oldest first; never the one just written

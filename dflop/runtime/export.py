@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from dflop.errors import UserError
+from dflop.io import replace_dir
 from dflop.models.architectures import architecture_of
 from dflop.models.builder import resolve_dtype
 from dflop.runtime.checkpoint import (
@@ -192,11 +193,4 @@ def _write_hf_dir(out: Path, config: PreTrainedConfig, weights: dict[str, torch.
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp)
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+    replace_dir(tmp, out)

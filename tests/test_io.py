@@ -1,0 +1,42 @@
+"""Atomic outputs: a failed write leaves the old file; a replaced directory is never half old, half new."""
+
+import os
+
+import pytest
+
+from dflop.io import atomic_path, replace_dir, write_text_atomic
+
+
+def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
+    target = tmp_path / "out.parquet"
+    target.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed")
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet"]
+
+
+def test_written_file_has_umask_permissions(tmp_path):
+    mask = os.umask(0o022)
+    try:
+        write_text_atomic(tmp_path / "sub" / "plan.yaml", "x: 1\n")
+    finally:
+        os.umask(mask)
+    path = tmp_path / "sub" / "plan.yaml"
+    assert path.read_text() == "x: 1\n" and (path.stat().st_mode & 0o777) == 0o644
+
+
+def test_replace_dir_swaps_whole_directories(tmp_path):
+    final, tmp = tmp_path / "final", tmp_path / "final.tmp"
+    tmp.mkdir()
+    (tmp / "a").write_text("1")
+    replace_dir(tmp, final)
+    assert [p.name for p in final.iterdir()] == ["a"] and not tmp.exists()
+
+    tmp.mkdir()
+    (tmp / "b").write_text("2")
+    replace_dir(tmp, final)
+    assert [p.name for p in final.iterdir()] == ["b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
