@@ -32,6 +32,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
+from dflop.config import DatasetSpec
 from dflop.costmodel.types import BatchCosts
 from dflop.data.readers import RawSample, read_dataset
 from dflop.data.training import ExpectedShape, SampleRules, TrainingData
@@ -54,17 +55,6 @@ TEST_PRESET_SUFFIXES = ("-tiny", "-small")
 
 
 @dataclass(frozen=True)
-class DatasetRef:
-    """One dataset of the mix (the config's data.datasets entry)."""
-
-    name: str
-    path: str
-    format: str = "auto"
-    media_root: str | None = None
-    sample: str = "all"
-
-
-@dataclass(frozen=True)
 class TrainSettings:
     """Everything the trainer reads from the config, as plain values (see `from_config`)."""
 
@@ -78,7 +68,7 @@ class TrainSettings:
     freeze_projector: bool = False
     freeze_llm: bool = False
     arch_params: Mapping[str, Any] = field(default_factory=dict)
-    datasets: tuple[DatasetRef, ...] = ()
+    datasets: tuple[DatasetSpec, ...] = ()
     seed: int = 0
     global_batch_size: int = 16
     steps: int = 6
@@ -103,13 +93,11 @@ class TrainSettings:
         """From a `dflop.config.Config` (its defaulted ``raw`` sections)."""
         raw = cfg.raw
         model, train, sched, cluster = raw["model"], raw["train"], raw["scheduler"], raw["cluster"]
-        datasets = tuple(DatasetRef(d.name, str(d.path), d.format, None if d.media_root is None else str(d.media_root),
-                                    d.sample) for d in cfg.datasets)
         values = dict(
             arch=model["arch"], vision=model["vision"], llm=model["llm"], weights=model["weights"],
             tokenizer=model["tokenizer"], dtype=model["dtype"], freeze_vision=model["freeze"]["vision"],
             freeze_projector=model["freeze"]["projector"], freeze_llm=model["freeze"]["llm"],
-            arch_params=dict(model[model["arch"]]), datasets=datasets, seed=raw["run"]["seed"],
+            arch_params=dict(model[model["arch"]]), datasets=tuple(cfg.datasets), seed=raw["run"]["seed"],
             global_batch_size=train["global_batch_size"], steps=train["steps"], lr=train["lr"],
             min_lr_ratio=train["min_lr_ratio"], warmup_steps=train["warmup_steps"],
             weight_decay=train["weight_decay"], grad_clip=train["grad_clip"],
@@ -168,7 +156,7 @@ def load_pool(shapes_path: str | Path) -> pd.DataFrame:
     return shapes[shapes["status"] == "ok"].reset_index(drop=True)
 
 
-def pool_samples(pool: pd.DataFrame, datasets: Sequence[DatasetRef], seed: int) -> list[RawSample]:
+def pool_samples(pool: pd.DataFrame, datasets: Sequence[DatasetSpec], seed: int) -> list[RawSample]:
     """The RawSample of every pool row, read from the datasets (each rank reads the manifests)."""
     wanted = set(zip(pool["dataset"], pool["sample_id"]))
     found: dict[tuple[str, str], RawSample] = {}
