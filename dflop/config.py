@@ -20,6 +20,7 @@ import jsonschema
 import yaml
 
 from dflop.errors import UserError
+from dflop.io import read_yaml
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 
@@ -98,15 +99,10 @@ def resolve(raw: Mapping[str, Any] | None) -> dict:
 def load_yaml(path: str | Path) -> dict:
     """Read a YAML config file; a syntax error names the file and line."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"config error: file not found: {path}")
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config error: {path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        data = read_yaml(path, missing_hint="check the config path")
+    except UserError as exc:
+        raise ConfigError(f"config error: {exc}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config error: {path}: top level must be a mapping, got {type(data).__name__}")
     return data or {}

@@ -1,7 +1,8 @@
-"""Atomic file output: write to a temp file beside the target, then rename.
+"""Artifact files: atomic output (a temp file beside the target, then rename) and checked input.
 
 A killed stage leaves either the old file or none, never half of one, so re-running it is safe
-and Snakemake never mistakes a partial output for a finished one.
+and Snakemake never mistakes a partial output for a finished one. A missing or unreadable input
+is one UserError line naming the file (and the YAML line), with a hint at the stage that makes it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+from dflop.errors import UserError
 
 
 @contextlib.contextmanager
@@ -63,3 +66,35 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
         shutil.rmtree(old)
     else:
         tmp.rename(final)
+
+
+def read_yaml(path: str | os.PathLike, *, missing_hint: str) -> Any:
+    """The parsed YAML document at `path`; one-line UserError for a missing file or a syntax error.
+
+    missing_hint: what to do about a missing file, e.g. "run `dflop optimize` first".
+    """
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file ({missing_hint})")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+
+
+def read_parquet(path: str | os.PathLike, *, missing_hint: str):
+    """The table at `path` as a pandas DataFrame; one-line UserError for a missing or corrupt file."""
+    import pandas as pd
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such file ({missing_hint})")
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for a corrupt file
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{path}: not a readable Parquet file ({first})") from None

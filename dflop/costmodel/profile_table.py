@@ -18,6 +18,7 @@ import pandas as pd
 from dflop.costmodel.features import LAYER_MODULES, MODULE_FEATURES, ShapeKind
 from dflop.costmodel.model import TARGETS
 from dflop.errors import UserError
+from dflop.io import read_parquet
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +45,7 @@ class ProfileSummary:
 
 def read_profile(path: str | Path) -> ProfileSummary:
     """Load and check a model profile; every problem is one line naming the file and row."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: model profile not found (run `dflop profile-model` first)")
-    try:
-        table = pd.read_parquet(path)
-    except Exception as exc:  # pyarrow raises several types for a corrupt file
-        raise UserError(f"{path}: not a readable Parquet file ({exc})") from None
+    table = read_parquet(path, missing_hint="run `dflop profile-model` first")
     return summarize_profile(table, source=str(path))
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import yaml
 
 from dflop.errors import UserError
-from dflop.io import write_text_atomic
+from dflop.io import read_yaml, write_text_atomic
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.layout import PLACEMENTS, Layout, Plan
@@ -122,12 +122,7 @@ class PlanFile:
 def read_plan(path: str | Path) -> PlanFile:
     """Read and check plan.yaml; a bad file raises a one-line UserError naming the key."""
     path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such plan file (run `dflop optimize` first)")
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    doc = read_yaml(path, missing_hint="run `dflop optimize` first")
     if not isinstance(doc, dict):
         raise UserError(f"{path}: expected a mapping of plan keys")
     plan = _plan_from(doc, path, "")

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from dflop.errors import UserError  # noqa: E402
-from dflop.io import atomic_path  # noqa: E402
+from dflop.io import atomic_path, read_parquet  # noqa: E402
 
 #: One colour per modality, the same in every plot (DESIGN.md §4 modalities, then the pooled "all").
 MODALITY_COLOURS = {
@@ -38,14 +38,7 @@ def read_table(path: str | Path, what: str, columns: Iterable[str]) -> pd.DataFr
 
     what: the artifact's name for the message, e.g. "histograms.parquet".
     """
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such file ({what})")
-    try:
-        frame = pd.read_parquet(path)
-    except Exception as exc:  # pyarrow raises several types for a corrupt file
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path}: not a readable Parquet file ({first})") from None
+    frame = read_parquet(path, missing_hint=what)
     require_columns(frame, columns, f"{path}")
     return frame
 

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import yaml
 
 from dflop.errors import UserError
+from dflop.io import read_yaml, write_text_atomic
 
 MODULE_KEYS = ("tp", "pp", "dp", "layers_per_stage")
 TOP_KEYS = ("vision", "llm", "placement", "microbatches", "global_batch_size", "world_size")
@@ -181,20 +182,10 @@ def plan_from_dict(raw: Any, source: str = "plan.yaml") -> Plan:
 
 def load_plan(path: str | Path) -> Plan:
     """Read and validate plan.yaml."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"plan file {path}: not found (run the optimize stage or write one by hand)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    raw = read_yaml(path, missing_hint="run the optimize stage or write one by hand")
     return plan_from_dict(raw, str(path))
 
 
 def write_plan(plan: Plan, path: str | Path) -> None:
     """Write the DESIGN keys of `plan` as YAML (atomic)."""
-    from dflop.io import write_text_atomic
-
     write_text_atomic(path, yaml.safe_dump(plan.to_dict(), sort_keys=False))

@@ -18,7 +18,7 @@ def test_repeats_reduce_to_the_median_per_shape_and_layers_to_one_layer():
 
 
 def test_missing_file_and_columns(tmp_path):
-    with pytest.raises(UserError, match="not found"):
+    with pytest.raises(UserError, match=r"nope\.parquet: no such file \(run `dflop profile-model` first\)"):
         read_profile(tmp_path / "nope.parquet")
     path = tmp_path / "model_profile.parquet"
     synthetic_profile().drop(columns=["bwd_ms", "dtype"]).to_parquet(path)

@@ -118,7 +118,7 @@ def test_plan_file_errors_name_the_key(tmp_path):
                                                          "llm": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]}}))
     with pytest.raises(UserError, match=r"vision\.layers_per_stage must be a list"):
         read_plan(tmp_path / "plan.yaml")
-    with pytest.raises(UserError, match="no such plan file"):
+    with pytest.raises(UserError, match=r"missing\.yaml: no such file \(run `dflop optimize` first\)"):
         read_plan(tmp_path / "missing.yaml")
 
 

@@ -120,5 +120,5 @@ def test_bad_plans_are_one_line_errors(planned, tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
     with pytest.raises(UserError, match=r"bad\.yaml: llm\.pp must be a whole number"):
         compare_plan(tmp_path / "bad.yaml", shapes=planned / "shapes.parquet", costmodel=planned / "costmodel.json")
-    with pytest.raises(UserError, match="no such plan file"):
+    with pytest.raises(UserError, match=r"missing\.yaml: no such file \(run `dflop optimize` first\)"):
         compare_plan(tmp_path / "missing.yaml")

@@ -69,7 +69,7 @@ def test_colocated_needs_one_vision_stage():
 def test_missing_keys_and_files(tmp_path):
     with pytest.raises(UserError, match="missing key\\(s\\) world_size"):
         plan_from_dict({k: v for k, v in raw().items() if k != "world_size"})
-    with pytest.raises(UserError, match="not found"):
+    with pytest.raises(UserError, match=r"nope\.yaml: no such file \(run the optimize stage"):
         load_plan(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("vision: [1, 2\n")
