@@ -268,6 +268,15 @@ def _expected_total(cfg: Config) -> int | None:
     return total
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: the Slurm/cgroup allocation where the OS reports it, not
+    the whole node (Snakemake does not cap a rule's threads on Slurm)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def profile_data(
     cfg: Config,
     *,
@@ -290,7 +299,10 @@ def profile_data(
     )
     # Load the tokenizer here first, so a bad tokenizer setting fails once, with its own message.
     tokenizer = load_tokenizer(rules.tokenizer)
-    workers = workers or os.cpu_count() or 1
+    usable = usable_cpus()
+    if workers > usable:
+        print(f"profile_data: {workers} workers asked, {usable} CPUs usable here; using {usable}", file=sys.stderr)
+    workers = min(workers, usable) if workers else usable
     summary = ProfileSummary()
     started = time.perf_counter()
     shapes_path, histograms_path = Path(shapes_path), Path(histograms_path)

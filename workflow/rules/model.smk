@@ -12,7 +12,8 @@ rule profile_model:
         ),
     threads: max(config["profile"]["tp_degrees"])
     resources:
-        gpus=1 if config["profile"]["device"] == "cuda" else 0,
+        # one GPU per rank of the largest TP degree profiled (torchrun on one node); none on CPU
+        gres=f"gpu:{max(config['profile']['tp_degrees'])}" if config["profile"]["device"] == "cuda" else "",
     log:
         "logs/profile_model.log",
     conda:
