@@ -46,7 +46,13 @@ def baseline_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout]
             dp_max = W // (t * pp)
             if dp_max < 1:
                 break
-            dps = sorted({dp_max, max(d for d in range(1, dp_max + 1) if B % d == 0)})
+            launchable = [d for d in range(1, dp_max + 1) if cluster.launchable(t * pp * d, 0, t)]
+            if not launchable:
+                rejected.append(_row("rejected", "divisibility", f"replicas of {t * pp} GPUs (tp {t} x pp {pp}) fill "
+                                     f"no whole {cluster.gpus_per_node}-GPU node", tp_v=t, tp_l=t, pp_l=pp))
+                continue
+            dividing = [d for d in launchable if B % d == 0]
+            dps = sorted({max(launchable), *dividing[-1:]})
             for dp in dps:
                 for m in space.microbatches:
                     if B % (m * dp):

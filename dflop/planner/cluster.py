@@ -90,6 +90,18 @@ class Cluster:
 
     # ---- communication (array-friendly) --------------------------------------------------------
 
+    def launchable(self, world, vision_ranks, tp_l):
+        """True where a layout of `world` ranks can be started as planned.
+
+        torchrun starts the same number of ranks on every node, so the world is part of one node
+        or whole nodes; and the LLM ranks follow the `vision_ranks` vision ranks (0 when
+        colocated), so that offset must be a multiple of the LLM's TP degree for every LLM TP group
+        to sit in one node.
+        """
+        world = np.asarray(world)
+        g = self.gpus_per_node
+        return ((world <= g) | (world % g == 0)) & (np.asarray(vision_ranks) % np.asarray(tp_l) == 0)
+
     def in_one_node(self, first_rank, n_ranks):
         """True where ranks [first_rank, first_rank + n_ranks) all sit in one node."""
         g = self.gpus_per_node

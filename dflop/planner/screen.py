@@ -15,7 +15,8 @@ Layouts are generated per module and joined: the LLM side (tp_l, pp_l, dp_l, m) 
 vision (tp_v, pp_v) the disjoint vision side takes every GPU the LLM leaves (``dp_v`` as large as
 fits, at most one vision replica per tile of the mean microbatch: more would idle). The colocated
 placement uses the largest ``dp_l`` that fits the cluster and the global batch (more replicas only
-shrink the bins). Layouts of one group (placement, tp_v, pp_v, tp_l, pp_l, m) differ only in their
+shrink the bins). Either way only layouts `Cluster.launchable` allows are kept (whole nodes, LLM
+TP groups inside a node). Layouts of one group (placement, tp_v, pp_v, tp_l, pp_l, m) differ only in their
 dp split; `ScreenResult.groups` summarises each group for candidates.parquet.
 """
 
@@ -169,7 +170,13 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
                 hi = min(max_dp, B // mb)
                 if hi < 1:
                     continue
-                dps = np.array([hi]) if colocated else np.arange(1, hi + 1)
+                if colocated:  # the largest dp that can be launched
+                    ok = [d for d in range(hi, 0, -1) if cluster.launchable(t * p * d, 0, t)]
+                    if not ok:
+                        continue
+                    dps = np.array(ok[:1])
+                else:
+                    dps = np.arange(1, hi + 1)
                 for key, val in (("tp", t), ("pp", p), ("m", mb)):
                     cols[key].append(np.full(len(dps), val))
                 cols["dp"].append(dps)
@@ -204,6 +211,16 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
             bottleneck[sel] = min_bottleneck_s(caps[ok], space.llm_layers, layer_s[sel], first_s[sel], last_s[sel],
                                                pp[sel])
     return _Side(tp, pp, dp, m, nu, layer_s, extras_s, max_extra_s, fits, bottleneck)
+
+
+def _largest_launchable_dp_v(dp_max: np.ndarray, per_vision: int, llm_ranks: np.ndarray, tp_l: np.ndarray,
+                             cluster: Cluster) -> np.ndarray:
+    """Per layout, the largest dp_v <= dp_max whose layout `Cluster.launchable` allows (0: none)."""
+    best = np.zeros_like(dp_max)
+    for d in range(int(dp_max.max(initial=0)), 0, -1):
+        pick = (best == 0) & (dp_max >= d) & cluster.launchable(d * per_vision + llm_ranks, d * per_vision, tp_l)
+        best[pick] = d
+    return best
 
 
 def _bound(m, p_total, t_vision, t_llm, sum_s, latency):
@@ -282,7 +299,8 @@ def screen(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, Mo
             table = _VisionTable(space, vm, tv, W, cluster.gpu_memory_bytes)
             for pv in range(1, space.vision_layers + 1):
                 free = W - full.tp * full.pp * full.dp
-                dp_v_all = np.minimum(free // (tv * pv), dp_v_cap)
+                dp_v_all = _largest_launchable_dp_v(np.minimum(free // (tv * pv), dp_v_cap), tv * pv,
+                                                    full.tp * full.pp * full.dp, full.tp, cluster)
                 sel = np.flatnonzero(dp_v_all >= 1)
                 if len(sel) == 0:
                     break  # more vision stages only need more GPUs

@@ -96,14 +96,22 @@ def all_splits(sm):
             yield np.r_[a, b].astype(int)
 
 
+def launchable(world, vision_ranks, tp_l, per_node):
+    """Whole nodes (or part of one), and the LLM ranks start on a multiple of tp_l."""
+    return (world <= per_node or world % per_node == 0) and vision_ranks % tp_l == 0
+
+
 def enumerate_layouts(*, world, global_batch, microbatches, vision_tp, llm_tp, colocated_tp, vision_layers,
-                      llm_layers, mean_tiles):
+                      llm_layers, mean_tiles, per_node=None):
     """Every layout of a search space, written out loop by loop (the rules of dflop.planner.screen)."""
     W, B = world, global_batch
+    per_node = per_node or W
     for m in microbatches:
         for tl in llm_tp:
             for pl in range(1, llm_layers + 1):
                 dp = min(W // (tl * pl), B // m)
+                while dp >= 1 and not launchable(tl * pl * dp, 0, tl, per_node):
+                    dp -= 1
                 if dp >= 1 and tl in colocated_tp:
                     yield Layout("colocated", tl, 1, dp, tl, pl, dp, m)
                 for tv in vision_tp:
@@ -113,5 +121,7 @@ def enumerate_layouts(*, world, global_batch, microbatches, vision_tp, llm_tp, c
                                 break
                             cap = max(1, int(np.floor(B / m * mean_tiles)))
                             dv = min((W - tl * pl * dl) // (tv * pv), cap)
+                            while dv >= 1 and not launchable(tv * pv * dv + tl * pl * dl, tv * pv * dv, tl, per_node):
+                                dv -= 1
                             if dv >= 1:
                                 yield Layout("disjoint", tv, pv, dv, tl, pl, dl, m)

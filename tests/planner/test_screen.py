@@ -27,7 +27,8 @@ def setup(cost_model, shapes):
 def layouts_of(space, cluster):
     return enumerate_layouts(world=cluster.world_size, global_batch=B, microbatches=space.microbatches,
                              vision_tp=space.vision_tp, llm_tp=space.llm_tp, colocated_tp=space.colocated_tp,
-                             vision_layers=LV, llm_layers=LL, mean_tiles=space.mean_tiles)
+                             vision_layers=LV, llm_layers=LL, mean_tiles=space.mean_tiles,
+                             per_node=cluster.gpus_per_node)
 
 
 @pytest.mark.parametrize("memory", [0.6e9, 1.5e9, 3e9])

@@ -36,7 +36,8 @@ def brute_force(cost, pool, cluster, settings):
     best = None
     for lay in enumerate_layouts(world=cluster.world_size, global_batch=B, microbatches=space.microbatches,
                                  vision_tp=space.vision_tp, llm_tp=space.llm_tp, colocated_tp=space.colocated_tp,
-                                 vision_layers=LV, llm_layers=LL, mean_tiles=space.mean_tiles):
+                                 vision_layers=LV, llm_layers=LL, mean_tiles=space.mean_tiles,
+                                 per_node=cluster.gpus_per_node):
         sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster, global_batch=B, transfer=transfer)
         for split in all_splits(sm):
             if not sm.fits(split):
@@ -77,6 +78,9 @@ def test_every_simulated_plan_respects_the_constraints(pool, memory, world, per_
     for r in ran.itertuples():
         assert r.world_size <= world
         assert per_node % r.tp_v == 0 and per_node % r.tp_l == 0  # TP inside a node
+        vision_ranks = 0 if r.placement == "colocated" else r.tp_v * r.pp_v * r.dp_v
+        assert vision_ranks % r.tp_l == 0  # so every LLM TP group sits in one node
+        assert r.world_size <= per_node or r.world_size % per_node == 0  # torchrun: same ranks on every node
         assert r.tp_v in SHAPE.vision_tp_ok and r.tp_l in SHAPE.llm_tp_ok  # TP divides the heads
         assert sum(r.llm_layers) == LL and sum(r.vision_layers) == LV
         assert min(r.llm_layers) >= 1 and len(r.llm_layers) == r.pp_l
@@ -129,3 +133,13 @@ def test_degree_rejections_are_explained(pool):
     assert ("tp_not_profiled", 4, 0, 0) in reasons  # vision tp=4 divides the heads but was not profiled
     assert ("divisibility", 0, 0, 16) in reasons  # m=16 > global batch 8
     assert all(d for d in deg["detail"])
+
+
+def test_launchable_means_whole_nodes_and_llm_tp_groups_inside_a_node():
+    cluster = Cluster(nodes=2, gpus_per_node=8, gpu_memory_bytes=1e9)
+    # part of one node, or whole nodes: torchrun starts the same number of ranks on every node
+    assert cluster.launchable(5, 0, 1) and cluster.launchable(16, 0, 1)
+    assert not cluster.launchable(12, 0, 1)
+    # disjoint: 3 vision ranks then TP-2 LLM groups would put ranks 7 and 8 (two nodes) in one group
+    assert not cluster.launchable(16, 3, 2) and cluster.launchable(16, 4, 2)
+    assert list(cluster.launchable([8, 11, 16], [2, 2, 2], 2)) == [True, False, True]
