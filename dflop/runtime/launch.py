@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, required=True, help="metrics.parquet, checkpoints/, final/")
     parser.add_argument("--steps", type=int, help="override train.steps")
     parser.add_argument("--policy", choices=["dflop", "baseline"], help="override scheduler.policy")
-    parser.add_argument("--pad", action="store_true", help="baseline variant: pad samples to the longest of their bin")
+    parser.add_argument("--pad", action="store_true", default=None,
+                        help="baseline variant: pad samples to the longest of their bin (scheduler.pad_to_longest)")
     parser.add_argument("--no-export", action="store_true", help="skip writing the Hugging Face directory final/")
     parser.add_argument("--nodes", type=int, default=None,
                         help="nodes (default: those of the enclosing Slurm job, else 1)")

@@ -103,7 +103,8 @@ class TrainSettings:
             weight_decay=train["weight_decay"], grad_clip=train["grad_clip"],
             checkpoint_every=train["checkpoint_every"], schedule=train["schedule"],
             loader_workers=train["loader_workers"], policy=sched["policy"], budget_ms=sched["budget_ms"],
-            prefetch=sched["prefetch"], device=cluster["device"], gpu_memory_gb=cluster["gpu_memory_gb"])
+            prefetch=sched["prefetch"], pad_to_longest=sched["pad_to_longest"], device=cluster["device"],
+            gpu_memory_gb=cluster["gpu_memory_gb"])
         values.update(overrides)
         return cls(**values)
 
@@ -450,7 +451,7 @@ def stage_busy(topo: Topology, times: np.ndarray) -> dict[str, float]:
 
 
 def train(cfg, *, plan_path: str | Path, shapes_path: str | Path, costmodel_path: str | Path | None,
-          out_dir: str | Path, steps: int | None = None, policy: str | None = None, pad_to_longest: bool = False,
+          out_dir: str | Path, steps: int | None = None, policy: str | None = None, pad_to_longest: bool | None = None,
           export: bool = True, progress: bool = True, stop_after: int | None = None) -> Path:
     """Train inside a torchrun worker (every rank calls it); returns metrics.parquet's path.
 
@@ -461,8 +462,9 @@ def train(cfg, *, plan_path: str | Path, shapes_path: str | Path, costmodel_path
     steps / policy / pad_to_longest: override train.steps / scheduler.policy / the baseline's
     padding variant. stop_after: stop (as if killed) after this many steps of this run (tests).
     """
-    overrides = {k: v for k, v in (("steps", steps), ("policy", policy)) if v is not None}
-    settings = TrainSettings.from_config(cfg, pad_to_longest=pad_to_longest, **overrides)
+    overrides = {k: v for k, v in (("steps", steps), ("policy", policy), ("pad_to_longest", pad_to_longest))
+                 if v is not None}
+    settings = TrainSettings.from_config(cfg, **overrides)
     return run_training(settings, plan_path=plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path,
                         out_dir=out_dir, export=export, progress=progress, stop_after=stop_after)
 

@@ -117,3 +117,14 @@ def test_srun_inside_a_job_step_spans_the_job_and_drops_the_step_environment(tmp
     cmd = slurm_command(tmp_path / "plan.yaml", [], ["node1", "node2"], job_id="42")
     assert cmd[:6] == ["srun", "--overlap", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "node1:29500" and cmd[cmd.index("--rdzv-id") + 1] == "dflop-42"
+
+
+def test_padded_baseline_is_a_config_key():
+    from dflop.config import load
+    from dflop.runtime.trainer import TrainSettings
+
+    cfg = load(None, '{"scheduler": {"policy": "baseline", "pad_to_longest": true}}')
+    settings = TrainSettings.from_config(cfg)
+    assert settings.policy == "baseline" and settings.pad_to_longest
+    assert not TrainSettings.from_config(load(None, None)).pad_to_longest  # packed by default
+    assert not TrainSettings.from_config(cfg, pad_to_longest=False).pad_to_longest  # `dflop train` flag wins
