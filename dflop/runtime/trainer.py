@@ -395,8 +395,16 @@ class Trainer:
     def train_state(self):
         from dflop.runtime.checkpoint import TrainState
 
+        correction = self.planner.correction if self.planner is not None else None
+        extra = {"correction": correction.state_dict()} if correction is not None else {}
         return TrainState(params=self.rank_params, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                          data_seed=self.settings.seed)
+                          data_seed=self.settings.seed, extra=extra)
+
+    def restore_extra(self, extra: dict) -> None:
+        """After a resume: continue the scheduler's adaptive correction where the checkpoint left it."""
+        correction = self.planner.correction if self.planner is not None else None
+        if correction is not None and "correction" in extra and not correction.load_state_dict(extra["correction"]):
+            log.warning("checkpoint's adaptive correction was learned over other shape buckets; starting afresh")
 
 
 # -- metrics from the gathered times -------------------------------------------------------------
@@ -484,7 +492,9 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                       costs_fn=make_costs_fn(plan_for_costs(settings, plan), costmodel_path, settings.gpu_memory_gb),
                       device=device)
     ckpt_dir = out_dir / "checkpoints"
-    start = load_latest(ckpt_dir, trainer.train_state()) or 0
+    state = trainer.train_state()
+    start = load_latest(ckpt_dir, state) or 0
+    trainer.restore_extra(state.extra)
     metrics = MetricsWriter(ckpt_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None
     bar = _progress_bar(settings.steps, start, progress and trainer.rank == 0)
     last = settings.steps if stop_after is None else min(settings.steps, start + stop_after)

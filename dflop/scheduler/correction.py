@@ -110,6 +110,27 @@ class AdaptiveCorrection:
         self.active = False
         self._track_s = 0.0  # EMA of bookkeeping seconds per step
 
+    def state_dict(self) -> dict:
+        """The learned state as plain JSON-able values (saved in training checkpoints)."""
+        return {"n_buckets": self.n_buckets, "n_obs": self.n_obs_, "active": self.active, "track_s": self._track_s,
+                **{f"{part}_{mod}": getattr(self, attr)[mod].tolist()
+                   for part, attr in (("gram", "_gram"), ("rhs", "_rhs"), ("factors", "factors_"))
+                   for mod in ("vision", "llm")}}
+
+    def load_state_dict(self, state: dict) -> bool:
+        """Restore `state_dict()`'s output; False (state untouched) if it was learned over other buckets."""
+        if int(state.get("n_buckets", -1)) != self.n_buckets:
+            return False
+        dim = self.n_buckets + 1
+        for part, attr, shape in (("gram", "_gram", (dim, dim)), ("rhs", "_rhs", (dim,)), ("factors", "factors_", (dim,))):
+            for mod in ("vision", "llm"):
+                value = np.asarray(state[f"{part}_{mod}"], dtype=np.float64)
+                if value.shape != shape:
+                    raise ValueError(f"adaptive correction state: {part}_{mod} has shape {value.shape}, expected {shape}")
+                getattr(self, attr)[mod] = value
+        self.n_obs_, self.active, self._track_s = int(state["n_obs"]), bool(state["active"]), float(state["track_s"])
+        return True
+
     def _check_buckets(self, buckets: np.ndarray, n: int) -> np.ndarray:
         buckets = np.asarray(buckets, dtype=np.int64)
         if buckets.shape != (n,) or (buckets < 0).any() or (buckets >= self.n_buckets).any():

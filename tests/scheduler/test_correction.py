@@ -126,3 +126,31 @@ def test_factors_stay_positive_under_contradictory_measurements(make_costs):
     fixed = corr.corrected(costs, buckets_def.assign(shapes.n_tiles, shapes.seq_len))
     for arr in (fixed.vision_fwd, fixed.llm_fwd, fixed.llm_bwd, fixed.llm_fwd_const):
         assert (arr >= 0).all()
+
+
+def test_state_survives_a_json_round_trip_and_continues_identically(make_costs):
+    import json
+
+    rng = np.random.default_rng(3)
+    buckets_def = ShapeBuckets()
+    fv, fl = np.full(buckets_def.n_buckets, 1.2), np.full(buckets_def.n_buckets, 0.7)
+    corr = AdaptiveCorrection(buckets_def.n_buckets)
+    batches = []
+    for step in range(4):
+        shapes, costs = make_costs(96, seed=300 + step)
+        buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
+        part = greedy_partition(costs, M, DP, DP)
+        batches.append((costs, part, buckets, _measure(_true_costs(costs, buckets, fv, fl), part, rng, 0.02)))
+    for b in batches[:3]:
+        corr.observe(*b)
+    corr.decide(batches[0][0], batches[0][2], M, DP, DP)
+
+    resumed = AdaptiveCorrection(buckets_def.n_buckets)
+    assert resumed.load_state_dict(json.loads(json.dumps(corr.state_dict())))
+    assert resumed.active == corr.active and resumed.n_obs_ == 3
+    corr.observe(*batches[3])  # one more step in both: the resumed one learns exactly the same
+    resumed.observe(*batches[3])
+    for mod in ("vision", "llm"):
+        np.testing.assert_array_equal(resumed.factors_[mod], corr.factors_[mod])
+    assert not np.allclose(corr.factors_["llm"], 1.0)  # it did learn something
+    assert not AdaptiveCorrection(buckets_def.n_buckets + 1).load_state_dict(corr.state_dict())
