@@ -215,12 +215,21 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
 
 def _largest_launchable_dp_v(dp_max: np.ndarray, per_vision: int, llm_ranks: np.ndarray, tp_l: np.ndarray,
                              cluster: Cluster) -> np.ndarray:
-    """Per layout, the largest dp_v <= dp_max whose layout `Cluster.launchable` allows (0: none)."""
+    """Per layout, the largest dp_v <= dp_max whose layout `Cluster.launchable` allows (0: none).
+
+    Whole-node layouts: the conditions on dp_v are congruences modulo divisors of gpus_per_node, so
+    their solutions repeat every gpus_per_node values and the largest lies in the top window of
+    that many. One-node layouts: the largest dp_v that keeps the world inside one node.
+    """
+    g = cluster.gpus_per_node
     best = np.zeros_like(dp_max)
-    for d in range(int(dp_max.max(initial=0)), 0, -1):
-        pick = (best == 0) & (dp_max >= d) & cluster.launchable(d * per_vision + llm_ranks, d * per_vision, tp_l)
-        best[pick] = d
-    return best
+    for k in range(g):  # the top window, largest first
+        d = dp_max - k
+        pick = (best == 0) & (d >= 1) & cluster.launchable(d * per_vision + llm_ranks, d * per_vision, tp_l)
+        best[pick] = d[pick]
+    step = tp_l // np.gcd(per_vision, tp_l)  # dp_v multiple of this keeps vision ranks % tp_l == 0
+    in_node = np.minimum(dp_max, (g - llm_ranks) // per_vision) // step * step
+    return np.maximum(best, np.maximum(in_node, 0))
 
 
 def _bound(m, p_total, t_vision, t_llm, sum_s, latency):
