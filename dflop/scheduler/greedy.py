@@ -91,9 +91,13 @@ def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weigh
     if guard.active:
         mem_l = np.zeros((guard.llm_bytes.shape[0], n_bins))
         mem_v = np.zeros((guard.vision_bytes.shape[0], m))
-    vision, llm = sc.vision, sc.llm
-    for i in order:
-        key = np.maximum(Vb + vision[i], L + llm[i])
+    vision, llm = sc.vision.tolist(), sc.llm.tolist()
+    key, with_llm = np.empty(n_bins), np.empty(n_bins)  # reused buffers: the loop runs n times
+    masked, ok = np.empty(n_bins), np.empty(n_bins, dtype=bool)
+    for i in order.tolist():
+        np.add(Vb, vision[i], out=key)
+        np.add(L, llm[i], out=with_llm)
+        np.maximum(key, with_llm, out=key)
         if weighted:
             key /= w_bin
         if guard.active:
@@ -103,8 +107,13 @@ def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weigh
                 raise MemoryGuardError(f"sample index {i}: fits in no bin under the per-stage memory limits")
             key[~fits] = np.inf
         # Bins that keep the bottleneck where it is are all equally good: take the least loaded.
-        ok = key <= cur
-        b = int(np.argmin(np.where(ok, tie, np.inf))) if ok.any() else int(np.argmin(key))
+        np.less_equal(key, cur, out=ok)
+        if ok.any():
+            masked.fill(np.inf)
+            np.copyto(masked, tie, where=ok)
+            b = int(masked.argmin())
+        else:
+            b = int(key.argmin())
         j = b // dp_llm
         bin_of[i] = b
         cur = max(cur, float(key[b]))
