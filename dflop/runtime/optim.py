@@ -8,7 +8,9 @@ into microbatches, bins and replicas.
 
 Synchronisation, once per step: (1) tied input/output embeddings held on two LLM stages add their
 gradients over the ``tied_embedding`` group; (2) every gradient is summed over its module's
-data-parallel group, in flat buckets of ~``bucket_mb`` MB (one all-reduce per bucket).
+data-parallel group, in flat buckets of ~``bucket_mb`` MB (one all-reduce per bucket), all started
+at once without waiting, so that a stage that finished its backward early syncs with its replicas
+while the trainer waits for the slowest stage (the step-total all-reduce).
 
 Global norm: each distinct parameter is counted once over the world: data-parallel replica 0 only,
 tensor-parallel shards on every TP rank but replicated tensors on TP rank 0 only, a tied embedding
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,23 @@ class ParamInfo:
     tied_copy: bool
 
 
+
+class PendingSync:
+    """Data-parallel all-reduces in flight: flat buckets to copy back into their gradients."""
+
+    def __init__(self):
+        self._work: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+
+    def add(self, work, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        self._work.append((work, flat, grads))
+
+    def wait(self) -> None:
+        for work, flat, grads in self._work:
+            work.wait()
+            for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(synced)
+        self._work.clear()
+
 class GradientSync:
     """Gradient all-reduces and the global norm of one rank's parameters."""
 
@@ -56,30 +76,42 @@ class GradientSync:
 
     def all_reduce(self) -> None:
         """Tied-embedding sum, then data-parallel sum (bucketed)."""
+        self.start_all_reduce().wait()
+
+    def start_all_reduce(self) -> "PendingSync":
+        """Start the synchronisation; `wait()` on the result before reading gradients.
+
+        The tied-embedding sum runs first and to completion (the data-parallel buckets read the
+        same tensor); the data-parallel buckets are then all in flight at once (``async_op``), so a
+        rank that finished its backward early syncs with its replicas while the caller does
+        something else (the trainer's step-total all-reduce waits for the slowest stage).
+        """
         tied = self.topo.groups.tied_embedding
         if tied is not None:
             for p, info in self._grads("llm"):
                 if info.name == "model.language_model.embed_tokens.weight":
                     dist.all_reduce(p.grad, group=tied)
+        pending = PendingSync()
         for module, group in (("vision", self.topo.groups.vision_dp), ("llm", self.topo.groups.llm_dp)):
             if group is not None:
-                self._bucketed_all_reduce([p.grad for p, _ in self._grads(module)], group)
+                for bucket in self._buckets([p.grad for p, _ in self._grads(module)]):
+                    flat = _flatten_dense_tensors(bucket)
+                    pending.add(dist.all_reduce(flat, group=group, async_op=True), flat, bucket)
+        return pending
 
-    def _bucketed_all_reduce(self, grads: list[torch.Tensor], group) -> None:
-        bucket: list[torch.Tensor] = []
+    def _buckets(self, grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Consecutive gradients of one dtype, ~bucket_bytes each (a larger tensor alone)."""
+        buckets: list[list[torch.Tensor]] = []
         size = 0
-        for g in grads + [None]:
-            if g is not None and (not bucket or (size + g.numel() * g.element_size() <= self.bucket_bytes
-                                                 and g.dtype == bucket[0].dtype)):
-                bucket.append(g)
-                size += g.numel() * g.element_size()
-                continue
-            if bucket:
-                flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, group=group)
-                for g_old, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    g_old.copy_(synced)
-            bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
+        for g in grads:
+            nbytes = g.numel() * g.element_size()
+            if buckets and size + nbytes <= self.bucket_bytes and g.dtype == buckets[-1][0].dtype:
+                buckets[-1].append(g)
+                size += nbytes
+            else:
+                buckets.append([g])
+                size = nbytes
+        return buckets
 
     def scale(self, factor: float) -> None:
         for p, _ in self._grads():

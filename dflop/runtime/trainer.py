@@ -353,14 +353,15 @@ class Trainer:
         t0 = time.perf_counter()
         result = self.executor.run(plan, inputs)
         pipeline_s = time.perf_counter() - t0
+        pending = self.sync.start_all_reduce()  # runs while the world total below waits for the last stage
         counts_here = self.topo.llm_role is not None and self.topo.llm_role.is_last and self.topo.llm_role.tp_rank == 0
         totals = torch.tensor([result.loss_sum if counts_here else 0.0, result.n_answer if counts_here else 0],
                               dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
+        pending.wait()
         loss_sum, n_answer = float(totals[0]), int(totals[1])
         if n_answer == 0:
             raise UserError(f"step {plan.step}: the global batch has no answer tokens to train on")
-        self.sync.all_reduce()
         self.sync.scale(1.0 / n_answer)
         return {"loss": loss_sum / n_answer, "n_answer": n_answer, "result": result, "pipeline_s": pipeline_s}
 
