@@ -171,10 +171,10 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
                 if hi < 1:
                     continue
                 if colocated:  # the largest dp that can be launched
-                    ok = [d for d in range(hi, 0, -1) if cluster.launchable(t * p * d, 0, t)]
-                    if not ok:
+                    dp = next((d for d in range(hi, 0, -1) if cluster.launchable(t * p * d, 0, t)), None)
+                    if dp is None:
                         continue
-                    dps = np.array(ok[:1])
+                    dps = np.array([dp])
                 else:
                     dps = np.arange(1, hi + 1)
                 for key, val in (("tp", t), ("pp", p), ("m", mb)):
@@ -312,7 +312,9 @@ def screen(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, Mo
                                                     full.tp * full.pp * full.dp, full.tp, cluster)
                 sel = np.flatnonzero(dp_v_all >= 1)
                 if len(sel) == 0:
-                    break  # more vision stages only need more GPUs
+                    if (free // (tv * pv)).max(initial=0) < 1:
+                        break  # more vision stages only need more GPUs
+                    continue  # none launchable here; another stage count may be
                 side = full.take(sel)
                 dp_v = dp_v_all[sel]
                 nu_v = B / (side.m * dp_v)

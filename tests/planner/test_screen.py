@@ -54,6 +54,20 @@ def test_feasibility_and_bounds_match_enumeration(setup, memory):
     assert groups["n_layouts"].sum() == n and groups["n_fit"].sum() == len(best)
 
 
+
+def test_layouts_launchable_only_with_more_vision_stages_are_kept(setup):
+    """LLM TP 2 and one vision replica: 1 vision rank leaves the LLM's TP groups straddling nodes,
+    2 vision stages (2 ranks) do not, so the screen must not stop at the first stage count."""
+    pool, vision, llm, transfer, space = setup
+    from dataclasses import replace
+
+    space = replace(space, llm_tp=(2,), colocated_tp=(), placements=("disjoint",), mean_tiles=0.01)
+    cluster = Cluster(nodes=2, gpus_per_node=4, gpu_memory_bytes=3e9)
+    result = screen(space, vision, llm, cluster, transfer, keep=10_000)
+    expected = set(layouts_of(space, cluster))
+    assert expected and {lay.pp_v for lay in expected} != {1}
+    assert result.n_layouts == len(expected)
+
 def test_keep_returns_the_smallest_bounds(setup):
     pool, vision, llm, transfer, space = setup
     cluster = Cluster(nodes=2, gpus_per_node=2, gpu_memory_bytes=3e9)

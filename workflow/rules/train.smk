@@ -25,6 +25,7 @@ rule train:
     resources:
         nodes=train_nodes,
         tasks=train_nodes,
+        tasks_per_gpu=0,  # one task per node, not per GPU (the Slurm plugin turns `tasks` into it on GPU jobs)
         slurm_extra=lambda wildcards, input: "--ntasks-per-node=1",
         gres=train_gres,
     log:
