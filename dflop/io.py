@@ -76,14 +76,21 @@ def read_yaml(path: str | os.PathLike, *, missing_hint: str) -> Any:
     import yaml
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{path}: no such file ({missing_hint})")
     try:
-        return yaml.safe_load(path.read_text())
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
+        detail = getattr(exc, "problem", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"{path}{where}: not valid YAML ({detail})") from None
 
 
 def read_parquet(path: str | os.PathLike, *, missing_hint: str):

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from dflop.io import atomic_path, replace_dir, write_text_atomic
+from dflop.errors import UserError
+from dflop.io import atomic_path, read_yaml, replace_dir, write_text_atomic
 
 
 def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
@@ -40,3 +41,19 @@ def test_replace_dir_swaps_whole_directories(tmp_path):
     replace_dir(tmp, final)
     assert [p.name for p in final.iterdir()] == ["b"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"a: [1, 2\n", r"bad\.yaml:\d+: not valid YAML"),
+    (b"a: 1\x00\n", r"bad\.yaml: not valid YAML \(.*\)$"),
+    (b"a: \xff\xfe\n", r"bad\.yaml: not UTF-8 text"),
+])
+def test_bad_yaml_is_one_line_naming_the_file(tmp_path, content, message):
+    (tmp_path / "bad.yaml").write_bytes(content)
+    with pytest.raises(UserError, match=message) as err:
+        read_yaml(tmp_path / "bad.yaml", missing_hint="x")
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match=r"nope\.yaml: no such file \(run it first\)"):
+        read_yaml(tmp_path / "nope.yaml", missing_hint="run it first")
+    with pytest.raises(UserError, match="cannot be read"):
+        read_yaml(tmp_path, missing_hint="x")  # a directory

@@ -66,22 +66,29 @@ def slurm_job_nodes(env: dict | None = None) -> list[str]:
 
 
 def slurm_command(plan_path: str | Path, worker_args: Sequence[str], hosts: Sequence[str], *,
-                  port: int = 29500, job_id: str = "dflop") -> list[str]:
-    """srun one torchrun agent per node of the job, meeting at a c10d rendezvous on the first node."""
+                  port: int = 29500, job_id: str = "dflop", cpus_per_task: int | None = None) -> list[str]:
+    """srun one torchrun agent per node of the job, meeting at a c10d rendezvous on the first node.
+
+    cpus_per_task: the job's CPUs per node (its SLURM_CPUS_PER_TASK), passed on explicitly because
+    the step's own SLURM_* variables are dropped (`srun_environment`); without it each agent,
+    with all its ranks and loader workers, would get Slurm's default of one CPU.
+    """
     nodes = len(hosts)
     inner = torchrun_command(plan_path, worker_args, nodes=nodes, rdzv_endpoint=f"{hosts[0]}:{port}",
                              rdzv_id=f"dflop-{job_id}")
+    cpus = [f"--cpus-per-task={cpus_per_task}"] if cpus_per_task else []
     # --overlap: the step running this command already holds CPUs of the first node.
-    return ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+    return ["srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", *cpus,
             "--kill-on-bad-exit=1", *inner]
 
 
 def srun_environment(env: dict | None = None) -> dict:
     """The environment for srun inside a job step: without the step's SLURM_*/SRUN_* variables
-    (they pin srun to the step's one node), keeping SLURM_JOB_ID so srun joins the job."""
+    (they pin srun to the step's one node), keeping SLURM_JOB_ID so srun joins the job and
+    SLURM_CONF for sites whose slurm.conf is not at the default path."""
     env = dict(os.environ if env is None else env)
     return {k: v for k, v in env.items()
-            if not k.startswith(("SLURM_", "SRUN_", "SBATCH_")) or k == "SLURM_JOB_ID"}
+            if not k.startswith(("SLURM_", "SRUN_", "SBATCH_")) or k in ("SLURM_JOB_ID", "SLURM_CONF")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,8 +133,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise UserError(f"--{flag}: file not found: {path}")
             hosts = slurm_job_nodes() if args.nodes is None and args.rdzv_endpoint is None else []
             if len(hosts) > 1:
+                cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")
                 command = slurm_command(args.plan, _worker_args(args), hosts,
-                                        job_id=os.environ.get("SLURM_JOB_ID", "dflop"))
+                                        job_id=os.environ.get("SLURM_JOB_ID", "dflop"),
+                                        cpus_per_task=int(cpus) if cpus.isdigit() else None)
             else:
                 command = torchrun_command(args.plan, _worker_args(args), nodes=args.nodes or 1,
                                            rdzv_endpoint=args.rdzv_endpoint)

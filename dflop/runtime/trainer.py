@@ -405,7 +405,8 @@ class Trainer:
         """After a resume: continue the scheduler's adaptive correction where the checkpoint left it."""
         correction = self.planner.correction if self.planner is not None else None
         if correction is not None and "correction" in extra and not correction.load_state_dict(extra["correction"]):
-            log.warning("checkpoint's adaptive correction was learned over other shape buckets; starting afresh")
+            log.warning("checkpoint's adaptive correction does not fit this scheduler (other shape buckets); "
+                        "starting it afresh")
 
 
 # -- metrics from the gathered times -------------------------------------------------------------

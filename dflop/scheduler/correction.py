@@ -118,17 +118,23 @@ class AdaptiveCorrection:
                    for mod in ("vision", "llm")}}
 
     def load_state_dict(self, state: dict) -> bool:
-        """Restore `state_dict()`'s output; False (state untouched) if it was learned over other buckets."""
-        if int(state.get("n_buckets", -1)) != self.n_buckets:
-            return False
+        """Restore `state_dict()`'s output. False, with this object untouched, if the state was
+        learned over other buckets or is malformed (missing keys, wrong shapes)."""
         dim = self.n_buckets + 1
-        for part, attr, shape in (("gram", "_gram", (dim, dim)), ("rhs", "_rhs", (dim,)), ("factors", "factors_", (dim,))):
-            for mod in ("vision", "llm"):
-                value = np.asarray(state[f"{part}_{mod}"], dtype=np.float64)
-                if value.shape != shape:
-                    raise ValueError(f"adaptive correction state: {part}_{mod} has shape {value.shape}, expected {shape}")
-                getattr(self, attr)[mod] = value
-        self.n_obs_, self.active, self._track_s = int(state["n_obs"]), bool(state["active"]), float(state["track_s"])
+        shapes = {"gram": (dim, dim), "rhs": (dim,), "factors": (dim,)}
+        try:
+            if int(state["n_buckets"]) != self.n_buckets:
+                return False
+            arrays = {(part, mod): np.asarray(state[f"{part}_{mod}"], dtype=np.float64)
+                      for part in shapes for mod in ("vision", "llm")}
+            scalars = int(state["n_obs"]), bool(state["active"]), float(state["track_s"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        if any(value.shape != shapes[part] for (part, _), value in arrays.items()):
+            return False
+        for (part, mod), value in arrays.items():
+            getattr(self, {"gram": "_gram", "rhs": "_rhs", "factors": "factors_"}[part])[mod] = value
+        self.n_obs_, self.active, self._track_s = scalars
         return True
 
     def _check_buckets(self, buckets: np.ndarray, n: int) -> np.ndarray:

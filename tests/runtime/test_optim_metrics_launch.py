@@ -108,8 +108,10 @@ def test_torchrun_command_from_the_plan(tmp_path):
 def test_srun_inside_a_job_step_spans_the_job_and_drops_the_step_environment(tmp_path):
     # Snakemake runs the rule in a one-node step; its SLURM_* variables would pin srun to that node.
     step_env = {"SLURM_JOB_ID": "42", "SLURM_NODELIST": "node1", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0",
-                "SRUN_DEBUG": "3", "SBATCH_PARTITION": "debug", "PATH": "/bin", "HOME": "/root"}
-    assert srun_environment(step_env) == {"SLURM_JOB_ID": "42", "PATH": "/bin", "HOME": "/root"}
+                "SRUN_DEBUG": "3", "SBATCH_PARTITION": "debug", "PATH": "/bin", "HOME": "/root",
+                "SLURM_CONF": "/etc/site/slurm.conf"}
+    assert srun_environment(step_env) == {"SLURM_JOB_ID": "42", "PATH": "/bin", "HOME": "/root",
+                                          "SLURM_CONF": "/etc/site/slurm.conf"}
     plan = plan_from_dict({"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
                            "llm": {"tp": 1, "pp": 2, "dp": 1, "layers_per_stage": [1, 1]}, "placement": "disjoint",
                            "microbatches": 2, "global_batch_size": 4, "world_size": 4})
@@ -117,6 +119,8 @@ def test_srun_inside_a_job_step_spans_the_job_and_drops_the_step_environment(tmp
     cmd = slurm_command(tmp_path / "plan.yaml", [], ["node1", "node2"], job_id="42")
     assert cmd[:6] == ["srun", "--overlap", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "node1:29500" and cmd[cmd.index("--rdzv-id") + 1] == "dflop-42"
+    with_cpus = slurm_command(tmp_path / "plan.yaml", [], ["node1", "node2"], job_id="42", cpus_per_task=64)
+    assert "--cpus-per-task=64" in with_cpus[:with_cpus.index("--kill-on-bad-exit=1")]
 
 
 def test_padded_baseline_is_a_config_key():

@@ -154,3 +154,7 @@ def test_state_survives_a_json_round_trip_and_continues_identically(make_costs):
         np.testing.assert_array_equal(resumed.factors_[mod], corr.factors_[mod])
     assert not np.allclose(corr.factors_["llm"], 1.0)  # it did learn something
     assert not AdaptiveCorrection(buckets_def.n_buckets + 1).load_state_dict(corr.state_dict())
+    fresh = AdaptiveCorrection(buckets_def.n_buckets)
+    broken = dict(corr.state_dict(), factors_llm=[1.0, 2.0])  # wrong shape, after valid arrays
+    assert not fresh.load_state_dict(broken) and not fresh.load_state_dict({"n_buckets": fresh.n_buckets})
+    assert fresh.n_obs_ == 0 and np.all(fresh.factors_["vision"] == 1.0)  # untouched
