@@ -26,11 +26,17 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settings", help="JSON object laid over --config (what the Snakemake rules pass)")
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def _add_bench_scheduler_args(ap: argparse.ArgumentParser) -> None:
     # Here, not in dflop.scheduler.bench, so that `dflop --help` does not import the scheduler.
     ap.add_argument("--shapes", help="shapes.parquet to sample global batches from")
     ap.add_argument("--out", help="CSV of every (data set, n, m, dp, batch, policy) row")
-    ap.add_argument("--batches", type=int, default=3, help="global batches per grid point and data set")
+    ap.add_argument("--batches", type=_positive_int, default=3, help="global batches per grid point and data set")
     ap.add_argument("--budget-s", type=float, default=0.25, help="ILP time budget per partition")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-mix", action="store_true", help="skip the generated LLaVA-OV-like mix")
@@ -119,10 +125,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_bench_scheduler(args: argparse.Namespace) -> None:
     from dflop.scheduler.bench import run_from_args
 
-    try:
-        run_from_args(args)
-    except ValueError as exc:
-        raise UserError(str(exc)) from exc
+    run_from_args(args)
 
 
 def cmd_report(args: argparse.Namespace) -> None:

@@ -1,9 +1,9 @@
 """The data-blind baseline layout (Megatron-style), evaluated exactly like the DFLOP plan.
 
 What a data-blind stack runs: the vision tower colocated on the first LLM stage (torchtitan,
-Megatron), LLM layers split uniformly over the stages (``llm_layers % pp == 0``), every GPU a data-
-parallel replica (``dp = world // (tp * pp)``, or the largest divisor of the global batch below
-it), and microbatches of a fixed sample count (``global_batch % (m * dp) == 0``) cut from the batch
+Megatron), LLM layers split uniformly over the stages (``llm_layers % pp == 0``), as many data-
+parallel replicas as fit (the largest ``dp <= world // (tp * pp)`` that `Cluster.launchable`
+allows, and the largest such divisor of the global batch), and microbatches of a fixed sample count (``global_batch % (m * dp) == 0``) cut from the batch
 in order. Among those layouts the baseline is the best one by the same simulation over the same
 sampled batches (the mean-shape step picks which `simulate` of them are simulated), so the
 reported speedup is what data awareness buys over a tuned data-blind layout, not over a bad one.

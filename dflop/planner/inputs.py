@@ -8,19 +8,13 @@ import pandas as pd
 
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
+from dflop.io import read_parquet
 from dflop.planner.space import ModelShape
 
 
 def read_shapes(path: str | Path) -> pd.DataFrame:
     """shapes.parquet as a DataFrame; one-line errors for a missing or unreadable file."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such shapes file (run `dflop profile-data` first)")
-    try:
-        return pd.read_parquet(path)
-    except Exception as exc:  # pyarrow raises several types for a corrupt file
-        raise UserError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {str(exc).splitlines()[0]})") \
-            from None
+    return read_parquet(path, missing_hint="no shapes file: run `dflop profile-data` first")
 
 
 def load_model_shape(arch: str, vision: str, llm: str, weights: str | None = None) -> ModelShape:

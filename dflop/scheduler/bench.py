@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from dflop.errors import UserError
+from dflop.io import read_parquet
 from dflop.scheduler.costs import AnalyticCostModel, CostsFn, StageLayout, batch_costs_from_shapes, fitted_costs_fn
 from dflop.scheduler.partition import POLICIES, partition
 from dflop.scheduler.synthetic import llava_ov_mix
@@ -26,13 +28,11 @@ DEFAULT_GRID = tuple((n, m, dp) for n in (64, 256, 1024, 4096) for m in (4, 16, 
 def load_shapes(path: str | Path) -> pd.DataFrame:
     """Rows of a shapes.parquet with status ``ok``; one-line errors for a missing/empty file."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such shapes file (run `dflop profile-data` first)")
-    shapes = pd.read_parquet(path)
+    shapes = read_parquet(path, missing_hint="no shapes file: run `dflop profile-data` first")
     if "status" in shapes.columns:
         shapes = shapes[shapes["status"] == "ok"]
     if shapes.empty:
-        raise ValueError(f"{path}: no sample with status 'ok'")
+        raise UserError(f"{path}: no sample with status 'ok'")
     return shapes.reset_index(drop=True)
 
 
@@ -175,7 +175,7 @@ def parse_grid(text: str | None) -> tuple[tuple[int, int, int], ...]:
     for point in text.split(","):
         parts = point.split(":")
         if len(parts) != 3 or not all(x.strip().isdigit() and int(x) > 0 for x in parts):
-            raise ValueError(f"--grid: {point!r} is not n:m:dp with three positive integers")
+            raise UserError(f"--grid: {point!r} is not n:m:dp with three positive integers")
         points.append(tuple(int(x) for x in parts))
     return tuple(points)
 
@@ -186,7 +186,7 @@ def run_from_args(args: argparse.Namespace) -> pd.DataFrame | None:
     costs_fn = layout = None
     if args.costmodel:
         if not (args.vision_layers and args.llm_layers):
-            raise ValueError("--costmodel needs --vision-layers and --llm-layers")
+            raise UserError("--costmodel needs --vision-layers and --llm-layers")
         costs_fn, layout = fitted_costs_fn(args.costmodel, vision_layers=args.vision_layers,
                                            llm_layers=args.llm_layers, pp_llm=args.pp_llm,
                                            mem_limit_bytes=args.mem_limit_gb * 2**30)

@@ -1,6 +1,8 @@
 import pandas as pd
 import pytest
 
+from dflop.errors import UserError
+
 from dflop.scheduler.bench import bench_scheduler, load_shapes
 from dflop.scheduler.synthetic import llava_ov_mix
 
@@ -22,10 +24,10 @@ def test_bench_scheduler_on_a_shapes_file(tmp_path, capsys):
 
 
 def test_load_shapes_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no such shapes file"):
+    with pytest.raises(UserError, match=r"missing\.parquet: no such file \(no shapes file"):
         load_shapes(tmp_path / "missing.parquet")
     llava_ov_mix(3).assign(status="skipped:x").to_parquet(tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match="no sample with status 'ok'"):
+    with pytest.raises(UserError, match="no sample with status 'ok'"):
         load_shapes(tmp_path / "bad.parquet")
 
 
