@@ -9,7 +9,9 @@ With ``gpus=N`` the plan keeps its TP and PP degrees, layer split and microbatch
 data parallelism to fit N GPUs: colocated ``dp = N // (tp * pp)``; disjoint keeps the vision/LLM
 GPU ratio (LLM dp rounded, the vision tower takes what is left). The global batch stays the same
 (convergence depends on it); LLM dp is capped so every bin gets a sample. The baseline is scaled
-the same way, keeping its fixed-count microbatches (dp reduced to a divisor of the batch).
+the same way, keeping its fixed-count microbatches (dp reduced to a divisor of the batch). Like the
+optimizer, scaling keeps only layouts `Cluster.launchable` allows (whole nodes, LLM TP groups
+inside a node), stepping dp down until one is.
 """
 
 from __future__ import annotations
@@ -93,18 +95,21 @@ def load_plan_context(plan_path, *, shapes_path=None, costmodel_path=None, shape
                        costmodel_path=costmodel_path)
 
 
-def scale_plan(plan: Plan, gpus: int, global_batch: int, gpus_per_node: int) -> Plan:
-    """`plan` with its data parallelism scaled to at most `gpus` GPUs (module docstring)."""
-    lay = plan.layout
+def scale_plan(plan: Plan, cluster: Cluster, global_batch: int) -> Plan:
+    """`plan` with its data parallelism scaled to the GPUs of `cluster` (module docstring), keeping
+    only layouts `Cluster.launchable` allows."""
+    lay, gpus, gpus_per_node = plan.layout, cluster.world_size, cluster.gpus_per_node
     for module, tp in (("vision", lay.tp_v), ("llm", lay.tp_l)):
         if gpus_per_node % tp:
             raise UserError(f"--gpus {gpus}: {module} tp={tp} does not fit in a {gpus_per_node}-GPU node")
     per_llm = lay.tp_l * lay.pp_l
     cap = global_batch // lay.m
     if lay.colocated:
-        dp = min(gpus // per_llm, cap)
+        dp = next((d for d in range(min(gpus // per_llm, cap), 0, -1)
+                   if cluster.launchable(d * per_llm, 0, lay.tp_l)), 0)
         if dp < 1:
-            raise UserError(f"--gpus {gpus}: one replica of this plan needs {per_llm} GPUs (tp {lay.tp_l} x pp {lay.pp_l})")
+            raise UserError(f"--gpus {gpus}: no replica count of this plan (tp {lay.tp_l} x pp {lay.pp_l} GPUs "
+                            f"each) fills whole {gpus_per_node}-GPU nodes")
         new = Layout("colocated", lay.tp_l, 1, dp, lay.tp_l, lay.pp_l, dp, lay.m)
         return Plan(new, plan.vision_layers, plan.llm_layers)
     per_vision = lay.tp_v * lay.pp_v
@@ -112,16 +117,23 @@ def scale_plan(plan: Plan, gpus: int, global_batch: int, gpus_per_node: int) -> 
         raise UserError(f"--gpus {gpus}: this disjoint plan needs at least {per_vision + per_llm} GPUs "
                         f"(one vision replica of {per_vision} and one LLM replica of {per_llm})")
     dp_l = max(1, min(round(lay.dp_l * gpus / lay.world_size), cap, (gpus - per_vision) // per_llm))
-    dp_v = (gpus - dp_l * per_llm) // per_vision
-    new = Layout("disjoint", lay.tp_v, lay.pp_v, dp_v, lay.tp_l, lay.pp_l, dp_l, lay.m)
-    return Plan(new, plan.vision_layers, plan.llm_layers)
+    for dl in range(dp_l, 0, -1):  # the LLM side as close to the plan's share as can be launched
+        dv = next((d for d in range((gpus - dl * per_llm) // per_vision, 0, -1)
+                   if cluster.launchable(d * per_vision + dl * per_llm, d * per_vision, lay.tp_l)), 0)
+        if dv:
+            new = Layout("disjoint", lay.tp_v, lay.pp_v, dv, lay.tp_l, lay.pp_l, dl, lay.m)
+            return Plan(new, plan.vision_layers, plan.llm_layers)
+    raise UserError(f"--gpus {gpus}: no split of this disjoint plan over whole {gpus_per_node}-GPU nodes keeps "
+                    f"the LLM's tp={lay.tp_l} groups inside a node")
 
 
-def scale_baseline(plan: Plan, gpus: int, global_batch: int) -> Plan | None:
-    """The data-blind baseline on `gpus` GPUs, or None if no dp keeps fixed-count microbatches."""
+def scale_baseline(plan: Plan, cluster: Cluster, global_batch: int) -> Plan | None:
+    """The data-blind baseline on the GPUs of `cluster`, or None if no launchable dp keeps
+    fixed-count microbatches."""
     lay = plan.layout
-    dp_max = gpus // (lay.tp_l * lay.pp_l)
-    dps = [d for d in range(dp_max, 0, -1) if global_batch % (lay.m * d) == 0]
+    dp_max = cluster.world_size // (lay.tp_l * lay.pp_l)
+    dps = [d for d in range(dp_max, 0, -1)
+           if global_batch % (lay.m * d) == 0 and cluster.launchable(d * lay.tp_l * lay.pp_l, 0, lay.tp_l)]
     if not dps:
         return None
     new = Layout("colocated", lay.tp_l, 1, dps[0], lay.tp_l, lay.pp_l, dps[0], lay.m)
@@ -145,10 +157,10 @@ def simulate_plan(plan_path, *, gpus: int | None = None, shapes_path=None, out_p
     plan, baseline, notes = pf.plan, pf.baseline, []
     if gpus is not None:
         cluster = cluster.with_gpus(int(gpus))
-        plan = scale_plan(plan, cluster.world_size, B, cluster.gpus_per_node)
+        plan = scale_plan(plan, cluster, B)
         notes.append(f"scaled to {cluster.world_size} GPUs: {plan.layout.describe()}")
         if baseline is not None:
-            baseline = scale_baseline(baseline, cluster.world_size, B)
+            baseline = scale_baseline(baseline, cluster, B)
             if baseline is None:
                 notes.append("baseline: no dp keeps fixed-count microbatches on this many GPUs")
     if plan.layout.world_size > cluster.world_size:

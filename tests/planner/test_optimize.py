@@ -133,3 +133,21 @@ def test_outputs_are_written_atomically(inputs, tmp_path, tiny_shape, monkeypatc
         _optimize(inputs, tmp_path, tiny_shape)
     assert not (tmp_path / "candidates.parquet").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_what_if_scaling_keeps_layouts_launchable():
+    from dflop.planner.cluster import Cluster
+    from dflop.planner.layout import Layout, Plan
+    from dflop.planner.whatif import scale_baseline, scale_plan
+
+    # vision tp1 x pp3, LLM tp2: the plain ratio (LLM dp 3, vision dp 3) gives 15 ranks on 2x8 GPUs
+    # and 9 vision ranks before TP-2 groups; scaling steps down to a layout torchrun can start.
+    plan = Plan(Layout("disjoint", 1, 3, 1, 2, 1, 1, 4), (1, 1, 1), (2,))
+    cluster = Cluster(nodes=2, gpus_per_node=8, gpu_memory_bytes=1e9)
+    scaled = scale_plan(plan, cluster, global_batch=64).layout
+    assert (scaled.dp_v, scaled.dp_l) == (4, 2)
+    assert cluster.launchable(scaled.world_size, scaled.tp_v * scaled.pp_v * scaled.dp_v, scaled.tp_l)
+    # colocated tp1 x pp3: 5 replicas (15 ranks) is not whole nodes; 2 replicas (6 ranks) fit one node
+    colocated = Plan(Layout("colocated", 1, 1, 1, 1, 3, 1, 4), (1,), (1, 1, 1))
+    assert scale_plan(colocated, cluster, global_batch=64).layout.dp_l == 2
+    assert scale_baseline(colocated, cluster, global_batch=64).layout.dp_l == 2
