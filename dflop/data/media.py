@@ -71,26 +71,49 @@ class MediaError(Exception):
 
 
 @dataclass(frozen=True)
+class EmbeddedSource:
+    """Where embedded image bytes live: row `row` (0-based, in the file) of Parquet `file`,
+    column `column`, list element `item` (None when the column holds one image per row)."""
+
+    file: Path
+    row: int
+    column: str
+    item: int | None = None
+
+
+@dataclass(frozen=True)
 class ImageRef:
     """One image of a sample: a file on disk, or bytes embedded in the dataset (Parquet).
 
-    Exactly one of `path` and `data` is set. `name` is the image's original path inside the
-    dataset, kept for error messages when the bytes are embedded.
+    Either `path` is set, or the image is embedded: its bytes in `data`, or only its `source`
+    (the trainer keeps that, not the bytes, so a rank holds no dataset's images in memory; see
+    `without_bytes` and `dflop.data.readers.embedded_image_bytes`). `name` is the image's
+    original path inside the dataset, kept for error messages when the bytes are embedded.
     """
 
     path: Path | None = None
     data: bytes | None = field(default=None, repr=False)
     name: str | None = None
+    source: EmbeddedSource | None = None
 
     def __post_init__(self) -> None:
-        if (self.path is None) == (self.data is None):
-            raise ValueError("ImageRef needs exactly one of path and data")
+        embedded = self.data is not None or self.source is not None
+        if (self.path is None) == (not embedded):
+            raise ValueError("ImageRef needs either a path or embedded bytes / their source")
+
+    def without_bytes(self) -> "ImageRef":
+        """The same image with its embedded bytes dropped when they can be read again from `source`."""
+        if self.data is None or self.source is None:
+            return self
+        return ImageRef(name=self.name, source=self.source)
 
     @property
     def label(self) -> str:
         """Short description for messages: the path, or '<embedded NAME, N bytes>'."""
         if self.path is not None:
             return str(self.path)
+        if self.data is None and self.source is not None:
+            return f"<embedded {self.name or 'image'} in {self.source.file} row {self.source.row}>"
         return f"<embedded {self.name or 'image'}, {len(self.data or b'')} bytes>"
 
 

@@ -16,6 +16,8 @@ dataset; (dataset, sample_id) is unique across datasets.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflop.data.media import ImageRef, VideoRef
+from dflop.data.media import EmbeddedSource, ImageRef, VideoRef
 from dflop.data.sampling import parse_sampling_rule, sample_stream
 
 FORMATS = ("llava_json", "llava_jsonl", "parquet")
@@ -301,15 +303,65 @@ def _open_parquet(part: Path) -> pq.ParquetFile:
 
 
 def _parquet_records(path: Path, batch_rows: int = 256) -> Iterator[Any]:
-    """Rows as dicts, one batch of `batch_rows` rows in memory at a time (images included)."""
+    """Rows as dicts, one batch of `batch_rows` rows in memory at a time (images included).
+
+    Each row also carries its (file, row) under `_SOURCE_KEY`, so embedded images can be found
+    again later without keeping their bytes (`embedded_image_bytes`).
+    """
     for part in _parquet_parts(path):
         parquet_file = _open_parquet(part)
         columns = [c for c in parquet_file.schema_arrow.names if c in _PARQUET_COLUMNS]
+        row = 0
         try:
             for batch in parquet_file.iter_batches(batch_size=batch_rows, columns=columns):
-                yield from batch.to_pylist()
+                for record in batch.to_pylist():
+                    record[_SOURCE_KEY] = (part, row)
+                    row += 1
+                    yield record
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(f"dataset {part}: unreadable Parquet data ({exc})") from None
+
+
+_SOURCE_KEY = "\0dflop_source"  # cannot clash with a Parquet column name used as a record key
+
+
+@functools.lru_cache(maxsize=2)
+def _row_group_column(file: Path, row_group: int, column: str) -> pa.ChunkedArray:
+    """One column of one row group (the unit Parquet reads); the last two stay cached per process,
+    so neighbouring images cost one read."""
+    return pq.ParquetFile(file).read_row_group(row_group, columns=[column]).column(column)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_group_starts(file: Path) -> tuple[int, ...]:
+    metadata = pq.ParquetFile(file).metadata
+    starts, total = [], 0
+    for i in range(metadata.num_row_groups):
+        starts.append(total)
+        total += metadata.row_group(i).num_rows
+    return tuple(starts) + (total,)
+
+
+def embedded_image_bytes(source: EmbeddedSource) -> bytes:
+    """The bytes of an embedded image, read back from its Parquet file (see `ImageRef.without_bytes`).
+
+    Raises DatasetError naming the file and row when the file changed since it was read.
+    """
+    where = f"dataset {source.file} row {source.row}"
+    try:
+        starts = _row_group_starts(source.file)
+        group = bisect.bisect_right(starts, source.row) - 1
+        if not 0 <= source.row < starts[-1]:
+            raise DatasetError(f"{where}: the file has only {starts[-1]} rows (changed since profile_data?)")
+        value = _row_group_column(source.file, group, source.column)[source.row - starts[group]].as_py()
+    except (pa.ArrowException, OSError, KeyError) as exc:
+        raise DatasetError(f"{where}: cannot read column {source.column!r} ({exc})") from None
+    if source.item is not None:
+        value = value[source.item] if isinstance(value, list) and source.item < len(value) else None
+    data = value.get("bytes") if isinstance(value, dict) else None
+    if not isinstance(data, (bytes, bytearray)) or not data:
+        raise DatasetError(f"{where}: no image bytes in column {source.column!r} (changed since profile_data?)")
+    return bytes(data)
 
 
 # --- records to samples -----------------------------------------------------------------------
@@ -367,10 +419,8 @@ def _parse_record(
         if record.get(key) not in (None, "", [], {}):
             raise _BadSample(f"unknown_modality:{key}")
     conversations = _conversations(record.get("conversations"))
-    image_field = record.get("image")
-    if image_field is None:
-        image_field = record.get("images")
-    images = _image_refs(image_field, media_root)
+    column = "image" if record.get("image") is not None else "images"
+    images = _image_refs(record.get(column), media_root, record.get(_SOURCE_KEY), column)
     video = _video_ref(record.get("video"), media_root)
     return images, video, conversations
 
@@ -392,20 +442,24 @@ def _conversations(value: Any) -> tuple[dict[str, str], ...]:
     return tuple(turns)
 
 
-def _image_refs(value: Any, media_root: Path) -> tuple[ImageRef, ...]:
+def _image_refs(value: Any, media_root: Path, row: tuple[Path, int] | None = None,
+                column: str = "image") -> tuple[ImageRef, ...]:
+    """`row`: (Parquet file, row) of the record, for embedded images' `EmbeddedSource`."""
     if value is None:
         return ()
-    items = value if isinstance(value, (list, tuple)) else [value]
-    return tuple(_image_ref(item, media_root) for item in items)
+    if isinstance(value, (list, tuple)):
+        return tuple(_image_ref(item, media_root, row and EmbeddedSource(row[0], row[1], column, k))
+                     for k, item in enumerate(value))
+    return (_image_ref(value, media_root, row and EmbeddedSource(row[0], row[1], column)),)
 
 
-def _image_ref(item: Any, media_root: Path) -> ImageRef:
+def _image_ref(item: Any, media_root: Path, source: EmbeddedSource | None = None) -> ImageRef:
     if isinstance(item, str) and item.strip():
         return ImageRef(path=_resolve(item, media_root))
     if isinstance(item, dict):  # Hugging Face Image feature: {"bytes": ..., "path": ...}
         data, name = item.get("bytes"), item.get("path")
         if isinstance(data, (bytes, bytearray)) and data:
-            return ImageRef(data=bytes(data), name=name if isinstance(name, str) else None)
+            return ImageRef(data=bytes(data), name=name if isinstance(name, str) else None, source=source)
         if isinstance(name, str) and name.strip():
             return ImageRef(path=_resolve(name, media_root))
     raise _BadSample("bad_image_field")

@@ -50,7 +50,7 @@ import torch
 from PIL import Image
 
 from dflop.data.media import ImageRef, MediaError, image_size, video_meta
-from dflop.data.readers import RawSample
+from dflop.data.readers import DatasetError, RawSample, embedded_image_bytes
 from dflop.data.tokenizer import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
@@ -172,6 +172,14 @@ class Request:
     pixels: bool = False
 
 
+def _with_bytes(ref: ImageRef) -> ImageRef:
+    """`ref` with its embedded bytes, read back from the dataset when only their source is kept
+    (the trainer's samples; see `ImageRef.without_bytes`)."""
+    if ref.path is not None or ref.data is not None:
+        return ref
+    return ImageRef(data=embedded_image_bytes(ref.source), name=ref.name, source=ref.source)
+
+
 class TrainingData(torch.utils.data.Dataset):
     """Training inputs of a fixed list of samples (index i = samples[i]).
 
@@ -242,9 +250,9 @@ class TrainingData(torch.utils.data.Dataset):
         if sample.error is not None:
             raise SampleError(f"{self._name(i)}: unusable ({sample.error})")
         try:
-            sizes = [image_size(ref) for ref in sample.images]  # (width, height)
+            sizes = [image_size(_with_bytes(ref)) for ref in sample.images]  # (width, height)
             frames = video_meta(sample.video.path).n_frames if sample.video is not None else None
-        except MediaError as exc:
+        except (MediaError, DatasetError) as exc:
             raise SampleError(f"{self._name(i)}: {exc}") from None
         params = self.rules.arch_params
         media: list[MediaItem] = []
@@ -395,9 +403,11 @@ class TrainingData(torch.utils.data.Dataset):
     def _open_image(self, ref: ImageRef, i: int) -> Image.Image:
         """Pixels as stored (no EXIF transpose), like the data profiler's sizes."""
         try:
-            source = ref.path if ref.path is not None else io.BytesIO(ref.data)
-            with Image.open(source) as image:
+            ref = _with_bytes(ref)
+            with Image.open(ref.path if ref.path is not None else io.BytesIO(ref.data)) as image:
                 return image.convert("RGB")
+        except DatasetError as exc:
+            raise SampleError(f"{self._name(i)}: {exc}") from None
         except (OSError, ValueError) as exc:
             raise SampleError(f"{self._name(i)}: cannot decode image {ref.label} ({exc})") from None
 

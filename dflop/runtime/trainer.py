@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -158,7 +159,12 @@ def load_pool(shapes_path: str | Path) -> pd.DataFrame:
 
 
 def pool_samples(pool: pd.DataFrame, datasets: Sequence[DatasetSpec], seed: int) -> list[RawSample]:
-    """The RawSample of every pool row, read from the datasets (each rank reads the manifests)."""
+    """The RawSample of every pool row, read from the datasets (each rank reads the manifests).
+
+    Images embedded in Parquet datasets are kept as their (file, row) source, not their bytes:
+    the loader reads the bytes of the images a step needs (`embedded_image_bytes`), so no rank
+    holds a dataset's images in memory.
+    """
     wanted = set(zip(pool["dataset"], pool["sample_id"]))
     found: dict[tuple[str, str], RawSample] = {}
     for ds in datasets:
@@ -166,7 +172,7 @@ def pool_samples(pool: pd.DataFrame, datasets: Sequence[DatasetSpec], seed: int)
                                    sample=ds.sample, seed=seed):
             key = (sample.dataset, sample.sample_id)
             if key in wanted:
-                found[key] = sample
+                found[key] = dataclasses.replace(sample, images=tuple(r.without_bytes() for r in sample.images))
     out = []
     for dataset, sample_id in zip(pool["dataset"], pool["sample_id"]):
         sample = found.get((dataset, sample_id))

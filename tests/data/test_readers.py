@@ -6,6 +6,7 @@ import random
 import re
 import tracemalloc
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from dflop.data.readers import (
     DatasetError,
     check_dataset,
     count_records,
+    embedded_image_bytes,
     iter_json_array,
     iter_raw_samples,
     read_dataset,
@@ -302,6 +304,17 @@ def test_parquet_with_embedded_images_round_trip(tmp_path):
 
     one_file = list(read_dataset(folder / "part-1.parquet", dataset="ov"))
     assert [s.sample_id for s in one_file] == ["q0", "p0"]
+
+    # Without their bytes, embedded images are found again from (file, row, column, list item),
+    # across row groups (part-0 has groups of 3 rows, part-1 of 1 row).
+    lean = [ref.without_bytes() for ref in (samples[0].images[0], *samples[4].images)]
+    assert all(ref.data is None for ref in lean) and "part-0.parquet row 0" in lean[0].label
+    assert [embedded_image_bytes(ref.source) for ref in lean] == [images[0], images[2], images[3]]
+    # row 3: the second row group of part-0
+    assert embedded_image_bytes(replace(lean[0].source, row=3)) == images[1]
+    assert samples[2].images[0].without_bytes() is samples[2].images[0]  # a file on disk stays as it is
+    with pytest.raises(DatasetError, match=r"part-0\.parquet row 7: the file has only 4 rows"):
+        embedded_image_bytes(replace(lean[0].source, row=7))
 
 
 def test_parquet_random_sampling_matches_streaming_choice(tmp_path):

@@ -218,3 +218,36 @@ def test_internvl_video_sequence_length_agrees_with_the_data_profiler(demo, tmp_
     for i in shapes.index[shapes["modality"] == "video"][:3]:
         ids, _ = data.tokens(int(i))  # raises SampleError on any disagreement
         assert ids.numel() == shapes.loc[i, "seq_len"]
+
+
+def test_parquet_images_load_from_their_source_without_bytes_in_memory(demo, tmp_path):
+    """The trainer keeps embedded images as (file, row) only; loading reads the same pixels as the
+    files they were made from."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    samples, shapes, _ = demo
+    rows = [int(i) for m in ("image", "multi_image") for i in shapes.index[shapes["modality"] == m][:2]]
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    turn = pa.struct([("from", pa.string()), ("value", pa.string())])
+    table = pa.table({
+        "id": [samples[i].sample_id for i in rows],
+        "images": pa.array([[{"bytes": ref.path.read_bytes(), "path": ref.path.name} for ref in samples[i].images]
+                            for i in rows], type=pa.list_(image)),
+        "conversations": pa.array([list(samples[i].conversations) for i in rows], type=pa.list_(turn)),
+    })
+    pq.write_table(table, tmp_path / "embedded.parquet", row_group_size=2)
+    from dflop.config import DatasetSpec
+    from dflop.runtime.trainer import pool_samples
+
+    pool = pd.DataFrame({"dataset": "demo", "sample_id": [samples[i].sample_id for i in rows]})
+    lean = pool_samples(pool, [DatasetSpec("demo", tmp_path / "embedded.parquet")], seed=0)  # what every rank keeps
+    assert [s.sample_id for s in lean] == list(pool["sample_id"])
+    assert all(r.data is None and r.source is not None for s in lean for r in s.images)
+
+    exp = [expected(shapes)[i] for i in rows]
+    from_files = TrainingData([samples[i] for i in rows], llava_rules(), exp)
+    from_source = TrainingData(lean, llava_rules(), exp)
+    for k in range(len(rows)):
+        np.testing.assert_array_equal(from_source[k].pixels.numpy(), from_files[k].pixels.numpy())
+        np.testing.assert_array_equal(from_source[k].input_ids.numpy(), from_files[k].input_ids.numpy())
