@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import PreTrainedConfig
 
+from dflop.cpu_memory import reuse_large_cpu_allocations
 from dflop.errors import UserError
 from dflop.io import atomic_path
 from dflop.models.architectures import Architecture, architecture
@@ -217,6 +218,7 @@ def profile_rank(job: dict, *, progress: bool, tp: TPGroup | None = None) -> lis
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(job["cpu_threads"])
+        reuse_large_cpu_allocations()  # as the CPU trainer does, so the profile is what it will see
     try:
         benches = build_benches(spec, config, modules=job["modules"], tp=tp, device=device, dtype=dtype,
                                 seed=job["seed"])

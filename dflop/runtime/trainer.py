@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from dflop.config import DatasetSpec
 from dflop.costmodel.types import BatchCosts
+from dflop.cpu_memory import reuse_large_cpu_allocations
 from dflop.data.readers import RawSample, read_dataset
 from dflop.data.training import ExpectedShape, SampleRules, TrainingData
 from dflop.errors import UserError
@@ -127,6 +128,7 @@ def init_distributed(device: str) -> torch.device:
         torch.cuda.set_device(torch_device)
     else:
         torch_device = torch.device("cpu")
+        reuse_large_cpu_allocations()  # no page faults on every step's large tensors (dflop.cpu_memory)
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a single process: a world of one over a local store
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
