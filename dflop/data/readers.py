@@ -329,12 +329,12 @@ _SOURCE_KEY = "\0dflop_source"  # cannot clash with a Parquet column name used a
 def _row_group_column(file: Path, row_group: int, column: str) -> pa.ChunkedArray:
     """One column of one row group (the unit Parquet reads); the last two stay cached per process,
     so neighbouring images cost one read."""
-    return pq.ParquetFile(file).read_row_group(row_group, columns=[column]).column(column)
+    return _open_parquet(file).read_row_group(row_group, columns=[column]).column(column)
 
 
 @functools.lru_cache(maxsize=64)
 def _row_group_starts(file: Path) -> tuple[int, ...]:
-    metadata = pq.ParquetFile(file).metadata
+    metadata = _open_parquet(file).metadata
     starts, total = [], 0
     for i in range(metadata.num_row_groups):
         starts.append(total)
@@ -447,10 +447,8 @@ def _image_refs(value: Any, media_root: Path, row: tuple[Path, int] | None = Non
     """`row`: (Parquet file, row) of the record, for embedded images' `EmbeddedSource`."""
     if value is None:
         return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(_image_ref(item, media_root, row and EmbeddedSource(row[0], row[1], column, k))
-                     for k, item in enumerate(value))
-    return (_image_ref(value, media_root, row and EmbeddedSource(row[0], row[1], column)),)
+    items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+    return tuple(_image_ref(item, media_root, row and EmbeddedSource(*row, column, k)) for k, item in items)
 
 
 def _image_ref(item: Any, media_root: Path, source: EmbeddedSource | None = None) -> ImageRef:

@@ -3,8 +3,8 @@
 What a data-blind stack runs: the vision tower colocated on the first LLM stage (torchtitan,
 Megatron), LLM layers split uniformly over the stages (``llm_layers % pp == 0``), as many data-
 parallel replicas as fit (the largest ``dp <= world // (tp * pp)`` that `Cluster.launchable`
-allows, and the largest such divisor of the global batch), and microbatches of a fixed sample count (``global_batch % (m * dp) == 0``) cut from the batch
-in order. Among those layouts the baseline is the best one by the same simulation over the same
+allows, and the largest such divisor of the global batch), and microbatches of a fixed sample
+count (``global_batch % (m * dp) == 0``) cut from the batch in order. Among those layouts the baseline is the best one by the same simulation over the same
 sampled batches (the mean-shape step picks which `simulate` of them are simulated), so the
 reported speedup is what data awareness buys over a tuned data-blind layout, not over a bad one.
 """
@@ -46,13 +46,13 @@ def baseline_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout]
             dp_max = W // (t * pp)
             if dp_max < 1:
                 break
-            launchable = [d for d in range(1, dp_max + 1) if cluster.launchable(t * pp * d, 0, t)]
-            if not launchable:
+            launchable = cluster.launchable_dps(t * pp, dp_max, t)
+            if len(launchable) == 0:
                 rejected.append(_row("rejected", "divisibility", f"replicas of {t * pp} GPUs (tp {t} x pp {pp}) fill "
                                      f"no whole {cluster.gpus_per_node}-GPU node", tp_v=t, tp_l=t, pp_l=pp))
                 continue
-            dividing = [d for d in launchable if B % d == 0]
-            dps = sorted({max(launchable), *dividing[-1:]})
+            dividing = launchable[B % launchable == 0]
+            dps = sorted({int(launchable[0]), *(int(d) for d in dividing[:1])})
             for dp in dps:
                 for m in space.microbatches:
                     if B % (m * dp):

@@ -102,6 +102,32 @@ class Cluster:
         g = self.gpus_per_node
         return ((world <= g) | (world % g == 0)) & (np.asarray(vision_ranks) % np.asarray(tp_l) == 0)
 
+    def launchable_dps(self, per_replica: int, dp_max: int, tp: int) -> np.ndarray:
+        """Replica counts <= dp_max of a colocated layout (`per_replica` GPUs each, TP `tp`) that
+        `launchable` allows, largest first."""
+        dps = np.arange(max(dp_max, 0), 0, -1)
+        return dps[self.launchable(dps * per_replica, 0, tp)]
+
+    def largest_launchable_vision_dp(self, dp_max, per_vision: int, llm_ranks, tp_l) -> np.ndarray:
+        """Per disjoint layout, the largest vision dp <= dp_max that `launchable` allows (0: none),
+        the LLM side holding `llm_ranks` ranks of TP `tp_l` after the vision ranks.
+
+        Whole-node layouts: the conditions on dp are congruences modulo divisors of
+        gpus_per_node, so their solutions repeat every gpus_per_node values and the largest lies in
+        the top window of that many. One-node layouts: the largest dp that keeps the world inside
+        one node.
+        """
+        dp_max, llm_ranks, tp_l = np.asarray(dp_max), np.asarray(llm_ranks), np.asarray(tp_l)
+        g = self.gpus_per_node
+        best = np.zeros_like(dp_max)
+        for k in range(g):  # the top window, largest first
+            d = dp_max - k
+            pick = (best == 0) & (d >= 1) & self.launchable(d * per_vision + llm_ranks, d * per_vision, tp_l)
+            best[pick] = d[pick]
+        step = tp_l // np.gcd(per_vision, tp_l)  # dp a multiple of this keeps vision ranks % tp_l == 0
+        in_node = np.minimum(dp_max, (g - llm_ranks) // per_vision) // step * step
+        return np.maximum(best, np.maximum(in_node, 0))
+
     def in_one_node(self, first_rank, n_ranks):
         """True where ranks [first_rank, first_rank + n_ranks) all sit in one node."""
         g = self.gpus_per_node

@@ -16,8 +16,8 @@ vision (tp_v, pp_v) the disjoint vision side takes every GPU the LLM leaves (``d
 fits, at most one vision replica per tile of the mean microbatch: more would idle). The colocated
 placement uses the largest ``dp_l`` that fits the cluster and the global batch (more replicas only
 shrink the bins). Either way only layouts `Cluster.launchable` allows are kept (whole nodes, LLM
-TP groups inside a node). Layouts of one group (placement, tp_v, pp_v, tp_l, pp_l, m) differ only in their
-dp split; `ScreenResult.groups` summarises each group for candidates.parquet.
+TP groups inside a node). Layouts of one group (placement, tp_v, pp_v, tp_l, pp_l, m) differ only
+in their dp split; `ScreenResult.groups` summarises each group for candidates.parquet.
 """
 
 from __future__ import annotations
@@ -170,13 +170,9 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
                 hi = min(max_dp, B // mb)
                 if hi < 1:
                     continue
-                if colocated:  # the largest dp that can be launched
-                    dp = next((d for d in range(hi, 0, -1) if cluster.launchable(t * p * d, 0, t)), None)
-                    if dp is None:
-                        continue
-                    dps = np.array([dp])
-                else:
-                    dps = np.arange(1, hi + 1)
+                dps = cluster.launchable_dps(t * p, hi, t)[:1] if colocated else np.arange(1, hi + 1)
+                if len(dps) == 0:
+                    continue
                 for key, val in (("tp", t), ("pp", p), ("m", mb)):
                     cols[key].append(np.full(len(dps), val))
                 cols["dp"].append(dps)
@@ -211,25 +207,6 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
             bottleneck[sel] = min_bottleneck_s(caps[ok], space.llm_layers, layer_s[sel], first_s[sel], last_s[sel],
                                                pp[sel])
     return _Side(tp, pp, dp, m, nu, layer_s, extras_s, max_extra_s, fits, bottleneck)
-
-
-def _largest_launchable_dp_v(dp_max: np.ndarray, per_vision: int, llm_ranks: np.ndarray, tp_l: np.ndarray,
-                             cluster: Cluster) -> np.ndarray:
-    """Per layout, the largest dp_v <= dp_max whose layout `Cluster.launchable` allows (0: none).
-
-    Whole-node layouts: the conditions on dp_v are congruences modulo divisors of gpus_per_node, so
-    their solutions repeat every gpus_per_node values and the largest lies in the top window of
-    that many. One-node layouts: the largest dp_v that keeps the world inside one node.
-    """
-    g = cluster.gpus_per_node
-    best = np.zeros_like(dp_max)
-    for k in range(g):  # the top window, largest first
-        d = dp_max - k
-        pick = (best == 0) & (d >= 1) & cluster.launchable(d * per_vision + llm_ranks, d * per_vision, tp_l)
-        best[pick] = d[pick]
-    step = tp_l // np.gcd(per_vision, tp_l)  # dp_v multiple of this keeps vision ranks % tp_l == 0
-    in_node = np.minimum(dp_max, (g - llm_ranks) // per_vision) // step * step
-    return np.maximum(best, np.maximum(in_node, 0))
 
 
 def _bound(m, p_total, t_vision, t_llm, sum_s, latency):
@@ -308,8 +285,8 @@ def screen(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, Mo
             table = _VisionTable(space, vm, tv, W, cluster.gpu_memory_bytes)
             for pv in range(1, space.vision_layers + 1):
                 free = W - full.tp * full.pp * full.dp
-                dp_v_all = _largest_launchable_dp_v(np.minimum(free // (tv * pv), dp_v_cap), tv * pv,
-                                                    full.tp * full.pp * full.dp, full.tp, cluster)
+                dp_v_all = cluster.largest_launchable_vision_dp(np.minimum(free // (tv * pv), dp_v_cap), tv * pv,
+                                                                full.tp * full.pp * full.dp, full.tp)
                 sel = np.flatnonzero(dp_v_all >= 1)
                 if len(sel) == 0:
                     if (free // (tv * pv)).max(initial=0) < 1:

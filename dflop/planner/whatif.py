@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.planner.cluster import Cluster
@@ -105,11 +107,11 @@ def scale_plan(plan: Plan, cluster: Cluster, global_batch: int) -> Plan:
     per_llm = lay.tp_l * lay.pp_l
     cap = global_batch // lay.m
     if lay.colocated:
-        dp = next((d for d in range(min(gpus // per_llm, cap), 0, -1)
-                   if cluster.launchable(d * per_llm, 0, lay.tp_l)), 0)
-        if dp < 1:
+        dps = cluster.launchable_dps(per_llm, min(gpus // per_llm, cap), lay.tp_l)
+        if len(dps) == 0:
             raise UserError(f"--gpus {gpus}: no replica count of this plan (tp {lay.tp_l} x pp {lay.pp_l} GPUs "
                             f"each) fills whole {gpus_per_node}-GPU nodes")
+        dp = int(dps[0])
         new = Layout("colocated", lay.tp_l, 1, dp, lay.tp_l, lay.pp_l, dp, lay.m)
         return Plan(new, plan.vision_layers, plan.llm_layers)
     per_vision = lay.tp_v * lay.pp_v
@@ -117,9 +119,10 @@ def scale_plan(plan: Plan, cluster: Cluster, global_batch: int) -> Plan:
         raise UserError(f"--gpus {gpus}: this disjoint plan needs at least {per_vision + per_llm} GPUs "
                         f"(one vision replica of {per_vision} and one LLM replica of {per_llm})")
     dp_l = max(1, min(round(lay.dp_l * gpus / lay.world_size), cap, (gpus - per_vision) // per_llm))
-    for dl in range(dp_l, 0, -1):  # the LLM side as close to the plan's share as can be launched
-        dv = next((d for d in range((gpus - dl * per_llm) // per_vision, 0, -1)
-                   if cluster.launchable(d * per_vision + dl * per_llm, d * per_vision, lay.tp_l)), 0)
+    dls = np.arange(dp_l, 0, -1)  # the LLM side as close to the plan's share as can be launched
+    dvs = cluster.largest_launchable_vision_dp((gpus - dls * per_llm) // per_vision, per_vision, dls * per_llm,
+                                               lay.tp_l)
+    for dl, dv in zip(dls.tolist(), dvs.tolist()):
         if dv:
             new = Layout("disjoint", lay.tp_v, lay.pp_v, dv, lay.tp_l, lay.pp_l, dl, lay.m)
             return Plan(new, plan.vision_layers, plan.llm_layers)
@@ -131,12 +134,13 @@ def scale_baseline(plan: Plan, cluster: Cluster, global_batch: int) -> Plan | No
     """The data-blind baseline on the GPUs of `cluster`, or None if no launchable dp keeps
     fixed-count microbatches."""
     lay = plan.layout
-    dp_max = cluster.world_size // (lay.tp_l * lay.pp_l)
-    dps = [d for d in range(dp_max, 0, -1)
-           if global_batch % (lay.m * d) == 0 and cluster.launchable(d * lay.tp_l * lay.pp_l, 0, lay.tp_l)]
-    if not dps:
+    per_replica = lay.tp_l * lay.pp_l
+    dps = cluster.launchable_dps(per_replica, cluster.world_size // per_replica, lay.tp_l)
+    dps = dps[global_batch % (lay.m * dps) == 0]
+    if len(dps) == 0:
         return None
-    new = Layout("colocated", lay.tp_l, 1, dps[0], lay.tp_l, lay.pp_l, dps[0], lay.m)
+    dp = int(dps[0])
+    new = Layout("colocated", lay.tp_l, 1, dp, lay.tp_l, lay.pp_l, dp, lay.m)
     return Plan(new, plan.vision_layers, plan.llm_layers)
 
 

@@ -45,7 +45,6 @@ class ParamInfo:
     tied_copy: bool
 
 
-
 class PendingSync:
     """Data-parallel all-reduces in flight: flat buckets to copy back into their gradients."""
 
@@ -61,6 +60,7 @@ class PendingSync:
             for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(synced)
         self._work.clear()
+
 
 class GradientSync:
     """Gradient all-reduces and the global norm of one rank's parameters."""

@@ -110,12 +110,14 @@ class AdaptiveCorrection:
         self.active = False
         self._track_s = 0.0  # EMA of bookkeeping seconds per step
 
+    #: Learned arrays by state-dict name -> the attribute holding {"vision": ..., "llm": ...}.
+    _STATE_ARRAYS = {"gram": "_gram", "rhs": "_rhs", "factors": "factors_"}
+
     def state_dict(self) -> dict:
         """The learned state as plain JSON-able values (saved in training checkpoints)."""
         return {"n_buckets": self.n_buckets, "n_obs": self.n_obs_, "active": self.active, "track_s": self._track_s,
                 **{f"{part}_{mod}": getattr(self, attr)[mod].tolist()
-                   for part, attr in (("gram", "_gram"), ("rhs", "_rhs"), ("factors", "factors_"))
-                   for mod in ("vision", "llm")}}
+                   for part, attr in self._STATE_ARRAYS.items() for mod in ("vision", "llm")}}
 
     def load_state_dict(self, state: dict) -> bool:
         """Restore `state_dict()`'s output. False, with this object untouched, if the state was
@@ -133,7 +135,7 @@ class AdaptiveCorrection:
         if any(value.shape != shapes[part] for (part, _), value in arrays.items()):
             return False
         for (part, mod), value in arrays.items():
-            getattr(self, {"gram": "_gram", "rhs": "_rhs", "factors": "factors_"}[part])[mod] = value
+            getattr(self, self._STATE_ARRAYS[part])[mod] = value
         self.n_obs_, self.active, self._track_s = scalars
         return True
 

@@ -79,15 +79,13 @@ def test_keep_returns_the_smallest_bounds(setup):
 
 @pytest.mark.parametrize("per_node", [2, 4, 8])
 def test_largest_launchable_vision_dp_equals_a_downward_scan(per_node):
-    from dflop.planner.screen import _largest_launchable_dp_v
-
     cluster = Cluster(nodes=16, gpus_per_node=per_node, gpu_memory_bytes=1e9)
     rng = np.random.default_rng(per_node)
     for per_vision in range(1, 9):
         tp_l = rng.choice([t for t in (1, 2, 4, 8) if per_node % t == 0], 60)
         llm_ranks = tp_l * rng.integers(1, 20, 60)
         dp_max = rng.integers(0, 40, 60)
-        got = _largest_launchable_dp_v(dp_max, per_vision, llm_ranks, tp_l, cluster)
+        got = cluster.largest_launchable_vision_dp(dp_max, per_vision, llm_ranks, tp_l)
         for i in range(60):
             scan = next((d for d in range(dp_max[i], 0, -1)
                          if cluster.launchable(d * per_vision + llm_ranks[i], d * per_vision, tp_l[i])), 0)
