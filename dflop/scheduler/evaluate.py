@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflop.costmodel.types import BatchCosts
-from dflop.sim import SimResult, simulate, simulate_dp
+from dflop.sim import SimResult, simulate, simulate_dp, simulate_dp_steps
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,15 @@ def simulate_times(times: StageTimes, order=None, *, p2p_s: float = 0.0, allredu
     """The exact 1F1B step of these stage times (vision stages coupled to every LLM replica)."""
     return simulate_dp(times.vision_fwd, times.vision_bwd, times.llm_fwd, times.llm_bwd,
                        order=order, p2p_s=p2p_s, allreduce_s=allreduce_s)
+
+
+def simulate_steps(times: list[StageTimes], orders: list[np.ndarray], *, p2p_s: float = 0.0,
+                   allreduce_s=0.0) -> np.ndarray:
+    """[C] exact 1F1B step seconds of ``times[c]`` run in ``orders[c]``, in one pass (equal to
+    `simulate_times` of each, bit for bit; all candidates must share the layout)."""
+    return simulate_dp_steps(np.stack([t.vision_fwd for t in times]), np.stack([t.vision_bwd for t in times]),
+                             np.stack([t.llm_fwd for t in times]), np.stack([t.llm_bwd for t in times]),
+                             np.stack(orders), p2p_s=p2p_s, allreduce_s=allreduce_s)
 
 
 def memory_ok(costs: BatchCosts, microbatch: np.ndarray, replica: np.ndarray, m: int, dp_llm: int,

@@ -76,24 +76,41 @@ def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weigh
     divided by it, so a microbatch of weight 0.5 is filled to about half the others.
     Returns bin_of: [n] bin index of every sample.
     """
+    return greedy_2d_many(sc, m, dp_llm, guard, [mb_weight])[0]
+
+
+def greedy_2d_many(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weights) -> np.ndarray:
+    """`greedy_2d` for several microbatch weightings at once: [K, n] bin_of, row k equal to
+    ``greedy_2d(..., mb_weights[k])`` (None = all 1).
+
+    The samples' order does not depend on the weighting, so the K runs advance in lockstep and
+    every numpy call serves all of them: the per-sample Python overhead is paid once, not K times.
+    """
     n_bins = m * dp_llm
-    mb_of_bin = np.arange(n_bins) // dp_llm
-    w_mb, w_bin = _weights(mb_weight, m, dp_llm)
-    weighted = mb_weight is not None
+    n_runs = len(mb_weights)
+    weighted = any(w is not None for w in mb_weights)
     tv, tl = _targets(sc, m, n_bins)
     size = np.maximum(sc.vision / tv, sc.llm / tl)
     order = np.argsort(-size, kind="stable")
-    Vb = np.full(n_bins, sc.vision_const)   # vision load of each bin's microbatch
-    L = np.full(n_bins, sc.llm_const)
-    tie = (Vb / tv + L / tl) / w_bin         # tie-break score, kept up to date
-    cur = max(sc.vision_const, sc.llm_const) / w_bin.min()
-    bin_of = np.empty(len(size), dtype=np.int64)
+    # Everything per bin is flat, [K * n_bins] with bin (k, b) at k * n_bins + b: numpy's per-call
+    # overhead, which is what this loop costs, is lowest on 1-D arrays. The [K, ...] views are
+    # made once, on the reused buffers.
+    w_bin = np.concatenate([_weights(w, m, dp_llm)[1] for w in mb_weights])
+    Vb = np.full(n_runs * n_bins, sc.vision_const)   # vision load of each bin's microbatch
+    L = np.full(n_runs * n_bins, sc.llm_const)
+    tie = (Vb / tv + L / tl) / w_bin                 # tie-break score, kept up to date
+    cur = (max(sc.vision_const, sc.llm_const) / w_bin.reshape(n_runs, n_bins).min(axis=1)).tolist()
+    cur_bins = np.repeat(cur, n_bins)                # each run's bottleneck, per bin
     if guard.active:
-        mem_l = np.zeros((guard.llm_bytes.shape[0], n_bins))
-        mem_v = np.zeros((guard.vision_bytes.shape[0], m))
+        mb_of_bin = np.arange(n_bins) // dp_llm
+        mem_l = np.zeros((n_runs, guard.llm_bytes.shape[0], n_bins))
+        mem_v = np.zeros((n_runs, guard.vision_bytes.shape[0], m))
+        llm_limit, vision_limit = guard.llm_limit[None, :, None], guard.vision_limit[None, :, None]
     vision, llm = sc.vision.tolist(), sc.llm.tolist()
-    key, with_llm = np.empty(n_bins), np.empty(n_bins)  # reused buffers: the loop runs n times
-    masked, ok = np.empty(n_bins), np.empty(n_bins, dtype=bool)
+    key, with_llm, masked = (np.empty_like(L) for _ in range(3))
+    ok = np.empty(L.shape, dtype=bool)
+    key_runs, masked_runs = key.reshape(n_runs, n_bins), masked.reshape(n_runs, n_bins)
+    picks = []
     for i in order.tolist():
         np.add(Vb, vision[i], out=key)
         np.add(L, llm[i], out=with_llm)
@@ -101,29 +118,38 @@ def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weigh
         if weighted:
             key /= w_bin
         if guard.active:
-            fits = ((mem_l + guard.llm_bytes[:, i:i + 1]) <= guard.llm_limit[:, None]).all(axis=0)
-            fits &= ((mem_v + guard.vision_bytes[:, i:i + 1]) <= guard.vision_limit[:, None]).all(axis=0)[mb_of_bin]
-            if not fits.any():
+            fits = ((mem_l + guard.llm_bytes[None, :, i:i + 1]) <= llm_limit).all(axis=1)
+            fits &= ((mem_v + guard.vision_bytes[None, :, i:i + 1]) <= vision_limit).all(axis=1)[:, mb_of_bin]
+            if not fits.any(axis=1).all():
                 raise MemoryGuardError(f"sample index {i}: fits in no bin under the per-stage memory limits")
-            key[~fits] = np.inf
+            key[~fits.reshape(-1)] = np.inf
         # Bins that keep the bottleneck where it is are all equally good: take the least loaded.
-        np.less_equal(key, cur, out=ok)
-        if ok.any():
-            masked.fill(np.inf)
-            np.copyto(masked, tie, where=ok)
-            b = int(masked.argmin())
-        else:
-            b = int(key.argmin())
-        j = b // dp_llm
-        bin_of[i] = b
-        cur = max(cur, float(key[b]))
-        L[b] += llm[i]
-        lo, hi = j * dp_llm, (j + 1) * dp_llm
-        Vb[lo:hi] += vision[i]
-        tie[lo:hi] = (Vb[lo:hi] / tv + L[lo:hi] / tl) / w_bin[lo:hi]
-        if guard.active:
-            mem_l[:, b] += guard.llm_bytes[:, i]
-            mem_v[:, j] += guard.vision_bytes[:, i]
+        np.less_equal(key, cur_bins, out=ok)
+        masked.fill(np.inf)
+        np.copyto(masked, tie, where=ok)
+        picked = masked_runs.argmin(axis=1).tolist()
+        # Per run, scalar updates: cheaper than fancy indexing for the few runs there are.
+        for k in range(n_runs):
+            base = k * n_bins
+            b = picked[k]
+            if masked[base + b] == np.inf:            # no such bin: the bottleneck must rise
+                b = picked[k] = int(key_runs[k].argmin())
+            if key[base + b] > cur[k]:
+                cur[k] = key[base + b]
+                cur_bins[base:base + n_bins] = cur[k]
+            L[base + b] += llm[i]
+            lo = base + b - b % dp_llm
+            Vb[lo:lo + dp_llm] += vision[i]
+            if guard.active:
+                mem_l[k, :, b] += guard.llm_bytes[:, i]
+                mem_v[k, :, b // dp_llm] += guard.vision_bytes[:, i]
+        picks.append(picked)
+        np.divide(Vb, tv, out=tie)
+        np.divide(L, tl, out=with_llm)
+        tie += with_llm
+        tie /= w_bin
+    bin_of = np.empty((n_runs, len(size)), dtype=np.int64)
+    bin_of[:, order] = np.array(picks, dtype=np.int64).reshape(len(picks), n_runs).T
     return bin_of
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflop.scheduler.evaluate import StageTimes, simulate_times
-from dflop.sim import SimResult
+from dflop.scheduler.evaluate import StageTimes, simulate_steps
 
 
 def candidate_orders(weight: np.ndarray) -> list[np.ndarray]:
@@ -42,17 +41,27 @@ def candidate_orders(weight: np.ndarray) -> list[np.ndarray]:
     return unique
 
 
-def best_order(times: StageTimes, *, p2p_s: float = 0.0, allreduce_s=0.0,
-               keep_identity: bool = False) -> tuple[np.ndarray, SimResult]:
-    """The candidate order with the shortest simulated step, and its simulation.
+def best_orders(members: list[StageTimes], *, p2p_s: float = 0.0, allreduce_s=0.0,
+                keep_identity: bool = False) -> list[tuple[np.ndarray, float]]:
+    """For each member's stage times, the candidate order with the shortest simulated step and
+    that step (seconds). Every member's candidates are simulated in one batched pass.
 
-    keep_identity: only simulate the order as built (for baselines, which run in batch order).
+    keep_identity: only score the order as built (for baselines, which run in batch order).
     """
-    m = times.llm_fwd.shape[2]
-    orders = [np.arange(m)] if keep_identity else candidate_orders(times.microbatch_weight())
-    best: tuple[np.ndarray, SimResult] | None = None
-    for order in orders:
-        result = simulate_times(times, order, p2p_s=p2p_s, allreduce_s=allreduce_s)
-        if best is None or result.step_s < best[1].step_s * (1 - 1e-12):
-            best = (order, result)
-    return best
+    if not members:
+        return []
+    m = members[0].llm_fwd.shape[2]
+    per_member = [[np.arange(m)] if keep_identity else candidate_orders(t.microbatch_weight()) for t in members]
+    flat_times = [t for t, orders in zip(members, per_member) for _ in orders]
+    steps = simulate_steps(flat_times, [o for orders in per_member for o in orders], p2p_s=p2p_s,
+                           allreduce_s=allreduce_s).tolist()
+    out, pos = [], 0
+    for orders in per_member:
+        best = None
+        for order, step in zip(orders, steps[pos:pos + len(orders)]):
+            if best is None or step < best[1] * (1 - 1e-12):
+                best = (order, step)
+        out.append(best)
+        pos += len(orders)
+    return out
+

@@ -36,9 +36,9 @@ import numpy as np
 from dflop.costmodel.types import BatchCosts
 from dflop.scheduler import baselines
 from dflop.scheduler.evaluate import lower_bound, memory_ok, scalar_costs, stage_times
-from dflop.scheduler.greedy import MemoryGuard, greedy_2d, local_search, lockstep_search, proxy
+from dflop.scheduler.greedy import MemoryGuard, greedy_2d_many, local_search, lockstep_search, proxy
 from dflop.scheduler.ilp import solve_ilp
-from dflop.scheduler.ordering import best_order
+from dflop.scheduler.ordering import best_orders
 
 POLICIES = ("dflop", "megatron", "llava_group", "lpt1d")
 
@@ -200,29 +200,38 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
     bound = lower_bound(costs, m, dp_llm, dp_vision, p2p_s=p2p_s, allreduce_s=allreduce_s)
     sc = scalar_costs(costs, m, dp_llm, dp_vision)
 
-    def finish(bin_of: np.ndarray, member: str, ilp_status: str = "not_run", keep_identity: bool = False,
-               tried=()):
-        mb, rep = bin_of // dp_llm, bin_of % dp_llm
-        order, result = best_order(stage_times(costs, mb, rep, m, dp_llm, dp_vision), p2p_s=p2p_s,
-                                   allreduce_s=allreduce_s, keep_identity=keep_identity)
-        return Partition(mb, rep, order, m, dp_llm, dp_vision, result.step_s, bound,
-                         proxy(sc, bin_of, m, dp_llm), policy, member, time.perf_counter() - t0, ilp_status,
-                         memory_ok(costs, mb, rep, m, dp_llm, dp_vision), tuple(tried))
+    def finish(named_bins, ilp_status: str = "not_run", keep_identity: bool = False) -> list[Partition]:
+        """Partitions of (member, bin_of) pairs, each in its best order (one batched simulation)."""
+        split = [(bin_of // dp_llm, bin_of % dp_llm) for _, bin_of in named_bins]
+        orders = best_orders([stage_times(costs, mb, rep, m, dp_llm, dp_vision) for mb, rep in split],
+                             p2p_s=p2p_s, allreduce_s=allreduce_s, keep_identity=keep_identity)
+        return [Partition(mb, rep, order, m, dp_llm, dp_vision, step, bound, proxy(sc, bin_of, m, dp_llm), policy,
+                          member, time.perf_counter() - t0, ilp_status, memory_ok(costs, mb, rep, m, dp_llm, dp_vision))
+                for (member, bin_of), (mb, rep), (order, step) in zip(named_bins, split, orders)]
 
     if policy == "megatron":
-        return finish(baselines.megatron(n, m, dp_llm), "megatron", keep_identity=True)
+        return finish([("megatron", baselines.megatron(n, m, dp_llm))], keep_identity=True)[0]
     if policy == "llava_group":
         length = np.asarray(lengths, dtype=np.float64) if lengths is not None else costs.llm_total()
         if length.shape != (n,):
             raise ValueError(f"lengths must have one entry per sample ({n}), got shape {length.shape}")
-        return finish(baselines.llava_group(length, costs.vision_total() > 0, m, dp_llm, seed), "llava_group",
-                      keep_identity=True)
+        return finish([("llava_group", baselines.llava_group(length, costs.vision_total() > 0, m, dp_llm, seed))],
+                      keep_identity=True)[0]
     if policy == "lpt1d":
-        return finish(baselines.lpt1d(costs.llm_total(), m, dp_llm), "lpt1d", keep_identity=True)
+        return finish([("lpt1d", baselines.lpt1d(costs.llm_total(), m, dp_llm))], keep_identity=True)[0]
 
     guard = MemoryGuard.from_costs(costs, dp_vision)
     guard.check_samples()
-    greedy = local_search(sc, greedy_2d(sc, m, dp_llm, guard), m, dp_llm, guard)
+    # The light-ends weightings (see module docstring) run in the same batched greedy pass.
+    p = costs.pp_vision + costs.pp_llm
+    end_members = []
+    if m >= 2 and (p - 1) / (m + p - 1) >= end_weights_min_bubble:
+        for w_first, w_last in end_weights:
+            weight = np.ones(m)
+            weight[0], weight[-1] = w_first, w_last
+            end_members.append((f"greedy_ends{w_first:g}/{w_last:g}", weight))
+    first_pass = greedy_2d_many(sc, m, dp_llm, guard, [None] + [w for _, w in end_members])
+    greedy = local_search(sc, first_pass[0], m, dp_llm, guard)
     members = [("greedy", greedy)]
     if dp_llm > 1:
         members.append(("greedy_aligned", align_replicas(greedy, sc.llm, m, dp_llm)))
@@ -231,13 +240,8 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
         if n / n_bins <= lockstep_items_per_bin:
             members.append(("lockstep", lockstep_search(sc, greedy, m, dp_llm)))
     members.append(("lpt1d", baselines.lpt1d(costs.llm_total(), m, dp_llm)))
-    p = costs.pp_vision + costs.pp_llm
-    if m >= 2 and (p - 1) / (m + p - 1) >= end_weights_min_bubble:
-        for w_first, w_last in end_weights:
-            weight = np.ones(m)
-            weight[0], weight[-1] = w_first, w_last
-            bins_w = local_search(sc, greedy_2d(sc, m, dp_llm, guard, weight), m, dp_llm, guard, mb_weight=weight)
-            members.append((f"greedy_ends{w_first:g}/{w_last:g}", bins_w))
+    for (name, weight), bins_w in zip(end_members, first_pass[1:]):
+        members.append((name, local_search(sc, bins_w, m, dp_llm, guard, mb_weight=weight)))
     length = np.asarray(lengths, dtype=np.float64) if lengths is not None else costs.llm_total()
     if length.shape != (n,):
         raise ValueError(f"lengths must have one entry per sample ({n}), got shape {length.shape}")
@@ -258,16 +262,15 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
         if res.status in ("optimal", "node_limit") and res.bin_of is not None:
             members.append(("ilp", res.bin_of))
 
-    best, tried = None, []
-    for name, bin_of in members:
-        if guard.active and not memory_ok(costs, bin_of // dp_llm, bin_of % dp_llm, m, dp_llm, dp_vision):
-            continue
-        cand = finish(bin_of, name, ilp_status)
-        tried.append((name, cand.step_s))
+    fitting = [(name, bin_of) for name, bin_of in members
+               if not guard.active or memory_ok(costs, bin_of // dp_llm, bin_of % dp_llm, m, dp_llm, dp_vision)]
+    best = None
+    candidates = finish(fitting, ilp_status)
+    for cand in candidates:
         if best is None or cand.step_s < best.step_s * (1 - 1e-12):
             best = cand
-    return replace(best, solve_s=time.perf_counter() - t0, candidates=tuple(tried))
-
+    return replace(best, solve_s=time.perf_counter() - t0,
+                   candidates=tuple((c.member, c.step_s) for c in candidates))
 
 def greedy_partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, p2p_s: float = 0.0,
                      allreduce_s=0.0) -> Partition:

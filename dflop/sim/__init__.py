@@ -2,7 +2,9 @@
 stages and data-parallel replicas, and a Gantt chart of a step."""
 
 from dflop.sim.gantt import plot_gantt
-from dflop.sim.pipeline import SCHEDULES, SimResult, simulate, simulate_dp, simulate_rows, stage_op_order
+from dflop.sim.pipeline import (SCHEDULES, SimResult, simulate, simulate_dp, simulate_dp_steps, simulate_rows,
+                                 stage_op_order)
 
-__all__ = ["SCHEDULES", "SimResult", "plot_gantt", "simulate", "simulate_dp", "simulate_rows",
+__all__ = ["SCHEDULES", "SimResult", "plot_gantt", "simulate", "simulate_dp", "simulate_dp_steps",
+           "simulate_rows",
            "stage_op_order"]

@@ -7,7 +7,7 @@ from dflop.costmodel.types import BatchCosts
 from dflop.scheduler import baselines
 from dflop.scheduler.costs import StageLayout
 from dflop.scheduler.evaluate import scalar_costs, simulate_times, stage_times
-from dflop.scheduler.greedy import MemoryGuard, MemoryGuardError, greedy_2d, local_search, proxy
+from dflop.scheduler.greedy import MemoryGuard, MemoryGuardError, greedy_2d, greedy_2d_many, local_search, proxy
 from dflop.scheduler.ilp import pipeline_estimate, solve_ilp
 from dflop.scheduler.partition import POLICIES, partition
 
@@ -46,6 +46,26 @@ def test_one_dimensional_lpt_meets_design_claim(make_costs):
     guard = MemoryGuard.from_costs(costs, dp)
     got = proxy(sc1d, local_search(sc1d, greedy_2d(sc1d, m, dp, guard), m, dp, guard), m, dp)
     assert got <= 1.005 * max(sc.llm.sum() / (m * dp), sc.llm.max())
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_batched_greedy_equals_separate_runs(make_costs, guarded):
+    """The weightings run in lockstep share numpy calls, never state: row k is the lone run."""
+    _, costs = make_costs(180, seed=11)
+    m, dp = 6, 3
+    sc = scalar_costs(costs, m, dp, dp)
+    guard = MemoryGuard.from_costs(costs, dp)
+    if guarded:   # limits that bind: 1.3x a perfectly even share
+        guard = MemoryGuard(guard.llm_bytes, 1.3 * guard.llm_bytes.sum(axis=1) / (m * dp), guard.vision_bytes,
+                            1.3 * guard.vision_bytes.sum(axis=1) / m, True)
+    weights = [None, np.r_[0.8, np.ones(m - 2), 0.6], np.linspace(0.5, 1.0, m)]
+    together = greedy_2d_many(sc, m, dp, guard, weights)
+    for row, w in zip(together, weights):
+        np.testing.assert_array_equal(row, greedy_2d(sc, m, dp, guard, w))
+    if guarded:
+        mb, rep = together[0] // dp, together[0] % dp
+        for k in range(costs.pp_llm):
+            assert np.bincount(mb * dp + rep, weights=guard.llm_bytes[k]).max() <= guard.llm_limit[k]
 
 
 def test_local_search_never_raises_the_proxy(make_costs):

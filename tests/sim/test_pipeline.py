@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dflop.sim import plot_gantt, simulate, simulate_dp
+from dflop.sim import plot_gantt, simulate, simulate_dp, simulate_dp_steps
 
 
 @pytest.mark.parametrize("p,m", [(1, 1), (1, 5), (2, 1), (3, 3), (4, 8), (5, 2), (8, 32)])
@@ -113,6 +113,30 @@ def test_heterogeneous_dp_matches_reference(seed):
     lat = float(rng.choice([0.0, 0.05]))
     result = simulate_dp(vf, vb, lf, lb, p2p_s=lat)
     assert result.makespan_s == pytest.approx(_reference_step(vf, vb, lf, lb, lat), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_steps_match_reference_per_candidate(seed):
+    """C candidates (own times, own order) in one pass == the fixed-point reference of each, and
+    == simulate_dp bit for bit (the portfolio compares candidates by exact step)."""
+    rng = np.random.default_rng(100 + seed)
+    n_vis, n_llm, n_rep, m = int(rng.integers(0, 3)), int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(1, 7))
+    n_cand = int(rng.integers(1, 6))
+    vf = rng.uniform(0.1, 2.0, (n_cand, n_vis, m))
+    lf = rng.uniform(0.1, 2.0, (n_cand, n_rep, n_llm, m))
+    vb, lb = 2 * vf * rng.uniform(0.8, 1.2, vf.shape), 2 * lf * rng.uniform(0.8, 1.2, lf.shape)
+    orders = np.stack([rng.permutation(m) for _ in range(n_cand)])
+    lat = float(rng.choice([0.0, 0.05]))
+    allreduce = rng.uniform(0.0, 0.3, n_vis + n_llm)
+    steps = simulate_dp_steps(vf, vb, lf, lb, orders, p2p_s=lat)
+    with_ar = simulate_dp_steps(vf, vb, lf, lb, orders, p2p_s=lat, allreduce_s=allreduce)
+    for c, o in enumerate(orders):
+        ref = _reference_step(vf[c][:, o], vb[c][:, o], lf[c][..., o], lb[c][..., o], lat)
+        assert steps[c] == pytest.approx(ref, rel=1e-12)
+        assert steps[c] == simulate_dp(vf[c], vb[c], lf[c], lb[c], p2p_s=lat, order=o).step_s
+        assert with_ar[c] == simulate_dp(vf[c], vb[c], lf[c], lb[c], p2p_s=lat, order=o, allreduce_s=allreduce).step_s
+    with pytest.raises(ValueError, match="permutations"):
+        simulate_dp_steps(vf, vb, lf, lb, np.zeros((n_cand, m), dtype=int) if m > 1 else orders[:, :0])
 
 
 def test_dp_coupling_never_faster_than_independent_replicas():
