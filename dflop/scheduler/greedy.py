@@ -170,7 +170,7 @@ def _subset(items: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
 
 def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard: MemoryGuard, *,
                  mb_weight=None, max_iters: int = 400, n_sources: int = 24, n_partner_bins: int = 8,
-                 tol: float = 1e-3) -> np.ndarray:
+                 tol: float = 2e-3) -> np.ndarray:
     """Repeatedly take the bottleneck (a bin's LLM load or a microbatch's vision load) and apply
     the move of one of its samples to another bin, or the swap with a sample in one of the
     lightest bins, that most lowers the largest load it touches. Stops when no move lowers it.
