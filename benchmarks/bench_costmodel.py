@@ -1,7 +1,7 @@
 """Held-out error of the fitted cost models on real profiles: profile a preset, fit, report.
 
     python benchmarks/bench_costmodel.py [--presets tiny small] [--timer wall|thread-cpu]
-        [--time-budget-s 60] [--repeats 5] [--out-dir results/bench/costmodel] [--reuse]
+        [--time-budget-s 60] [--repeats 9] [--out-dir results/bench/costmodel] [--reuse]
 
 For each preset (LLaVA-OV: ``tiny`` = siglip-tiny + qwen2.5-tiny, ``small`` = siglip-small +
 qwen2.5-small, ~10M + 48M parameters) it runs the model profiler at TP=1 on this machine's CPU with
@@ -115,7 +115,8 @@ def main(argv=None) -> None:
     ap.add_argument("--presets", nargs="+", choices=sorted(PRESETS), default=["tiny", "small"])
     ap.add_argument("--timer", choices=["wall", "thread-cpu"], default="wall")
     ap.add_argument("--time-budget-s", type=float, default=60.0, help="profiler refinement budget per preset")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9,
+                    help="timed runs per shape, taken in as many interleaved passes (see the profiler)")
     ap.add_argument("--out-dir", type=Path, default=Path("results/bench/costmodel"))
     ap.add_argument("--reuse", action="store_true", help="fit existing profiles in --out-dir instead of profiling")
     args = ap.parse_args(argv)

@@ -83,7 +83,8 @@ def cmd_profile_model(args: argparse.Namespace) -> None:
         cfg.model.arch, cfg.model.vision, cfg.model.llm, args.out,
         weights_dir=cfg.model.weights, device=prof["device"], dtype=cfg.model.dtype,
         tp_degrees=prof["tp_degrees"], max_tiles=prof["max_tiles"], max_seq_len=prof["max_seq_len"],
-        repeats=prof["repeats"], warmup=prof["warmup"], time_budget_s=prof["time_budget_s"],
+        repeats=prof["repeats"], warmup=prof["warmup"], min_measure_ms=prof["min_measure_ms"],
+        max_repeats=prof["max_repeats"], time_budget_s=prof["time_budget_s"],
         seed=cfg.seed,
     )
 

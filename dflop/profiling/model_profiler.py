@@ -9,8 +9,12 @@ refinement). Modules and shapes are described in `dflop.profiling.model_modules`
 param/grad/optim bytes are exact from the module, act_bytes is exact (tensors saved for
 backward, `_memory.saved_tensor_bytes`), peak_bytes is the CUDA allocator peak during forward +
 backward above what was allocated before it (NaN on CPU). Times are milliseconds: CUDA events on
-GPU, perf_counter on CPU, after `warmup` (at least 1) untimed runs; every repeat is stored (the
-cost models take the median).
+GPU, perf_counter on CPU, after `warmup` (at least 1) untimed runs, `repeats` of them or more for
+light shapes (until they add up to `min_measure_ms`, at most `max_repeats`); every repeat is stored
+(the cost models take the median). A round's repeats are taken in interleaved passes over all its
+shapes, so a seconds-long slow phase of the machine touches one repeat of many shapes rather than
+every repeat of one (`_measure_round`). Before the first shape, every curve's largest shape runs
+once untimed, so the process's memory is warmed up before anything is timed.
 
 TP degree 1 runs in this process; TP > 1 runs in ``tp`` worker processes launched with torchrun
 (`dflop.profiling.model_tp_worker`; gloo and one thread per rank on CPU, NCCL on GPU); rank 0
@@ -22,13 +26,14 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -67,6 +72,10 @@ class ProfileSettings:
         refinement stops once it is spent.
     tol: relative interpolation error that makes the grid refine an interval; misses smaller
         than abs_tol_ms or than the repeats' interquartile range are noise and never do.
+    repeats: timed runs per shape at least, and the number of interleaved passes a round makes
+        over its shapes; min_measure_ms: a shape whose first run (forward + backward) times
+        `repeats` is less than this gets more runs, up to max_repeats, so the median of a light
+        module is not at the mercy of one or two disturbed runs.
     """
 
     max_tiles: int = 16
@@ -74,6 +83,8 @@ class ProfileSettings:
     min_seq_len: int = 32
     repeats: int = 5
     warmup: int = 2
+    min_measure_ms: float = 50.0
+    max_repeats: int = 40
     time_budget_s: float = 120.0
     tol: float = 0.05
     abs_tol_ms: float = 0.05
@@ -87,6 +98,9 @@ class ProfileSettings:
             raise UserError(f"profile.max_seq_len ({self.max_seq_len}) must be >= min_seq_len ({self.min_seq_len})")
         if self.repeats < 1 or self.warmup < 0:
             raise UserError(f"profile.repeats must be >= 1 and warmup >= 0, got {self.repeats}, {self.warmup}")
+        if self.max_repeats < self.repeats or self.min_measure_ms < 0:
+            raise UserError(f"profile.max_repeats ({self.max_repeats}) must be >= repeats ({self.repeats}) and "
+                            f"min_measure_ms >= 0, got {self.min_measure_ms}")
         if self.time_budget_s <= 0:
             raise UserError(f"profile.time_budget_s must be > 0, got {self.time_budget_s}")
 
@@ -106,6 +120,8 @@ def profile_model(
     min_seq_len: int = 32,
     repeats: int = 5,
     warmup: int = 2,
+    min_measure_ms: float = 50.0,
+    max_repeats: int = 40,
     time_budget_s: float = 120.0,
     cpu_threads: int = 1,
     progress: bool = True,
@@ -119,7 +135,8 @@ def profile_model(
     Returns the table that was written.
     """
     settings = ProfileSettings(max_tiles=max_tiles, max_seq_len=max_seq_len, min_seq_len=min_seq_len,
-                               repeats=repeats, warmup=warmup, time_budget_s=time_budget_s)
+                               repeats=repeats, warmup=warmup, min_measure_ms=min_measure_ms,
+                               max_repeats=max_repeats, time_budget_s=time_budget_s)
     settings.check()
     config = model_config(arch, vision, llm, weights_dir=weights_dir)
     resolve_dtype(dtype)
@@ -261,30 +278,141 @@ def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) ->
               for bench in benches for axis, fixed, curve in _curves(bench, spec, config, settings)]
     rows: list[dict] = []
     began = time.perf_counter()
+
+    def over_budget() -> bool:
+        (over,) = sync.agree(time.perf_counter() - began > settings.time_budget_s)
+        return bool(over)
+
+    _warm_up(curves, sync, timer)
     bar = tqdm(total=0, desc=f"profile TP={common['tp']}", unit="shape", disable=not progress, leave=False)
     for round_ in range(settings.max_refine_rounds + 1):
-        todo = [(bench, axis, fixed, curve, x) for bench, axis, fixed, curve in curves for x in curve.next_points()]
-        if not todo:
+        shapes = [_Shape(bench, curve, x, *((x, fixed) if axis == "batch" else (fixed, x)))
+                  for bench, axis, fixed, curve in curves for x in curve.next_points()]
+        if not shapes or (round_ > 0 and over_budget()):
+            if shapes:
+                log.info("TP=%d: time budget of %.0f s spent; refinement stopped before round %d",
+                         common["tp"], settings.time_budget_s, round_)
             break
-        bar.total += len(todo)
+        bar.total += len(shapes)
         bar.refresh()
-        for bench, axis, fixed, curve, x in todo:
-            if round_ > 0:
-                (over,) = sync.agree(time.perf_counter() - began > settings.time_budget_s)
-                if over:
-                    log.info("TP=%d: time budget of %.0f s spent; refinement stopped in round %d",
-                             common["tp"], settings.time_budget_s, round_)
-                    bar.close()
-                    return rows
-            batch, seq_len = (x, fixed) if axis == "batch" else (fixed, x)
-            measured = _measure(bench, batch, seq_len, settings, sync, timer)
-            totals = [r["fwd_ms"] + r["bwd_ms"] for r in measured]
-            curve.record(x, *sync.agree(statistics.median(totals), _scatter(totals)))
-            rows.extend(dict(r, **common, module=bench.name, batch=batch, seq_len=seq_len, n_layers=bench.n_layers,
-                             round=round_) for r in measured)
+        _measure_round(shapes, settings, sync, timer, stop_early=over_budget if round_ > 0 else None)
+        for shape in shapes:
+            totals = [r["fwd_ms"] + r["bwd_ms"] for r in shape.timed]
+            shape.curve.record(shape.x, *sync.agree(statistics.median(totals), _scatter(totals)))
+            rows.extend(dict(r, **common, **shape.sizes, act_bytes=shape.act_bytes, repeat=k, module=shape.bench.name,
+                             batch=shape.batch, seq_len=shape.seq_len, n_layers=shape.bench.n_layers, round=round_)
+                        for k, r in enumerate(shape.timed))
             bar.update()
     bar.close()
     return rows
+
+
+@dataclass
+class _Shape:
+    """One shape of one module's curve, and what has been measured of it so far."""
+
+    bench: ModuleBench
+    curve: AdaptiveCurve
+    x: int
+    batch: int
+    seq_len: int
+    timed: list[dict] = field(default_factory=list)
+    act_bytes: int | None = None
+    sizes: dict = field(default_factory=dict)
+
+
+def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankSync, timer: Timer, *,
+                   stop_early=None) -> None:
+    """Time every shape of a round in `settings.repeats` interleaved passes over all of them.
+
+    The development CPUs slow down by up to 1.5x for seconds at a time (another tenant on the
+    core: a fixed shape flips between 4.8 and 7.1 ms in phases of 1-4 s, with the process doing
+    nothing else), so a shape's back-to-back repeats can all land in one slow phase and the fit
+    reads the hump as a bend. Spread over the round's passes, the repeats sample several phases
+    and the median lands in the common one. Pass 0 runs max(warmup, 1) untimed runs (the first
+    counts the activation bytes) and one timed run per shape, which also decides how many timed
+    runs the shape gets: `repeats`, or more up to `max_repeats` until they add up to
+    `min_measure_ms` (rank 0's count, so the ranks' barriers stay paired). Later passes take
+    their share of the rest without warming up again (the tiny model's runs showed no first-run
+    effect on returning to a shape, and re-warming doubled the cost of heavy shapes). `stop_early()` is asked between
+    passes; when it says so, every shape keeps the runs it has (at least one).
+    """
+    passes = settings.repeats
+    wanted = []
+    for shape in shapes:
+        _run_shape(shape, max(settings.warmup, 1), 1, sync, timer)
+        pace = shape.timed[0]["fwd_ms"] + shape.timed[0]["bwd_ms"]
+        count = max(settings.repeats, math.ceil(settings.min_measure_ms / max(pace, 1e-6)))
+        (count,) = sync.agree(float(min(count, settings.max_repeats)))
+        wanted.append(int(count))
+    for pass_ in range(1, passes):
+        if stop_early is not None and stop_early():
+            return
+        for shape, count in zip(shapes, wanted):
+            share = _share(count - 1, passes - 1, pass_ - 1)
+            if share:
+                _run_shape(shape, 0, share, sync, timer)
+    if passes == 1:
+        for shape, count in zip(shapes, wanted):
+            if count > 1:
+                _run_shape(shape, 0, count - 1, sync, timer)
+
+
+def _share(total: int, parts: int, index: int) -> int:
+    """Part `index` of `total` split into `parts` near-equal parts (the larger ones first)."""
+    return total // parts + (1 if index < total % parts else 0)
+
+
+def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: Timer) -> None:
+    """`untimed` then `timed` forward + backward runs of one shape on fresh (seeded, identical on
+    every rank and every pass) inputs; the first untimed run ever, under saved-tensor hooks, gives
+    the exact activation bytes."""
+    bench = shape.bench
+    torch.manual_seed(shape.batch * 1_000_003 + shape.seq_len)  # same inputs on every rank
+    inputs = bench.make_inputs(shape.batch, shape.seq_len)
+    params = list(bench.module.parameters())
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not shape.sizes:
+        shape.sizes = dict(param_bytes=param_bytes(bench.module), grad_bytes=grad_bytes(bench.module),
+                           optim_bytes=adam_state_bytes(bench.module))
+    cuda = timer.cuda
+
+    def run() -> dict:
+        for t in params + leaves:
+            t.grad = None
+        sync.barrier()
+        timer.synchronize()
+        if cuda:
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        if shape.act_bytes is None:
+            with saved_tensor_bytes(exclude=params) as saved:
+                out, fwd_ms = timer(lambda: bench.forward(*inputs))
+            shape.act_bytes = saved.bytes
+        else:
+            out, fwd_ms = timer(lambda: bench.forward(*inputs))
+        seed = None if out.dim() == 0 else torch.randn_like(out)
+        sync.barrier()
+        _, bwd_ms = timer(functools.partial(out.backward, seed))
+        peak = float(torch.cuda.max_memory_allocated() - base) if cuda else float("nan")
+        return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, peak_bytes=peak)
+
+    for _ in range(untimed):
+        run()
+    shape.timed += [run() for _ in range(timed)]
+
+
+def _warm_up(curves, sync: _RankSync, timer: Timer) -> None:
+    """Run every curve's largest shape once, untimed, before anything is measured.
+
+    Without this the coarse round, which runs first and grows the process's heap (and, on GPU,
+    the caching allocator's pool) shape by shape, measured up to 1.5x slower than later rounds
+    at the same shapes (tiny vision layer, CPU: 1.22 ms at 8 tiles in round 0, 0.77 ms at 9 in
+    round 2), a drift no number of per-shape warm-ups removes and the fit then reads as a bend.
+    """
+    for bench, axis, fixed, curve in curves:
+        x = max(curve.coarse)
+        _run_shape(_Shape(bench, curve, x, *((x, fixed) if axis == "batch" else (fixed, x))), 1, 0, sync, timer)
 
 
 def _scatter(values: list[float]) -> float:
@@ -293,44 +421,6 @@ def _scatter(values: list[float]) -> float:
         return 0.0
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q3 - q1
-
-
-def _measure(bench: ModuleBench, batch: int, seq_len: int, settings: ProfileSettings, sync: _RankSync,
-             timer: Timer) -> list[dict]:
-    """`settings.repeats` timed forward + backward runs of one shape, after max(warmup, 1) untimed
-    runs (the first of them, run under saved-tensor hooks, gives the exact activation bytes)."""
-    torch.manual_seed(batch * 1_000_003 + seq_len)  # same inputs on every rank
-    inputs = bench.make_inputs(batch, seq_len)
-    params = list(bench.module.parameters())
-    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    sizes = dict(param_bytes=param_bytes(bench.module), grad_bytes=grad_bytes(bench.module),
-                 optim_bytes=adam_state_bytes(bench.module))
-
-    untimed = max(settings.warmup, 1)  # the first untimed run also counts the activation bytes
-    cuda = timer.cuda
-    rows = []
-    for i in range(untimed + settings.repeats):
-        for t in params + leaves:
-            t.grad = None
-        sync.barrier()
-        timer.synchronize()
-        if cuda:
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        if i == 0:
-            with saved_tensor_bytes(exclude=params) as saved:
-                out, fwd_ms = timer(lambda: bench.forward(*inputs))
-        else:
-            out, fwd_ms = timer(lambda: bench.forward(*inputs))
-        seed = None if out.dim() == 0 else torch.randn_like(out)
-        sync.barrier()
-        _, bwd_ms = timer(functools.partial(out.backward, seed))
-        peak = float(torch.cuda.max_memory_allocated() - base) if cuda else float("nan")
-        del out, seed
-        if i >= untimed:
-            rows.append(dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, act_bytes=saved.bytes, peak_bytes=peak,
-                             repeat=i - untimed, **sizes))
-    return rows
 
 
 # ---------------------------------------------------------------- TP > 1: torchrun workers

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import pytest
 import torch
@@ -9,12 +11,14 @@ import torch
 from dflop.errors import UserError
 from dflop.models.builder import model_config
 from dflop.models.info import model_info
+from dflop.profiling import model_profiler
+from dflop.profiling.model_grid import AdaptiveCurve
 from dflop.profiling.model_profiler import COLUMNS, modules_for_tp, profile_model, summarize
 
 CONTRACT = ["module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
             "peak_bytes", "device", "dtype", "repeat"]
-SMALL_GRID = dict(max_tiles=4, max_seq_len=128, min_seq_len=16, repeats=2, warmup=1, time_budget_s=5.0,
-                  progress=False)
+SMALL_GRID = dict(max_tiles=4, max_seq_len=128, min_seq_len=16, repeats=2, warmup=1, min_measure_ms=40.0,
+                  max_repeats=4, time_budget_s=60.0, progress=False)
 
 
 @pytest.fixture(scope="module", params=[("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
@@ -34,8 +38,11 @@ def test_table_has_the_contract_columns_and_one_row_per_repeat(profiled):
     assert not [p for p in out.parent.iterdir() if p.name != out.name]  # no temp files left behind
     assert set(table["module"]) == {"vision_embed", "vision_layer", "projector", "llm_embed", "llm_layer",
                                     "llm_attention", "llm_head"}
-    per_shape = table.groupby(["module", "tp", "batch", "seq_len"])["repeat"].agg(sorted)
-    assert all(r == [0, 1] for r in per_shape)
+    for shape, runs in table.groupby(["module", "tp", "batch", "seq_len"]):
+        # 2 repeats, or as many as make 40 ms at the first run's pace, at most 4.
+        first = runs[runs["repeat"] == 0].iloc[0]
+        wanted = max(2, min(4, math.ceil(40.0 / (first["fwd_ms"] + first["bwd_ms"]))))
+        assert sorted(runs["repeat"]) == list(range(wanted)), shape
     assert (table["fwd_ms"] > 0).all() and (table["bwd_ms"] > 0).all()
     assert table["peak_bytes"].isna().all() and set(table["device"]) == {"cpu"}
     assert set(table["dtype"]) == {"float32"} and set(table["tp"]) == {1}
@@ -107,6 +114,53 @@ def test_bad_settings_are_one_line_errors(tmp_path):
         profile_model("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", device="tpu")
     with pytest.raises(UserError, match="profile.max_seq_len"):
         profile_model("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", max_seq_len=8)
+    with pytest.raises(UserError, match=r"profile.max_repeats \(3\) must be >= repeats \(5\)"):
+        profile_model("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", max_repeats=3)
     with pytest.raises(UserError, match="no degree divides"):
         profile_model("internvl", "internvit-6b", "qwen2.5-7b", tmp_path / "p.parquet", tp_degrees=(3,))
     assert not (tmp_path / "p.parquet").exists()
+
+
+def test_a_rounds_repeats_are_interleaved_across_its_shapes():
+    """Repeats are spread over passes through all of a round's shapes (a slow phase of the
+    machine then hits one repeat of many shapes, not every repeat of one): with 3 repeats the
+    timed runs go A B C, A B C, A B C; only the first pass has untimed warm-up runs."""
+    from dflop.profiling.model_modules import ModuleBench
+    from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape
+    from dflop.models.tensor_parallel import TPGroup
+    from dflop.profiling._timing import Timer
+
+    calls = []
+    layer = torch.nn.Linear(4, 4)
+
+    def bench(name):
+        def forward(x):
+            calls.append(name)
+            return layer(x).sum()
+        return ModuleBench(name, layer, lambda b, s: (torch.randn(b, s, 4, requires_grad=True),), forward)
+
+    shapes = [_Shape(bench(n), None, 1, 1, 8) for n in "ABC"]
+    settings = ProfileSettings(repeats=3, warmup=2, min_measure_ms=0.0, max_repeats=3)
+    _measure_round(shapes, settings, _RankSync(TPGroup(0, 1), torch.device("cpu")), Timer(torch.device("cpu")))
+    untimed_then_timed = "AAABBBCCC" + "ABC" * 2
+    assert "".join(calls) == untimed_then_timed
+    assert [len(s.timed) for s in shapes] == [3, 3, 3]
+    assert all(s.act_bytes == 8 * 4 * 4 for s in shapes)  # the Linear saves its input
+
+
+class _AlwaysBentCurve(AdaptiveCurve):
+    """A curve that wants every coarse interval refined, whatever was measured."""
+
+    def _bent_coarse_intervals(self):
+        return [(a, b) for a, b in zip(self.coarse, self.coarse[1:]) if self._splittable(a, b)]
+
+
+def test_spent_time_budget_stops_refinement_after_the_coarse_round(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(model_profiler, "AdaptiveCurve", _AlwaysBentCurve)
+    settings = dict(SMALL_GRID, time_budget_s=1e-6)
+    with caplog.at_level("INFO", logger="dflop.profiling.model_profiler"):
+        table = profile_model("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet",
+                              tp_degrees=(1,), **settings)
+    assert set(table["round"]) == {0}
+    assert "time budget of 0 s spent; refinement stopped before round 1" in caplog.text
+    assert (table.groupby(["module", "batch", "seq_len"]).size() >= 2).all()  # coarse shapes are complete
