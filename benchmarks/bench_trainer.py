@@ -1,10 +1,11 @@
 """Measured step time and pipeline idle time: data-blind baseline vs the DFLOP policy, one pipeline.
 
-    python benchmarks/bench_trainer.py [--steps 8] [--warmup 2] [--batch 16] [--microbatches 4]
-        [--out-dir results/bench/trainer] [--costmodel PATH | --analytic]
+    python benchmarks/bench_trainer.py [--preset tiny|small] [--layout pp2] [--steps 8] [--warmup 2]
+        [--batch 16] [--microbatches 4] [--out-dir results/bench/trainer] [--costmodel PATH | --analytic]
 
-The demo dataset (300 samples) on a real 3-rank pipeline: vision tower on rank 0, the LLM in two
-pipeline stages on ranks 1-2 (gloo, one torch thread per rank), tiny LLaVA-OV model. Every rank
+The demo dataset (300 samples) on a real pipeline of 2-3 ranks (`--layout`; default: vision tower
+on rank 0, the LLM in two pipeline stages on ranks 1-2; gloo, one torch thread per rank), LLaVA-OV
+model of the `bench_costmodel.py` preset (tiny: 2 + 2 layers; small: 6 + 8 layers). Every rank
 holds three trainers with the same seed and the same global batches, and runs them in turn on
 each batch (rotating which goes first), so all three see the same machine load:
 
@@ -33,11 +34,20 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_costmodel import PRESETS  # noqa: E402  (the presets the cost-model benchmark fits)
+
 VARIANTS = ("baseline-pad", "baseline", "dflop")
 
 
-def prepare(out: Path, n_samples: int, costmodel: str | None, analytic: bool) -> tuple[Path, Path, str | None]:
-    """Demo data, its shapes and a cost model (made once, reused)."""
+def model_section(preset: str) -> dict:
+    arch, vision, llm = PRESETS[preset]
+    return {"arch": arch, "vision": vision, "llm": llm}
+
+
+def prepare(out: Path, n_samples: int, preset: str, costmodel: str | None,
+            analytic: bool) -> tuple[Path, Path, str | None]:
+    """Demo data, its shapes for the preset's vision tower and a cost model (made once, reused)."""
     from dflop.config import Config
     from dflop.data.demo import make_demo_data
     from dflop.profiling.data_profiler import profile_data
@@ -45,16 +55,19 @@ def prepare(out: Path, n_samples: int, costmodel: str | None, analytic: bool) ->
     manifest = out / "demo" / "demo.json"
     if not manifest.exists():
         make_demo_data(out / "demo", n_samples=n_samples, seed=0)
-    shapes = out / "shapes.parquet"
+    shapes = out / preset / "shapes.parquet"
     if not shapes.exists():
-        cfg = Config.from_dict({"data": {"datasets": [{"name": "demo", "path": str(manifest)}]}})
-        profile_data(cfg, shapes_path=shapes, histograms_path=out / "histograms.parquet", workers=1, progress=False)
+        shapes.parent.mkdir(parents=True, exist_ok=True)
+        cfg = Config.from_dict({"model": model_section(preset),
+                                "data": {"datasets": [{"name": "demo", "path": str(manifest)}]}})
+        profile_data(cfg, shapes_path=shapes, histograms_path=shapes.parent / "histograms.parquet", workers=1,
+                     progress=False)
     if analytic:
         return manifest, shapes, None
     if costmodel is None:
-        costmodel = str(out / "costmodel" / "tiny" / "costmodel.json")
+        costmodel = str(out / "costmodel" / preset / "costmodel.json")
         if not Path(costmodel).exists():
-            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_costmodel.py"), "--presets", "tiny",
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_costmodel.py"), "--presets", preset,
                             "--timer", "thread-cpu", "--time-budget-s", "60", "--out-dir", str(out / "costmodel")],
                            check=True)
     return manifest, shapes, costmodel
@@ -69,21 +82,25 @@ LAYOUTS = {
 }
 
 
-def plan_dict(layout: str, llm_layers: list[int], microbatches: int, batch: int) -> dict:
+def plan_dict(layout: str, vision_layers: int, llm_layers: list[int], microbatches: int, batch: int) -> dict:
     placement, pp, dp, _ = LAYOUTS[layout]
     world = pp * dp + (1 if placement == "disjoint" else 0)
-    return {"vision": {"tp": 1, "pp": 1, "dp": 1 if placement == "disjoint" else dp, "layers_per_stage": [2]},
+    return {"vision": {"tp": 1, "pp": 1, "dp": 1 if placement == "disjoint" else dp,
+                       "layers_per_stage": [vision_layers]},
             "llm": {"tp": 1, "pp": pp, "dp": dp, "layers_per_stage": llm_layers},
             "placement": placement, "microbatches": microbatches, "global_batch_size": batch, "world_size": world}
 
 
-def splits(layout: str) -> list[list[int]]:
-    """Candidate LLM layer splits of the 2-layer tiny LLM (the uniform one first)."""
-    return [[1, 1], [2, 0], [0, 2]] if LAYOUTS[layout][1] == 2 else [[2]]
+def splits(layout: str, n_layers: int) -> list[list[int]]:
+    """Candidate LLM layer splits (the uniform one, the baseline's, first)."""
+    if LAYOUTS[layout][1] == 1:
+        return [[n_layers]]
+    half = n_layers // 2
+    return [[half, n_layers - half]] + [[k, n_layers - k] for k in range(n_layers + 1) if k != half]
 
 
 def choose_split(shapes: Path, costmodel: str | None, microbatches: int, batch: int, seed: int,
-                 layout: str) -> list[int]:
+                 layout: str, vision_layers: int, llm_layers: int) -> list[int]:
     """The LLM layer split with the best mean predicted step over sampled batches (the plan)."""
     from dflop.runtime.batches import GlobalBatches
     from dflop.runtime.plan import plan_from_dict
@@ -93,8 +110,8 @@ def choose_split(shapes: Path, costmodel: str | None, microbatches: int, batch: 
     pool = load_pool(shapes)
     batches = GlobalBatches(len(pool), batch, seed)
     best = None
-    for split in splits(layout):
-        plan = plan_from_dict(plan_dict(layout, split, microbatches, batch))
+    for split in splits(layout, llm_layers):
+        plan = plan_from_dict(plan_dict(layout, vision_layers, split, microbatches, batch))
         costs_fn = make_costs_fn(plan, costmodel, float("inf"))
         dp_vision = 1 if plan.colocated else plan.vision.dp
         steps = [partition(costs_fn(pool.iloc[batches.rows(s)].reset_index(drop=True)), microbatches, plan.llm.dp,
@@ -208,28 +225,35 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", choices=list(LAYOUTS), default="pp2", help="the ranks' grid (same for all variants)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model (bench_costmodel.py presets)")
     parser.add_argument("--budget-ms", type=float, default=50.0, help="scheduler ILP budget per batch")
     parser.add_argument("--live-scheduler", action="store_true",
                         help="solve while training (its thread shares rank 0's CPU) instead of before")
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench/trainer"))
-    parser.add_argument("--costmodel", help="costmodel.json (default: profile + fit the tiny model here)")
+    parser.add_argument("--costmodel", help="costmodel.json (default: profile + fit the preset here)")
     parser.add_argument("--analytic", action="store_true", help="use the analytic stand-in cost model")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker)
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    manifest, shapes, costmodel = prepare(out, args.samples, args.costmodel, args.analytic)
-    split = choose_split(shapes, costmodel, args.microbatches, args.batch, args.seed, args.layout)
-    uniform = plan_dict(args.layout, splits(args.layout)[0], args.microbatches, args.batch)
+    from dflop.models.info import model_info
+
+    manifest, shapes, costmodel = prepare(out, args.samples, args.preset, args.costmodel, args.analytic)
+    info = model_info(*PRESETS[args.preset])
+    split = choose_split(shapes, costmodel, args.microbatches, args.batch, args.seed, args.layout,
+                         info.vision_layers, info.llm_layers)
+    uniform = plan_dict(args.layout, info.vision_layers, splits(args.layout, info.llm_layers)[0],
+                        args.microbatches, args.batch)
     world = uniform["world_size"]
-    spec = {"config": {"run": {"seed": args.seed}, "data": {"datasets": [{"name": "demo", "path": str(manifest)}]},
+    spec = {"config": {"run": {"seed": args.seed}, "model": model_section(args.preset),
+                       "data": {"datasets": [{"name": "demo", "path": str(manifest)}]},
                        "train": {"global_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0},
                        "scheduler": {"budget_ms": args.budget_ms, "prefetch": 2}},
             "shapes": str(shapes), "costmodel": costmodel, "steps": args.steps, "warmup": args.warmup,
             "live_scheduler": args.live_scheduler,
             "plans": {"baseline-pad": uniform, "baseline": uniform,
-                      "dflop": plan_dict(args.layout, split, args.microbatches, args.batch)},
+                      "dflop": plan_dict(args.layout, info.vision_layers, split, args.microbatches, args.batch)},
             "result": str(out / "steps.json")}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -237,7 +261,8 @@ def main() -> int:
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                     str(Path(__file__).resolve()), "--worker", str(out / "spec.json")], check=True, env=env)
     rows = json.loads((out / "steps.json").read_text())
-    print(f"{world} ranks ({LAYOUTS[args.layout][3]}), batch {args.batch}, {args.microbatches} microbatches, "
+    print(f"{args.preset} model, {world} ranks ({LAYOUTS[args.layout][3]}), batch {args.batch}, "
+          f"{args.microbatches} microbatches, "
           f"dflop LLM layer split {split}, cost model {'analytic' if costmodel is None else costmodel}; "
           f"{args.steps} measured steps after {args.warmup} warm-up, {time.perf_counter() - started:.0f} s")
     print(summarize(rows))
