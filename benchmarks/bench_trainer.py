@@ -225,7 +225,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", choices=list(LAYOUTS), default="pp2", help="the ranks' grid (same for all variants)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model (bench_costmodel.py presets)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                        help="model (bench_costmodel.py presets)")
     parser.add_argument("--budget-ms", type=float, default=50.0, help="scheduler ILP budget per batch")
     parser.add_argument("--live-scheduler", action="store_true",
                         help="solve while training (its thread shares rank 0's CPU) instead of before")

@@ -334,8 +334,9 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
     runs the shape gets: `repeats`, or more up to `max_repeats` until they add up to
     `min_measure_ms` (rank 0's count, so the ranks' barriers stay paired). Later passes take
     their share of the rest without warming up again (the tiny model's runs showed no first-run
-    effect on returning to a shape, and re-warming doubled the cost of heavy shapes). `stop_early()` is asked between
-    passes; when it says so, every shape keeps the runs it has (at least one).
+    effect on returning to a shape, and re-warming doubled the cost of heavy shapes).
+    `stop_early()` is asked between passes; when it says so, every shape keeps the runs it has
+    (at least one).
     """
     passes = settings.repeats
     wanted = []
