@@ -286,7 +286,7 @@ def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) ->
     _warm_up(curves, sync, timer)
     bar = tqdm(total=0, desc=f"profile TP={common['tp']}", unit="shape", disable=not progress, leave=False)
     for round_ in range(settings.max_refine_rounds + 1):
-        shapes = [_Shape(bench, curve, x, *((x, fixed) if axis == "batch" else (fixed, x)))
+        shapes = [_Shape.at(bench, axis, fixed, curve, x)
                   for bench, axis, fixed, curve in curves for x in curve.next_points()]
         if not shapes or (round_ > 0 and over_budget()):
             if shapes:
@@ -320,6 +320,11 @@ class _Shape:
     act_bytes: int | None = None
     sizes: dict = field(default_factory=dict)
 
+    @classmethod
+    def at(cls, bench: ModuleBench, axis: str, fixed: int, curve: AdaptiveCurve, x: int) -> "_Shape":
+        """The shape at point x of a curve that varies `axis` ("batch" or "seq_len") with the other fixed."""
+        return cls(bench, curve, x, *((x, fixed) if axis == "batch" else (fixed, x)))
+
 
 def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankSync, timer: Timer, *,
                    stop_early=None) -> None:
@@ -338,7 +343,7 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
     `stop_early()` is asked between passes; when it says so, every shape keeps the runs it has
     (at least one).
     """
-    passes = settings.repeats
+    later_passes = max(settings.repeats - 1, 1)  # one repeat: the extra runs go back to back
     wanted = []
     for shape in shapes:
         _run_shape(shape, max(settings.warmup, 1), 1, sync, timer)
@@ -346,17 +351,13 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
         count = max(settings.repeats, math.ceil(settings.min_measure_ms / max(pace, 1e-6)))
         (count,) = sync.agree(float(min(count, settings.max_repeats)))
         wanted.append(int(count))
-    for pass_ in range(1, passes):
+    for pass_ in range(later_passes):
         if stop_early is not None and stop_early():
             return
         for shape, count in zip(shapes, wanted):
-            share = _share(count - 1, passes - 1, pass_ - 1)
+            share = _share(count - 1, later_passes, pass_)
             if share:
                 _run_shape(shape, 0, share, sync, timer)
-    if passes == 1:
-        for shape, count in zip(shapes, wanted):
-            if count > 1:
-                _run_shape(shape, 0, count - 1, sync, timer)
 
 
 def _share(total: int, parts: int, index: int) -> int:
@@ -412,8 +413,7 @@ def _warm_up(curves, sync: _RankSync, timer: Timer) -> None:
     round 2), a drift no number of per-shape warm-ups removes and the fit then reads as a bend.
     """
     for bench, axis, fixed, curve in curves:
-        x = max(curve.coarse)
-        _run_shape(_Shape(bench, curve, x, *((x, fixed) if axis == "batch" else (fixed, x))), 1, 0, sync, timer)
+        _run_shape(_Shape.at(bench, axis, fixed, curve, max(curve.coarse)), 1, 0, sync, timer)
 
 
 def _scatter(values: list[float]) -> float:
