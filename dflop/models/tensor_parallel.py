@@ -1,14 +1,25 @@
-"""Tensor parallelism (Megatron-style) for the parts of a model: each rank keeps 1/tp of the heads
-and of the MLP width, and the partial results are summed with one all-reduce per block.
+"""Tensor parallelism with torch's DTensor: each rank keeps 1/tp of the heads, of the MLP width and
+of the vocabulary, and ``parallelize_module`` inserts the collectives.
 
-A block's input goes through `copy_to_tp` (identity forward, all-reduce of the gradient backward),
-the column-parallel projections (q, k, v, MLP up/gate) keep their slice of output features, and the
-row-parallel projection (attention output, MLP down) sums the partial products with
-`reduce_from_tp` (all-reduce forward, identity backward) before adding its bias once. Token
-embedding and LM head split the vocabulary; the loss is a vocabulary-parallel cross-entropy.
+Layout (Megatron's, expressed as DTensor placements on a 1-D device mesh over the TP group):
+- a block's hidden-state input is declared replicated once (``PrepareModuleInput``), so the
+  gradient of that input is summed over the TP ranks by one all-reduce per block in backward;
+- column-parallel projections (q, k, v, MLP up/gate, projector linear_1) keep their slice of output
+  features (weight ``Shard(0)``) and hand a plain local tensor to the attention core / activation;
+- row-parallel projections (attention output, MLP down, projector linear_2) take that local slice
+  (weight ``Shard(1)``), all-reduce the partial products and add the bias once;
+- the token embedding is row-parallel over the vocabulary (each rank looks up its rows, the rest
+  are masked and summed in: `VocabParallelEmbedding`, see there why not ``RowwiseParallel``);
+- the LM head is column-parallel over the vocabulary and its [T, V/tp] logits stay local: the
+  loss is a vocabulary-parallel cross-entropy (`_VocabParallelCrossEntropy`) that never gathers
+  them and whose backward needs no collective context around the pipeline (``loss_parallel``
+  would have to enclose every backward the pipeline schedule runs).
 
-The functions shard modules in place and return them; a full module is sliced, so a sharded
-module computes what the full one computes (tests compare under torchrun with gloo).
+Parameters become DTensors (their ``shape`` is the global shape; ``to_local()`` is this rank's
+slice), which the checkpoint (DCP) and export read directly. InternViT-6B's QK-norm normalises over
+all heads at once; its weight is a ``Shard(0)`` DTensor and its sum of squares is all-reduced
+(`TPRMSNorm`). The ``shard_*`` functions shard modules in place and return them; the full module's values are
+sliced, so a sharded module computes what the full one computes (tests compare under torchrun).
 """
 
 from __future__ import annotations
@@ -19,11 +30,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
 from transformers.loss.loss_utils import fixed_cross_entropy
 
 from dflop.errors import UserError
 from dflop.models.packing import IGNORE_INDEX
 from dflop.models.stages import LLMStage, VisionStage
+
+_MESHES: dict[tuple[int, str], DeviceMesh] = {}
 
 
 @dataclass(frozen=True)
@@ -34,55 +50,27 @@ class TPGroup:
     size: int
     group: object = None
 
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.tp.group)
-        return grad, None
+    def mesh(self, device_type: str) -> DeviceMesh:
+        """The 1-D device mesh over this group that the DTensor placements refer to (one per group)."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        key = (id(group), device_type)
+        if key not in _MESHES:
+            _MESHES[key] = DeviceMesh.from_group(group, device_type)
+        return _MESHES[key]
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        x = x.clone()
-        dist.all_reduce(x, group=tp.group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        x = x.clone()
-        dist.all_reduce(x, group=tp.group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.tp.group)
-        return grad, None
+def is_tp_shard(tensor: torch.Tensor) -> bool:
+    """Whether a DTensor holds only a slice of its global tensor on this rank."""
+    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
 
 
-def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Input of a column-parallel block: every rank uses all of it, so input gradients are summed."""
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
-
-
-def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Sum of the ranks' partial results; the output is replicated, so its gradient is not."""
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+def _mesh_for(module: nn.Module, tp: TPGroup) -> DeviceMesh:
+    return tp.mesh(next(module.parameters()).device.type)
 
 
 def _split(n: int, tp: TPGroup, what: str) -> tuple[int, int]:
@@ -92,31 +80,15 @@ def _split(n: int, tp: TPGroup, what: str) -> tuple[int, int]:
     return tp.rank * part, part
 
 
-def _column_parallel(linear: nn.Linear, tp: TPGroup, what: str) -> nn.Linear:
-    """Keep this rank's slice of output features (heads or MLP columns)."""
-    start, part = _split(linear.out_features, tp, what)
-    local = nn.Linear(linear.in_features, part, bias=linear.bias is not None,
-                      device=linear.weight.device, dtype=linear.weight.dtype)
-    with torch.no_grad():
-        local.weight.copy_(linear.weight[start:start + part])
-        if linear.bias is not None:
-            local.bias.copy_(linear.bias[start:start + part])
-    return local
-
-
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local @ W_local^T) + b: this rank's slice of input features, bias added once."""
-
-    def __init__(self, linear: nn.Linear, tp: TPGroup, what: str):
-        super().__init__()
-        start, part = _split(linear.in_features, tp, what)
-        self.tp = tp
-        self.weight = nn.Parameter(linear.weight.detach()[:, start:start + part].clone())
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp)
-        return y if self.bias is None else y + self.bias
+def _replicated_input(keyword: bool) -> PrepareModuleInput:
+    """Declare a block's hidden-state input (``hidden_states=`` or the first positional argument)
+    replicated, so the column-parallel projections that share it sum its gradient once."""
+    if keyword:
+        return PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
+                                  desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                  use_local_output=False)
+    return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                              use_local_output=False)
 
 
 class TPRMSNorm(nn.Module):
@@ -124,11 +96,12 @@ class TPRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, tp: TPGroup, what: str):
         super().__init__()
-        start, part = _split(norm.weight.numel(), tp, what)
+        _split(norm.weight.numel(), tp, what)
         self.tp = tp
         self.full_dim = norm.weight.numel()
         self.eps = norm.variance_epsilon
-        self.weight = nn.Parameter(norm.weight.detach()[start:start + part].clone())
+        mesh = tp.mesh(norm.weight.device.type)
+        self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), mesh, [Shard(0)]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -137,36 +110,39 @@ class TPRMSNorm(nn.Module):
         if self.tp.size > 1:  # each rank's x feeds every rank's variance: gradients are summed too
             square_sum = _AllReduceSum.apply(square_sum, self.tp)
         x = x * torch.rsqrt(square_sum / self.full_dim + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight.to_local() * x.to(dtype)
 
 
-def _copy_input_to_tp(block: nn.Module, tp: TPGroup) -> None:
-    """Route a block's hidden-state input (first positional or ``hidden_states=``) through copy_to_tp."""
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the TP group whose output feeds every rank: the gradient is summed as well."""
 
-    def hook(module, args, kwargs):
-        if args:
-            return (copy_to_tp(args[0], tp), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": copy_to_tp(kwargs["hidden_states"], tp)}
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        x = x.clone()
+        dist.all_reduce(x, group=tp.group)
+        return x
 
-    block.register_forward_pre_hook(hook, with_kwargs=True)
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.tp.group)
+        return grad, None
 
 
 def shard_llm_layer(layer: nn.Module, tp: TPGroup) -> nn.Module:
     """Qwen2/Llama decoder layer -> this rank's heads and MLP columns (in place)."""
     if tp.size == 1:
         return layer
-    attn, mlp = layer.self_attn, layer.mlp
-    _split(attn.config.num_attention_heads, tp, "LLM attention heads")
-    _split(attn.config.num_key_value_heads, tp, "LLM key/value heads")
-    for name in ("q_proj", "k_proj", "v_proj"):
-        setattr(attn, name, _column_parallel(getattr(attn, name), tp, f"LLM attention {name} heads"))
-    attn.o_proj = RowParallelLinear(attn.o_proj, tp, "LLM attention heads")
-    for name in ("gate_proj", "up_proj"):
-        setattr(mlp, name, _column_parallel(getattr(mlp, name), tp, "LLM MLP width"))
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, tp, "LLM MLP width")
-    _copy_input_to_tp(attn, tp)
-    _copy_input_to_tp(mlp, tp)
-    return layer
+    config = layer.self_attn.config
+    _split(config.num_attention_heads, tp, "LLM attention heads")
+    _split(config.num_key_value_heads, tp, "LLM key/value heads")
+    _split(config.intermediate_size, tp, "LLM MLP width")
+    plan = {"self_attn": _replicated_input(keyword=True), "mlp": _replicated_input(keyword=False),
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    return parallelize_module(layer, _mesh_for(layer, tp), plan)
 
 
 def shard_vision_layer(layer: nn.Module, tp: TPGroup) -> nn.Module:
@@ -174,22 +150,21 @@ def shard_vision_layer(layer: nn.Module, tp: TPGroup) -> nn.Module:
     if tp.size == 1:
         return layer
     siglip = hasattr(layer, "self_attn")
-    attn, out_name = (layer.self_attn, "out_proj") if siglip else (layer.attention, "projection_layer")
+    attn_name, out_name = ("self_attn", "out_proj") if siglip else ("attention", "projection_layer")
+    attn = getattr(layer, attn_name)
     _split(attn.num_heads, tp, "vision attention heads")
+    _split(layer.mlp.fc1.out_features, tp, "vision MLP width")
     attn.num_heads //= tp.size  # InternViT reshapes with these; SigLIP infers them
     attn.embed_dim //= tp.size
     if not siglip:
         for name in ("q_norm", "k_norm"):
             if not isinstance(getattr(attn, name), nn.Identity):
                 setattr(attn, name, TPRMSNorm(getattr(attn, name), tp, f"vision {name} width"))
-    for name in ("q_proj", "k_proj", "v_proj"):
-        setattr(attn, name, _column_parallel(getattr(attn, name), tp, f"vision attention {name} heads"))
-    setattr(attn, out_name, RowParallelLinear(getattr(attn, out_name), tp, "vision attention heads"))
-    layer.mlp.fc1 = _column_parallel(layer.mlp.fc1, tp, "vision MLP width")
-    layer.mlp.fc2 = RowParallelLinear(layer.mlp.fc2, tp, "vision MLP width")
-    _copy_input_to_tp(attn, tp)
-    _copy_input_to_tp(layer.mlp, tp)
-    return layer
+    plan = {attn_name: _replicated_input(keyword=siglip), "mlp": _replicated_input(keyword=False),
+            f"{attn_name}.q_proj": ColwiseParallel(), f"{attn_name}.k_proj": ColwiseParallel(),
+            f"{attn_name}.v_proj": ColwiseParallel(), f"{attn_name}.{out_name}": RowwiseParallel(),
+            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    return parallelize_module(layer, _mesh_for(layer, tp), plan)
 
 
 def shard_projector(projector: nn.Module, tp: TPGroup) -> nn.Module:
@@ -197,51 +172,60 @@ def shard_projector(projector: nn.Module, tp: TPGroup) -> nn.Module:
     Anything before linear_1 (InternVL's LayerNorm) stays replicated."""
     if tp.size == 1:
         return projector
-    projector.linear_1 = _column_parallel(projector.linear_1, tp, "projector width")
-    projector.linear_2 = RowParallelLinear(projector.linear_2, tp, "projector width")
-    _copy_input_to_tp(projector.linear_1, tp)
-    return projector
+    _split(projector.linear_1.out_features, tp, "projector width")
+    plan = {"linear_1": ColwiseParallel(), "linear_2": RowwiseParallel()}
+    return parallelize_module(projector, _mesh_for(projector, tp), plan)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding holding rows [start, start + V/tp); other ranks fill the other tokens."""
+    """Token embedding holding rows [start, start + V/tp) as a ``Shard(0)`` DTensor; a token outside
+    them looks up zeros here and its row on its owner, and the ranks' results are summed.
+
+    Not ``RowwiseParallel`` on the ``nn.Embedding``: torch 2.13 has no row-sharded strategy for the
+    embedding backward, so that gives every rank a replicated [V, d] weight gradient (the whole
+    vocabulary, per TP rank, per microbatch). Here the lookup is local and so is its gradient.
+    """
 
     def __init__(self, embedding: nn.Embedding, tp: TPGroup):
         super().__init__()
         self.start, part = _split(embedding.num_embeddings, tp, "vocabulary")
         self.tp = tp
-        self.weight = nn.Parameter(embedding.weight.detach()[self.start:self.start + part].clone())
+        self.mesh = tp.mesh(embedding.weight.device.type)
+        self.weight = nn.Parameter(distribute_tensor(embedding.weight.detach(), self.mesh, [Shard(0)]))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.to_local()
         local = input_ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        embeds = F.embedding(local.masked_fill(outside, 0), self.weight)
-        embeds = embeds.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(embeds, self.tp)
+        outside = (local < 0) | (local >= rows.shape[0])
+        embeds = F.embedding(local.masked_fill(outside, 0), rows).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = DTensor.from_local(embeds, self.mesh, [Partial()], run_check=False)
+        return partial.redistribute(placements=[Replicate()]).to_local()
 
 
 class VocabParallelCausalLMHead(nn.Module):
     """Final norm + LM head over this rank's vocabulary slice + cross-entropy over the whole vocabulary.
 
     Same loss as `dflop.models.llm_parts.CausalLMHead` (float32, mean over targets or sum divided
-    by ``num_items_in_batch``), without ever gathering the [T, V] logits.
+    by ``num_items_in_batch``), without ever gathering the [T, V] logits. `lm_head` is sharded in
+    place (column-parallel over the vocabulary, local logits out).
     """
 
     def __init__(self, norm: nn.Module, lm_head: nn.Linear, tp: TPGroup):
         super().__init__()
-        self.start, part = _split(lm_head.out_features, tp, "vocabulary")
+        self.vocab_start, _ = _split(lm_head.out_features, tp, "vocabulary")
         self.tp = tp
         self.norm = norm
-        self.weight = nn.Parameter(lm_head.weight.detach()[self.start:self.start + part].clone())
+        self.lm_head = lm_head if tp.size == 1 else parallelize_module(
+            lm_head, _mesh_for(lm_head, tp), ColwiseParallel(output_layouts=Shard(-1)))
 
     def forward(self, hidden: torch.Tensor, shift_labels: torch.Tensor,
                 num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-        hidden = copy_to_tp(self.norm(hidden), self.tp)
-        logits = F.linear(hidden, self.weight).float().view(-1, self.weight.shape[0])  # [T, V/tp]
+        logits = self.lm_head(self.norm(hidden)).float()
+        logits = logits.view(-1, logits.shape[-1])  # [T, V/tp]
         targets = shift_labels.view(-1).to(logits.device)
         if self.tp.size == 1:
             return fixed_cross_entropy(logits, targets, num_items_in_batch, IGNORE_INDEX)
-        per_token = _VocabParallelCrossEntropy.apply(logits, targets, self.start, self.tp)
+        per_token = _VocabParallelCrossEntropy.apply(logits, targets, self.vocab_start, self.tp)
         per_token = per_token[targets != IGNORE_INDEX]
         if num_items_in_batch is None:
             return per_token.mean()
@@ -294,13 +278,12 @@ def shard_stage(stage: VisionStage | LLMStage, tp: TPGroup) -> VisionStage | LLM
         return stage
     for layer in stage.layers:
         shard_llm_layer(layer, tp)
-    embedding = None
+    tied = (stage.embedding is not None and stage.head is not None
+            and stage.head.lm_head.weight is stage.embedding.embed_tokens.weight)
     if stage.embedding is not None:
-        full_table = stage.embedding.embed_tokens
-        embedding = stage.embedding.embed_tokens = VocabParallelEmbedding(full_table, tp)
+        stage.embedding.embed_tokens = VocabParallelEmbedding(stage.embedding.embed_tokens, tp)
     if stage.head is not None:
-        tied = embedding is not None and stage.head.lm_head.weight is full_table.weight
         stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp)
-        if tied:
-            stage.head.weight = embedding.weight
+        if tied:  # the same vocabulary slice on this rank: keep one tensor
+            stage.head.lm_head.weight = stage.embedding.embed_tokens.weight
     return stage

@@ -11,6 +11,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from dflop.models.tensor_parallel import local_tensor
+
 
 @dataclass
 class SavedBytes:
@@ -28,11 +30,11 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBy
     `exclude` (the parameters: they are memory anyway) are not activations. Saved tensors stay
     alive until backward, so no two of them can share an address by reuse.
     """
-    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    excluded = {_local(t).untyped_storage().data_ptr() for t in exclude}
     result = SavedBytes()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
+        storage = _local(tensor).untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in excluded:
             result._storages.setdefault(ptr, storage.nbytes())
@@ -43,14 +45,20 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBy
     result.bytes = sum(result._storages.values())
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of a tensor (a DTensor's ``numel`` and storage are the global ones)."""
+    with torch.no_grad():
+        return local_tensor(tensor)
+
+
 def param_bytes(module: nn.Module) -> int:
-    """Bytes of the module's distinct parameters."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """Bytes of the module's distinct parameters on this rank."""
+    return sum(_local(p).numel() * p.element_size() for p in module.parameters())
 
 
 def grad_bytes(module: nn.Module) -> int:
-    """Bytes of the gradients of trainable parameters (same dtype as the parameters)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    """Bytes of the gradients of trainable parameters (same dtype as the parameters) on this rank."""
+    return sum(_local(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
 def adam_state_bytes(module: nn.Module) -> int:
@@ -59,5 +67,5 @@ def adam_state_bytes(module: nn.Module) -> int:
     total = 0
     for p in module.parameters():
         if p.requires_grad:
-            total += p.numel() * (8 + (4 if p.dtype != torch.float32 else 0))
+            total += _local(p).numel() * (8 + (4 if p.dtype != torch.float32 else 0))
     return total

@@ -358,12 +358,7 @@ def _name_of_params(state: TrainState) -> dict[int, str]:
 
 def _meshes(state: TrainState) -> dict[int, DeviceMesh]:
     """One 1-D device mesh per TP group of plain shards (id(TPGroup) -> mesh)."""
-    meshes = {}
-    for _, tp in state.params.shards.values():
-        if id(tp) not in meshes:
-            group = tp.group if tp.group is not None else dist.group.WORLD
-            meshes[id(tp)] = DeviceMesh.from_group(group, _device_type())
-    return meshes
+    return {id(tp): tp.mesh(_device_type()) for _, tp in state.params.shards.values()}
 
 
 def _as_global(state: TrainState, name: str, tensor: torch.Tensor, meshes: dict[int, DeviceMesh]) -> torch.Tensor:

@@ -2,15 +2,15 @@
 
 Every rank builds the full transformers model from the same seed (or local weights), takes the
 stage views of it that the `Topology` assigns (DESIGN.md §6), shards them for tensor parallelism
-(`dflop.models.tensor_parallel`, Megatron-style), and freezes parameters by their global name:
+(`dflop.models.tensor_parallel`: DTensor, Megatron's layout), and freezes parameters by their global name:
 
 - ``vision``: ``model.vision_tower.*`` (InternVL's final tower norm included);
 - ``projector``: ``model.multi_modal_projector.*`` and LLaVA-OV's ``model.image_newline``;
 - ``llm``: ``model.language_model.*`` and ``lm_head.*``.
 
 Tied input/output embeddings (Qwen2.5 small models): when one rank holds both (pp_l = 1) they stay
-one tensor, also when vocabulary-sharded; across ranks (pp_l > 1) the first and last LLM stage hold
-equal copies whose gradients the trainer sums over the ``tied_embedding`` group.
+one tensor, also when vocabulary-sharded (`shard_stage`); across ranks (pp_l > 1) the first and
+last LLM stage hold equal copies whose gradients the trainer sums over the ``tied_embedding`` group.
 
 Which stages run a backward pass is decided here from the freeze flags, identically on every rank,
 because it decides which gradient messages exist: a frozen vision tower with a trained projector
@@ -30,13 +30,7 @@ from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.builder import build_model, model_config
 from dflop.models.stages import LLMStage, VisionStage, build_llm_stage, build_vision_stage
-from dflop.models.tensor_parallel import (
-    VocabParallelCausalLMHead,
-    VocabParallelEmbedding,
-    shard_llm_layer,
-    shard_projector,
-    shard_vision_layer,
-)
+from dflop.models.tensor_parallel import shard_stage
 from dflop.runtime.topology import Topology
 
 FREEZE_PREFIXES = {
@@ -104,31 +98,6 @@ class RankModules(nn.Module):
         return out
 
 
-def _shard_vision(stage: VisionStage, topo: Topology) -> None:
-    tp = topo.vision_tp
-    if tp.size == 1:
-        return
-    for layer in stage.layers:
-        shard_vision_layer(layer, tp)
-    if stage.is_last:
-        shard_projector(stage.image_features.projector, tp)
-
-
-def _shard_llm(stage: LLMStage, topo: Topology, model: PreTrainedModel) -> None:
-    tp = topo.llm_tp
-    if tp.size == 1:
-        return
-    for layer in stage.layers:
-        shard_llm_layer(layer, tp)
-    if stage.is_first:
-        stage.embedding.embed_tokens = VocabParallelEmbedding(stage.embedding.embed_tokens, tp)
-    if stage.is_last:
-        stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp)
-        tied = model.lm_head.weight is model.get_input_embeddings().weight
-        if tied and stage.is_first:  # both on this rank: same vocabulary slice, keep one tensor
-            stage.head.weight = stage.embedding.embed_tokens.weight
-
-
 def build_rank_modules(topo: Topology, spec: ModelSpec, device: torch.device | str = "cpu") -> RankModules:
     """Build, shard and freeze the modules of this rank (see module docstring)."""
     spec.check_trainable()
@@ -140,11 +109,11 @@ def build_rank_modules(topo: Topology, spec: ModelSpec, device: torch.device | s
     if topo.vision_role is not None:
         role = topo.vision_role
         vision = build_vision_stage(model, role.stage, role.n_stages, plan.vision.layer_ranges()[role.stage])
-        _shard_vision(vision, topo)
+        shard_stage(vision, topo.vision_tp)
     if topo.llm_role is not None:
         role = topo.llm_role
         llm = build_llm_stage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage])
-        _shard_llm(llm, topo, model)
+        shard_stage(llm, topo.llm_tp)
     modules = RankModules(model, vision, llm)
     freeze(modules, spec)
     return modules

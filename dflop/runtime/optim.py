@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from dflop.models.tensor_parallel import local_tensor
 from dflop.runtime.topology import Topology
 
 
@@ -74,6 +75,12 @@ class GradientSync:
         return [(p, info) for p, info in self.params
                 if p.grad is not None and (module is None or info.module == module)]
 
+    @staticmethod
+    def _local_grad(param: nn.Parameter) -> torch.Tensor:
+        """The gradient this rank holds (a DTensor parameter's local shard; in-place ops write through)."""
+        with torch.no_grad():
+            return local_tensor(param.grad)
+
     def all_reduce(self) -> None:
         """Tied-embedding sum, then data-parallel sum (bucketed)."""
         self.start_all_reduce().wait()
@@ -90,11 +97,11 @@ class GradientSync:
         if tied is not None:
             for p, info in self._grads("llm"):
                 if info.name == "model.language_model.embed_tokens.weight":
-                    dist.all_reduce(p.grad, group=tied)
+                    dist.all_reduce(self._local_grad(p), group=tied)
         pending = PendingSync()
         for module, group in (("vision", self.topo.groups.vision_dp), ("llm", self.topo.groups.llm_dp)):
             if group is not None:
-                for bucket in self._buckets([p.grad for p, _ in self._grads(module)]):
+                for bucket in self._buckets([self._local_grad(p) for p, _ in self._grads(module)]):
                     flat = _flatten_dense_tensors(bucket)
                     pending.add(dist.all_reduce(flat, group=group, async_op=True), flat, bucket)
         return pending
@@ -115,7 +122,7 @@ class GradientSync:
 
     def scale(self, factor: float) -> None:
         for p, _ in self._grads():
-            p.grad.mul_(factor)
+            self._local_grad(p).mul_(factor)
 
     def global_norm(self, device: torch.device) -> float:
         """L2 norm of the whole model's gradient (one all-reduce over the world)."""
@@ -124,7 +131,7 @@ class GradientSync:
             role = self.topo.llm_role if info.module == "llm" else self.topo.vision_role
             if role.replica != 0 or info.tied_copy or (not info.sharded and role.tp_rank != 0):
                 continue
-            total += p.grad.detach().double().pow(2).sum()
+            total += self._local_grad(p).double().pow(2).sum()
         if dist.is_initialized():
             dist.all_reduce(total)
         return float(total.sqrt())

@@ -39,6 +39,7 @@ from dflop.cpu_memory import reuse_large_cpu_allocations
 from dflop.data.readers import RawSample, read_dataset
 from dflop.data.training import ExpectedShape, SampleRules, TrainingData
 from dflop.errors import UserError
+from dflop.models.tensor_parallel import is_tp_shard
 from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, broadcast_step_plan
 from dflop.runtime.loading import StepLoader, requests_for
 from dflop.runtime.metrics import MetricsWriter, step_flops
@@ -326,7 +327,8 @@ class Trainer:
         for param in self.modules.trainable_parameters():
             name = canonical.get(id(param), names[id(param)])
             module = LLM if name.startswith(("model.language_model.", "lm_head.")) else VISION
-            infos[param] = ParamInfo(name, module, name in self.rank_params.shards,
+            sharded = name in self.rank_params.shards or is_tp_shard(param)
+            infos[param] = ParamInfo(name, module, sharded,
                                      tied_copy=head_copy and name == EMBED_NAME)
         self.param_infos = infos
         self.sync = GradientSync(self.topo, infos)

@@ -12,6 +12,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
 from dflop.models.architectures import ImageLayout, architecture, new_llm_layer, new_llm_norm, new_rotary_embedding
@@ -23,6 +25,7 @@ from dflop.models.tensor_parallel import (
     TPGroup,
     VocabParallelCausalLMHead,
     VocabParallelEmbedding,
+    local_tensor,
     shard_llm_layer,
     shard_projector,
     shard_stage,
@@ -40,11 +43,19 @@ def _close(what, got, want):
 
 def _matching_slice(full: torch.Tensor, shard: torch.Tensor, rank: int) -> torch.Tensor:
     """The part of a full tensor a rank's shard holds (the one dimension that is 1/tp as long)."""
+    shard = local_tensor(shard)
     if full.shape == shard.shape:
         return full
     (dim,) = [d for d in range(full.dim()) if full.shape[d] != shard.shape[d]]
     part = shard.shape[dim]
     return full.narrow(dim, rank * part, part)
+
+
+def _same_placements(what, param):
+    """A DTensor parameter's gradient is laid out like the parameter (the gradient sync and the
+    norm read local shards)."""
+    if isinstance(param, DTensor) and param.grad.placements != param.placements:
+        FAILURES.append(f"{what}: gradient placements {param.grad.placements} != {param.placements}")
 
 
 def check(name, full, sharded, run, inputs, tp, rename=None):
@@ -64,7 +75,22 @@ def check(name, full, sharded, run, inputs, tp, rename=None):
     full_params = dict(full.named_parameters())
     for pname, param in sharded.named_parameters():
         ref = full_params[(rename or {}).get(pname, pname)]
-        _close(f"{name} grad {pname}", param.grad, _matching_slice(ref.grad, param, tp.rank))
+        _same_placements(f"{name} grad {pname}", param)
+        _close(f"{name} grad {pname}", local_tensor(param.grad), _matching_slice(ref.grad, param, tp.rank))
+
+
+def check_megatron_collectives(name, sharded, run, hidden):
+    """Megatron's communication: one all-reduce per block (attention, MLP) forward and one backward
+    (the q/k/v and gate/up projections share their input's gradient sum)."""
+    x = hidden.detach().clone().requires_grad_(True)
+    with CommDebugMode() as forward:
+        out = run(sharded, x)
+    with CommDebugMode() as backward:
+        out.sum().backward()
+    for phase, mode in (("forward", forward), ("backward", backward)):
+        counts = {str(op): n for op, n in mode.get_comm_counts().items()}
+        if counts != {"c10d_functional.all_reduce": 2}:
+            FAILURES.append(f"{name} {phase} collectives {counts}, want 2 all-reduces")
 
 
 def check_whole_stages(arch, vision, llm, tp, g):
@@ -104,7 +130,8 @@ def check_whole_stages(arch, vision, llm, tp, g):
             ref = full_params[{"head.weight": "head.lm_head.weight"}.get(pname, pname)]
             if ref.grad is None:
                 continue
-            _close(f"{arch} stage grad {pname}", param.grad, _matching_slice(ref.grad, param, tp.rank))
+            _same_placements(f"{arch} stage grad {pname}", param)
+            _close(f"{arch} stage grad {pname}", local_tensor(param.grad), _matching_slice(ref.grad, param, tp.rank))
 
 
 def main() -> int:
@@ -124,7 +151,9 @@ def main() -> int:
         def run_layer(module, x, packed=packed, rotary=rotary):
             return run_decoder_layers([module], x, packed, rotary(x, packed.position_ids[None]))
 
-        check(f"{llm} layer", layer, shard_llm_layer(copy.deepcopy(layer), tp), run_layer, [hidden], tp)
+        sharded_layer = shard_llm_layer(copy.deepcopy(layer), tp)
+        check(f"{llm} layer", layer, sharded_layer, run_layer, [hidden], tp)
+        check_megatron_collectives(f"{llm} layer", sharded_layer, run_layer, hidden)
 
         embedding = torch.nn.Embedding(text_cfg.vocab_size, text_cfg.hidden_size)
         image_id = 2040
@@ -139,10 +168,10 @@ def main() -> int:
         norm = new_llm_norm(text_cfg)
         labels = packed.shift_labels(ids.masked_fill(ids == image_id, -100))
         full_head = CausalLMHead(norm, lm_head)
-        tp_head = VocabParallelCausalLMHead(copy.deepcopy(norm), lm_head, tp)
+        tp_head = VocabParallelCausalLMHead(copy.deepcopy(norm), copy.deepcopy(lm_head), tp)
         for items in (None, 50):
             check(f"{llm} head (num_items={items})", full_head, tp_head,
-                  lambda m, h, items=items: m(h, labels, items), [hidden], tp, rename={"weight": "lm_head.weight"})
+                  lambda m, h, items=items: m(h, labels, items), [hidden], tp)
             full_head.zero_grad(), tp_head.zero_grad()
 
     for arch, vision, overrides in [("llava_ov", "siglip-tiny", {}),

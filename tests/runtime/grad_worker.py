@@ -25,6 +25,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from dflop.config import Config
+from dflop.models.tensor_parallel import is_tp_shard, local_tensor
 from dflop.runtime.batches import broadcast_step_plan
 from dflop.runtime.plan import plan_from_dict
 from dflop.runtime.trainer import Trainer, TrainSettings, init_distributed, load_pool, pool_samples
@@ -50,10 +51,13 @@ def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> No
     grads, shards = {}, {}
     for param, info in trainer.param_infos.items():
         key = f"{info.name}@{len(grads)}"
-        grads[key] = param.grad.detach().contiguous().clone()
+        grads[key] = local_tensor(param.grad).detach().contiguous().clone()
         if info.name in trainer.rank_params.shards:
             dim, tp = trainer.rank_params.shards[info.name]
             shards[key] = [dim, tp.rank, tp.size]
+        elif is_tp_shard(param):  # a DTensor on a 1-D TP mesh
+            (placement,) = param.placements
+            shards[key] = [placement.dim, param.device_mesh.get_local_rank(), param.device_mesh.size()]
     save_file(grads, out / f"grads_rank{trainer.rank}.safetensors")
     (out / f"shards_rank{trainer.rank}.json").write_text(json.dumps(shards))
     if trainer.rank == 0:

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from dflop.errors import UserError
 from dflop.models.builder import build_model
 from dflop.models.stages import build_llm_stage
-from dflop.models.tensor_parallel import TPGroup, VocabParallelCausalLMHead, shard_llm_layer
+from dflop.models.tensor_parallel import TPGroup
 from dflop.runtime.checkpoint import (
     TrainState,
     complete_checkpoints,
@@ -267,14 +267,24 @@ def test_global_names_of_pipeline_stages_and_untrained_parameters():
     assert set(params.untrained) == LLAVA_UNTRAINED
 
 
+def _keep_chunk(module: torch.nn.Module, name: str, dim: int, tp: TPGroup) -> None:
+    """Replace a parameter by this rank's chunk of it along `dim`."""
+    chunk = getattr(module, name).detach().chunk(tp.size, dim)[tp.rank].clone()
+    setattr(module, name, torch.nn.Parameter(chunk))
+
+
 def test_plain_tensor_parallel_shards_get_megatron_dims():
-    """Column-parallel weights split along dim 0, row-parallel along dim 1 (Megatron's layout)."""
+    """Plain (non-DTensor) shards, as a hand-written TP holds them: the split dimension is read from
+    the shape; column-parallel weights along dim 0, row-parallel along dim 1 (Megatron's layout)."""
     model = build_model(*INTERNVL, seed=0)
     tp = TPGroup(rank=1, size=2)
     stage = build_llm_stage(model, 0, 1)
+    split_dims = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0, "self_attn.o_proj": 1,
+                  "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1}
     for layer in stage.layers:
-        shard_llm_layer(layer, tp)
-    stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp)
+        for path, dim in split_dims.items():
+            _keep_chunk(layer.get_submodule(path), "weight", dim, tp)
+    _keep_chunk(model.lm_head, "weight", 0, tp)
     params = rank_parameters(model, [(stage, tp)])
     prefix = "model.language_model.layers.0."
     dims = {n.removeprefix(prefix): d for n, (d, _) in params.shards.items() if n.startswith(prefix)}
@@ -282,7 +292,7 @@ def test_plain_tensor_parallel_shards_get_megatron_dims():
                     "self_attn.o_proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0,
                     "mlp.down_proj.weight": 1}
     assert params.shards["lm_head.weight"][0] == 0
-    assert params.tensors["lm_head.weight"] is stage.head.weight
+    assert params.tensors["lm_head.weight"] is model.lm_head.weight
     assert f"{prefix}input_layernorm.weight" not in params.shards  # replicated
 
     with pytest.raises(UserError, match=r"parameter .*q_proj.weight: shape \[32, 64\] is neither the full shape"):

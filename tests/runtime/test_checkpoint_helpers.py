@@ -99,7 +99,8 @@ def fake_steps(params: RankParameters, optimizer, scheduler, n: int, salt: int) 
         for name, param in params.tensors.items():
             if isinstance(param, DTensor):
                 local = param.to_local()
-                tp_rank = param.device_mesh.get_local_rank()
+                sharded = any(p.is_shard() for p in param.placements)  # replicated: the same everywhere
+                tp_rank = param.device_mesh.get_local_rank() if sharded else 0
                 grad = noise(name, local.shape, salt * 100 + step * 10 + tp_rank)
                 param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
             else:
@@ -173,8 +174,8 @@ def pipeline_layout(rank: int, world: int) -> Layout:
 
 
 def tensor_parallel_layout(rank: int, world: int, tp_size: int | None = None) -> Layout:
-    """InternVL tiny, every part Megatron-sharded with dflop's own TP (heads/MLP columns,
-    projector, vocabulary-parallel embedding and LM head) over groups of `tp_size` neighbouring
+    """InternVL tiny, every part sharded with dflop's DTensor TP (heads/MLP columns, projector,
+    vocabulary-parallel embedding and LM head) over groups of `tp_size` neighbouring
     ranks (default: all ranks); the world / tp_size groups are data-parallel replicas."""
     model = build_model(*INTERNVL, seed=0)
     perturb_(model)
