@@ -8,9 +8,11 @@ into microbatches, bins and replicas.
 
 Synchronisation, once per step: (1) tied input/output embeddings held on two LLM stages add their
 gradients over the ``tied_embedding`` group; (2) every gradient is summed over its module's
-data-parallel group, in flat buckets of ~``bucket_mb`` MB (one all-reduce per bucket), all started
-at once without waiting, so that a stage that finished its backward early syncs with its replicas
-while the trainer waits for the slowest stage (the step-total all-reduce).
+data-parallel group, in flat buckets of ~``bucket_mb`` MB (one all-reduce per bucket). A bucket
+starts (``async_op``) during the rank's last backward of the step as soon as its gradients are
+final (`GradientSync`), the rest right after the pipeline, so the all-reduces overlap the last
+backward and, on a stage that finished early, the wait for the slowest stage (the step-total
+all-reduce).
 
 Global norm: each distinct parameter is counted once over the world: data-parallel replica 0 only,
 tensor-parallel shards on every TP rank but replicated tensors on TP rank 0 only, a tied embedding
@@ -20,7 +22,7 @@ on the first LLM stage only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +32,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dflop.models.tensor_parallel import local_tensor
 from dflop.runtime.topology import Topology
+
+TIED_EMBEDDING_NAME = "model.language_model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,47 @@ class PendingSync:
         self._work.clear()
 
 
-class GradientSync:
-    """Gradient all-reduces and the global norm of one rank's parameters."""
+@dataclass
+class _Bucket:
+    """Parameters whose gradients are summed by one all-reduce over `group`."""
 
-    def __init__(self, topo: Topology, params: dict[nn.Parameter, ParamInfo] | list, bucket_mb: float = 25.0):
+    params: list[nn.Parameter]
+    group: Any
+    overlappable: bool  # False: must wait for the end of the step (the tied-embedding sum comes first)
+    ready: set[int] = field(default_factory=set)  # id(param) of gradients final in this step
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+class GradientSync:
+    """Gradient all-reduces and the global norm of one rank's parameters.
+
+    Overlap with the last backward: the data-parallel buckets are fixed once, in the order
+    gradients become final in a backward pass (reverse order of the parameters: last layer
+    first). `arm()` before the rank's last backward of the step turns on per-parameter hooks; when
+    every gradient of the next bucket in line has been accumulated, that bucket's all-reduce
+    starts (``async_op``) while the backward goes on. Buckets start strictly in order, so all
+    replicas issue the same collectives in the same order even when a replica's last microbatch
+    leaves some parameters untouched (those buckets, and all after them, start in
+    `start_all_reduce`).
+    """
+
+    def __init__(self, topo: Topology, params: dict[nn.Parameter, ParamInfo] | list, bucket_mb: float = 25.0,
+                 overlap: bool = True):
         self.topo = topo
         self.params = list(params.items()) if isinstance(params, dict) else list(params)
         self.bucket_bytes = int(bucket_mb * 2**20)
+        self._buckets = self._plan_buckets()
+        self._bucket_of = {id(p): b for b in self._buckets if b.overlappable for p in b.params}
+        self._next = 0  # first bucket not started in this step
+        self._pending = PendingSync()
+        self._armed = False
+        self.overlapped_buckets = 0  # buckets of the last completed step started during its backward
+        if overlap:
+            for param in {id(p): p for b in self._buckets if b.overlappable for p in b.params}.values():
+                param.register_post_accumulate_grad_hook(self._on_gradient_final)
 
     def _grads(self, module: str | None = None) -> list[tuple[nn.Parameter, ParamInfo]]:
         return [(p, info) for p, info in self.params
@@ -81,44 +119,84 @@ class GradientSync:
         with torch.no_grad():
             return local_tensor(param.grad)
 
+    def _is_tied(self, info: ParamInfo) -> bool:
+        return self.topo.groups.tied_embedding is not None and info.name == TIED_EMBEDDING_NAME
+
+    def _plan_buckets(self) -> list[_Bucket]:
+        """Data-parallel buckets in launch order: each module's parameters last-to-first (the order a
+        backward pass finalises them), the tied embedding (summed over stages first) at the end."""
+        buckets: list[_Bucket] = []
+        tied: list[_Bucket] = []
+        for module, group in (("llm", self.topo.groups.llm_dp), ("vision", self.topo.groups.vision_dp)):
+            if group is None:
+                continue
+            members = [(p, info) for p, info in reversed(self.params) if info.module == module]
+            buckets += [_Bucket(chunk, group, True) for chunk in
+                        self._buckets_by_size([p for p, info in members if not self._is_tied(info)])]
+            tied += [_Bucket(chunk, group, False) for chunk in
+                     self._buckets_by_size([p for p, info in members if self._is_tied(info)])]
+        return buckets + tied
+
+    def _buckets_by_size(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """Consecutive parameters of one dtype, ~bucket_bytes each (a larger tensor alone)."""
+        buckets: list[list[nn.Parameter]] = []
+        size = 0
+        for p in params:
+            nbytes = local_tensor(p).numel() * p.element_size()
+            if buckets and size + nbytes <= self.bucket_bytes and p.dtype == buckets[-1][0].dtype:
+                buckets[-1].append(p)
+                size += nbytes
+            else:
+                buckets.append([p])
+                size = nbytes
+        return buckets
+
+    def arm(self) -> None:
+        """Start each bucket's all-reduce as soon as its gradients are final: call right before this
+        rank's last backward of the step (gradients accumulated before it are not final yet)."""
+        self._armed = True
+
+    def _on_gradient_final(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of.get(id(param)) if self._armed else None
+        if bucket is not None:
+            bucket.ready.add(id(param))
+            while self._next < len(self._buckets) and self._buckets[self._next].overlappable \
+                    and self._buckets[self._next].complete:
+                self._launch(self._buckets[self._next])
+
+    def _launch(self, bucket: _Bucket) -> None:
+        for p in bucket.params:
+            if p.grad is None:  # every replica all-reduces the same list
+                p.grad = torch.zeros_like(p)
+        grads = [self._local_grad(p) for p in bucket.params]
+        flat = _flatten_dense_tensors(grads)
+        self._pending.add(dist.all_reduce(flat, group=bucket.group, async_op=True), flat, grads)
+        self._next += 1
+
     def all_reduce(self) -> None:
         """Tied-embedding sum, then data-parallel sum (bucketed)."""
         self.start_all_reduce().wait()
 
     def start_all_reduce(self) -> "PendingSync":
-        """Start the synchronisation; `wait()` on the result before reading gradients.
+        """Start what is left of the synchronisation; `wait()` on the result before reading gradients.
 
-        The tied-embedding sum runs first and to completion (the data-parallel buckets read the
-        same tensor); the data-parallel buckets are then all in flight at once (``async_op``), so a
-        rank that finished its backward early syncs with its replicas while the caller does
-        something else (the trainer's step-total all-reduce waits for the slowest stage).
+        The tied-embedding sum runs first and to completion (its data-parallel bucket reads the
+        same tensor); the buckets not started during the last backward then all start at once
+        (``async_op``), so a rank that finished its backward early syncs with its replicas while the
+        caller does something else (the trainer's step-total all-reduce waits for the slowest stage).
         """
-        tied = self.topo.groups.tied_embedding
-        if tied is not None:
+        self._armed = False
+        self.overlapped_buckets = self._next  # started by the hooks during the last backward
+        if self.topo.groups.tied_embedding is not None:
             for p, info in self._grads("llm"):
-                if info.name == "model.language_model.embed_tokens.weight":
-                    dist.all_reduce(self._local_grad(p), group=tied)
-        pending = PendingSync()
-        for module, group in (("vision", self.topo.groups.vision_dp), ("llm", self.topo.groups.llm_dp)):
-            if group is not None:
-                for bucket in self._buckets([self._local_grad(p) for p, _ in self._grads(module)]):
-                    flat = _flatten_dense_tensors(bucket)
-                    pending.add(dist.all_reduce(flat, group=group, async_op=True), flat, bucket)
+                if info.name == TIED_EMBEDDING_NAME:
+                    dist.all_reduce(self._local_grad(p), group=self.topo.groups.tied_embedding)
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+        pending, self._pending, self._next = self._pending, PendingSync(), 0
+        for bucket in self._buckets:
+            bucket.ready.clear()
         return pending
-
-    def _buckets(self, grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Consecutive gradients of one dtype, ~bucket_bytes each (a larger tensor alone)."""
-        buckets: list[list[torch.Tensor]] = []
-        size = 0
-        for g in grads:
-            nbytes = g.numel() * g.element_size()
-            if buckets and size + nbytes <= self.bucket_bytes and g.dtype == buckets[-1][0].dtype:
-                buckets[-1].append(g)
-                size += nbytes
-            else:
-                buckets.append([g])
-                size = nbytes
-        return buckets
 
     def scale(self, factor: float) -> None:
         for p, _ in self._grads():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -127,8 +127,12 @@ class PipelineExecutor:
 
     # -- the schedule ------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan, inputs: Mapping[int, LoadedSample]) -> StepResult:
-        """Forward and backward of every microbatch of `plan` (gradients accumulate in .grad)."""
+    def run(self, plan: StepPlan, inputs: Mapping[int, LoadedSample],
+            before_last_backward: Callable[[], None] | None = None) -> StepResult:
+        """Forward and backward of every microbatch of `plan` (gradients accumulate in .grad).
+
+        before_last_backward: called right before this rank's last backward op of the step (the
+        gradient sync starts all-reduces from there on, as gradients become final)."""
         m = plan.n_microbatches
         self._plan, self._inputs, self._saved = plan, inputs, {}
         self._timer = StageTimer(m, self.device)
@@ -136,7 +140,11 @@ class PipelineExecutor:
         self._n_answer = 0
         self._tokens = 0
         sent_before = self.p2p.bytes_sent
-        for kind, position in op_order(self.schedule, self.topo.pipeline_stage, self.topo.n_pipeline_stages, m):
+        ops = op_order(self.schedule, self.topo.pipeline_stage, self.topo.n_pipeline_stages, m)
+        last_backward = max(i for i, (kind, _) in enumerate(ops) if kind == "B")
+        for i, (kind, position) in enumerate(ops):
+            if i == last_backward and before_last_backward is not None:
+                before_last_backward()
             self._forward(position) if kind == "F" else self._backward(position)
         self.p2p.wait_sends()
         self._timer.finish()

@@ -44,7 +44,14 @@ from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, broadcas
 from dflop.runtime.loading import StepLoader, requests_for
 from dflop.runtime.metrics import MetricsWriter, step_flops
 from dflop.runtime.model import ModelSpec, build_rank_modules, parameter_names
-from dflop.runtime.optim import GradientSync, ParamInfo, build_lr_scheduler, build_optimizer, warmup_cosine
+from dflop.runtime.optim import (
+    TIED_EMBEDDING_NAME,
+    GradientSync,
+    ParamInfo,
+    build_lr_scheduler,
+    build_optimizer,
+    warmup_cosine,
+)
 from dflop.runtime.p2p import P2P
 from dflop.runtime.plan import Plan, load_plan
 from dflop.runtime.schedule import PipelineExecutor
@@ -53,7 +60,6 @@ from dflop.runtime.vision import feature_rows
 
 log = logging.getLogger("dflop.train")
 
-EMBED_NAME = "model.language_model.embed_tokens.weight"
 TEST_PRESET_SUFFIXES = ("-tiny", "-small")
 
 
@@ -83,6 +89,7 @@ class TrainSettings:
     checkpoint_every: int = 2
     schedule: str = "1f1b"
     loader_workers: int = 0
+    overlap_grad_sync: bool = True
     policy: str = "dflop"
     budget_ms: float = 200.0
     prefetch: int = 2
@@ -105,7 +112,7 @@ class TrainSettings:
             min_lr_ratio=train["min_lr_ratio"], warmup_steps=train["warmup_steps"],
             weight_decay=train["weight_decay"], grad_clip=train["grad_clip"],
             checkpoint_every=train["checkpoint_every"], schedule=train["schedule"],
-            loader_workers=train["loader_workers"], policy=sched["policy"], budget_ms=sched["budget_ms"],
+            loader_workers=train["loader_workers"], overlap_grad_sync=train["overlap_grad_sync"], policy=sched["policy"], budget_ms=sched["budget_ms"],
             prefetch=sched["prefetch"], pad_to_longest=sched["pad_to_longest"], device=cluster["device"],
             gpu_memory_gb=cluster["gpu_memory_gb"])
         values.update(overrides)
@@ -329,9 +336,9 @@ class Trainer:
             module = LLM if name.startswith(("model.language_model.", "lm_head.")) else VISION
             sharded = name in self.rank_params.shards or is_tp_shard(param)
             infos[param] = ParamInfo(name, module, sharded,
-                                     tied_copy=head_copy and name == EMBED_NAME)
+                                     tied_copy=head_copy and name == TIED_EMBEDDING_NAME)
         self.param_infos = infos
-        self.sync = GradientSync(self.topo, infos)
+        self.sync = GradientSync(self.topo, infos, overlap=self.settings.overlap_grad_sync)
         s = self.settings
         self.optimizer = self.lr_scheduler = None  # a rank whose modules are all frozen has none
         if infos:
@@ -361,9 +368,9 @@ class Trainer:
                 param.grad.zero_()
         inputs = {i: loaded[row] for i, row in enumerate(plan.rows) if row in loaded}
         t0 = time.perf_counter()
-        result = self.executor.run(plan, inputs)
+        result = self.executor.run(plan, inputs, before_last_backward=self.sync.arm)
         pipeline_s = time.perf_counter() - t0
-        pending = self.sync.start_all_reduce()  # runs while the world total below waits for the last stage
+        pending = self.sync.start_all_reduce()  # the rest; runs while the world total below waits for the last stage
         counts_here = self.topo.llm_role is not None and self.topo.llm_role.is_last and self.topo.llm_role.tp_rank == 0
         totals = torch.tensor([result.loss_sum if counts_here else 0.0, result.n_answer if counts_here else 0],
                               dtype=torch.float64, device=self.device)

@@ -60,9 +60,12 @@ def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> No
             shards[key] = [placement.dim, param.device_mesh.get_local_rank(), param.device_mesh.size()]
     save_file(grads, out / f"grads_rank{trainer.rank}.safetensors")
     (out / f"shards_rank{trainer.rank}.json").write_text(json.dumps(shards))
+    overlapped = torch.tensor(trainer.sync.overlapped_buckets)
+    dist.all_reduce(overlapped)  # buckets started during the last backward, over all ranks
     if trainer.rank == 0:
         (out / "result.json").write_text(json.dumps({
             "loss": stats["loss"], "n_answer": stats["n_answer"], "rows": list(step_plan.rows),
+            "overlapped_buckets": int(overlapped),
             "bins": step_plan.bins, "vision_shares": step_plan.vision_shares, "member": step_plan.member}))
     trainer.close()
 

@@ -99,6 +99,8 @@ def test_loss_and_every_gradient_match_the_unsplit_model(world, tmp_path, pools,
     for c, out in _run(world, tmp_path, pools, runtime_demo):
         result = json.loads((out / "result.json").read_text())
         assert sorted(result["rows"]) == list(range(8)), "the global batch must be the whole pool"
+        if c["plan"]["vision"]["dp"] > 1 or c["plan"]["llm"]["dp"] > 1:  # the sync overlapped the backward
+            assert result["overlapped_buckets"] > 0, c["name"]
         loss, count, grads = _reference(c["arch"], c["shapes"], str(runtime_demo), tuple(range(8)),
                                         tuple(c["freeze"]))
         failures += [f"{c['name']}: {p}" for p in compare(out, world, loss, count, grads)]
