@@ -39,7 +39,8 @@ from dflop.errors import UserError
 from dflop.models.packing import IGNORE_INDEX
 from dflop.models.stages import LLMStage, VisionStage
 
-_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+# (id(group), device type) -> (group, mesh); holding the group keeps its id from being reused
+_MESHES: dict[tuple[int, str], tuple[object, DeviceMesh]] = {}
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ class TPGroup:
         group = self.group if self.group is not None else dist.group.WORLD
         key = (id(group), device_type)
         if key not in _MESHES:
-            _MESHES[key] = DeviceMesh.from_group(group, device_type)
-        return _MESHES[key]
+            _MESHES[key] = (group, DeviceMesh.from_group(group, device_type))
+        return _MESHES[key][1]
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
