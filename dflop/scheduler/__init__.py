@@ -1,6 +1,7 @@
 """Online microbatch scheduler: split each global batch into m microbatches x dp_llm bins
-(portfolio of 2-D greedy + local search, 1F1B-aware ILP, ordering by simulation), baselines,
-a background prefetching service, and adaptive correction of the cost model."""
+(portfolio of 2-D greedy + local search, fluid-profile LP member, 1F1B-aware ILP, ordering by
+simulation), a certified lower bound, baselines, a background prefetching service, and adaptive
+correction of the cost model."""
 
 from dflop.scheduler.bench import bench_scheduler
 from dflop.scheduler.correction import AdaptiveCorrection, CorrectionDecision, MeasuredTimes, ShapeBuckets
@@ -8,10 +9,11 @@ from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_fr
 from dflop.scheduler.evaluate import StageTimes, lower_bound, stage_times
 from dflop.scheduler.greedy import MemoryGuardError
 from dflop.scheduler.partition import POLICIES, Partition, greedy_partition, partition
+from dflop.scheduler.profile import fluid_lower_bound
 from dflop.scheduler.service import SchedulerService
 from dflop.scheduler.synthetic import llava_ov_mix
 
 __all__ = ["POLICIES", "AdaptiveCorrection", "AnalyticCostModel", "CorrectionDecision", "MeasuredTimes",
            "MemoryGuardError", "Partition", "SchedulerService", "ShapeBuckets", "StageLayout", "StageTimes",
-           "batch_costs_from_shapes", "bench_scheduler", "greedy_partition", "llava_ov_mix", "lower_bound",
-           "partition", "stage_times"]
+           "batch_costs_from_shapes", "bench_scheduler", "fluid_lower_bound", "greedy_partition", "llava_ov_mix",
+           "lower_bound", "partition", "stage_times"]

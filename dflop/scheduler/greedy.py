@@ -68,12 +68,24 @@ def _weights(mb_weight, m: int, dp_llm: int) -> tuple[np.ndarray, np.ndarray]:
     return w, np.repeat(w, dp_llm)
 
 
+def _bin_weights(mb_weight, m: int, dp_llm: int) -> tuple[np.ndarray, np.ndarray]:
+    """(vision, LLM) weight of every bin; ``mb_weight`` is None, [m] (both modules) or [2, m]."""
+    w = None if mb_weight is None else np.asarray(mb_weight, dtype=np.float64)
+    if w is not None and w.shape == (2, m):
+        if not (w > 0).all():
+            raise ValueError(f"mb_weight must be positive, got {w.tolist()}")
+        return np.repeat(w[0], dp_llm), np.repeat(w[1], dp_llm)
+    w_bin = _weights(mb_weight, m, dp_llm)[1]
+    return w_bin, w_bin
+
+
 def greedy_2d(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_weight=None) -> np.ndarray:
     """Vector LPT: samples by decreasing normalised size, each to the bin that least raises the
     bottleneck (ties: the bin whose normalised vision + LLM load is lowest).
 
     mb_weight: [m] relative capacity of each microbatch (default all 1): loads are compared
-    divided by it, so a microbatch of weight 0.5 is filled to about half the others.
+    divided by it, so a microbatch of weight 0.5 is filled to about half the others. [2, m]: a
+    separate capacity for the vision load (row 0) and the LLM bin load (row 1) of each microbatch.
     Returns bin_of: [n] bin index of every sample.
     """
     return greedy_2d_many(sc, m, dp_llm, guard, [mb_weight])[0]
@@ -89,17 +101,24 @@ def greedy_2d_many(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_
     n_bins = m * dp_llm
     n_runs = len(mb_weights)
     weighted = any(w is not None for w in mb_weights)
+    pairs = [_bin_weights(w, m, dp_llm) for w in mb_weights]
+    two_d = any(wv is not wl for wv, wl in pairs)   # separate vision / LLM capacities
     tv, tl = _targets(sc, m, n_bins)
     size = np.maximum(sc.vision / tv, sc.llm / tl)
     order = np.argsort(-size, kind="stable")
     # Everything per bin is flat, [K * n_bins] with bin (k, b) at k * n_bins + b: numpy's per-call
     # overhead, which is what this loop costs, is lowest on 1-D arrays. The [K, ...] views are
     # made once, on the reused buffers.
-    w_bin = np.concatenate([_weights(w, m, dp_llm)[1] for w in mb_weights])
+    w_bin = np.concatenate([wl for _, wl in pairs])
+    wv_bin = np.concatenate([wv for wv, _ in pairs]) if two_d else w_bin
     Vb = np.full(n_runs * n_bins, sc.vision_const)   # vision load of each bin's microbatch
     L = np.full(n_runs * n_bins, sc.llm_const)
-    tie = (Vb / tv + L / tl) / w_bin                 # tie-break score, kept up to date
-    cur = (max(sc.vision_const, sc.llm_const) / w_bin.reshape(n_runs, n_bins).min(axis=1)).tolist()
+    if two_d:
+        tie = Vb / (tv * wv_bin) + L / (tl * w_bin)
+        cur = np.maximum(Vb / wv_bin, L / w_bin).reshape(n_runs, n_bins).max(axis=1).tolist()
+    else:
+        tie = (Vb / tv + L / tl) / w_bin             # tie-break score, kept up to date
+        cur = (max(sc.vision_const, sc.llm_const) / w_bin.reshape(n_runs, n_bins).min(axis=1)).tolist()
     cur_bins = np.repeat(cur, n_bins)                # each run's bottleneck, per bin
     if guard.active:
         mb_of_bin = np.arange(n_bins) // dp_llm
@@ -114,9 +133,14 @@ def greedy_2d_many(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_
     for i in order.tolist():
         np.add(Vb, vision[i], out=key)
         np.add(L, llm[i], out=with_llm)
-        np.maximum(key, with_llm, out=key)
-        if weighted:
-            key /= w_bin
+        if two_d:
+            key /= wv_bin
+            with_llm /= w_bin
+            np.maximum(key, with_llm, out=key)
+        else:
+            np.maximum(key, with_llm, out=key)
+            if weighted:
+                key /= w_bin
         if guard.active:
             fits = ((mem_l + guard.llm_bytes[None, :, i:i + 1]) <= llm_limit).all(axis=1)
             fits &= ((mem_v + guard.vision_bytes[None, :, i:i + 1]) <= vision_limit).all(axis=1)[:, mb_of_bin]
@@ -144,10 +168,15 @@ def greedy_2d_many(sc: ScalarCosts, m: int, dp_llm: int, guard: MemoryGuard, mb_
                 mem_l[k, :, b] += guard.llm_bytes[:, i]
                 mem_v[k, :, b // dp_llm] += guard.vision_bytes[:, i]
         picks.append(picked)
-        np.divide(Vb, tv, out=tie)
-        np.divide(L, tl, out=with_llm)
-        tie += with_llm
-        tie /= w_bin
+        if two_d:
+            np.divide(Vb, tv * wv_bin, out=tie)
+            np.divide(L, tl * w_bin, out=with_llm)
+            tie += with_llm
+        else:
+            np.divide(Vb, tv, out=tie)
+            np.divide(L, tl, out=with_llm)
+            tie += with_llm
+            tie /= w_bin
     bin_of = np.empty((n_runs, len(size)), dtype=np.int64)
     bin_of[:, order] = np.array(picks, dtype=np.int64).reshape(len(picks), n_runs).T
     return bin_of

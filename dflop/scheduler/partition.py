@@ -10,6 +10,10 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
   - lockstep: with few samples per bin and dp_llm > 1, the greedy bins improved by swaps on the
     sum over microbatches of their heaviest bin (`lockstep_search`): replicas run a microbatch
     together, so it costs its heaviest bin;
+  - profile: with 2-4 samples per bin and dp_llm > 1, microbatches shaped like the fastest fluid
+    1F1B schedule (an LP: light first and last microbatches, a plateau raised to hold the heaviest
+    samples) and filled against those targets (`dflop.scheduler.profile`); its simulated step is
+    at most (worst load / target) times the LP's;
   - lpt1d: 1-D LPT on LLM cost, a cheap second opinion when vision is light;
   - greedy_ends<w>: when the pipeline bubble is a large share of the step (few microbatches),
     greedy with the first and last microbatch filled to only w of the others: 1F1B pays the first
@@ -39,6 +43,7 @@ from dflop.scheduler.evaluate import lower_bound, memory_ok, scalar_costs, stage
 from dflop.scheduler.greedy import MemoryGuard, greedy_2d_many, local_search, lockstep_search, proxy
 from dflop.scheduler.ilp import solve_ilp
 from dflop.scheduler.ordering import best_orders
+from dflop.scheduler.profile import profile_partition
 
 POLICIES = ("dflop", "megatron", "llava_group", "lpt1d")
 
@@ -55,7 +60,7 @@ class Partition:
         lower_bound_s: max(T*, heaviest sample's critical path) (seconds), see `lower_bound`.
         proxy_s: bottleneck-stage seconds of the busiest bin or microbatch.
         policy: the policy asked for; member: the portfolio member that won ("greedy",
-            "greedy_aligned", "lpt1d", "ilp", or the baseline's name).
+            "greedy_aligned", "profile", "lpt1d", "ilp", ..., or the baseline's name).
         solve_s: wall seconds this partition took.
         ilp_status: "not_run", or the ILP's status ("optimal", "node_limit", "overrun",
             "failed: ...").
@@ -175,7 +180,8 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
               lengths: np.ndarray | None = None, ilp: str = "auto", ilp_max_vars: int = 4096,
               ilp_items_per_bin: float = 4.0, ilp_skew: float = 0.3, ilp_max_nodes: int = 200,
               end_weights: tuple[tuple[float, float], ...] = ((0.9, 0.7), (0.8, 0.6)),
-              end_weights_min_bubble: float = 0.2, lockstep_items_per_bin: float = 4.0) -> Partition:
+              end_weights_min_bubble: float = 0.2, lockstep_items_per_bin: float = 4.0,
+              profile_items_per_bin: float = 4.0) -> Partition:
     """Partition one global batch (see module docstring for the portfolio).
 
     Args:
@@ -190,6 +196,9 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
             n * m * dp_llm <= ilp_max_vars), "always" or "never".
         lockstep_items_per_bin: with dp_llm > 1 and at most this many samples per bin, also run
             `lockstep_search` from the greedy result ("lockstep").
+        profile_items_per_bin: with dp_llm > 1 and 2 to this many samples per bin, also run the
+            fluid-profile member ("profile"; an LP plus a fit, ~0.1 s at 128 bins, ~0.3 s at 512);
+            0 turns it off.
         end_weights: when the pipeline bubble (p - 1) / (m + p - 1) is at least
             end_weights_min_bubble, also try greedy members whose first and last microbatch are
             filled to only this share of the others (cheaper fill and drain; "greedy_ends<w>").
@@ -239,6 +248,10 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
             members.append((f"greedy_regrouped{window}", regroup_bins(greedy, sc.llm, sc.vision, m, dp_llm, window)))
         if n / n_bins <= lockstep_items_per_bin:
             members.append(("lockstep", lockstep_search(sc, greedy, m, dp_llm)))
+        if 2 <= n / n_bins <= profile_items_per_bin:
+            shaped = profile_partition(costs, sc, m, dp_llm, dp_vision, guard, p2p_s=p2p_s, allreduce_s=allreduce_s)
+            if shaped is not None:
+                members.append(("profile", shaped))
     members.append(("lpt1d", baselines.lpt1d(costs.llm_total(), m, dp_llm)))
     for (name, weight), bins_w in zip(end_members, first_pass[1:]):
         members.append((name, local_search(sc, bins_w, m, dp_llm, guard, mb_weight=weight)))
@@ -274,5 +287,7 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
 
 def greedy_partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, p2p_s: float = 0.0,
                      allreduce_s=0.0) -> Partition:
-    """The portfolio without the ILP: what the online service falls back to (milliseconds)."""
-    return partition(costs, m, dp_llm, dp_vision, p2p_s=p2p_s, allreduce_s=allreduce_s, ilp="never")
+    """The portfolio without the ILP and the fluid-profile LP: what the online service falls back to
+    (milliseconds; the profile member's LP takes 0.1-0.4 s where it runs)."""
+    return partition(costs, m, dp_llm, dp_vision, p2p_s=p2p_s, allreduce_s=allreduce_s, ilp="never",
+                     profile_items_per_bin=0)
