@@ -79,6 +79,7 @@ LAYOUTS = {
     "dp2": ("disjoint", 1, 2, "vision | LLM replica 0 | LLM replica 1"),
     "vision-llm": ("disjoint", 1, 1, "vision | LLM"),
     "colocated-pp2": ("colocated", 2, 1, "vision + LLM stage 0 | LLM stage 1"),
+    "colocated-dp2": ("colocated", 1, 2, "vision + LLM replica 0 | vision + LLM replica 1"),
 }
 
 

@@ -1,0 +1,152 @@
+"""Gradient all-reduce overlapped with the last backward vs started after the pipeline.
+
+    python benchmarks/bench_grad_overlap.py [--preset small] [--steps 4] [--warmup 1] [--batch 4]
+        [--microbatches 2] [--out-dir results/bench/grad_overlap]
+
+Two data-parallel replicas (colocated: each rank runs the vision tower and the whole LLM; gloo, one
+torch thread per rank) of the `bench_costmodel.py` preset on the demo data. Every rank holds two
+trainers with the same seed, plan and global batches, ``train.overlap_grad_sync`` on and off, and
+runs them in turn on each batch (rotating which goes first). Printed per variant: the median step
+(gradients + sync + optimizer, between barriers) and the exposed synchronisation: on the rank
+that finished its pipeline last (it waits for no replica), the time from the end of its pipeline
+to synced gradients, the part of the all-reduce the overlap is meant to hide. Gradients of the
+two variants are compared (they must agree: the same sums, only started earlier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_costmodel import PRESETS  # noqa: E402
+from bench_trainer import model_section, plan_dict, prepare  # noqa: E402
+
+VARIANTS = ("after-pipeline", "overlapped")
+
+
+def worker(spec_path: str) -> int:
+    """One rank: two trainers (overlap off / on), run in turn on the same batches."""
+    import torch
+    import torch.distributed as dist
+
+    from dflop.config import Config
+    from dflop.models.tensor_parallel import local_tensor
+    from dflop.runtime.plan import plan_from_dict
+    from dflop.runtime.trainer import Trainer, TrainSettings, init_distributed, load_pool, pool_samples
+
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    device = init_distributed("cpu")
+    cfg = Config.from_dict(spec["config"])
+    pool = load_pool(spec["shapes"])
+    plan = plan_from_dict(spec["plan"], "benchmark plan")
+    n_steps = spec["warmup"] + spec["steps"]
+    trainers = {}
+    for name in VARIANTS:
+        settings = TrainSettings.from_config(cfg, overlap_grad_sync=name == "overlapped", steps=n_steps)
+        trainers[name] = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed),
+                                 device=device)
+    rows, max_grad_diff = [], 0.0
+    for step in range(n_steps):
+        grads = {}
+        for name in VARIANTS[step % 2:] + VARIANTS[:step % 2]:
+            trainer = trainers[name]
+            step_plan = trainer.next_plan(step)
+            loaded = trainer.load(step_plan).result()
+            dist.barrier()
+            t0 = time.perf_counter()
+            stats = trainer.compute_gradients(step_plan, loaded)
+            gradients_s = time.perf_counter() - t0
+            grads[name] = [local_tensor(p.grad).clone() for p in trainer.param_infos]
+            trainer.optimizer_step()
+            dist.barrier()
+            step_s = time.perf_counter() - t0
+            timings = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+            dist.all_gather(timings, torch.tensor([stats["pipeline_s"], gradients_s], dtype=torch.float64))
+            # The rank that finished its pipeline last waits for nobody: what it spends after the
+            # pipeline is the synchronisation's own tail (other ranks also wait for it).
+            last_pipeline, last_gradients = max(t.tolist() for t in timings)
+            if dist.get_rank() == 0:
+                rows.append({"variant": name, "step": step, "warmup": step < spec["warmup"], "step_s": step_s,
+                             "exposed_sync_s": last_gradients - last_pipeline,
+                             "overlapped_buckets": trainer.sync.overlapped_buckets,
+                             "buckets": len(trainer.sync._buckets), "loss": stats["loss"]})
+        diffs = [(a - b).abs().max().item() for a, b in zip(*grads.values())]
+        max_grad_diff = max(max_grad_diff, max(diffs))
+    if dist.get_rank() == 0:
+        Path(spec["result"]).write_text(json.dumps({"rows": rows, "max_grad_diff": max_grad_diff}))
+    for trainer in trainers.values():
+        trainer.close()
+    dist.destroy_process_group()
+    return 0
+
+
+def summarize(result: dict) -> str:
+    import pandas as pd
+
+    frame = pd.DataFrame([r for r in result["rows"] if not r["warmup"]])
+    table = frame.groupby("variant").agg(step_s=("step_s", "median"), exposed=("exposed_sync_s", "median"),
+                                         overlapped=("overlapped_buckets", "median"), buckets=("buckets", "first"),
+                                         steps=("step", "count")).reindex(list(VARIANTS))
+    lines = ["| variant | median step (s) | exposed sync after the pipeline (s) | buckets started in backward | "
+             "steps |", "|---|---|---|---|---|"]
+    for name, row in table.iterrows():
+        lines.append(f"| {name} | {row.step_s:.3f} | {row.exposed:.3f} | {row.overlapped:.0f} of {row.buckets:.0f} "
+                     f"| {int(row.steps)} |")
+    paired = frame.pivot(index="step", columns="variant", values="step_s")
+    lines.append(f"overlapped vs after-pipeline: step ratio {(paired['after-pipeline'] / paired['overlapped']).median():.3f}"
+                 f" (median of per-batch ratios); exposed sync {table.loc['after-pipeline', 'exposed']:.3f} s -> "
+                 f"{table.loc['overlapped', 'exposed']:.3f} s; largest gradient difference "
+                 f"{result['max_grad_diff']:.2g}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=Path("results/bench/grad_overlap"))
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker)
+    out = args.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    from dflop.models.info import model_info
+
+    manifest, shapes, _ = prepare(out, args.samples, args.preset, None, analytic=True)
+    info = model_info(*PRESETS[args.preset])
+    plan = plan_dict("colocated-dp2", info.vision_layers, [info.llm_layers], args.microbatches, args.batch)
+    spec = {"config": {"run": {"seed": args.seed}, "model": model_section(args.preset),
+                       "data": {"datasets": [{"name": "demo", "path": str(manifest)}]},
+                       "train": {"global_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0},
+                       "scheduler": {"prefetch": 2}},
+            "shapes": str(shapes), "plan": plan, "steps": args.steps, "warmup": args.warmup,
+            "result": str(out / "steps.json")}
+    (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                    str(plan["world_size"]), str(Path(__file__).resolve()), "--worker", str(out / "spec.json")],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = json.loads((out / "steps.json").read_text())
+    print(f"{args.preset} model, 2 colocated data-parallel replicas, batch {args.batch}, {args.microbatches} "
+          f"microbatches; {args.steps} measured steps after {args.warmup} warm-up, "
+          f"{time.perf_counter() - started:.0f} s")
+    print(summarize(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
