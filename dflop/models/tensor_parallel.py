@@ -18,8 +18,10 @@ Layout (Megatron's, expressed as DTensor placements on a 1-D device mesh over th
 Parameters become DTensors (their ``shape`` is the global shape; ``to_local()`` is this rank's
 slice), which the checkpoint (DCP) and export read directly. InternViT-6B's QK-norm normalises over
 all heads at once; its weight is a ``Shard(0)`` DTensor and its sum of squares is all-reduced
-(`TPRMSNorm`). The ``shard_*`` functions shard modules in place and return them; the full module's values are
-sliced, so a sharded module computes what the full one computes (tests compare under torchrun).
+(`TPRMSNorm`). The ``shard_*`` functions shard modules in place and return them. The full
+module's values are scattered from TP rank 0 (``distribute_tensor``, a collective: every rank
+shards the same modules in the same order), so a sharded module computes what the full one
+computes (tests compare under torchrun).
 """
 
 from __future__ import annotations
@@ -61,8 +63,12 @@ class TPGroup:
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: the local shard of a DTensor, any other tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """This rank's part of a tensor, outside autograd: the local shard of a DTensor (the same
+    storage, so in-place ops write through), any other tensor as it is."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
 
 
 def is_tp_shard(tensor: torch.Tensor) -> bool:

@@ -30,11 +30,11 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBy
     `exclude` (the parameters: they are memory anyway) are not activations. Saved tensors stay
     alive until backward, so no two of them can share an address by reuse.
     """
-    excluded = {_local(t).untyped_storage().data_ptr() for t in exclude}
+    excluded = {local_tensor(t).untyped_storage().data_ptr() for t in exclude}
     result = SavedBytes()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = _local(tensor).untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in excluded:
             result._storages.setdefault(ptr, storage.nbytes())
@@ -45,20 +45,14 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBy
     result.bytes = sum(result._storages.values())
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """What this rank stores of a tensor (a DTensor's ``numel`` and storage are the global ones)."""
-    with torch.no_grad():
-        return local_tensor(tensor)
-
-
 def param_bytes(module: nn.Module) -> int:
     """Bytes of the module's distinct parameters on this rank."""
-    return sum(_local(p).numel() * p.element_size() for p in module.parameters())
+    return sum(local_tensor(p).numel() * p.element_size() for p in module.parameters())
 
 
 def grad_bytes(module: nn.Module) -> int:
     """Bytes of the gradients of trainable parameters (same dtype as the parameters) on this rank."""
-    return sum(_local(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return sum(local_tensor(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
 def adam_state_bytes(module: nn.Module) -> int:
@@ -67,5 +61,5 @@ def adam_state_bytes(module: nn.Module) -> int:
     total = 0
     for p in module.parameters():
         if p.requires_grad:
-            total += _local(p).numel() * (8 + (4 if p.dtype != torch.float32 else 0))
+            total += local_tensor(p).numel() * (8 + (4 if p.dtype != torch.float32 else 0))
     return total

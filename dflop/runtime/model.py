@@ -33,6 +33,8 @@ from dflop.models.stages import LLMStage, VisionStage, build_llm_stage, build_vi
 from dflop.models.tensor_parallel import shard_stage
 from dflop.runtime.topology import Topology
 
+EMBEDDING_NAME = "model.language_model.embed_tokens.weight"  # global name of the LLM's input embedding
+
 FREEZE_PREFIXES = {
     "vision": ("model.vision_tower.",),
     "projector": ("model.multi_modal_projector.", "model.image_newline"),
@@ -141,7 +143,7 @@ def parameter_names(modules: RankModules) -> dict[int, str]:
         for local, param in part.named_parameters():
             name = by_identity.get(id(param))
             if name is None and local == "embedding.embed_tokens.weight":
-                name = "model.language_model.embed_tokens.weight"
+                name = EMBEDDING_NAME
             elif name is None and local in ("head.weight", "head.lm_head.weight"):
                 name = "lm_head.weight"
             if name is None:

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dflop.models.tensor_parallel import local_tensor
+from dflop.runtime.model import EMBEDDING_NAME
 from dflop.runtime.topology import Topology
-
-TIED_EMBEDDING_NAME = "model.language_model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class GradientSync:
     def __init__(self, topo: Topology, params: dict[nn.Parameter, ParamInfo] | list, bucket_mb: float = 25.0,
                  overlap: bool = True):
         self.topo = topo
-        self.params = list(params.items()) if isinstance(params, dict) else list(params)
+        self.params = tuple(params.items()) if isinstance(params, dict) else tuple(params)  # buckets are fixed
         self.bucket_bytes = int(bucket_mb * 2**20)
         self._buckets = self._plan_buckets()
         self._bucket_of = {id(p): b for b in self._buckets if b.overlappable for p in b.params}
@@ -105,9 +105,16 @@ class GradientSync:
         self._pending = PendingSync()
         self._armed = False
         self.overlapped_buckets = 0  # buckets of the last completed step started during its backward
+        self._hooks = []
         if overlap:
             for param in {id(p): p for b in self._buckets if b.overlappable for p in b.params}.values():
-                param.register_post_accumulate_grad_hook(self._on_gradient_final)
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient_final))
+
+    def remove_hooks(self) -> None:
+        """Detach the overlap hooks from the parameters (another GradientSync takes over)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _grads(self, module: str | None = None) -> list[tuple[nn.Parameter, ParamInfo]]:
         return [(p, info) for p, info in self.params
@@ -116,11 +123,10 @@ class GradientSync:
     @staticmethod
     def _local_grad(param: nn.Parameter) -> torch.Tensor:
         """The gradient this rank holds (a DTensor parameter's local shard; in-place ops write through)."""
-        with torch.no_grad():
-            return local_tensor(param.grad)
+        return local_tensor(param.grad)
 
     def _is_tied(self, info: ParamInfo) -> bool:
-        return self.topo.groups.tied_embedding is not None and info.name == TIED_EMBEDDING_NAME
+        return self.topo.groups.tied_embedding is not None and info.name == EMBEDDING_NAME
 
     def _plan_buckets(self) -> list[_Bucket]:
         """Data-parallel buckets in launch order: each module's parameters last-to-first (the order a
@@ -189,7 +195,7 @@ class GradientSync:
         self.overlapped_buckets = self._next  # started by the hooks during the last backward
         if self.topo.groups.tied_embedding is not None:
             for p, info in self._grads("llm"):
-                if info.name == TIED_EMBEDDING_NAME:
+                if info.name == EMBEDDING_NAME:
                     dist.all_reduce(self._local_grad(p), group=self.topo.groups.tied_embedding)
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
@@ -221,13 +227,18 @@ class GradientSync:
 
 
 def build_optimizer(params: list[tuple[str, nn.Parameter]], *, lr: float, weight_decay: float,
-                    betas=(0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; weight decay on matrices only (not norms, biases)."""
-    decay = [p for _, p in params if p.ndim >= 2]
-    no_decay = [p for _, p in params if p.ndim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+                    betas=(0.9, 0.95), eps: float = 1e-8, foreach: bool | None = None) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; weight decay on matrices only (not norms, biases).
+
+    DTensor (tensor-parallel) and plain parameters go in separate groups: the multi-tensor
+    (``foreach``) kernels AdamW picks on CUDA refuse a list that mixes the two."""
+    groups = []
+    for decay in (True, False):
+        for distributed in (True, False):
+            members = [p for _, p in params if (p.ndim >= 2) == decay and isinstance(p, DTensor) == distributed]
+            if members:
+                groups.append({"params": members, "weight_decay": weight_decay if decay else 0.0})
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=foreach)
 
 
 def warmup_cosine(step: int, *, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:

@@ -141,7 +141,7 @@ class PipelineExecutor:
         self._tokens = 0
         sent_before = self.p2p.bytes_sent
         ops = op_order(self.schedule, self.topo.pipeline_stage, self.topo.n_pipeline_stages, m)
-        last_backward = max(i for i, (kind, _) in enumerate(ops) if kind == "B")
+        last_backward = max((i for i, (kind, _) in enumerate(ops) if kind == "B"), default=None)
         for i, (kind, position) in enumerate(ops):
             if i == last_backward and before_last_backward is not None:
                 before_last_backward()

@@ -43,9 +43,8 @@ from dflop.models.tensor_parallel import is_tp_shard
 from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, broadcast_step_plan
 from dflop.runtime.loading import StepLoader, requests_for
 from dflop.runtime.metrics import MetricsWriter, step_flops
-from dflop.runtime.model import ModelSpec, build_rank_modules, parameter_names
+from dflop.runtime.model import EMBEDDING_NAME, ModelSpec, build_rank_modules, parameter_names
 from dflop.runtime.optim import (
-    TIED_EMBEDDING_NAME,
     GradientSync,
     ParamInfo,
     build_lr_scheduler,
@@ -112,8 +111,8 @@ class TrainSettings:
             min_lr_ratio=train["min_lr_ratio"], warmup_steps=train["warmup_steps"],
             weight_decay=train["weight_decay"], grad_clip=train["grad_clip"],
             checkpoint_every=train["checkpoint_every"], schedule=train["schedule"],
-            loader_workers=train["loader_workers"], overlap_grad_sync=train["overlap_grad_sync"], policy=sched["policy"], budget_ms=sched["budget_ms"],
-            prefetch=sched["prefetch"], pad_to_longest=sched["pad_to_longest"], device=cluster["device"],
+            loader_workers=train["loader_workers"], overlap_grad_sync=train["overlap_grad_sync"],
+            policy=sched["policy"], budget_ms=sched["budget_ms"], prefetch=sched["prefetch"], pad_to_longest=sched["pad_to_longest"], device=cluster["device"],
             gpu_memory_gb=cluster["gpu_memory_gb"])
         values.update(overrides)
         return cls(**values)
@@ -336,7 +335,7 @@ class Trainer:
             module = LLM if name.startswith(("model.language_model.", "lm_head.")) else VISION
             sharded = name in self.rank_params.shards or is_tp_shard(param)
             infos[param] = ParamInfo(name, module, sharded,
-                                     tied_copy=head_copy and name == TIED_EMBEDDING_NAME)
+                                     tied_copy=head_copy and name == EMBEDDING_NAME)
         self.param_infos = infos
         self.sync = GradientSync(self.topo, infos, overlap=self.settings.overlap_grad_sync)
         s = self.settings

@@ -382,8 +382,9 @@ def fit_profile(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, target
 
 
 def fill_empty_bins(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, targets: np.ndarray) -> np.ndarray:
-    """Give every empty bin one sample (every replica must run every microbatch): the move, from
-    a bin holding two or more, that keeps the largest load / target ratio it touches lowest."""
+    """Give every empty bin one sample (a partition never leaves a bin empty: that replica would
+    idle through the whole microbatch): the move, from a bin holding two or more, that keeps the
+    largest load / target ratio it touches lowest."""
     bin_of = bin_of.copy()
     n_bins = m * dp_llm
     tv, tl = targets[0], np.repeat(targets[1], dp_llm)
@@ -406,11 +407,16 @@ def profile_partition(costs: BatchCosts, sc: ScalarCosts, m: int, dp_llm: int, d
                       p2p_s: float = 0.0, allreduce_s=0.0, n_classes: int = 4) -> np.ndarray | None:
     """bin_of of the "profile" member (module docstring; no bin left empty), or None when the LP
     fails or the guarded greedy finds no room for a sample."""
-    profile = fluid_profile(costs, m, dp_llm, dp_vision, classes=sample_classes(sc, n_classes),
-                            lower=heavy_slots(sc, m, dp_llm), p2p_s=p2p_s, allreduce_s=allreduce_s)
+    classes = sample_classes(sc, n_classes)
+    profile = fluid_profile(costs, m, dp_llm, dp_vision, classes=classes, lower=heavy_slots(sc, m, dp_llm),
+                            p2p_s=p2p_s, allreduce_s=allreduce_s)
+    if profile is None:  # the slots can be infeasible (one sample heavier than a replica's share)
+        profile = fluid_profile(costs, m, dp_llm, dp_vision, classes=classes, p2p_s=p2p_s, allreduce_s=allreduce_s)
     if profile is None:
         return None
     targets = profile_targets(sc, profile, dp_llm)
+    if sc.vision_const == 0 and not sc.vision.any():
+        targets[0] = 1.0  # no vision work at all (text-only batch): its load / target is 0 whatever the target
     if not (targets > 0).all():
         return None
     try:

@@ -54,10 +54,10 @@ def test_global_norm_and_clipping_on_one_rank():
 
 
 def test_tied_copies_and_replicated_tensors_are_counted_once():
-    sync = GradientSync(_single_rank_topology(), {})
     p = torch.nn.Parameter(torch.zeros(1))
     p.grad = torch.tensor([2.0])
-    sync.params = [(p, ParamInfo("model.language_model.embed_tokens.weight", "llm", False, tied_copy=True))]
+    sync = GradientSync(_single_rank_topology(),
+                        {p: ParamInfo("model.language_model.embed_tokens.weight", "llm", False, tied_copy=True)})
     assert sync.global_norm(torch.device("cpu")) == 0.0
 
 
@@ -132,3 +132,29 @@ def test_padded_baseline_is_a_config_key():
     assert settings.policy == "baseline" and settings.pad_to_longest
     assert not TrainSettings.from_config(load(None, None)).pad_to_longest  # packed by default
     assert not TrainSettings.from_config(cfg, pad_to_longest=False).pad_to_longest  # `dflop train` flag wins
+
+
+def _mixed_parameters_worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    twins = []  # (DTensor parameter, plain parameter with the same values): a matrix and a bias
+    for shape in ((4, 2), (4,)):
+        value = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+        twins.append((torch.nn.Parameter(distribute_tensor(value, mesh, [Shard(0)])), torch.nn.Parameter(value)))
+    params = [(f"p{i}", p) for i, pair in enumerate(twins) for p in pair]
+    optimizer = build_optimizer(params, lr=0.1, weight_decay=0.5, foreach=True)  # CUDA's default path
+    for _, p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # one list mixing DTensor and plain tensors would raise here
+    assert len(optimizer.param_groups) == 4
+    for distributed, plain in twins:
+        assert torch.allclose(distributed.full_tensor(), plain.detach())
+
+
+@pytest.mark.distributed
+def test_optimizer_keeps_dtensor_and_plain_parameters_apart_for_foreach(tmp_path):
+    from test_checkpoint_helpers import spawn
+
+    spawn(_mixed_parameters_worker, 1, tmp_path)

@@ -57,7 +57,11 @@ CASES = {
         case("internvl-vision-pp2-gpipe", "internvl", plan((1, 2, 1, [1, 1]), ONE, m=4), schedule="gpipe",
              shuffle_seed=4)],
     4: [case("vision-dp2-llm-dp2-baseline", "llava_ov", plan(TWO, TWO), policy="baseline", shuffle_seed=5),
-        case("vision-dp2-llm-dp2-dflop", "llava_ov", plan(TWO, TWO, m=2))],
+        case("vision-dp2-llm-dp2-dflop", "llava_ov", plan(TWO, TWO, m=2)),
+        # DTensor gradients in the overlapped buckets; vision and LLM buckets on one rank
+        case("colocated-tp2-dp2", "llava_ov", plan((2, 1, 2, [2]), (2, 1, 2, [2]), "colocated", m=2)),
+        # the tied embedding's bucket (summed over the two LLM stages first) is never overlapped
+        case("colocated-llm-pp2-dp2-tied", "llava_ov", plan((1, 1, 2, [2]), (1, 2, 2, [1, 1]), "colocated", m=2))],
 }
 
 

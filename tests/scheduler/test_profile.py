@@ -192,3 +192,23 @@ def test_fluid_lower_bound_is_below_t_star_on_the_mix(make_costs):
     bound = fluid_lower_bound(costs, 16, 8, 8)
     assert bound < 0.95 * equal_split_step(costs, 16, 8, 8)
     assert bound <= partition(costs, 16, 8, 8, ilp="never").step_s
+
+
+def test_member_runs_on_text_only_batches_and_past_infeasible_slots(make_costs):
+    """No vision work (text-only batch, or colocated with no vision stage) gives vision targets of
+    0; one sample heavier than a replica's share of the batch makes the slot bounds infeasible.
+    Neither may silently drop the member."""
+    import dataclasses
+
+    _, costs = make_costs(256, seed=11)
+    zeros = {name: np.zeros_like(getattr(costs, name))
+             for name in ("vision_fwd", "vision_bwd", "vision_fwd_const", "vision_bwd_const")}
+    text_only = dataclasses.replace(costs, **zeros)
+    heavy = dataclasses.replace(costs, llm_fwd=costs.llm_fwd.copy(), llm_bwd=costs.llm_bwd.copy())
+    heavy.llm_fwd[:, 0] *= 40
+    heavy.llm_bwd[:, 0] *= 40
+    for batch in (text_only, heavy):
+        sc = scalar_costs(batch, 16, 8, 8)
+        bin_of = profile_partition(batch, sc, 16, 8, 8, MemoryGuard.from_costs(batch, 8))
+        assert bin_of is not None
+        assert (np.bincount(bin_of, minlength=128) >= 1).all()
