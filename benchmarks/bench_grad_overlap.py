@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_costmodel import PRESETS  # noqa: E402
-from bench_trainer import model_section, plan_dict, prepare  # noqa: E402
+from bench_trainer import launch_workers, model_section, plan_dict, prepare  # noqa: E402
 
 VARIANTS = ("after-pipeline", "overlapped")
 
@@ -137,9 +135,7 @@ def main() -> int:
             "result": str(out / "steps.json")}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                    str(plan["world_size"]), str(Path(__file__).resolve()), "--worker", str(out / "spec.json")],
-                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    launch_workers(Path(__file__), out / "spec.json", plan["world_size"])
     result = json.loads((out / "steps.json").read_text())
     print(f"{args.preset} model, 2 colocated data-parallel replicas, batch {args.batch}, {args.microbatches} "
           f"microbatches; {args.steps} measured steps after {args.warmup} warm-up, "

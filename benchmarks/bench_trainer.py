@@ -122,6 +122,13 @@ def choose_split(shapes: Path, costmodel: str | None, microbatches: int, batch: 
     return best[1]
 
 
+def launch_workers(script: Path, spec: Path, world: int) -> None:
+    """`world` ranks of ``script --worker spec`` under torchrun (gloo on CPU, one thread each)."""
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                    str(script.resolve()), "--worker", str(spec)], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def worker(spec_path: str) -> int:
     """One rank: three trainers, run in turn on the same batches."""
     import torch
@@ -258,10 +265,8 @@ def main() -> int:
                       "dflop": plan_dict(args.layout, info.vision_layers, split, args.microbatches, args.batch)},
             "result": str(out / "steps.json")}
     (out / "spec.json").write_text(json.dumps(spec, indent=1))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                    str(Path(__file__).resolve()), "--worker", str(out / "spec.json")], check=True, env=env)
+    launch_workers(Path(__file__), out / "spec.json", world)
     rows = json.loads((out / "steps.json").read_text())
     print(f"{args.preset} model, {world} ranks ({LAYOUTS[args.layout][3]}), batch {args.batch}, "
           f"{args.microbatches} microbatches, "

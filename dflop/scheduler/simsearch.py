@@ -28,8 +28,21 @@ from dflop.scheduler.evaluate import StageTimes, stage_times
 from dflop.sim import simulate_dp_steps
 
 
-def _steps(vf, vb, lf, lb, orders, p2p_s, allreduce_s) -> np.ndarray:
-    return simulate_dp_steps(vf, vb, lf, lb, orders, p2p_s=p2p_s, allreduce_s=allreduce_s)
+def _best_improvement(n_candidates: int, score, step: float, chunk: int, evals_left: int,
+                      evals_per_candidate: int) -> tuple[int | None, float, int]:
+    """(index of the fastest candidate strictly faster than `step` or None, its step, evaluations
+    used), scoring candidates `chunk` at a time with ``score(start, stop) -> [stop - start]`` and
+    stopping once `evals_left` is spent."""
+    best, used = None, 0
+    for start in range(0, n_candidates, chunk):
+        if used >= evals_left:
+            break
+        steps = score(start, min(start + chunk, n_candidates))
+        used += len(steps) * evals_per_candidate
+        a = int(np.argmin(steps))
+        if steps[a] < step * (1 - 1e-12):
+            best, step = start + a, float(steps[a])
+    return best, step, used
 
 
 def order_moves(order: np.ndarray) -> np.ndarray:
@@ -94,54 +107,43 @@ def sim_search(costs: BatchCosts, bin_of: np.ndarray, order: np.ndarray, m: int,
     """
     bin_of = np.asarray(bin_of, dtype=np.int64).copy()
     order = np.asarray(order, dtype=np.int64).copy()
-    sim = dict(p2p_s=p2p_s, allreduce_s=allreduce_s)
 
     def times_of(b):
         return stage_times(costs, b // dp_llm, b % dp_llm, m, dp_llm, dp_vision)
 
+    def simulate(vf, vb, lf, lb, orders):
+        return simulate_dp_steps(vf, vb, lf, lb, orders, p2p_s=p2p_s, allreduce_s=allreduce_s)
+
+    def repeated(t, c):
+        return [np.repeat(x[None], c, 0) for x in (t.vision_fwd, t.vision_bwd, t.llm_fwd, t.llm_bwd)]
+
     t = times_of(bin_of)
-    step = float(_steps(t.vision_fwd[None], t.vision_bwd[None], t.llm_fwd[None], t.llm_bwd[None], order[None],
-                        **sim)[0])
+    step = float(simulate(*repeated(t, 1), order[None])[0])
     used = m
     stalled = 0                                   # neighbourhoods in a row without improvement
     phase = 0
     while used < max_evals and stalled < 2:
         improved = False
         if phase == 0 and m >= 2:
-            cands = order_moves(order)
-            best = (None, step)
-            for s in range(0, len(cands), chunk):
-                if used >= max_evals:
-                    break
-                block = cands[s:s + chunk]
-                c = len(block)
-                st = _steps(np.repeat(t.vision_fwd[None], c, 0), np.repeat(t.vision_bwd[None], c, 0),
-                            np.repeat(t.llm_fwd[None], c, 0), np.repeat(t.llm_bwd[None], c, 0), block, **sim)
-                used += c * m
-                a = int(np.argmin(st))
-                if st[a] < best[1] * (1 - 1e-12):
-                    best = (block[a], float(st[a]))
-            if best[0] is not None:
-                order, step, improved = best[0].copy(), best[1], True
+            moves = order_moves(order)
+            best, best_step, spent = _best_improvement(
+                len(moves), lambda a, b: simulate(*repeated(t, b - a), moves[a:b]), step, chunk, max_evals - used, m)
+            if best is not None:
+                order, step, improved = moves[best].copy(), best_step, True
         elif phase == 1:
             pairs = swap_pairs(bin_of, order, dp_llm, span)
-            best = (None, step)
-            for s in range(0, len(pairs), chunk):
-                if used >= max_evals:
-                    break
-                block = pairs[s:s + chunk]
-                c = len(block)
-                vf, vb, lf, lb = _swapped_times(costs, t, bin_of, block, dp_llm, dp_vision)
-                st = _steps(vf, vb, lf, lb, np.repeat(order[None], c, 0), **sim)
-                used += c * m
-                a = int(np.argmin(st))
-                if st[a] < best[1] * (1 - 1e-12):
-                    best = (block[a], float(st[a]))
-            if best[0] is not None:
-                i, k = (int(x) for x in best[0])
+            best, best_step, spent = _best_improvement(
+                len(pairs), lambda a, b: simulate(*_swapped_times(costs, t, bin_of, pairs[a:b], dp_llm, dp_vision),
+                                                  np.repeat(order[None], b - a, 0)),
+                step, chunk, max_evals - used, m)
+            if best is not None:
+                i, k = (int(x) for x in pairs[best])
                 bin_of[i], bin_of[k] = bin_of[k], bin_of[i]
                 t = times_of(bin_of)
-                step, improved = best[1], True
+                step, improved = best_step, True
+        else:
+            spent = 0
+        used += spent
         stalled = 0 if improved else stalled + 1
         if not improved:                    # each neighbourhood until it is stuck, then the other
             phase = 1 - phase
