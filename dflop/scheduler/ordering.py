@@ -32,6 +32,10 @@ def candidate_orders(weight: np.ndarray) -> list[np.ndarray]:
         zigzag[0::2] = desc[: (m + 1) // 2]
         zigzag[1::2] = asc[: m // 2]
         orders.append(np.r_[zigzag[1:], zigzag[:1]] if m % 2 == 0 else zigzag)
+        # A mountain: every other microbatch rising from the lightest, the rest falling back, so
+        # both ends are light and neighbours are alike all the way (sorted, similar microbatches
+        # then follow each other through the stages without stalls).
+        orders.append(np.r_[asc[0::2], asc[1::2][::-1]])
     unique, seen = [], set()
     for o in orders:
         key = o.tobytes()

@@ -10,6 +10,9 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
   - lockstep: with few samples per bin and dp_llm > 1, the greedy bins improved by swaps on the
     sum over microbatches of their heaviest bin (`lockstep_search`): replicas run a microbatch
     together, so it costs its heaviest bin;
+  - lockstep_regrouped: the same swaps started from greedy_regrouped1 (microbatches of bins of
+    similar LLM load), then each microbatch's bins re-dealt over the replicas to even their
+    totals (`balance_replicas`); with one sample per bin this is the strongest start;
   - profile: with 2-4 samples per bin and dp_llm > 1, microbatches shaped like the fastest fluid
     1F1B schedule (an LP: light first and last microbatches, a plateau raised to hold the heaviest
     samples) and filled against those targets (`dflop.scheduler.profile`); its simulated step is
@@ -22,10 +25,10 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
     vision/LLM profiles sometimes fit the fill and drain better (cheap, always tried);
   - batch_order: contiguous slices in batch order (the data-blind split), reordered by simulation;
     a cheap safety net, it only wins when nothing is left to balance (e.g. one sample per bin).
-  - sim_search: with at most `sim_items_per_bin` samples per bin (default: one), the winner of the
-    members above improved by a local search on the exact simulated step (microbatch moves in
-    the order, sample swaps between nearby microbatches; `dflop.scheduler.simsearch`); kept only
-    if strictly faster, so never worse than the start (0.1-0.7 s where it runs).
+  - sim_search: with at most `sim_items_per_bin` samples per bin (default: one), the two fastest
+    members above each improved by a local search on the exact simulated step (microbatch moves
+    in the order, sample swaps between nearby microbatches; `dflop.scheduler.simsearch`); kept
+    only if strictly faster, so never worse than its start (0.3-1.4 s where it runs).
 With lpt1d, length_grouped and batch_order in the portfolio, and every member's order chosen
 among candidates that include the order as built, the result is never slower (by the simulated
 1F1B step) than the megatron, llava_group and lpt1d baselines.
@@ -133,6 +136,24 @@ def align_replicas(bin_of: np.ndarray, llm_cost: np.ndarray, m: int, dp_llm: int
     return new_bin[bin_of]
 
 
+def balance_replicas(bin_of: np.ndarray, llm_cost: np.ndarray, m: int, dp_llm: int) -> np.ndarray:
+    """Keep every microbatch's bins but re-deal them over the replicas so replica totals even
+    out: microbatches by decreasing heaviest bin, each one's heaviest bin to the replica with the
+    least LLM load so far (LPT). Lockstep-minded members fill microbatches with bins of similar
+    load and leave which replica runs which to chance; with one sample per bin an unlucky deal
+    gives one replica several percent more work than the rest."""
+    n_bins = m * dp_llm
+    loads = np.bincount(bin_of, weights=llm_cost, minlength=n_bins).reshape(m, dp_llm)
+    new_bin = np.empty(n_bins, dtype=np.int64)
+    replica_load = np.zeros(dp_llm)
+    for j in np.argsort(-loads.max(axis=1), kind="stable"):
+        bins = np.argsort(-loads[j], kind="stable")            # old replicas, heaviest bin first
+        replicas = np.argsort(replica_load, kind="stable")     # least loaded first
+        new_bin[j * dp_llm + bins] = j * dp_llm + replicas
+        replica_load[replicas] += loads[j, bins]
+    return new_bin[bin_of]
+
+
 def regroup_bins(bin_of: np.ndarray, llm_cost: np.ndarray, vision_cost: np.ndarray, m: int, dp_llm: int,
                  window: int = 4) -> np.ndarray:
     """Keep the bins' contents but regroup them into microbatches of dp_llm bins of similar LLM
@@ -187,7 +208,7 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
               end_weights: tuple[tuple[float, float], ...] = ((0.9, 0.7), (0.8, 0.6)),
               end_weights_min_bubble: float = 0.2, lockstep_items_per_bin: float = 4.0,
               profile_items_per_bin: float = 4.0, sim_items_per_bin: float = 1.0,
-              sim_max_evals: int = 150_000) -> Partition:
+              sim_max_evals: int = 150_000, sim_starts: int = 2) -> Partition:
     """Partition one global batch (see module docstring for the portfolio).
 
     Args:
@@ -206,7 +227,8 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
             fluid-profile member ("profile"; an LP plus a fit, ~0.1 s at 128 bins, ~0.3 s at 512);
             0 turns it off.
         sim_items_per_bin: with at most this many samples per bin, improve the winner by
-            `sim_search` (at most `sim_max_evals` candidate x microbatch simulations); 0 turns it off.
+            `sim_search` (at most `sim_max_evals` candidate x microbatch simulations from each of the
+            `sim_starts` fastest members); 0 turns it off.
         end_weights: when the pipeline bubble (p - 1) / (m + p - 1) is at least
             end_weights_min_bubble, also try greedy members whose first and last microbatch are
             filled to only this share of the others (cheaper fill and drain; "greedy_ends<w>").
@@ -252,10 +274,12 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
     members = [("greedy", greedy)]
     if dp_llm > 1:
         members.append(("greedy_aligned", align_replicas(greedy, sc.llm, m, dp_llm)))
-        for window in (1, 4):
-            members.append((f"greedy_regrouped{window}", regroup_bins(greedy, sc.llm, sc.vision, m, dp_llm, window)))
+        regrouped = {w: regroup_bins(greedy, sc.llm, sc.vision, m, dp_llm, w) for w in (1, 4)}
+        members.extend((f"greedy_regrouped{w}", bins) for w, bins in regrouped.items())
         if n / n_bins <= lockstep_items_per_bin:
             members.append(("lockstep", lockstep_search(sc, greedy, m, dp_llm)))
+            members.append(("lockstep_regrouped", balance_replicas(
+                lockstep_search(sc, regrouped[1], m, dp_llm), sc.llm, m, dp_llm)))
         if 2 <= n / n_bins <= profile_items_per_bin:
             shaped = profile_partition(costs, sc, m, dp_llm, dp_vision, guard, p2p_s=p2p_s, allreduce_s=allreduce_s)
             if shaped is not None:
@@ -291,15 +315,25 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
         if best is None or cand.step_s < best.step_s * (1 - 1e-12):
             best = cand
     if 0 < sim_items_per_bin and n / n_bins <= sim_items_per_bin and sim_max_evals > 0:
-        bin_of, order, step = sim_search(costs, best.microbatch * dp_llm + best.replica, best.order, m, dp_llm,
-                                         dp_vision, max_evals=sim_max_evals, p2p_s=p2p_s, allreduce_s=allreduce_s)
-        mb, rep = bin_of // dp_llm, bin_of % dp_llm
-        ok = memory_ok(costs, mb, rep, m, dp_llm, dp_vision)
-        if step < best.step_s * (1 - 1e-12) and (ok or not guard.active):
-            searched = replace(best, microbatch=mb, replica=rep, order=order, step_s=step,
-                               proxy_s=proxy(sc, bin_of, m, dp_llm), member="sim_search", memory_ok=ok)
-            candidates.append(searched)
-            best = searched
+        # Local search ends where its start leads it: search from the `sim_starts` fastest members
+        # with different assignments and keep the fastest result.
+        starts, seen = [], set()
+        for cand in sorted(candidates, key=lambda c: c.step_s):
+            key = (cand.microbatch * dp_llm + cand.replica).tobytes()
+            if key not in seen and len(starts) < sim_starts:
+                seen.add(key)
+                starts.append(cand)
+        for start in starts:
+            bin_of, order, step = sim_search(costs, start.microbatch * dp_llm + start.replica, start.order, m,
+                                             dp_llm, dp_vision, max_evals=sim_max_evals, p2p_s=p2p_s,
+                                             allreduce_s=allreduce_s)
+            mb, rep = bin_of // dp_llm, bin_of % dp_llm
+            ok = memory_ok(costs, mb, rep, m, dp_llm, dp_vision)
+            if step < best.step_s * (1 - 1e-12) and (ok or not guard.active):
+                searched = replace(start, microbatch=mb, replica=rep, order=order, step_s=step,
+                                   proxy_s=proxy(sc, bin_of, m, dp_llm), member="sim_search", memory_ok=ok)
+                candidates.append(searched)
+                best = searched
     return replace(best, solve_s=time.perf_counter() - t0,
                    candidates=tuple((c.member, c.step_s) for c in candidates))
 
@@ -307,6 +341,6 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
 def greedy_partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, p2p_s: float = 0.0,
                      allreduce_s=0.0) -> Partition:
     """The portfolio without the ILP, the fluid-profile LP and the simulated-step search: what the
-    online service falls back to (milliseconds; the LP and the search take 0.1-0.7 s where they run)."""
+    online service falls back to (milliseconds; the LP and the search take 0.1-1.4 s where they run)."""
     return partition(costs, m, dp_llm, dp_vision, p2p_s=p2p_s, allreduce_s=allreduce_s, ilp="never",
                      profile_items_per_bin=0, sim_items_per_bin=0)

@@ -195,3 +195,36 @@ def test_lockstep_search_lowers_sum_of_heaviest_bins_and_keeps_counts(make_costs
     assert lockstep(out)[0] < lockstep(start)[0]
     assert lockstep(out)[1] <= lockstep(start)[1] + 1e-12
     np.testing.assert_array_equal(np.bincount(out, minlength=m * dp), np.bincount(start, minlength=m * dp))
+
+
+def test_balance_replicas_keeps_microbatches_and_evens_replica_totals():
+    """Every microbatch keeps its bins (only which replica runs which changes), and the LPT deal
+    leaves replica totals at most one bin apart (max - min <= heaviest bin); the deal it replaces
+    here gives replica 0 the heaviest bin of every microbatch."""
+    from dflop.scheduler.partition import balance_replicas
+
+    rng = np.random.default_rng(4)
+    m, dp = 12, 4
+    cost = np.sort(rng.lognormal(0.0, 0.8, m * dp))[::-1].copy()   # one sample per bin
+    bin_of = np.arange(m * dp)                                     # sorted groups, heaviest on replica 0
+    out = balance_replicas(bin_of, cost, m, dp)
+    assert sorted(out.tolist()) == list(range(m * dp))
+    np.testing.assert_array_equal(out // dp, bin_of // dp)
+    totals = np.bincount(out % dp, weights=cost, minlength=dp)
+    before = np.bincount(bin_of % dp, weights=cost, minlength=dp)
+    assert totals.max() - totals.min() <= cost.max() + 1e-12
+    assert totals.max() < before.max()
+    assert totals.sum() == pytest.approx(cost.sum())
+
+
+def test_candidate_orders_include_a_mountain():
+    """One candidate starts at the lightest microbatch, ends at the second lightest, and every
+    neighbour in between is at most two places apart in weight rank (rising, then falling)."""
+    from dflop.scheduler.ordering import candidate_orders
+
+    w = np.random.default_rng(5).permutation(np.arange(1.0, 10.0))   # weight = rank + 1
+    mountains = [o for o in candidate_orders(w)
+                 if sorted(o.tolist()) == list(range(9)) and w[o[0]] == 1.0 and w[o[-1]] == 2.0
+                 and np.abs(np.diff(w[o])).max() <= 2]
+    assert len(mountains) == 1
+    assert w[mountains[0]].tolist() == [1, 3, 5, 7, 9, 8, 6, 4, 2]
