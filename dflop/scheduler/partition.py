@@ -8,11 +8,11 @@ Portfolio (policy "dflop"), each member's bins then ordered by simulation (see `
   - greedy_regrouped<w>: the same bins regrouped so each microbatch holds dp_llm bins of similar
     LLM load, vision evened over windows of w microbatches (`regroup_bins`; dp_llm > 1 only);
   - lockstep: with few samples per bin and dp_llm > 1, the greedy bins improved by swaps on the
-    sum over microbatches of their heaviest bin (`lockstep_search`): replicas run a microbatch
-    together, so it costs its heaviest bin;
+    sum over microbatches of max(vision load, heaviest bin) (`lockstep_search`): replicas run a
+    microbatch together, so it costs its heaviest bin;
   - lockstep_regrouped: the same swaps started from greedy_regrouped1 (microbatches of bins of
     similar LLM load), then each microbatch's bins re-dealt over the replicas to even their
-    totals (`balance_replicas`); with one sample per bin this is the strongest start;
+    totals (`balance_replicas`); with one sample per bin often the fastest member before the search;
   - profile: with 2-4 samples per bin and dp_llm > 1, microbatches shaped like the fastest fluid
     1F1B schedule (an LP: light first and last microbatches, a plateau raised to hold the heaviest
     samples) and filled against those targets (`dflop.scheduler.profile`); its simulated step is
@@ -226,8 +226,7 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
         profile_items_per_bin: with dp_llm > 1 and 2 to this many samples per bin, also run the
             fluid-profile member ("profile"; an LP plus a fit, ~0.1 s at 128 bins, ~0.3 s at 512);
             0 turns it off.
-        sim_items_per_bin: with at most this many samples per bin, improve the winner by
-            `sim_search` (at most `sim_max_evals` candidate x microbatch simulations from each of the
+        sim_items_per_bin: with at most this many samples per bin, run `sim_search` (at most `sim_max_evals` candidate x microbatch simulations from each of the
             `sim_starts` fastest members); 0 turns it off.
         end_weights: when the pipeline bubble (p - 1) / (m + p - 1) is at least
             end_weights_min_bubble, also try greedy members whose first and last microbatch are

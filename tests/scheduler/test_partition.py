@@ -216,6 +216,13 @@ def test_balance_replicas_keeps_microbatches_and_evens_replica_totals():
     assert totals.max() < before.max()
     assert totals.sum() == pytest.approx(cost.sum())
 
+    # Several samples per bin: bins move whole (samples that shared a bin still share one).
+    samples = rng.integers(0, m * dp, 5 * m * dp)
+    samples[: m * dp] = np.arange(m * dp)                          # no bin empty
+    moved = balance_replicas(samples, rng.lognormal(0.0, 0.8, len(samples)), m, dp)
+    for b in range(m * dp):
+        assert len(set(moved[samples == b].tolist())) == 1 and moved[samples == b][0] // dp == b // dp
+
 
 def test_candidate_orders_include_a_mountain():
     """One candidate starts at the lightest microbatch, ends at the second lightest, and every
