@@ -226,8 +226,9 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
         profile_items_per_bin: with dp_llm > 1 and 2 to this many samples per bin, also run the
             fluid-profile member ("profile"; an LP plus a fit, ~0.1 s at 128 bins, ~0.3 s at 512);
             0 turns it off.
-        sim_items_per_bin: with at most this many samples per bin, run `sim_search` (at most `sim_max_evals` candidate x microbatch simulations from each of the
-            `sim_starts` fastest members); 0 turns it off.
+        sim_items_per_bin: with at most this many samples per bin, run `sim_search` from each of
+            the `sim_starts` fastest members (at most `sim_max_evals` candidate x microbatch
+            simulations each); 0 turns it off.
         end_weights: when the pipeline bubble (p - 1) / (m + p - 1) is at least
             end_weights_min_bubble, also try greedy members whose first and last microbatch are
             filled to only this share of the others (cheaper fill and drain; "greedy_ends<w>").
