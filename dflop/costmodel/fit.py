@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dflop.costmodel.features import MODULE_FEATURES, profile_features
+from dflop.costmodel.features import module_features, profile_features
 from dflop.costmodel.jsonio import save_cost_model
 from dflop.costmodel.model import TARGETS, CostModel, ModuleCosts, Provenance
 from dflop.costmodel.profile_table import ProfileSummary, read_profile
@@ -62,7 +62,7 @@ def fit_profile(
     modules = []
     rows = []
     for (module, tp), shapes in summary.shapes.groupby(["module", "tp"], sort=True):
-        features = MODULE_FEATURES[module][1]
+        features = module_features(module, summary.device)
         if len(shapes) < len(features):
             log.warning("%s at tp=%s: %d profiled shape(s) for %d features (%s); its fit is underdetermined",
                         module, tp, len(shapes), len(features), ", ".join(features))

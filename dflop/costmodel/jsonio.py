@@ -29,7 +29,7 @@ from pathlib import Path
 
 import jsonschema
 
-from dflop.costmodel.features import FEATURE_NAMES, MODULE_FEATURES
+from dflop.costmodel.features import FEATURE_NAMES, MODULE_FEATURES, allowed_features
 from dflop.costmodel.model import TARGETS, CostModel, ModuleCosts, Provenance
 from dflop.errors import UserError
 from dflop.io import write_text_atomic
@@ -134,11 +134,11 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
     modules = []
     for i, entry in enumerate(data["modules"]):
         features = tuple(entry["features"])
-        expected = MODULE_FEATURES[entry["module"]][1]
-        if features != expected:
+        expected = allowed_features(entry["module"])
+        if features not in expected:
             raise UserError(
                 f"{source}: modules/{i} ({entry['module']}) has features {list(features)}, "
-                f"expected {list(expected)}"
+                f"expected {' or '.join(str(list(e)) for e in expected)}"
             )
         for target in TARGETS:
             if len(entry["coef"][target]) != len(features):
