@@ -65,7 +65,8 @@ COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "
 class ProfileSettings:
     """Shape grid and measurement settings.
 
-    max_tiles: largest tiles per microbatch for vision modules (grid 1, 2, 4, ...).
+    max_tiles: largest tiles per microbatch for vision modules (grid 1, 2, 3, 4, 6, 8, 11, 16, ...:
+        `TILE_GRID_RATIO`).
     max_seq_len: largest packed row (tokens) for LLM modules; per-sample lengths go from
         min_seq_len up, and rows pack batch = 1, 4, 16, ... samples of equal length.
     time_budget_s: soft wall-time budget per TP degree; the coarse grid always completes,
@@ -259,14 +260,20 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+#: Coarse grid ratio of the tile curves. A tile curve is a line, so refinement never adds to it and
+#: a doubling grid leaves 5 shapes up to 16 tiles, 2 of them at the ends, where leaving one out to
+#: measure the held-out error extrapolates; the finer grid is cheap (tiles are the light axis).
+TILE_GRID_RATIO = 2**0.5
+
+
 def _curves(bench: ModuleBench, spec: Architecture, config, settings: ProfileSettings):
     """(axis, fixed value, curve) sweeps of one module: tiles for vision, lengths per packing for LLM."""
 
-    def curve(lo, hi):
-        return AdaptiveCurve(lo, hi, tol=settings.tol, abs_floor=settings.abs_tol_ms)
+    def curve(lo, hi, ratio=2.0):
+        return AdaptiveCurve(lo, hi, ratio=ratio, tol=settings.tol, abs_floor=settings.abs_tol_ms)
 
     if bench.name in TILE_MODULES:
-        return [("batch", spec.layer_tokens_per_tile(config), curve(1, settings.max_tiles))]
+        return [("batch", spec.layer_tokens_per_tile(config), curve(1, settings.max_tiles, TILE_GRID_RATIO))]
     if bench.name in ("llm_layer", "llm_attention"):  # attention depends on per-sample lengths
         batches = geometric_points(1, settings.max_seq_len // settings.min_seq_len, settings.batch_ratio)
         return [("seq_len", b, curve(settings.min_seq_len, settings.max_seq_len // b)) for b in batches]
@@ -338,26 +345,31 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
     counts the activation bytes) and one timed run per shape, which also decides how many timed
     runs the shape gets: `repeats`, or more up to `max_repeats` until they add up to
     `min_measure_ms` (rank 0's count, so the ranks' barriers stay paired). Later passes take
-    their share of the rest without warming up again (the tiny model's runs showed no first-run
-    effect on returning to a shape, and re-warming doubled the cost of heavy shapes).
+    their share of the rest, after one untimed run for shapes faster than `min_measure_ms`: the
+    first run on returning to a light shape, after the other shapes and modules have been
+    through the caches, is 5-16 % slower (medians over the light shapes of two tiny/small CPU
+    profiles), so a light shape's median mixed in one cold run per pass while a slightly heavier
+    one (one run per pass) had only cold runs, an offset the fit read as a bend. Shapes of 20 ms
+    and more showed no cold-run cost (within +-3 %), and re-warming them would double their time.
     `stop_early()` is asked between passes; when it says so, every shape keeps the runs it has
     (at least one).
     """
     later_passes = max(settings.repeats - 1, 1)  # one repeat: the extra runs go back to back
-    wanted = []
+    wanted, rewarm = [], []
     for shape in shapes:
         _run_shape(shape, max(settings.warmup, 1), 1, sync, timer)
         pace = shape.timed[0]["fwd_ms"] + shape.timed[0]["bwd_ms"]
         count = max(settings.repeats, math.ceil(settings.min_measure_ms / max(pace, 1e-6)))
-        (count,) = sync.agree(float(min(count, settings.max_repeats)))
+        count, light = sync.agree(float(min(count, settings.max_repeats)), float(pace < settings.min_measure_ms))
         wanted.append(int(count))
+        rewarm.append(int(light))
     for pass_ in range(later_passes):
         if stop_early is not None and stop_early():
             return
-        for shape, count in zip(shapes, wanted):
+        for shape, count, untimed in zip(shapes, wanted, rewarm):
             share = _share(count - 1, later_passes, pass_)
             if share:
-                _run_shape(shape, 0, share, sync, timer)
+                _run_shape(shape, untimed, share, sync, timer)
 
 
 def _share(total: int, parts: int, index: int) -> int:

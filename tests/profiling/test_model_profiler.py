@@ -124,7 +124,8 @@ def test_bad_settings_are_one_line_errors(tmp_path):
 def test_a_rounds_repeats_are_interleaved_across_its_shapes():
     """Repeats are spread over passes through all of a round's shapes (a slow phase of the
     machine then hits one repeat of many shapes, not every repeat of one): with 3 repeats the
-    timed runs go A B C, A B C, A B C; only the first pass has untimed warm-up runs."""
+    timed runs go A B C, A B C, A B C; with min_measure_ms 0 no shape is light, so only the first
+    pass has untimed warm-up runs."""
     from dflop.profiling.model_modules import ModuleBench
     from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape
     from dflop.models.tensor_parallel import TPGroup
@@ -146,6 +147,31 @@ def test_a_rounds_repeats_are_interleaved_across_its_shapes():
     assert "".join(calls) == untimed_then_timed
     assert [len(s.timed) for s in shapes] == [3, 3, 3]
     assert all(s.act_bytes == 8 * 4 * 4 for s in shapes)  # the Linear saves its input
+
+
+def test_light_shapes_are_warmed_up_again_in_every_pass():
+    """A shape faster than min_measure_ms gets one untimed run before its runs of each later pass
+    (the first run on returning to it is the cold one); extra runs come back to back."""
+    from dflop.profiling.model_modules import ModuleBench
+    from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape
+    from dflop.models.tensor_parallel import TPGroup
+    from dflop.profiling._timing import Timer
+
+    calls = []
+    layer = torch.nn.Linear(4, 4)
+
+    def bench(name):
+        def forward(x):
+            calls.append(name)
+            return layer(x).sum()
+        return ModuleBench(name, layer, lambda b, s: (torch.randn(b, s, 4, requires_grad=True),), forward)
+
+    shapes = [_Shape(bench(n), None, 1, 1, 8) for n in "AB"]
+    settings = ProfileSettings(repeats=3, warmup=1, min_measure_ms=1e6, max_repeats=5)
+    _measure_round(shapes, settings, _RankSync(TPGroup(0, 1), torch.device("cpu")), Timer(torch.device("cpu")))
+    # pass 0: warm-up + 1 timed; passes 1-2: 1 untimed + 2 timed each (4 more timed runs per shape)
+    assert "".join(calls) == "AABB" + "AAABBB" * 2
+    assert [len(s.timed) for s in shapes] == [5, 5]
 
 
 class _AlwaysBentCurve(AdaptiveCurve):
