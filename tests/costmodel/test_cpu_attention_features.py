@@ -125,3 +125,20 @@ def test_cpu_features_survive_the_json_round_trip_and_bad_lists_are_named(tmp_pa
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(UserError, match=rf"modules/{entry} \(llm_attention\) has features .* expected .* or .*cpu_attn_pairs"):
         CostModel.load(tmp_path / "bad.json")
+
+
+def test_packed_cpu_attention_runs_the_kernel_these_features_count():
+    """The features assume SDPA picks the CPU flash kernel for our packed calls (causal, no mask,
+    grouped-query heads); a torch upgrade that changes the choice must fail here, not skew fits."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflop.models.packing import _sdpa_per_sample
+
+    q = torch.randn(1, 4, 300, 16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 300, 16, requires_grad=True) for _ in range(2))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _sdpa_per_sample(q, k, v, torch.tensor([0, 100, 300]), True, None, 0.0).sum().backward()
+    ops = {event.key for event in prof.key_averages()}
+    assert {"aten::_scaled_dot_product_flash_attention_for_cpu",
+            "aten::_scaled_dot_product_flash_attention_for_cpu_backward"} <= ops
