@@ -15,9 +15,9 @@ Two kinds of shape:
 Attention kernels (flash-style, CPU or GPU) get more efficient per query-key pair as L grows
 (tile quantisation and launch overhead at short L), so one sample's attention cost lies between
 ``a L + b L**2`` curves fitted at short and at long L. The ``tokens_pow1.5`` feature (``sum L**1.5``)
-lets the fit follow that ramp while staying a sum over samples; on the CPU profiles of the small
-preset it cut the held-out error of llm_attention from ~14 % to ~7 % (and of the tiny llm_layer
-from ~6.5 % to ~3.5 %), and it is 0 when the data do not need it.
+lets the fit follow that ramp while staying a sum over samples, and it is 0 when the data do not
+need it. (On the CPU, before the kernel features below, it cut the held-out error of the small
+preset's llm_attention from ~14 % to ~7 %; CPU llm_layer fits still use it.)
 
 On the CPU the attention kernel's work is known exactly, and it is not smooth in L. PyTorch's CPU
 flash attention (the kernel SDPA runs for our causal, mask-free packed calls) splits the queries
@@ -40,7 +40,6 @@ is then the patches per tile) or ``batch`` samples of length ``seq_len`` (token 
 from __future__ import annotations
 
 from enum import Enum
-from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -56,7 +55,8 @@ class ShapeKind(str, Enum):
 #: Feature names understood by this module; the JSON format stores them by name.
 FEATURE_NAMES = ("tiles", "tokens", "tokens_pow1.5", "sq_tokens", "cpu_attn_pairs", "cpu_attn_blocks", "const")
 
-#: Shape kind and features of every module the profiler emits (DESIGN.md §4).
+#: Shape kind and features of every module the profiler emits (DESIGN.md §4); the features are
+#: those of GPU (and synthetic) profiles, CPU profiles swap some for `CPU_KERNEL_FEATURES`.
 MODULE_FEATURES: dict[str, tuple[ShapeKind, tuple[str, ...]]] = {
     "vision_embed": (ShapeKind.TILES, ("tiles", "const")),
     "vision_layer": (ShapeKind.TILES, ("tiles", "const")),
@@ -102,38 +102,34 @@ def allowed_features(module: str) -> tuple[tuple[str, ...], ...]:
 
 
 #: PyTorch's CPU flash attention (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp, forward and
-#: backward alike for float32/bfloat16): query rows per block by sequence length, and key columns.
+#: backward alike for float32/bfloat16): key columns per block, and query rows per block by length.
 _CPU_ATTN_KV_BLOCK = 512
 
 
-def _cpu_attn_q_block(length: int) -> int:
-    return 256 if length >= 768 else 64 if length >= 192 else 32
-
-
-@lru_cache(maxsize=65536)
-def _cpu_attn_work_one(length: int) -> tuple[float, float]:
-    """(query-key pairs, block calls) of one causal sample of `length` tokens on the CPU kernel.
-
-    Each query block [m, m + qb) runs over whole key blocks of 512 up to its last row's diagonal,
-    the last key block of the sequence cut at `length`.
-    """
-    q = _cpu_attn_q_block(length)
-    starts = np.arange(0, length, q)
-    rows = np.minimum(q, length - starts)
-    key_blocks = -(-(starts + rows) // _CPU_ATTN_KV_BLOCK)
-    keys = np.minimum(key_blocks * _CPU_ATTN_KV_BLOCK, length)
-    return float(rows @ keys), float(key_blocks.sum())
-
-
 def cpu_attention_work(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sample (query-key pairs, block calls) of the CPU flash-attention kernel, causal.
+    """Per-sample (query-key pairs, key-block calls) of the CPU flash-attention kernel, causal.
 
-    lengths: [n] tokens per sample (>= 1; 0 gives 0 work). Returns two [n] float arrays.
+    lengths: [n] tokens per sample (0 gives 0 work). Returns two [n] float arrays.
+
+    The kernel takes query blocks of q = 32 / 64 / 256 rows (L < 192 / < 768 / >= 768); each runs
+    over whole key blocks of 512 up to its last row's diagonal, the last key block of the
+    sequence cut at L. Since q divides 512, the s = 512 / q full query blocks inside key block t
+    each see 512 (t + 1) keys, which gives a closed form: with nq = L // q full query blocks,
+    r = L % q rows in a last partial one, g = nq // s complete groups and e = nq % s blocks left,
+        pairs  = 512**2 g (g + 1) / 2 + e q min(512 (g + 1), L) + r L
+        blocks = s g (g + 1) / 2 + e (g + 1) + [r > 0] ceil(L / 512).
     """
-    lengths = np.asarray(lengths, dtype=np.float64).reshape(-1)
-    unique, inverse = np.unique(lengths, return_inverse=True)
-    work = np.array([_cpu_attn_work_one(int(L)) if L >= 1 else (0.0, 0.0) for L in unique]).reshape(-1, 2)
-    return work[inverse, 0], work[inverse, 1]
+    L = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    kv = _CPU_ATTN_KV_BLOCK
+    q = np.where(L >= 768, 256, np.where(L >= 192, 64, 32))
+    per_key_block = kv // q
+    full, rest = np.divmod(L, q)
+    groups, left = np.divmod(full, per_key_block)
+    last_keys = np.minimum(kv * (groups + 1), L)
+    tail = rest > 0
+    pairs = kv * kv * groups * (groups + 1) // 2 + left * q * last_keys + rest * L
+    blocks = per_key_block * groups * (groups + 1) // 2 + left * (groups + 1) + tail * (-(-L // kv))
+    return pairs.astype(np.float64), blocks.astype(np.float64)
 
 
 def _check_features(features: Sequence[str]) -> None:
@@ -151,16 +147,17 @@ def profile_features(features: Sequence[str], batch: np.ndarray, seq_len: np.nda
     _check_features(features)
     b = np.asarray(batch, dtype=np.float64)
     s = np.asarray(seq_len, dtype=np.float64)
+    pairs, blocks = cpu_attention_work(s) if any(f.startswith("cpu_attn") for f in features) else (s, s)
     columns = {
-        "tiles": lambda: b,
-        "tokens": lambda: b * s,
-        "tokens_pow1.5": lambda: b * s**1.5,
-        "sq_tokens": lambda: b * s * s,
-        "cpu_attn_pairs": lambda: b * cpu_attention_work(s)[0],
-        "cpu_attn_blocks": lambda: b * cpu_attention_work(s)[1],
-        "const": lambda: np.ones_like(b),
+        "tiles": b,
+        "tokens": b * s,
+        "tokens_pow1.5": b * s**1.5,
+        "sq_tokens": b * s * s,
+        "cpu_attn_pairs": b * pairs,
+        "cpu_attn_blocks": b * blocks,
+        "const": np.ones_like(b),
     }
-    return np.stack([columns[f]() for f in features], axis=1)
+    return np.stack([columns[f] for f in features], axis=1)
 
 
 def sample_features(features: Sequence[str], kind: ShapeKind, sizes: np.ndarray) -> np.ndarray:

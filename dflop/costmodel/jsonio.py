@@ -17,8 +17,10 @@ Layout (``version`` 1)::
 
 A module's prediction for a target is ``coef[target] @ features`` where the features of a set of
 samples are defined in `dflop.costmodel.features` (``tokens`` = sum of lengths, ``tokens_pow1.5``
-= sum of lengths**1.5, ``sq_tokens`` = sum of squared lengths, ``tiles`` = sum of tiles,
-``const`` = 1). Layer modules are per layer.
+= sum of lengths**1.5, ``sq_tokens`` = sum of squared lengths, ``cpu_attn_pairs`` /
+``cpu_attn_blocks`` = sum of the query-key pairs / key-block calls the CPU flash-attention kernel
+runs per sample (CPU profiles only), ``tiles`` = sum of tiles, ``const`` = 1). Layer modules are
+per layer; a module's feature list is one of `dflop.costmodel.features.allowed_features`.
 Floats are written with Python's shortest round-trip repr, so a loaded model predicts bit-identically.
 """
 

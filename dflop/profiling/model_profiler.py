@@ -76,7 +76,8 @@ class ProfileSettings:
     repeats: timed runs per shape at least, and the number of interleaved passes a round makes
         over its shapes; min_measure_ms: a shape whose first run (forward + backward) times
         `repeats` is less than this gets more runs, up to max_repeats, so the median of a light
-        module is not at the mercy of one or two disturbed runs.
+        module is not at the mercy of one or two disturbed runs; a shape whose first run alone is
+        less than this is also warmed up again before each pass (`_measure_round`).
     """
 
     max_tiles: int = 16

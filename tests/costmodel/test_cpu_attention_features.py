@@ -45,8 +45,9 @@ LENGTHS = [1, 2, 31, 32, 33, 100, 191, 192, 193, 255, 256, 511, 512, 513, 700, 7
 
 
 def test_work_matches_the_kernel_loops():
-    pairs, blocks = cpu_attention_work(np.array(LENGTHS))
-    expected = np.array([kernel_loops(L) for L in LENGTHS], dtype=np.float64)
+    lengths = sorted(set(LENGTHS) | set(range(1, 2600)))  # every length through all three block sizes
+    pairs, blocks = cpu_attention_work(np.array(lengths))
+    expected = np.array([kernel_loops(L) for L in lengths], dtype=np.float64)
     np.testing.assert_array_equal(pairs, expected[:, 0])
     np.testing.assert_array_equal(blocks, expected[:, 1])
 
@@ -129,16 +130,19 @@ def test_cpu_features_survive_the_json_round_trip_and_bad_lists_are_named(tmp_pa
 
 def test_packed_cpu_attention_runs_the_kernel_these_features_count():
     """The features assume SDPA picks the CPU flash kernel for our packed calls (causal, no mask,
-    grouped-query heads); a torch upgrade that changes the choice must fail here, not skew fits."""
+    grouped-query heads), one sample per call or equal-length samples batched (as the profiler
+    runs them): a torch upgrade that changes that choice fails here. (One that changed the
+    kernel's block sizes would not; the held-out error of bench_costmodel.py would show it.)"""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from dflop.models.packing import _sdpa_per_sample
 
-    q = torch.randn(1, 4, 300, 16, requires_grad=True)
-    k, v = (torch.randn(1, 2, 300, 16, requires_grad=True) for _ in range(2))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _sdpa_per_sample(q, k, v, torch.tensor([0, 100, 300]), True, None, 0.0).sum().backward()
-    ops = {event.key for event in prof.key_averages()}
-    assert {"aten::_scaled_dot_product_flash_attention_for_cpu",
-            "aten::_scaled_dot_product_flash_attention_for_cpu_backward"} <= ops
+    for boundaries in ([0, 100, 300], [0, 150, 300]):  # per-sample calls; one batched call
+        q = torch.randn(1, 4, 300, 16, requires_grad=True)
+        k, v = (torch.randn(1, 2, 300, 16, requires_grad=True) for _ in range(2))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            _sdpa_per_sample(q, k, v, torch.tensor(boundaries), True, None, 0.0).sum().backward()
+        ops = {event.key for event in prof.key_averages()}
+        assert {"aten::_scaled_dot_product_flash_attention_for_cpu",
+                "aten::_scaled_dot_product_flash_attention_for_cpu_backward"} <= ops, boundaries

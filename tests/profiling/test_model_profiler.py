@@ -44,6 +44,8 @@ def test_table_has_the_contract_columns_and_one_row_per_repeat(profiled):
         wanted = max(2, min(4, math.ceil(40.0 / (first["fwd_ms"] + first["bwd_ms"]))))
         assert sorted(runs["repeat"]) == list(range(wanted)), shape
     assert (table["fwd_ms"] > 0).all() and (table["bwd_ms"] > 0).all()
+    for module in ("vision_embed", "vision_layer", "projector"):  # tile grid of ratio sqrt 2 up to 4
+        assert sorted(table.loc[table["module"] == module, "batch"].unique()) == [1, 2, 3, 4], module
     assert table["peak_bytes"].isna().all() and set(table["device"]) == {"cpu"}
     assert set(table["dtype"]) == {"float32"} and set(table["tp"]) == {1}
     layers = table["module"].isin(["vision_layer", "llm_layer", "llm_attention"])
