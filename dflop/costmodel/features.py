@@ -138,6 +138,15 @@ def _check_features(features: Sequence[str]) -> None:
         raise UserError(f"unknown cost-model feature(s) {', '.join(unknown)}; known: {', '.join(FEATURE_NAMES)}")
 
 
+def _token_columns(lengths: np.ndarray, features: Sequence[str]) -> dict[str, np.ndarray]:
+    """The per-sample value of each token feature in `features`, for samples of these lengths
+    (the kernel work only when asked for: it is the one costly column)."""
+    columns = {"tokens": lengths, "tokens_pow1.5": lengths**1.5, "sq_tokens": lengths * lengths}
+    if any(f.startswith("cpu_attn") for f in features):
+        columns["cpu_attn_pairs"], columns["cpu_attn_blocks"] = cpu_attention_work(lengths)
+    return columns
+
+
 def profile_features(features: Sequence[str], batch: np.ndarray, seq_len: np.ndarray) -> np.ndarray:
     """[n_rows, n_features] features of profile rows: ``batch`` samples of size ``seq_len`` each.
 
@@ -146,17 +155,8 @@ def profile_features(features: Sequence[str], batch: np.ndarray, seq_len: np.nda
     """
     _check_features(features)
     b = np.asarray(batch, dtype=np.float64)
-    s = np.asarray(seq_len, dtype=np.float64)
-    pairs, blocks = cpu_attention_work(s) if any(f.startswith("cpu_attn") for f in features) else (s, s)
-    columns = {
-        "tiles": b,
-        "tokens": b * s,
-        "tokens_pow1.5": b * s**1.5,
-        "sq_tokens": b * s * s,
-        "cpu_attn_pairs": b * pairs,
-        "cpu_attn_blocks": b * blocks,
-        "const": np.ones_like(b),
-    }
+    per_sample = _token_columns(np.asarray(seq_len, dtype=np.float64), features)
+    columns = {"tiles": b, "const": np.ones_like(b), **{f: b * v for f, v in per_sample.items()}}
     return np.stack([columns[f] for f in features], axis=1)
 
 
@@ -168,12 +168,7 @@ def sample_features(features: Sequence[str], kind: ShapeKind, sizes: np.ndarray)
     """
     _check_features(features)
     x = np.asarray(sizes, dtype=np.float64).reshape(-1)
-    if kind is ShapeKind.TILES:
-        columns = {"tiles": x}
-    else:
-        pairs, blocks = cpu_attention_work(x) if any(f.startswith("cpu_attn") for f in features) else (x, x)
-        columns = {"tokens": x, "tokens_pow1.5": x**1.5, "sq_tokens": x * x,
-                   "cpu_attn_pairs": pairs, "cpu_attn_blocks": blocks}
+    columns = {"tiles": x} if kind is ShapeKind.TILES else _token_columns(x, features)
     missing = [f for f in features if f != "const" and f not in columns]
     if missing:
         raise UserError(f"feature(s) {', '.join(missing)} are not defined for {kind.value} modules")

@@ -123,15 +123,13 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     assert not (tmp_path / "p.parquet").exists()
 
 
-def test_a_rounds_repeats_are_interleaved_across_its_shapes():
-    """Repeats are spread over passes through all of a round's shapes (a slow phase of the
-    machine then hits one repeat of many shapes, not every repeat of one): with 3 repeats the
-    timed runs go A B C, A B C, A B C; with min_measure_ms 0 no shape is light, so only the first
-    pass has untimed warm-up runs."""
-    from dflop.profiling.model_modules import ModuleBench
-    from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape
+def _measure_logged_round(names: str, settings) -> tuple[list[str], list]:
+    """Run `_measure_round` over one tiny shape per name; returns the forward calls in order
+    (one name per run, untimed runs included) and the shapes."""
     from dflop.models.tensor_parallel import TPGroup
     from dflop.profiling._timing import Timer
+    from dflop.profiling.model_modules import ModuleBench
+    from dflop.profiling.model_profiler import _measure_round, _RankSync, _Shape
 
     calls = []
     layer = torch.nn.Linear(4, 4)
@@ -142,9 +140,20 @@ def test_a_rounds_repeats_are_interleaved_across_its_shapes():
             return layer(x).sum()
         return ModuleBench(name, layer, lambda b, s: (torch.randn(b, s, 4, requires_grad=True),), forward)
 
-    shapes = [_Shape(bench(n), None, 1, 1, 8) for n in "ABC"]
-    settings = ProfileSettings(repeats=3, warmup=2, min_measure_ms=0.0, max_repeats=3)
+    shapes = [_Shape(bench(n), None, 1, 1, 8) for n in names]
     _measure_round(shapes, settings, _RankSync(TPGroup(0, 1), torch.device("cpu")), Timer(torch.device("cpu")))
+    return calls, shapes
+
+
+def test_a_rounds_repeats_are_interleaved_across_its_shapes():
+    """Repeats are spread over passes through all of a round's shapes (a slow phase of the
+    machine then hits one repeat of many shapes, not every repeat of one): with 3 repeats the
+    timed runs go A B C, A B C, A B C; with min_measure_ms 0 no shape is light, so only the first
+    pass has untimed warm-up runs."""
+    from dflop.profiling.model_profiler import ProfileSettings
+
+    settings = ProfileSettings(repeats=3, warmup=2, min_measure_ms=0.0, max_repeats=3)
+    calls, shapes = _measure_logged_round("ABC", settings)
     untimed_then_timed = "AAABBBCCC" + "ABC" * 2
     assert "".join(calls) == untimed_then_timed
     assert [len(s.timed) for s in shapes] == [3, 3, 3]
@@ -154,23 +163,10 @@ def test_a_rounds_repeats_are_interleaved_across_its_shapes():
 def test_light_shapes_are_warmed_up_again_in_every_pass():
     """A shape faster than min_measure_ms gets one untimed run before its runs of each later pass
     (the first run on returning to it is the cold one); extra runs come back to back."""
-    from dflop.profiling.model_modules import ModuleBench
-    from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape
-    from dflop.models.tensor_parallel import TPGroup
-    from dflop.profiling._timing import Timer
+    from dflop.profiling.model_profiler import ProfileSettings
 
-    calls = []
-    layer = torch.nn.Linear(4, 4)
-
-    def bench(name):
-        def forward(x):
-            calls.append(name)
-            return layer(x).sum()
-        return ModuleBench(name, layer, lambda b, s: (torch.randn(b, s, 4, requires_grad=True),), forward)
-
-    shapes = [_Shape(bench(n), None, 1, 1, 8) for n in "AB"]
     settings = ProfileSettings(repeats=3, warmup=1, min_measure_ms=1e6, max_repeats=5)
-    _measure_round(shapes, settings, _RankSync(TPGroup(0, 1), torch.device("cpu")), Timer(torch.device("cpu")))
+    calls, shapes = _measure_logged_round("AB", settings)
     # pass 0: warm-up + 1 timed; passes 1-2: 1 untimed + 2 timed each (4 more timed runs per shape)
     assert "".join(calls) == "AABB" + "AAABBB" * 2
     assert [len(s.timed) for s in shapes] == [5, 5]
