@@ -148,6 +148,7 @@ class LoadedSample:
     """What one rank asked for of one sample (parts not asked for are None).
 
     input_ids, labels: int64 [seq_len]; pixels: float32 [n_tiles, 3, S, S].
+    error: why the sample could not be loaded (a `SampleError`'s message; every part is then None).
     """
 
     index: int
@@ -155,11 +156,13 @@ class LoadedSample:
     input_ids: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     pixels: torch.Tensor | None = None
+    error: str | None = None
 
     def pin_memory(self) -> "LoadedSample":
         """Pinned copy (DataLoader's pin_memory calls this on CUDA)."""
         pin = (lambda t: None if t is None else t.pin_memory())
-        return LoadedSample(self.index, self.layout, pin(self.input_ids), pin(self.labels), pin(self.pixels))
+        return LoadedSample(self.index, self.layout, pin(self.input_ids), pin(self.labels), pin(self.pixels),
+                            self.error)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -33,7 +33,7 @@ from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
 from dflop.runtime.plan import Plan
 from dflop.scheduler.correction import AdaptiveCorrection, MeasuredTimes, ShapeBuckets
-from dflop.scheduler.partition import Partition, partition
+from dflop.scheduler.partition import Partition, greedy_partition, partition
 from dflop.scheduler.service import SchedulerService
 
 POLICIES = {"dflop": "dflop", "baseline": "megatron"}
@@ -197,6 +197,22 @@ class StepPlanner:
         self._costs[step] = (costs, buckets, part)
         return step_plan_from_partition(step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
                                         costs.vision_total())
+
+    def replan(self, plan: StepPlan, rows: np.ndarray) -> StepPlan:
+        """`plan`'s step with the global batch `rows` instead (samples replaced after a load failure,
+        `dflop.runtime.skipping`): partitioned now by the greedy portfolio (the baseline: fixed
+        counts). The adaptive correction does not learn from such a step."""
+        shapes = self.pool.iloc[rows].reset_index(drop=True)
+        costs = self.costs_fn(shapes)
+        dp_vision = 1 if self.plan.colocated else self.plan.vision.dp
+        if self.service is None:
+            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron")
+        else:
+            part = greedy_partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision)
+        self._costs[plan.step] = (costs, None, None)
+        new = step_plan_from_partition(plan.step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
+                                       costs.vision_total())
+        return replace(new, member=f"replaced:{part.member}")
 
     def report(self, step: int, measured: MeasuredTimes, decide_every: int = 4) -> None:
         """Measured stage times of `step`, for the adaptive correction (dflop policy only)."""

@@ -9,7 +9,7 @@ over its TP group; DTensor parameters go in as they are). Checkpoint layout, one
     <ckpt_root>/step_000123/
         .metadata, __<rank>_0.distcp   DCP: "model.<name>" and "optim.<name>.<key>" tensors
         rank_00000.json, ...           per rank: RNG states, optimizer hyper-parameters, LR scheduler
-        train_state.json               rank 0: step, world size, data seed, extra JSON state
+        train_state.json               rank 0: step, world size, data seed, run fingerprint, extra JSON state
         COMPLETE                       written last by rank 0
 
 All ranks write into ``step_000123.tmp/``; after a barrier rank 0 writes COMPLETE and renames the
@@ -54,7 +54,7 @@ from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.stages import LLMStage, build_llm_stage, build_vision_stage
 from dflop.models.tensor_parallel import TPGroup
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: train_state.json records the run fingerprint (dflop.runtime.run_identity)
 COMPLETE_MARKER = "COMPLETE"
 TRAIN_STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -188,6 +188,8 @@ class TrainState:
     data_seed: seed of the global-batch order; with the step it is the data position.
     extra: JSON-able state beyond the model (e.g. the scheduler's adaptive correction); rank 0's
         copy is saved and every rank gets it back on load.
+    run: the run's fingerprint (`RunFingerprint.to_json`), saved by rank 0; a re-run reads it with
+        `latest_run_record` to decide whether it may resume.
     RNG states (python, numpy, torch CPU, CUDA) are saved and restored per rank automatically.
     """
 
@@ -196,6 +198,7 @@ class TrainState:
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     data_seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    run: dict[str, Any] | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,7 +256,7 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: TrainState, *, keep
     _write_json(tmp / f"rank_{rank:05d}.json", _rank_json(state, rank, world))
     if rank == 0:
         _write_json(tmp / TRAIN_STATE_FILE, {"format": FORMAT_VERSION, "step": step, "world_size": world,
-                                             "data_seed": state.data_seed, "extra": state.extra})
+                                             "data_seed": state.data_seed, "run": state.run, "extra": state.extra})
     barrier()
 
     if rank == 0:
@@ -265,6 +268,23 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: TrainState, *, keep
             shutil.rmtree(older)
     barrier()
     return final
+
+
+def latest_run_record(ckpt_root: str | Path) -> tuple[int, dict | None] | None:
+    """(step, recorded run fingerprint or None) of the newest complete checkpoint, or None when
+    there is none. Reads one small JSON file; no process group needed."""
+    latest = latest_checkpoint(ckpt_root)
+    if latest is None:
+        return None
+    step = int(_STEP_DIR.match(latest.name).group(1))
+    try:
+        train_state = json.loads((latest / TRAIN_STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return step, None
+    if not isinstance(train_state, dict) or train_state.get("format") != FORMAT_VERSION:
+        return step, None
+    run = train_state.get("run")
+    return step, run if isinstance(run, dict) else None
 
 
 def load_latest(ckpt_root: str | Path, state: TrainState) -> int | None:

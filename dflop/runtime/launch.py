@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pad", action="store_true", default=None,
                         help="baseline variant: pad samples to the longest of their bin (scheduler.pad_to_longest)")
     parser.add_argument("--no-export", action="store_true", help="skip writing the Hugging Face directory final/")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start afresh even if out-dir/checkpoints holds this run's checkpoint (the old "
+                             "checkpoints are moved to out-dir/previous_runs/, not deleted)")
     parser.add_argument("--nodes", type=int, default=None,
                         help="nodes (default: those of the enclosing Slurm job, else 1)")
     parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node without Slurm)")
@@ -118,6 +121,7 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
             out += [f"--{flag.replace('_', '-')}", str(value)]
     out += ["--pad"] if args.pad else []
     out += ["--no-export"] if args.no_export else []
+    out += ["--fresh"] if args.fresh else []
     return out
 
 
@@ -142,17 +146,41 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            rdzv_endpoint=args.rdzv_endpoint)
             print("launching: " + " ".join(command), file=sys.stderr, flush=True)
             env = srun_environment() if command[0] == "srun" else None
-            return subprocess.run(command, env=env).returncode
+            error_file = worker_error_file(args.out_dir)
+            error_file.unlink(missing_ok=True)
+            code = subprocess.run(command, env=env).returncode
+            if code and error_file.exists():  # a worker's one-line error, last, after torchrun's report
+                print(f"dflop train: {error_file.read_text().strip()}", file=sys.stderr)
+                return 2
+            return code
         from dflop.config import load
         from dflop.runtime.trainer import train
 
         train(load(args.config, args.settings), plan_path=args.plan, shapes_path=args.shapes,
               costmodel_path=args.costmodel, out_dir=args.out_dir, steps=args.steps, policy=args.policy,
-              pad_to_longest=args.pad, export=not args.no_export)
+              pad_to_longest=args.pad, export=not args.no_export, fresh=args.fresh)
     except UserError as exc:
         print(f"dflop train: {exc}", file=sys.stderr)
+        if "RANK" in os.environ:
+            _record_worker_error(args.out_dir, str(exc))
         return 2
     return 0
+
+
+def worker_error_file(out_dir: str | Path) -> Path:
+    """Where a worker leaves its one-line error for the launcher to print last."""
+    return Path(out_dir) / ".train_error"
+
+
+def _record_worker_error(out_dir: str | Path, message: str) -> None:
+    from dflop.io import write_text_atomic
+
+    path = worker_error_file(out_dir)
+    if not path.exists():  # every rank may fail the same way: the first one's line is kept
+        try:
+            write_text_atomic(path, message.splitlines()[0] + "\n")
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ What a rank needs from a step's samples (DESIGN.md §6):
 
 `StepLoader.start` begins loading a step's requests in a background thread that pulls them through
 a persistent `torch.utils.data.DataLoader` (``workers`` processes; pinned memory on CUDA), so the
-next step's decoding overlaps the current step's compute.
+next step's decoding overlaps the current step's compute. A sample that cannot be loaded (a
+`SampleError`: an unreadable image, a truncated video) comes back with its ``error`` set instead
+of failing the whole step; the trainer then skips it on every rank (`dflop.runtime.skipping`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from dflop.data.training import LoadedSample, Request, TrainingData
+from dflop.data.training import LoadedSample, Request, SampleError, TrainingData
 from dflop.runtime.batches import StepPlan
 from dflop.runtime.topology import Topology
 
@@ -60,13 +62,29 @@ def _keep(sample: LoadedSample) -> LoadedSample:
     return sample
 
 
+class _Tolerant(torch.utils.data.Dataset):
+    """`TrainingData` whose unloadable samples come back as a `LoadedSample` with ``error`` set."""
+
+    def __init__(self, data: TrainingData):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, request: Request) -> LoadedSample:
+        try:
+            return self.data[request]
+        except SampleError as exc:
+            return LoadedSample(request.index, error=str(exc))
+
+
 class StepLoader:
     """Loads one step's requests at a time, in the background (module docstring)."""
 
     def __init__(self, data: TrainingData, *, workers: int = 0, pin_memory: bool = False):
         self._sampler = _StepSampler()
         self._loader = torch.utils.data.DataLoader(
-            data, sampler=self._sampler, batch_size=None, collate_fn=_keep, num_workers=workers,
+            _Tolerant(data), sampler=self._sampler, batch_size=None, collate_fn=_keep, num_workers=workers,
             pin_memory=pin_memory, persistent_workers=workers > 0)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflop-loader")
         self._pending: Future | None = None

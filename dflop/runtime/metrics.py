@@ -5,9 +5,11 @@ tokens), ``step_s`` (wall seconds), ``samples``, ``tokens`` (real LLM tokens, no
 ``tflops`` (model TFLOP/s of the whole run: `step_flops` / step_s / 1e12), ``idle_frac`` (share of
 rank-seconds not computing: pipeline bubble + imbalance + communication waits), ``sched_ms``
 (scheduler solve time, off the critical path when it keeps ahead), ``sched_gap`` (its simulated
-step / lower bound), ``predicted_step_s`` (the cost model's simulated step), then ``lr``,
-``grad_norm``, ``data_wait_s``, ``member``, and per pipeline stage ``busy_s_<stage>`` /
-``idle_s_<stage>`` (mean over the stage's ranks; stages named vision0.., llm0..).
+step / lower bound), ``predicted_step_s`` (the cost model's simulated step), ``run_id`` (the
+run the row belongs to, `dflop.runtime.run_identity`: a run resumed with more steps keeps its id),
+then ``lr``, ``grad_norm``, ``data_wait_s``, ``member``, ``skipped_samples`` (samples that failed
+to load in this step and were replaced, `dflop.runtime.skipping`), and per pipeline stage
+``busy_s_<stage>`` / ``idle_s_<stage>`` (mean over the stage's ranks; stages named vision0.., llm0..).
 
 The file is rewritten atomically after every step. A resumed run first drops rows after its
 checkpoint's step, so the file never has lost or repeated steps.
@@ -25,7 +27,7 @@ from dflop.io import atomic_path
 from dflop.models.info import ModelInfo
 
 BASE_COLUMNS = ("step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
-                "predicted_step_s")
+                "predicted_step_s", "run_id")
 
 
 class MetricsWriter:

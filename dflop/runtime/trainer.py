@@ -53,6 +53,8 @@ from dflop.runtime.optim import (
 )
 from dflop.runtime.p2p import P2P
 from dflop.runtime.plan import Plan, load_plan
+from dflop.runtime.run_identity import prepare_checkpoints, run_fingerprint
+from dflop.runtime.skipping import SkippedSamples, load_without_failures
 from dflop.runtime.schedule import PipelineExecutor
 from dflop.runtime.topology import LLM, VISION, Topology
 from dflop.runtime.vision import feature_rows
@@ -96,6 +98,7 @@ class TrainSettings:
     gpu_memory_gb: float = math.inf
     pad_to_longest: bool = False
     adaptive_correction: bool = True
+    max_skip_frac: float = 0.01
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> "TrainSettings":
@@ -113,7 +116,7 @@ class TrainSettings:
             checkpoint_every=train["checkpoint_every"], schedule=train["schedule"],
             loader_workers=train["loader_workers"], overlap_grad_sync=train["overlap_grad_sync"],
             policy=sched["policy"], budget_ms=sched["budget_ms"], prefetch=sched["prefetch"], pad_to_longest=sched["pad_to_longest"], device=cluster["device"],
-            gpu_memory_gb=cluster["gpu_memory_gb"])
+            gpu_memory_gb=cluster["gpu_memory_gb"], max_skip_frac=raw["data"]["max_skip_frac"])
         values.update(overrides)
         return cls(**values)
 
@@ -314,6 +317,8 @@ class Trainer:
         from dflop.models.info import model_info
 
         self.info = model_info(settings.arch, settings.vision, settings.llm, weights_dir=settings.weights)
+        self.fingerprint = run_fingerprint(settings, plan, pool)
+        self.skipped = SkippedSamples.for_pool(len(pool), settings.max_skip_frac)
 
     def _setup_parameters(self, spec: ModelSpec) -> None:
         """Global names, replication info, optimizer, LR schedule, checkpoint state."""
@@ -357,6 +362,20 @@ class Trainer:
         """Start loading what this rank needs of `plan` (returns a future of {pool index: sample})."""
         return self.loader.start(requests_for(plan, self.topo))
 
+    def without_failures(self, plan: StepPlan, loaded: dict) -> tuple[StepPlan, dict, int]:
+        """`plan` and `loaded` with the samples that failed to load on any rank replaced, and how
+        many were skipped (collective; `dflop.runtime.skipping`)."""
+        pool = self.pool
+
+        def describe(row: int) -> str:
+            return f"{pool['dataset'].iat[row]}/{pool['sample_id'].iat[row]}"
+
+        return load_without_failures(
+            plan, loaded, skipped=self.skipped, describe=describe,
+            replan=lambda p, rows: self.planner.replan(p, rows), reload=lambda p: self.load(p).result(),
+            broadcast=lambda p: broadcast_step_plan(p, self.device), device=self.device, n_pool=len(pool),
+            seed=self.settings.seed)
+
     def compute_gradients(self, plan: StepPlan, loaded: Mapping[int, Any]) -> dict:
         """Forward + backward of one global batch; leaves in .grad the gradient of the mean
         answer-token loss of the whole batch, summed over replicas. Returns step statistics."""
@@ -390,10 +409,12 @@ class Trainer:
             self.lr_scheduler.step()
         return norm
 
-    def lr_at(self, step: int) -> float:
-        """Learning rate used by optimizer step `step` (0-based)."""
+    def lr_at(self, step: int, total_steps: int | None = None) -> float:
+        """Learning rate used by optimizer step `step` (0-based) of a `total_steps` schedule
+        (default: train.steps)."""
         s = self.settings
-        return s.lr * warmup_cosine(step, total_steps=s.steps, warmup_steps=s.warmup_steps, min_lr_ratio=s.min_lr_ratio)
+        total = s.steps if total_steps is None else total_steps
+        return s.lr * warmup_cosine(step, total_steps=total, warmup_steps=s.warmup_steps, min_lr_ratio=s.min_lr_ratio)
 
     def gather_times(self, result) -> np.ndarray | None:
         """[world, 2, m] (forward, backward) busy seconds of every rank per position, on rank 0."""
@@ -414,11 +435,14 @@ class Trainer:
 
         correction = self.planner.correction if self.planner is not None else None
         extra = {"correction": correction.state_dict()} if correction is not None else {}
+        extra["skipped"] = self.skipped.state_dict()
         return TrainState(params=self.rank_params, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                          data_seed=self.settings.seed, extra=extra)
+                          data_seed=self.settings.seed, extra=extra, run=self.fingerprint.to_json())
 
     def restore_extra(self, extra: dict) -> None:
-        """After a resume: continue the scheduler's adaptive correction where the checkpoint left it."""
+        """After a resume: continue the scheduler's adaptive correction and the count of skipped
+        samples where the checkpoint left them."""
+        self.skipped.load_state_dict(extra.get("skipped", {}))
         correction = self.planner.correction if self.planner is not None else None
         if correction is not None and "correction" in extra and not correction.load_state_dict(extra["correction"]):
             log.warning("checkpoint's adaptive correction does not fit this scheduler (other shape buckets); "
@@ -478,13 +502,15 @@ def stage_busy(topo: Topology, times: np.ndarray) -> dict[str, float]:
 
 def train(cfg, *, plan_path: str | Path, shapes_path: str | Path, costmodel_path: str | Path | None,
           out_dir: str | Path, steps: int | None = None, policy: str | None = None, pad_to_longest: bool | None = None,
-          export: bool = True, progress: bool = True, stop_after: int | None = None) -> Path:
+          export: bool = True, progress: bool = True, stop_after: int | None = None, fresh: bool = False) -> Path:
     """Train inside a torchrun worker (every rank calls it); returns metrics.parquet's path.
 
     cfg: a `dflop.config.Config`. plan_path: plan.yaml; shapes_path: shapes.parquet; costmodel_path:
     costmodel.json (None: the analytic stand-in cost model). out_dir gets ``metrics.parquet`` and
     ``checkpoints/`` and, at the end, ``final/`` (a Hugging Face directory, unless export=False);
-    a re-run resumes from the newest complete checkpoint there.
+    a re-run resumes from the newest complete checkpoint there when it is of the same run
+    (`dflop.runtime.run_identity`; otherwise, or with fresh=True, it is moved aside and the run
+    starts afresh).
     steps / policy / pad_to_longest: override train.steps / scheduler.policy / the baseline's
     padding variant. stop_after: stop (as if killed) after this many steps of this run (tests).
     """
@@ -492,12 +518,12 @@ def train(cfg, *, plan_path: str | Path, shapes_path: str | Path, costmodel_path
                  if v is not None}
     settings = TrainSettings.from_config(cfg, **overrides)
     return run_training(settings, plan_path=plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path,
-                        out_dir=out_dir, export=export, progress=progress, stop_after=stop_after)
+                        out_dir=out_dir, export=export, progress=progress, stop_after=stop_after, fresh=fresh)
 
 
 def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path: str | Path,
                  costmodel_path: str | Path | None, out_dir: str | Path, export: bool = True,
-                 progress: bool = True, stop_after: int | None = None) -> Path:
+                 progress: bool = True, stop_after: int | None = None, fresh: bool = False) -> Path:
     """`train` with explicit settings (see there)."""
     from dflop.runtime.checkpoint import load_latest, save_checkpoint
 
@@ -510,6 +536,8 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                       costs_fn=make_costs_fn(plan_for_costs(settings, plan), costmodel_path, settings.gpu_memory_gb),
                       device=device)
     ckpt_dir = out_dir / "checkpoints"
+    if trainer.rank == 0:  # the other ranks wait for its decision in load_latest's broadcast
+        log.info(prepare_checkpoints(ckpt_dir, trainer.fingerprint, fresh=fresh, lr_at=trainer.lr_at).message)
     state = trainer.train_state()
     start = load_latest(ckpt_dir, state) or 0
     trainer.restore_extra(state.extra)
@@ -522,7 +550,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
             pending = trainer.load(plan_now)
         for step in range(start, last):
             t0 = time.perf_counter()
-            loaded = pending.result()
+            plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending.result())
             data_wait = time.perf_counter() - t0
             if step + 1 < last:
                 plan_next = trainer.next_plan(step + 1)
@@ -533,6 +561,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
             times = trainer.gather_times(stats["result"])
             if trainer.rank == 0:
                 row = _metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm)
+                row["skipped_samples"] = n_skipped
                 metrics.append(row)
                 trainer.planner.report(step, measured_times(trainer.topo, times, plan_now))
                 bar.update(1)
@@ -575,7 +604,7 @@ def _metrics_row(trainer: Trainer, plan: StepPlan, stats: dict, times: np.ndarra
                        llm_trainable=not spec.freeze_llm)
     busy = stage_busy(trainer.topo, times)
     row = {
-        "step": plan.step + 1, "loss": stats["loss"], "step_s": step_s, "samples": len(plan.rows),
+        "step": plan.step + 1, "run_id": trainer.fingerprint.run_id, "loss": stats["loss"], "step_s": step_s, "samples": len(plan.rows),
         "tokens": int(sum(plan.seq_len)), "tflops": flops / step_s / 1e12,
         "idle_frac": float(1 - times.sum() / (trainer.world * step_s)),
         "sched_ms": plan.sched_s * 1e3, "sched_gap": plan.predicted_step_s / plan.lower_bound_s

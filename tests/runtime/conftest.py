@@ -7,14 +7,12 @@ text-only samples in one step.
 
 from __future__ import annotations
 
-import pandas as pd
 import pytest
 
 from dflop.config import Config
 from dflop.data.demo import make_demo_data
 from dflop.profiling.data_profiler import profile_data
-from trainer_reference import MODELS, config_dict
-
+from trainer_reference import MODELS, config_dict, pick_pool
 
 
 @pytest.fixture(scope="session")
@@ -33,14 +31,6 @@ def demo_shapes(runtime_demo, tmp_path_factory):
                      histograms_path=path.with_name("histograms.parquet"), workers=1, progress=False)
         out[arch] = path
     return out
-
-
-def pick_pool(shapes_path, path, per_modality: dict[str, int]) -> str:
-    """Write a shapes.parquet with the first `n` samples of each modality; returns its path."""
-    shapes = pd.read_parquet(shapes_path)
-    parts = [shapes[shapes["modality"] == m].head(n) for m, n in per_modality.items()]
-    pd.concat(parts).to_parquet(path, index=False)
-    return str(path)
 
 
 @pytest.fixture(scope="session")

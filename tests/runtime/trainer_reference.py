@@ -32,6 +32,16 @@ def config_dict(arch: str, manifest, **sections) -> dict:
     return raw
 
 
+def pick_pool(shapes_path, path, per_modality: dict[str, int]) -> str:
+    """Write a shapes.parquet with the first `n` samples of each modality; returns its path."""
+    import pandas as pd
+
+    shapes = pd.read_parquet(shapes_path)
+    parts = [shapes[shapes["modality"] == m].head(n) for m, n in per_modality.items()]
+    pd.concat(parts).to_parquet(path, index=False)
+    return str(path)
+
+
 def reference_gradients(arch: str, vision: str, llm: str, data: TrainingData, rows, seed: int = 0,
                         freeze: tuple[str, ...] = ()):
     """(loss, answer tokens, {name: grad}) of the mean answer-token loss over samples `rows`."""

@@ -1,6 +1,8 @@
 # Training with the plan: torchrun with the plan's world size; on Slurm one torchrun agent per node
 # (srun) meeting at a c10d rendezvous. Checkpoints live in results/train/checkpoints, outside the
-# declared outputs, so a re-run of a killed job resumes from the last one.
+# declared outputs, so a re-run of a killed job resumes from the last one; a re-run whose settings,
+# model, plan or data changed starts afresh and moves the old checkpoints to
+# results/train/previous_runs/ (dflop.runtime.run_identity).
 
 
 rule train:
@@ -16,7 +18,7 @@ rule train:
         settings=settings_json(
             run={"seed": config["run"]["seed"]},
             model=config["model"],
-            data={"datasets": config["data"]["datasets"]},
+            data={k: config["data"][k] for k in ("datasets", "max_skip_frac")},
             cluster={k: config["cluster"][k] for k in ("device", "gpu_memory_gb")},
             train=config["train"],
             scheduler=config["scheduler"],

@@ -1,0 +1,190 @@
+"""Run identity: which changes make a checkpoint another run's, and what a re-run then does."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dflop.config import DatasetSpec
+from dflop.runtime.checkpoint import COMPLETE_MARKER, FORMAT_VERSION, TRAIN_STATE_FILE, latest_run_record
+from dflop.runtime.optim import warmup_cosine
+from dflop.runtime.plan import plan_from_dict
+from dflop.runtime.run_identity import (
+    PREVIOUS_RUNS_DIR,
+    RunFingerprint,
+    decide,
+    pool_identity,
+    prepare_checkpoints,
+    run_fingerprint,
+    weights_identity,
+)
+from dflop.runtime.trainer import TrainSettings
+
+PLAN = {"vision": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
+        "llm": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
+        "placement": "disjoint", "microbatches": 2, "global_batch_size": 4, "world_size": 2}
+
+
+def _pool(ids=("a", "b", "c", "d"), seq=(10, 20, 30, 40)) -> pd.DataFrame:
+    return pd.DataFrame({"sample_id": list(ids), "dataset": ["demo"] * len(ids), "n_tiles": [0, 1, 2, 0][:len(ids)],
+                         "vision_tokens": [0, 5, 10, 0][:len(ids)], "seq_len": list(seq), "status": ["ok"] * len(ids)})
+
+
+def _settings(**changes) -> TrainSettings:
+    base = TrainSettings(datasets=(DatasetSpec("demo", Path("/data/demo.json")),), steps=6)
+    return dataclasses.replace(base, **changes)
+
+
+def _fp(settings=None, plan=None, pool=None) -> RunFingerprint:
+    return run_fingerprint(settings or _settings(), plan_from_dict(plan or PLAN), _pool() if pool is None else pool)
+
+
+def lr(step: int, total: int) -> float:
+    return 1e-3 * warmup_cosine(step, total_steps=total, warmup_steps=2, min_lr_ratio=0.1)
+
+
+# -- what the fingerprint covers -------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, change", [
+    ("train.lr", dict(lr=2e-3)),
+    ("train.warmup_steps", dict(warmup_steps=3)),
+    ("train.weight_decay", dict(weight_decay=0.1)),
+    ("train.grad_clip", dict(grad_clip=0.5)),
+    ("train.min_lr_ratio", dict(min_lr_ratio=0.0)),
+    ("train.global_batch_size", dict(global_batch_size=8)),
+    ("run.seed", dict(seed=1)),
+    ("model.llm", dict(llm="llama3-tiny")),
+    ("model.vision", dict(vision="siglip-small")),
+    ("model.dtype", dict(dtype="bfloat16")),
+    ("model.freeze", dict(freeze_vision=True)),
+    ("model.tokenizer", dict(tokenizer="/tok")),
+    ("scheduler.policy", dict(policy="baseline")),
+    ("data.datasets", dict(datasets=(DatasetSpec("demo", Path("/data/other.json")),))),
+    ("data.datasets", dict(datasets=(DatasetSpec("demo", Path("/data/demo.json"), sample="first:2"),))),
+])
+def test_each_setting_that_defines_the_run_is_named_when_it_changes(key, change):
+    assert _fp(_settings(**change)).differences(_fp()) == [key]
+    assert _fp(_settings(**change)).run_id != _fp().run_id
+
+
+@pytest.mark.parametrize("change", [dict(steps=12), dict(budget_ms=5.0), dict(prefetch=4), dict(loader_workers=2),
+                                    dict(overlap_grad_sync=False), dict(checkpoint_every=1), dict(schedule="gpipe"),
+                                    dict(adaptive_correction=False)])
+def test_speed_settings_and_the_length_keep_the_run(change):
+    assert _fp(_settings(**change)).differences(_fp()) == []
+    assert _fp(_settings(**change)).run_id == _fp().run_id
+
+
+def test_the_layout_and_the_data_define_the_run():
+    other_split = {**PLAN, "llm": {**PLAN["llm"], "pp": 2, "layers_per_stage": [1, 1]}, "world_size": 3}
+    assert _fp(plan=other_split).differences(_fp()) == ["plan"]
+    half = _pool().head(2)
+    assert _fp(pool=half).differences(_fp()) == ["data.shapes"]
+    reordered = _pool().iloc[::-1].reset_index(drop=True)  # the same samples in another order: other batches
+    assert pool_identity(reordered) != pool_identity(_pool())
+    longer = _pool(seq=(10, 20, 30, 41))
+    assert pool_identity(longer) != pool_identity(_pool())
+    assert pool_identity(_pool().copy()) == pool_identity(_pool())
+
+
+def test_a_fingerprint_read_back_from_json_is_the_same_run():
+    fp = _fp(_settings(arch_params={"grid": ((1, 2), (2, 2))}))
+    back = RunFingerprint.from_json(json.loads(json.dumps(fp.to_json())))
+    assert back is not None and back.differences(fp) == [] and back.run_id == fp.run_id and back.steps == 6
+    assert RunFingerprint.from_json({"version": 0}) is None and RunFingerprint.from_json(None) is None
+
+
+def test_weights_identity_sees_a_changed_tensor_value(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"w": torch.zeros(64, 64)}, tmp_path / "model.safetensors")
+    before = weights_identity(str(tmp_path))
+    save_file({"w": torch.zeros(64, 64).index_fill_(0, torch.tensor([31]), 1.0)}, tmp_path / "model.safetensors")
+    assert weights_identity(str(tmp_path)) != before
+    assert weights_identity(None) is None
+
+
+# -- the decision ----------------------------------------------------------------------------------
+
+def test_same_run_resumes_and_a_finished_one_is_only_republished():
+    fp = _fp()
+    assert decide(fp, fp, 4).resume and "resuming run" in decide(fp, fp, 4).message
+    done = decide(fp, fp, 6)
+    assert done.resume and "already complete at step 6" in done.message
+    assert not decide(fp, None, None).resume  # nothing to resume
+
+
+def test_a_changed_setting_starts_afresh_naming_the_key():
+    decision = decide(_fp(_settings(lr=2e-3)), _fp(), 4)
+    assert not decision.resume
+    assert "train.lr (0.001 -> 0.002)" in decision.message
+
+
+def test_more_steps_resume_on_the_stretched_schedule_and_says_the_lr():
+    decision = decide(_fp(_settings(steps=12)), _fp(), 6, lr_at=lr)
+    assert decision.resume and "train.steps 6 -> 12" in decision.message
+    # Step 7 (index 6) of a 12-step cosine, not the 6-step schedule's floor.
+    assert f"{lr(6, 12):.3g}" in decision.message and f"{lr(6, 6):.3g}" in decision.message
+    assert lr(6, 12) > lr(6, 6)
+
+
+def test_fewer_steps_than_the_checkpoint_fresh_flag_and_old_format_start_afresh():
+    assert not decide(_fp(_settings(steps=3)), _fp(), 4).resume
+    assert not decide(_fp(), _fp(), 4, fresh=True).resume
+    old = decide(_fp(), None, 4)
+    assert not old.resume and "older format" in old.message
+
+
+# -- on disk ---------------------------------------------------------------------------------------
+
+def _fake_checkpoint(root: Path, step: int, run: dict | None, fmt: int = FORMAT_VERSION) -> Path:
+    d = root / f"step_{step:06d}"
+    d.mkdir(parents=True)
+    (d / TRAIN_STATE_FILE).write_text(json.dumps({"format": fmt, "step": step, "world_size": 2, "data_seed": 0,
+                                                  "run": run, "extra": {}}))
+    (d / COMPLETE_MARKER).write_text("{}")
+    return d
+
+
+def test_prepare_moves_another_runs_checkpoints_aside_and_keeps_them(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    _fake_checkpoint(ckpt, 2, _fp().to_json())
+    _fake_checkpoint(ckpt, 4, _fp().to_json())
+    (ckpt / "metrics.parquet").write_bytes(b"rows of the old run")
+    assert latest_run_record(ckpt)[0] == 4
+
+    decision = prepare_checkpoints(ckpt, _fp(_settings(lr=2e-3)))
+    assert not decision.resume and not ckpt.exists()
+    (moved,) = (tmp_path / PREVIOUS_RUNS_DIR).iterdir()
+    assert moved.name.startswith(_fp().run_id) and str(moved) in decision.message
+    assert sorted(p.name for p in moved.iterdir()) == ["metrics.parquet", "step_000002", "step_000004"]
+
+
+def test_prepare_resumes_the_same_run_and_leaves_everything_in_place(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    _fake_checkpoint(ckpt, 2, _fp().to_json())
+    decision = prepare_checkpoints(ckpt, _fp())
+    assert decision.resume and (ckpt / "step_000002").exists()
+    assert not (tmp_path / PREVIOUS_RUNS_DIR).exists()
+
+
+def test_prepare_treats_an_older_format_checkpoint_as_another_run(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    _fake_checkpoint(ckpt, 2, None, fmt=1)
+    decision = prepare_checkpoints(ckpt, _fp())
+    assert not decision.resume and "older format" in decision.message
+    (moved,) = (tmp_path / PREVIOUS_RUNS_DIR).iterdir()
+    assert (moved / "step_000002").exists()
+
+
+def test_prepare_with_no_checkpoint_moves_nothing(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step_000002.tmp").mkdir(parents=True)  # a run killed in its first save
+    decision = prepare_checkpoints(ckpt, _fp())
+    assert not decision.resume and ckpt.exists() and not (tmp_path / PREVIOUS_RUNS_DIR).exists()

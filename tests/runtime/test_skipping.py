@@ -1,0 +1,96 @@
+"""Samples that fail to load during training: skipped on every rank alike, replaced, counted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dflop.errors import UserError
+from dflop.runtime.skipping import SkippedSamples, replacement_rows
+from trainer_reference import config_dict
+
+
+def test_replacements_are_new_loadable_samples_and_reproducible():
+    batch = [4, 9, 1, 7]
+    rows = replacement_rows(20, batch, [1, 3], excluded={2, 9, 7, 11}, seed=5, step=3)
+    assert [rows[0], rows[2]] == [4, 1]  # untouched positions keep their samples
+    for k in (1, 3):
+        assert rows[k] not in {4, 1, 2, 9, 7, 11}  # neither in the batch nor skipped before
+    assert rows[1] != rows[3]
+    np.testing.assert_array_equal(rows, replacement_rows(20, batch, [1, 3], {2, 9, 7, 11}, seed=5, step=3))
+    others = {tuple(replacement_rows(20, batch, [1], {9}, seed=5, step=s)) for s in range(8)}
+    assert len(others) > 1  # each step draws its own replacements
+    with pytest.raises(UserError, match="no loadable sample is left"):
+        replacement_rows(5, [0, 1, 2, 3], [0], excluded={4}, seed=0, step=0)
+
+
+def test_skip_budget_counts_distinct_samples_and_names_the_last():
+    skipped = SkippedSamples.for_pool(300, 0.01)
+    assert skipped.allowed == 3
+    skipped.add([5], "sample demo/a: cannot decode image")
+    skipped.add([5], "sample demo/a: cannot decode image")  # the same sample again, a later epoch
+    skipped.add([6, 7], "sample demo/c: cannot decode video")
+    with pytest.raises(UserError, match=r"4 samples failed .* allows \(3\); the last: sample demo/d: bad"):
+        skipped.add([8], "sample demo/d: bad")
+    restored = SkippedSamples.for_pool(300, 0.01)
+    restored.load_state_dict(json.loads(json.dumps(skipped.state_dict())))
+    assert restored.rows == {5, 6, 7, 8}
+    assert SkippedSamples.for_pool(8, 0.0).allowed == 0
+
+
+def _corrupt_first_image(pool_path: str, manifest: Path) -> str:
+    """Cut the first image sample's file of the pool to its first 200 bytes (a header a reader may
+    still parse, no pixels); returns the sample's id."""
+    pool = pd.read_parquet(pool_path)
+    sample_id = pool[pool["modality"] == "image"]["sample_id"].iat[0]
+    entry = next(s for s in json.loads(manifest.read_text()) if s["id"] == sample_id)
+    image = manifest.parent / entry["image"]
+    image.write_bytes(image.read_bytes()[:200])
+    return sample_id
+
+
+def _launch(tmp_path: Path, name: str, settings: dict, plan: Path, pool: str) -> subprocess.CompletedProcess:
+    out = tmp_path / name
+    return subprocess.run([sys.executable, "-m", "dflop.cli", "train", "--settings", json.dumps(settings),
+                           "--plan", str(plan), "--shapes", pool, "--out-dir", str(out), "--no-export"],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_unloadable_sample_is_skipped_on_every_rank_and_past_the_budget_stops_the_run(tmp_path, pools,
+                                                                                       runtime_demo):
+    demo = tmp_path / "demo"
+    shutil.copytree(runtime_demo.parent, demo)
+    manifest = demo / runtime_demo.name
+    bad_id = _corrupt_first_image(pools["llava_ov"], manifest)  # profiled while it was fine
+    plan = tmp_path / "plan.yaml"  # vision and LLM on different ranks: only the vision rank decodes pixels
+    plan.write_text("vision: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
+                    "llm: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
+                    "placement: disjoint\nmicrobatches: 2\nglobal_batch_size: 4\nworld_size: 2\n")
+    # 8 samples, batches of 4: the two steps cover every sample once.
+    settings = config_dict("llava_ov", manifest, train={"global_batch_size": 4, "steps": 2, "checkpoint_every": 2},
+                           data={"max_skip_frac": 0.2})
+
+    ok = _launch(tmp_path, "ok", settings, plan, pools["llava_ov"])
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert f"skipping sample demo/{bad_id}: " in ok.stderr  # the reason, from the rank that decoded it
+    assert f"replaced demo/{bad_id} by demo/" in ok.stderr
+    metrics = pd.read_parquet(tmp_path / "ok" / "metrics.parquet")
+    assert metrics["skipped_samples"].tolist() in ([1, 0], [0, 1])
+    assert (metrics["samples"] == 4).all()  # the batch kept its size
+
+    settings["data"]["max_skip_frac"] = 0.0
+    stopped = _launch(tmp_path, "stopped", settings, plan, pools["llava_ov"])
+    assert stopped.returncode == 2
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert last.startswith("dflop train: 1 samples failed to load during training, more than data.max_skip_frac "
+                           f"allows (0); the last: sample demo/{bad_id}: "), last
+    assert not (tmp_path / "stopped" / "metrics.parquet").exists()
