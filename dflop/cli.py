@@ -111,8 +111,8 @@ def cmd_optimize(args: argparse.Namespace) -> None:
 def cmd_simulate(args: argparse.Namespace) -> None:
     from dflop.planner import simulate_plan
 
-    simulate_plan(args.plan, gpus=args.gpus, shapes_path=args.shapes, costmodel_path=args.costmodel,
-                  out_png=args.gantt, sample_batches_k=args.batches)
+    simulate_plan(args.plan, gpus=args.gpus, global_batch=args.global_batch, shapes_path=args.shapes,
+                  costmodel_path=args.costmodel, out_png=args.gantt, sample_batches_k=args.batches)
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -187,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("simulate", cmd_simulate, "what-if: re-evaluate a plan on other data or GPU counts, draw its Gantt chart")
     p.add_argument("--plan", type=Path, required=True)
-    p.add_argument("--gpus", type=int, default=None, help="scale data parallelism to this many GPUs")
+    p.add_argument("--gpus", type=_positive_int, default=None,
+                   help="scale data parallelism to this many GPUs (the global batch scales with them)")
+    p.add_argument("--global-batch", type=_positive_int, default=None,
+                   help="global batch to simulate (default: the plan's, scaled with --gpus)")
     p.add_argument("--shapes", type=Path, default=None, help="other shapes.parquet (default: the plan's)")
     p.add_argument("--costmodel", type=Path, default=None, help="other costmodel.json (default: the plan's)")
     p.add_argument("--batches", type=int, default=None, help="global batches to sample (default: the plan's)")

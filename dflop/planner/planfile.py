@@ -39,6 +39,7 @@ from dflop.io import read_yaml, write_text_atomic
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.layout import PLACEMENTS, Layout, Plan
+from dflop.planner.space import ModelShape
 
 RANK_ORDER = ("vision ranks first, then llm ranks; inside a module rank = first_rank + (stage * dp + replica) * tp "
               "+ tp_rank; colocated: the vision tower runs on llm stage 0's ranks")
@@ -150,9 +151,37 @@ def _plan_from(d: Mapping, path: Path, prefix: str) -> Plan:
     try:
         layout = Layout(placement, v["tp"], v["pp"], v["dp"], l["tp"], l["pp"], l["dp"],
                         _int(d, "microbatches", path, prefix))
-        return Plan(layout, v_layers, l_layers)
+        plan = Plan(layout, v_layers, l_layers)
     except ValueError as exc:
         raise UserError(f"{path}: {prefix.rstrip('.') or 'plan'}: {exc}") from None
+    world = _int(d, "world_size", path, prefix)
+    if world != layout.world_size:
+        how = (f"llm tp*pp*dp = {l['tp']}*{l['pp']}*{l['dp']}" if layout.colocated else
+               f"vision tp*pp*dp + llm tp*pp*dp = {v['tp']}*{v['pp']}*{v['dp']} + {l['tp']}*{l['pp']}*{l['dp']}")
+        raise UserError(f"{path}: {prefix}world_size is {world} but the layout needs {layout.world_size} ranks ({how})")
+    return plan
+
+
+def check_plan_runs(plan: Plan, shape: ModelShape, cluster: Cluster, where: str) -> None:
+    """One-line UserError unless `plan` can run `shape`'s model on `cluster`: layer splits that
+    cover the model's layers, TP degrees that split its heads and widths, and a rank layout that
+    fits the cluster and that the launcher can start (`Cluster.launchable`)."""
+    lay = plan.layout
+    for module, layers, n, tp, ok in (("vision", plan.vision_layers, shape.vision_layers, lay.tp_v, shape.vision_tp_ok),
+                                      ("llm", plan.llm_layers, shape.llm_layers, lay.tp_l, shape.llm_tp_ok)):
+        if sum(layers) != n:
+            raise UserError(f"{where}: {module}.layers_per_stage {list(layers)} sums to {sum(layers)} but the model "
+                            f"has {n} {module} layers")
+        if tp not in ok:
+            raise UserError(f"{where}: {module}.tp is {tp}, which does not split the {module} model's heads and widths "
+                            f"evenly (possible: {', '.join(map(str, ok))})")
+    if lay.world_size > cluster.world_size:
+        raise UserError(f"{where}: the plan needs {lay.world_size} GPUs but the cluster has {cluster.world_size} "
+                        f"({cluster.nodes} node(s) x {cluster.gpus_per_node})")
+    if not bool(cluster.launchable(lay.world_size, lay.vision_gpus, lay.tp_l)):
+        raise UserError(f"{where}: {lay.describe()} cannot be launched on {cluster.gpus_per_node}-GPU nodes: the "
+                        f"{lay.world_size} ranks must fill one node or whole nodes, and the {lay.vision_gpus} vision "
+                        f"ranks must be a multiple of llm tp={lay.tp_l} so no LLM TP group spans two nodes")
 
 
 def _int(d: Mapping, key: str, path: Path, prefix: str) -> int:

@@ -7,8 +7,9 @@ unless overridden, and a Gantt chart of a median batch is drawn.
 
 With ``gpus=N`` the plan keeps its TP and PP degrees, layer split and microbatch count and scales
 data parallelism to fit N GPUs: colocated ``dp = N // (tp * pp)``; disjoint keeps the vision/LLM
-GPU ratio (LLM dp rounded, the vision tower takes what is left). The global batch stays the same
-(convergence depends on it); LLM dp is capped so every bin gets a sample. The baseline is scaled
+GPU ratio (LLM dp rounded, the vision tower takes what is left). The global batch scales with the
+GPUs (the plan's samples per GPU are kept) unless ``global_batch`` gives it; LLM dp is capped so
+every bin gets a sample, and the summary says how many GPUs the scaled plan really uses. The baseline is scaled
 the same way, keeping its fixed-count microbatches (dp reduced to a divisor of the batch). Like the
 optimizer, scaling keeps only layouts `Cluster.launchable` allows (whole nodes, LLM TP groups
 inside a node), stepping dp down until one is.
@@ -29,7 +30,7 @@ from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan,
 from dflop.planner.layout import Layout, Plan
 from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.inputs import check_cost_model_matches, load_model_shape, read_shapes
-from dflop.planner.planfile import PlanFile, read_plan
+from dflop.planner.planfile import PlanFile, check_plan_runs, read_plan
 from dflop.planner.space import ModelShape
 from dflop.sim import plot_gantt
 
@@ -144,31 +145,47 @@ def scale_baseline(plan: Plan, cluster: Cluster, global_batch: int) -> Plan | No
     return Plan(new, plan.vision_layers, plan.llm_layers)
 
 
-def simulate_plan(plan_path, *, gpus: int | None = None, shapes_path=None, out_png=None, costmodel_path=None,
-                  sample_batches_k: int | None = None, seed: int | None = None, verbose: bool = True,
-                  shape: ModelShape | None = None) -> WhatIf:
+def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | None = None, shapes_path=None,
+                  out_png=None, costmodel_path=None, sample_batches_k: int | None = None, seed: int | None = None,
+                  verbose: bool = True, shape: ModelShape | None = None) -> WhatIf:
     """Re-evaluate plan.yaml (optionally on `gpus` GPUs and/or other shapes); draw the Gantt chart.
 
-    shapes_path / costmodel_path default to the ones recorded in plan.yaml; sample_batches_k, seed
-    and the scheduler settings to its evaluation settings; out_png: where to write the Gantt chart
-    (None: no chart).
-    `shape` overrides the model structure (tests).
+    The plan (and its baseline) is first checked against the model and its recorded cluster
+    (`check_plan_runs`). gpus: scale data parallelism to this many GPUs; global_batch: the global
+    batch to simulate (default: plan.yaml's, scaled by gpus / the plan's world size when `gpus` is
+    given). shapes_path / costmodel_path default to the ones recorded in plan.yaml;
+    sample_batches_k, seed and the scheduler settings to its evaluation settings; out_png: where to
+    write the Gantt chart (None: no chart). `shape` overrides the model structure (tests).
     """
     ctx = load_plan_context(plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path, shape=shape)
     pf, cost, pool, cluster, sizes, scheduler = ctx.plan_file, ctx.cost, ctx.pool, ctx.cluster, ctx.sizes, ctx.scheduler
     shapes_path = ctx.shapes_path
-    B = pf.global_batch
+    check_plan_runs(pf.plan, ctx.shape, cluster, str(plan_path))
+    if pf.baseline is not None:
+        check_plan_runs(pf.baseline, ctx.shape, cluster, f"{plan_path}: baseline")
     plan, baseline, notes = pf.plan, pf.baseline, []
+    B = scaled_global_batch(pf, gpus, global_batch, notes)
     if gpus is not None:
         cluster = cluster.with_gpus(int(gpus))
         plan = scale_plan(plan, cluster, B)
-        notes.append(f"scaled to {cluster.world_size} GPUs: {plan.layout.describe()}")
+        used = plan.layout.world_size
+        notes.append(f"scaled to {cluster.world_size} GPUs: {plan.layout.describe()}"
+                     + (f" (uses {used} of the {cluster.world_size} GPUs)" if used < cluster.world_size else ""))
         if baseline is not None:
             baseline = scale_baseline(baseline, cluster, B)
             if baseline is None:
                 notes.append("baseline: no dp keeps fixed-count microbatches on this many GPUs")
-    if plan.layout.world_size > cluster.world_size:
-        raise UserError(f"{plan_path}: the plan needs {plan.layout.world_size} GPUs, the cluster has {cluster.world_size}")
+    elif global_batch is not None:
+        if B < plan.layout.m * plan.layout.dp_l:
+            raise UserError(f"--global-batch {B} cannot fill the plan's m x llm dp = {plan.layout.m} x "
+                            f"{plan.layout.dp_l} microbatch bins")
+        if baseline is not None and B % (baseline.layout.m * baseline.layout.dp_l):
+            notes.append(f"baseline: global batch {B} does not split into its fixed-count microbatches "
+                         f"(m x dp = {baseline.layout.m} x {baseline.layout.dp_l})")
+            baseline = None
+    if len(pool) < B:
+        notes.append(f"{shapes_path} has {len(pool)} usable samples, fewer than the global batch of {B}: batches "
+                     "are drawn with replacement")
     k = int(sample_batches_k or ctx.sample_batches)
     seed = ctx.seed if seed is None else int(seed)
     batches = sample_batches(len(pool), k, B, seed)
@@ -192,6 +209,23 @@ def simulate_plan(plan_path, *, gpus: int | None = None, shapes_path=None, out_p
     if verbose:
         print(whatif_summary(result, B, shapes_path))
     return result
+
+
+def scaled_global_batch(pf: PlanFile, gpus: int | None, global_batch: int | None, notes: list[str]) -> int:
+    """The global batch a what-if simulates (see `simulate_plan`); says in `notes` what it chose."""
+    planned, world = pf.global_batch, pf.plan.layout.world_size
+    if global_batch is not None:
+        if global_batch < 1:
+            raise UserError(f"--global-batch must be >= 1, got {global_batch}")
+        if global_batch != planned:
+            notes.append(f"global batch {global_batch} (--global-batch; the plan was made for {planned})")
+        return int(global_batch)
+    if gpus is None or gpus == world:
+        return planned
+    scaled = max(1, round(planned * gpus / world))
+    notes.append(f"global batch {planned} -> {scaled}: the plan's {planned / world:.3g} samples per GPU on {gpus} "
+                 "GPUs (--global-batch sets another)")
+    return scaled
 
 
 def whatif_summary(w: WhatIf, global_batch: int, shapes_path) -> str:

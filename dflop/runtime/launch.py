@@ -91,6 +91,25 @@ def srun_environment(env: dict | None = None) -> dict:
             if not k.startswith(("SLURM_", "SRUN_", "SBATCH_")) or k in ("SLURM_JOB_ID", "SLURM_CONF")}
 
 
+def check_before_launch(cfg, plan_path: str | Path) -> None:
+    """One-line UserError, before any process starts, unless the plan can train the config's model
+    on its cluster: layer splits, TP degrees, world size, a launchable rank layout
+    (`dflop.planner.planfile.check_plan_runs`) and the global batch."""
+    from dflop.planner.cluster import Cluster
+    from dflop.planner.inputs import load_model_shape
+    from dflop.planner.planfile import check_plan_runs, read_plan
+
+    load_plan(plan_path)  # the trainer's own reading of the file
+    plan_file = read_plan(plan_path)
+    m = cfg.model
+    shape = load_model_shape(m.arch, m.vision, m.llm, m.weights)
+    check_plan_runs(plan_file.plan, shape, Cluster.from_config(**cfg.section("cluster")), str(plan_path))
+    batch = cfg.section("train")["global_batch_size"]
+    if batch != plan_file.global_batch:
+        raise UserError(f"train.global_batch_size is {batch} but {plan_path} was planned for {plan_file.global_batch} "
+                        "(re-run optimize)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflop train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, help="YAML config (default: the demo default)")
@@ -135,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 path = getattr(args, flag)
                 if path is not None and not Path(path).exists():
                     raise UserError(f"--{flag}: file not found: {path}")
+            from dflop.config import load
+
+            check_before_launch(load(args.config, args.settings), args.plan)
             hosts = slurm_job_nodes() if args.nodes is None and args.rdzv_endpoint is None else []
             if len(hosts) > 1:
                 cpus = os.environ.get("SLURM_CPUS_PER_TASK", "")

@@ -151,3 +151,54 @@ def test_what_if_scaling_keeps_layouts_launchable():
     colocated = Plan(Layout("colocated", 1, 1, 1, 1, 3, 1, 4), (1,), (1, 1, 1))
     assert scale_plan(colocated, cluster, global_batch=64).layout.dp_l == 2
     assert scale_baseline(colocated, cluster, global_batch=64).layout.dp_l == 2
+
+
+def _edited_plan(src, dst, change) -> str:
+    doc = yaml.safe_load(src.read_text())
+    change(doc)
+    dst.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(dst)
+
+
+def test_simulate_refuses_a_plan_the_model_or_cluster_cannot_run(inputs, tmp_path, tiny_shape, capsys):
+    from dflop.cli import main
+
+    _optimize(inputs, tmp_path, tiny_shape)
+    plan = tmp_path / "plan.yaml"
+
+    def three_llm_layers(doc):
+        doc["llm"]["layers_per_stage"] = [doc["llm"]["layers_per_stage"][0] + 1] + doc["llm"]["layers_per_stage"][1:]
+
+    cases = {
+        "layers": (three_llm_layers, r"llm\.layers_per_stage \[\d+.*\] sums to 3 but the model has 2 llm layers"),
+        "world": (lambda d: d.update(world_size=d["world_size"] + 1), r"world_size is \d+ but the layout needs \d+ ranks"),
+        "tp": (lambda d: d["llm"].update(tp=3) or d["vision"].update(tp=3) or d.update(world_size=d["world_size"] * 3),
+               r"tp is 3, which does not split"),
+        "cluster": (lambda d: d["cluster"].update(gpus_per_node=1) or d.update(
+            placement="disjoint", world_size=2, vision={"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
+            llm={"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]}), r"needs 2 GPUs but the cluster has 1"),
+    }
+    for name, (change, message) in cases.items():
+        bad = _edited_plan(plan, tmp_path / f"{name}.yaml", change)
+        assert main(["simulate", "--plan", bad]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"dflop simulate: {bad}"), err
+        assert __import__("re").search(message, err), (name, err)
+
+
+def test_simulate_on_more_gpus_scales_the_global_batch_and_says_so(inputs, tmp_path, tiny_shape, capsys):
+    _optimize(inputs, tmp_path, tiny_shape, gpus_per_node=2)
+    doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    per_gpu = doc["global_batch_size"] / doc["world_size"]
+    big = simulate_plan(tmp_path / "plan.yaml", gpus=64, verbose=True, shape=tiny_shape, sample_batches_k=2)
+    out = capsys.readouterr().out
+    scaled = round(per_gpu * 64)
+    assert f"global batch {doc['global_batch_size']} -> {scaled}" in out and "with replacement" in out
+    assert big.plan.plan.layout.world_size == 64  # every GPU asked for gets work
+    assert big.plan.plan.layout.dp_l * big.plan.plan.layout.m <= scaled
+    fixed = simulate_plan(tmp_path / "plan.yaml", gpus=64, global_batch=16, verbose=True, shape=tiny_shape,
+                          sample_batches_k=2)
+    out = capsys.readouterr().out
+    used = fixed.plan.plan.layout.world_size
+    assert fixed.plan.plan.layout.dp_l * fixed.plan.plan.layout.m <= 16 and used < 64  # the batch caps the replicas
+    assert "(global batch 16)" in out and f"uses {used} of the 64 GPUs" in out

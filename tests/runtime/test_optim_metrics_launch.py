@@ -158,3 +158,38 @@ def test_optimizer_keeps_dtensor_and_plain_parameters_apart_for_foreach(tmp_path
     from test_checkpoint_helpers import spawn
 
     spawn(_mixed_parameters_worker, 1, tmp_path)
+
+
+GOOD_PLAN = {"vision": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
+             "llm": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]}, "placement": "disjoint",
+             "microbatches": 2, "global_batch_size": 16, "world_size": 2}
+
+
+@pytest.mark.parametrize("name, change, settings, message", [
+    ("layers", {"llm": {**GOOD_PLAN["llm"], "layers_per_stage": [3]}}, "{}",
+     "llm.layers_per_stage [3] sums to 3 but the model has 2 llm layers"),
+    ("world", {"world_size": 3}, "{}", "world_size is 3 but the layout needs 2 ranks"),
+    ("tp", {"llm": {**GOOD_PLAN["llm"], "tp": 3}, "world_size": 4}, '{"cluster": {"gpus_per_node": 4}}',
+     "llm.tp is 3, which does not split"),
+    ("launchable", {}, '{"cluster": {"gpus_per_node": 1}}', "needs 2 GPUs but the cluster has 1"),
+    ("batch", {}, '{"train": {"global_batch_size": 8}}', "train.global_batch_size is 8 but"),
+])
+def test_train_refuses_a_plan_it_cannot_run_before_starting_anything(tmp_path, capsys, name, change, settings,
+                                                                      message):
+    """`dflop train` (the launcher, outside torchrun) checks the plan against the config's model and
+    cluster: one line, exit 2, no worker started, nothing written."""
+    import yaml
+
+    from dflop.cli import main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({**GOOD_PLAN, **change}))
+    shapes = tmp_path / "shapes.parquet"
+    shapes.write_bytes(b"")  # never read: the plan is refused first
+    out = tmp_path / "train"
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--settings", settings, "--plan", str(plan), "--shapes", str(shapes), "--out-dir", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dflop train: ") and message in err, err
+    assert not out.exists()
