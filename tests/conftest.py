@@ -11,3 +11,12 @@ def demo_manifest(tmp_path_factory) -> Path:
     from dflop.data.demo import make_demo_data
 
     return make_demo_data(tmp_path_factory.mktemp("demo"), n_samples=300, seed=0)
+
+
+@pytest.fixture(scope="session")
+def demo_workdir(tmp_path_factory) -> Path:
+    """A working copy after one demo run of the whole workflow (`all`; 60 samples, 2 training
+    steps); treat it as read-only: copy it (`shutil.copytree`) to change it."""
+    from workflow_run import demo_run
+
+    return demo_run(tmp_path_factory.mktemp("demo_run"))

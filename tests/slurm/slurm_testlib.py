@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from workflow_run import copy_checkout
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "tests/slurm/cluster.sh"
@@ -45,13 +44,7 @@ def train_rule_exists() -> bool:
 def working_copy(root: Path) -> Path:
     """A user's checkout with the demo default, planned for the test cluster's two nodes of one
     process each, so the train rule is a 2-node job."""
-    for name in ("workflow", "config"):
-        shutil.copytree(REPO / name, root / name)
-    shutil.copy(REPO / "environment.yml", root / "environment.yml")
-    config = yaml.safe_load((root / "config/config.yaml").read_text())
-    config["cluster"].update(nodes=len(NODES), gpus_per_node=1)
-    (root / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    return root
+    return copy_checkout(root, lambda config: config["cluster"].update(nodes=len(NODES), gpus_per_node=1))
 
 
 def snakemake_command(*targets: str) -> list[str]:

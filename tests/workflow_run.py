@@ -1,0 +1,57 @@
+"""A user's checkout with a small demo config, and Snakemake run on it as a user would."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def env() -> dict:
+    out = dict(os.environ)
+    out["PATH"] = f"{Path(sys.executable).parent}:{out['PATH']}"  # the rules call dflop / python from the env
+    return out
+
+
+def run_snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*SNAKEMAKE, *args], cwd=workdir, env=env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def copy_checkout(root: Path, change: Callable[[dict], None]) -> Path:
+    """A user's checkout under `root` (workflow/, config/, environment.yml) with `change` applied
+    to its config/config.yaml."""
+    for name in ("workflow", "config"):
+        shutil.copytree(REPO / name, root / name)
+    shutil.copy(REPO / "environment.yml", root / "environment.yml")
+    config = yaml.safe_load((root / "config/config.yaml").read_text())
+    change(config)
+    (root / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return root
+
+
+def working_copy(root: Path) -> Path:
+    """A user's checkout with a smaller demo: 60 samples, a short model profile, 2 training steps."""
+    def smaller(config: dict) -> None:
+        config["data"]["demo"]["n_samples"] = 60
+        config["profile"] = {"repeats": 2, "warmup": 1, "max_seq_len": 256, "max_tiles": 8, "time_budget_s": 10}
+        config.setdefault("train", {}).update(steps=2, checkpoint_every=2)
+
+    return copy_checkout(root, smaller)
+
+
+def demo_run(root: Path) -> Path:
+    """`snakemake --profile profiles/local all` in a fresh working copy under `root` (the demo)."""
+    workdir = working_copy(root)
+    run_snakemake(workdir, "--profile", str(REPO / "profiles/local"), "--cores", "2", "all")
+    return workdir
