@@ -1,0 +1,86 @@
+"""The data-blind baseline against brute force over every data-blind layout.
+
+Every speed-up the planner reports is measured against this baseline, so a baseline that keeps a
+slow layout inflates every claim. The reference here simulates every layout `baseline_layouts`
+lists (uniform split, fixed-count microbatches) with the same evaluate function and takes the
+fastest that fits.
+"""
+
+import numpy as np
+import pytest
+
+from dflop.planner.baseline import baseline_layouts, search_baseline
+from dflop.planner.cluster import Cluster
+from dflop.planner.expected import SchedulerSettings, evaluate_plan, sample_batches
+from dflop.planner.layout import Plan
+from dflop.planner.means import Pool, TransferSizes
+from dflop.planner.search import bin_granularity, prepare_means
+from dflop.planner.space import ModelShape, build_space
+from dflop.planner.stages import TransferMeans, build_stage_model
+from planner_testlib import toy_cost_model, toy_shapes
+
+LV, LL, B, K = 2, 6, 8, 2   # 6 LLM layers: uniform splits over pp = 1, 2, 3 (and 6)
+SHAPE = ModelShape(vision_layers=LV, llm_layers=LL, vision_tp_ok=(1, 2), llm_tp_ok=(1, 2), vision_heads=4, llm_heads=4,
+                   llm_kv_heads=2, vocab_size=1000, llm_hidden=256, vision_hidden=128, vision_tokens_per_tile=64,
+                   llm_tokens_per_tile=64)
+# (GPU memory, GPUs, GPUs per node): memory that rejects some uniform splits and some sampled
+# batches, and memory that lets every layout run.
+CASES = [(1.6e9, 4, 4), (3.0e9, 4, 2), (1.2e9, 8, 4)]
+
+
+def _setup(memory, world, per_node):
+    pool = Pool.from_shapes(toy_shapes(300, seed=1))
+    cost = toy_cost_model()
+    cluster = Cluster(nodes=world // per_node, gpus_per_node=per_node, gpu_memory_bytes=memory,
+                      inter_node_bytes_per_s=2e9)
+    space, _ = build_space(SHAPE, cost, cluster, placements=("colocated",), microbatches=(1, 2, 4), global_batch=B,
+                           mean_tiles=float(pool.n_tiles.mean()))
+    vision, llm = prepare_means(cost, SHAPE, pool, space)
+    sizes = TransferSizes.for_model(llm_hidden=256, vision_hidden=128, vision_tokens_per_tile=64, dtype="float32")
+    transfer = TransferMeans.of(pool, sizes)
+    batches = sample_batches(len(pool), K, B, seed=0)
+
+    def evaluate(plan):
+        return evaluate_plan(plan, cost, pool, batches, cluster, sizes, SchedulerSettings(policy="megatron"))
+
+    return space, vision, llm, cluster, transfer, bin_granularity(cost, pool, space), evaluate
+
+
+@pytest.mark.parametrize("memory,world,per_node", CASES)
+def test_baseline_is_the_fastest_data_blind_layout_that_fits(memory, world, per_node):
+    space, vision, llm, cluster, transfer, granularity, evaluate = _setup(memory, world, per_node)
+    layouts, _ = baseline_layouts(space, cluster)
+    # Brute force: the uniform split of every layout, simulated when it fits.
+    means = {}
+    for lay in layouts:
+        plan = Plan(lay, (LV,), (LL // lay.pp_l,) * lay.pp_l)
+        sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster, global_batch=B,
+                               transfer=transfer, granularity=granularity)
+        if sm.fits(sm.split_of(plan)):
+            ev = evaluate(plan)
+            if ev.ok:
+                means[plan] = ev.mean_s
+    assert len(set(means.values())) >= 2, "the instance must offer a choice between layouts"
+    result = search_baseline(space, vision, llm, cluster, transfer, granularity, evaluate, simulate=len(layouts))
+    assert result.evaluation.plan in means
+    assert result.evaluation.mean_s == pytest.approx(min(means.values()), rel=1e-12)
+    assert result.evaluation.mean_s < max(means.values())
+    chosen = [r for r in result.rows if r["status"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["pp_l"] == result.evaluation.plan.layout.pp_l
+
+
+@pytest.mark.parametrize("memory,world,per_node", CASES)
+def test_pruned_baseline_is_the_fastest_layout_it_simulated(memory, world, per_node):
+    """With `simulate` pruning the choice is the fastest of the layouts actually simulated, and
+    every layout it simulated ranks among the best by the mean-shape step."""
+    space, vision, llm, cluster, transfer, granularity, evaluate = _setup(memory, world, per_node)
+    result = search_baseline(space, vision, llm, cluster, transfer, granularity, evaluate, simulate=2)
+    ran = [r for r in result.rows if r["status"] in ("simulated", "chosen")]
+    assert len(ran) >= 1
+    best = min(ran, key=lambda r: r["step_mean_s"])
+    assert best["status"] == "chosen"
+    assert result.evaluation.mean_s == pytest.approx(best["step_mean_s"], rel=1e-12)
+    pruned = [r["mean_shape_step_s"] for r in result.rows if r["status"] == "pruned"]
+    tried = [r["mean_shape_step_s"] for r in result.rows if "mean_shape_step_s" in r and r["status"] != "pruned"]
+    assert not pruned or max(tried) <= min(pruned) * (1 + 1e-12)
+    assert np.isfinite(result.evaluation.mean_s)
