@@ -68,6 +68,58 @@ def test_min_peak_split_minimises_the_largest_stage_memory(case):
     assert np.array_equal(mem, sm.memory_at(split))
 
 
+def heaviest_bound_instance(case, seed):
+    """A stage model whose heaviest-sample memory row keeps the MILP from the memory-free optimum.
+
+    The random times of `random_stage_model`, memory rebuilt so that the stage holding the most
+    layers in the memory-free optimum (in a module with more than one stage) can hold one layer
+    fewer under the heaviest-sample row, and every other stage can hold its whole module. The
+    mean-microbatch row has half the heaviest row's bytes per layer, so it never binds.
+    """
+    pp_v, pp_l, lv, ll, m, dp = case
+    rng = np.random.default_rng(seed)
+    sm = random_stage_model(rng, pp_v=pp_v, pp_l=pp_l, vision_layers=lv, llm_layers=ll, m=m, dp=dp, latency=0.01)
+    free = min(all_splits(sm), key=sm.objective_s)
+    caps = np.where(sm.is_vision, lv, ll).astype(float)
+    stages_in_module = np.where(sm.is_vision, pp_v, pp_l)
+    s = int(np.argmax(np.where(stages_in_module > 1, free, 0)))
+    caps[s] = free[s] - 1
+    fixed = rng.uniform(0.05, 0.3, sm.n_stages)
+    per_layer = (1.0 - fixed) / (caps + 0.5)        # n layers fit iff n <= cap
+    coeffs = replace(sm.coeffs, mem_max_fixed=fixed, mem_max_layer=per_layer, mem_mean_fixed=fixed,
+                     mem_mean_layer=0.5 * per_layer)
+    return replace(sm, coeffs=coeffs, memory_bytes=1.0)
+
+
+# (case, seed) where the bound binds: no memory-free optimum fits (asserted in the test)
+BINDING = [((0, 3, 3, 9, 4, 1), 1), ((0, 3, 3, 9, 4, 1), 2), ((0, 3, 3, 9, 4, 1), 3), ((0, 4, 3, 10, 8, 2), 0),
+           ((0, 4, 3, 10, 8, 2), 1), ((1, 3, 4, 8, 2, 1), 1), ((2, 2, 6, 6, 4, 2), 0), ((2, 2, 6, 6, 4, 2), 1),
+           ((2, 3, 5, 8, 2, 1), 3), ((1, 4, 3, 9, 16, 3), 0), ((1, 4, 3, 9, 16, 3), 1)]
+
+
+@pytest.mark.parametrize("case,seed", BINDING)
+def test_milp_respects_the_heaviest_sample_memory_bound_where_it_binds(case, seed):
+    """The random instances above rarely let memory bind; here the heaviest-sample row is what
+    separates the optimum from the memory-free one, and the MILP must land on the brute-force
+    best among the splits that satisfy it."""
+    sm = heaviest_bound_instance(case, seed)
+    c = sm.coeffs
+    splits = list(all_splits(sm))
+    objective = np.array([sm.objective_s(n) for n in splits])
+    heaviest_ok = np.array([np.all(c.mem_max_fixed + c.mem_max_layer * n <= sm.memory_bytes) for n in splits])
+    mean_ok = np.array([np.all(c.mem_mean_fixed + c.mem_mean_layer * n <= sm.memory_bytes) for n in splits])
+    assert mean_ok[heaviest_ok].all() and heaviest_ok.any()
+    best = objective[heaviest_ok].min()
+    assert best > objective.min() * (1 + 1e-6), "the heaviest-sample bound must bind"
+    assert mean_ok[objective <= objective.min() * (1 + 1e-12)].all()   # the mean row alone would allow it
+
+    res = solve_split(sm, rel_gap=0.0)
+    assert res.status == "optimal"
+    assert np.all(c.mem_max_fixed + c.mem_max_layer * res.split <= sm.memory_bytes)
+    assert sm.fits(res.split)
+    assert res.objective_s == pytest.approx(best, rel=1e-9)
+
+
 def test_infeasible_split_reports_infeasible():
     sm = random_stage_model(np.random.default_rng(0), pp_v=1, pp_l=2, vision_layers=2, llm_layers=4, m=2)
     sm = replace(sm, memory_bytes=0.2)  # below some stage's fixed memory
