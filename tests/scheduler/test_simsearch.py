@@ -81,13 +81,20 @@ def test_partition_uses_it_at_one_sample_per_bin(make_costs):
     assert greedy_partition(costs, m, dp, dp).member != "sim_search"
 
 
-def test_second_start_can_win(make_costs):
-    """Local search ends where its start leads it: on this batch (m = 8, dp = 8) the search from
-    the second-fastest member ends faster (1.077 -> 1.060 x the bound), and the result is that
-    simulated step."""
+def test_second_start_is_never_worse_and_sometimes_wins(make_costs):
+    """`sim_search` from the two fastest distinct members keeps the faster result: on every batch
+    (m = 8, dp = 8) two starts are never slower than one, never slower than any member they could
+    start from, and the reported step is the simulation of the reported partition. Local search ends
+    where its start leads it, so on some batch the second start must end strictly faster (else it
+    costs time for nothing); on these three it does on one (seed 0)."""
     m, dp = 8, 8
-    _, costs = make_costs(m * dp, seed=0)
-    one = partition(costs, m, dp, dp, ilp="never", sim_starts=1)
-    two = partition(costs, m, dp, dp, ilp="never", sim_starts=2)
-    assert two.member == "sim_search" and two.step_s < one.step_s * (1 - 1e-6)
-    assert two.step_s == pytest.approx(_step(costs, two.microbatch * dp + two.replica, two.order, m, dp))
+    gains = []
+    for seed in range(3):
+        _, costs = make_costs(m * dp, seed=seed)
+        one = partition(costs, m, dp, dp, ilp="never", sim_starts=1)
+        two = partition(costs, m, dp, dp, ilp="never", sim_starts=2)
+        assert two.step_s <= one.step_s * (1 + 1e-12)
+        assert two.step_s <= min(step for member, step in two.candidates if member != "sim_search") * (1 + 1e-12)
+        assert two.step_s == pytest.approx(_step(costs, two.microbatch * dp + two.replica, two.order, m, dp))
+        gains.append(one.step_s / two.step_s)
+    assert max(gains) > 1 + 1e-6
