@@ -79,3 +79,21 @@ def test_local_search_repairs_grahams_lpt_worst_case(bins):
         out = local_search(sc, start, m, dp, guard)
         assert out.shape == start.shape and 0 <= out.min() and out.max() < m * dp
         assert proxy(sc, out, m, dp) == pytest.approx(3 * bins)
+
+
+@pytest.mark.parametrize("bins", [2, 3, 4])
+def test_portfolio_greedy_member_is_searched(bins):
+    """In `partition` the "greedy" member is the greedy followed by the local search: on Graham's
+    instance as one microbatch over `bins` replicas (no vision cost, one LLM stage, no overheads,
+    so the simulated step is the largest bin's load) it reaches the optimum 3b, while the plain
+    LPT member ("lpt1d") stays at 4b - 1."""
+    from dflop.costmodel.types import BatchCosts
+    from dflop.scheduler.partition import partition
+
+    llm = _graham(bins)
+    n, zero = len(llm), np.zeros((1, len(llm)))
+    costs = BatchCosts(zero, zero, llm[None] / 3, 2 * llm[None] / 3, np.zeros(1), np.zeros(1), np.zeros(1),
+                       np.zeros(1), np.ones((1, n)), np.ones((1, n)), np.full(1, np.inf), np.full(1, np.inf))
+    steps = dict(partition(costs, 1, bins, bins, ilp="never").candidates)
+    assert steps["lpt1d"] == pytest.approx(4 * bins - 1)
+    assert steps["greedy"] == pytest.approx(3 * bins)
