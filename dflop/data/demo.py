@@ -3,9 +3,10 @@
 The mix is skewed like real instruction data: most samples are cheap (text, small and medium
 single images), a heavy tail is expensive (multi-image posts, videos, 4K-wide panoramas, tall
 screenshots) and text lengths are long-tailed, so the planner and scheduler have something to
-balance. Same seed, same bytes: every random choice comes from numpy generators seeded with
-(seed, purpose, sample index), and the encoders (JPEG, PNG, MPEG-4 Part 2 / H.264 in MP4) are run
-single-threaded.
+balance. Same seed, same bytes (on one software stack): every random choice comes from numpy
+generators seeded with (seed, purpose, sample index), the encoders (JPEG, PNG, MPEG-4 Part 2 / H.264
+in MP4) are run single-threaded, and x264's macroblock-tree rate control is off (see _X264_PARAMS).
+Other PyAV / libx264 builds may encode other bytes; the frames, sizes and rates stay the same.
 
 Layout of `out_dir`: ``demo.json`` (the manifest, a JSON list), ``images/``, ``videos/``; media
 paths in the manifest are relative to `out_dir` (the readers' default media root). Each file is
@@ -74,6 +75,13 @@ _VIDEO_SIZES = ((96, 64), (128, 96), (160, 120), (192, 108), (224, 160), (256, 1
                 (144, 256))
 _VIDEO_RATES = (Fraction(8), Fraction(10), Fraction(12), Fraction(15), Fraction(24), Fraction(25),
                 Fraction(30), Fraction(30000, 1001))
+# x264 options for reproducible bytes. threads=1 alone is not enough: with macroblock-tree rate
+# control on (the default), libx264 (core 165, PyAV 18.1 wheels) uses uninitialized stack memory
+# in its lookahead (valgrind: "Use of uninitialised value of size 8" under x264_encoder_encode), so
+# an encode depends on what the process ran before it, threads or not. With mbtree=0 valgrind
+# reports no such use and the bytes depend on the input only; H.264 files get ~40 % larger (the
+# 300-sample demo 1.5 %) and ~0.1 s slower to encode. asm=0 does not help (its C paths read more).
+_X264_PARAMS = "threads=1:lookahead-threads=1:sliced-threads=0:mbtree=0"
 
 
 def make_demo_data(out_dir: str | os.PathLike, n_samples: int = 300, seed: int = 0) -> Path:
@@ -346,7 +354,8 @@ def _write_video(
 
     buffer = io.BytesIO()
     with av.open(buffer, "w", format="mp4") as container:
-        stream = container.add_stream(codec, rate=rate)
+        options = {"x264-params": _X264_PARAMS} if codec == "libx264" else {}
+        stream = container.add_stream(codec, rate=rate, options=options)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.codec_context.thread_count = 1  # multi-threaded encoders are not byte-deterministic
         for t in range(n_frames):
