@@ -6,7 +6,9 @@ never raise: they come out with `error` set to a short reason (``malformed_json`
 ``not_an_object``, ``no_conversations``, ``bad_conversations``, ``unknown_modality:<key>``,
 ``bad_image_field``, ``bad_video_field``, ``multiple_videos``) that the data profiler writes as
 ``status=skipped:<reason>``. File-level problems (missing file, unknown format, a JSON list that
-stops parsing, an unreadable Parquet file) raise `DatasetError` naming the file.
+stops parsing, an unreadable Parquet file or page) raise `DatasetError`, a one-line `UserError`
+naming the file. Parquet pages are checked against their CRC where the writer stored one
+(``write_page_checksum``), so a corrupt byte there is an error, not a silently wrong value.
 
 Sample ids are stable across runs: the record's ``id`` when it has one not used by an earlier
 record of the same dataset, else ``<dataset>:<index>`` (index = 0-based position of the record in
@@ -29,6 +31,7 @@ import pyarrow.parquet as pq
 
 from dflop.data.media import EmbeddedSource, ImageRef, VideoRef
 from dflop.data.sampling import parse_sampling_rule, sample_stream
+from dflop.errors import UserError
 
 FORMATS = ("llava_json", "llava_jsonl", "parquet")
 
@@ -38,8 +41,12 @@ UNSUPPORTED_MODALITY_KEYS = ("audio", "audios", "speech", "sound", "point_cloud"
 _PARQUET_COLUMNS = ("id", "image", "images", "video", "conversations", *UNSUPPORTED_MODALITY_KEYS)
 
 
-class DatasetError(ValueError):
-    """A dataset that cannot be read at all (not one bad sample); the message names the file."""
+class DatasetError(UserError, ValueError):
+    """A dataset that cannot be read at all (not one bad sample); one line naming the file.
+
+    A `UserError`, so the CLI reports it without a traceback wherever it surfaces (while checking
+    datasets, or mid-stream at a corrupt page).
+    """
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,12 @@ def check_dataset(path: str | os.PathLike, fmt: str = "auto") -> str:
             _open_parquet(part)
     elif path.is_dir():
         raise DatasetError(f"dataset {path}: is a directory; format {fmt} needs a file")
+    else:
+        try:
+            open(path, "rb").close()
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise DatasetError(f"dataset {path}: cannot be read ({reason})") from None
     return fmt
 
 
@@ -297,9 +310,16 @@ def _parquet_parts(path: Path) -> list[Path]:
 
 def _open_parquet(part: Path) -> pq.ParquetFile:
     try:
-        return pq.ParquetFile(part)
+        return pq.ParquetFile(part, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
-        raise DatasetError(f"dataset {part}: unreadable Parquet file ({exc})") from None
+        raise DatasetError(f"dataset {part}: unreadable Parquet file ({_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an Arrow message, printable: they span lines (a Thrift error, then what it
+    was reading) and may quote the corrupt bytes."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return "".join(c if c.isprintable() else "?" for c in lines[0]) if lines else type(exc).__name__
 
 
 def _parquet_records(path: Path, batch_rows: int = 256) -> Iterator[Any]:
@@ -319,7 +339,8 @@ def _parquet_records(path: Path, batch_rows: int = 256) -> Iterator[Any]:
                     row += 1
                     yield record
         except (pa.ArrowException, OSError) as exc:
-            raise DatasetError(f"dataset {part}: unreadable Parquet data ({exc})") from None
+            raise DatasetError(f"dataset {part}: unreadable Parquet data after {row} readable rows "
+                               f"({_first_line(exc)})") from None
 
 
 _SOURCE_KEY = "\0dflop_source"  # cannot clash with a Parquet column name used as a record key
@@ -355,7 +376,7 @@ def embedded_image_bytes(source: EmbeddedSource) -> bytes:
             raise DatasetError(f"{where}: the file has only {starts[-1]} rows (changed since profile_data?)")
         value = _row_group_column(source.file, group, source.column)[source.row - starts[group]].as_py()
     except (pa.ArrowException, OSError, KeyError) as exc:
-        raise DatasetError(f"{where}: cannot read column {source.column!r} ({exc})") from None
+        raise DatasetError(f"{where}: cannot read column {source.column!r} ({_first_line(exc)})") from None
     if source.item is not None:
         value = value[source.item] if isinstance(value, list) and source.item < len(value) else None
     data = value.get("bytes") if isinstance(value, dict) else None

@@ -4,7 +4,9 @@ Reads each dataset of the config as a stream, sizes images from their headers an
 their container metadata (no pixel decoding), turns sizes into encoder tiles and LLM tokens with
 the architecture's rules (dflop.data.vision_tokens) and counts text tokens with the model's
 tokenizer and chat template. Writes ``shapes.parquet`` (one row per sample, DESIGN.md §4) and
-``histograms.parquet``, both atomically. Work is spread over a process pool in chunks, in order,
+``histograms.parquet``, both atomically and only when the whole stage succeeds: a dataset that
+cannot be read (a corrupt Parquet page), a bad setting or too many skipped samples raise a
+one-line UserError and leave neither file. Work is spread over a process pool in chunks, in order,
 so the output is the same whatever the worker count.
 """
 
@@ -29,7 +31,7 @@ from tqdm import tqdm
 
 from dflop.config import Config
 from dflop.data.media import MediaError, image_size, video_meta
-from dflop.data.readers import RawSample, check_dataset, count_records, read_dataset
+from dflop.data.readers import DatasetError, RawSample, check_dataset, count_records, read_dataset
 from dflop.data.tokenizer import count_text_tokens_batch, expand_video_placeholders, load_tokenizer
 from dflop.data.vision_tokens import NO_VISION, sample_vision_shape, sampled_frame_count
 from dflop.errors import UserError
@@ -230,15 +232,18 @@ def _chunks(items: Iterable[RawSample], size: int) -> Iterator[list[RawSample]]:
 
 
 def _all_samples(cfg: Config) -> Iterator[RawSample]:
-    for ds in cfg.datasets:
-        yield from read_dataset(
-            ds.path,
-            dataset=ds.name,
-            fmt=ds.format,
-            media_root=ds.media_root,
-            sample=ds.sample,
-            seed=cfg.seed,
-        )
+    for i, ds in enumerate(cfg.datasets):
+        try:
+            yield from read_dataset(
+                ds.path,
+                dataset=ds.name,
+                fmt=ds.format,
+                media_root=ds.media_root,
+                sample=ds.sample,
+                seed=cfg.seed,
+            )
+        except DatasetError as exc:  # found mid-stream (a corrupt Parquet page): the whole stage fails
+            raise UserError(f"data.datasets[{i}] ({ds.name}): {exc}") from None
 
 
 def check_datasets(cfg: Config) -> None:
@@ -246,7 +251,7 @@ def check_datasets(cfg: Config) -> None:
     for i, ds in enumerate(cfg.datasets):
         try:
             check_dataset(ds.path, ds.format)
-        except ValueError as exc:
+        except DatasetError as exc:
             raise UserError(f"data.datasets[{i}] ({ds.name}): {exc}") from None
         if ds.media_root is not None and not ds.media_root.is_dir():
             raise UserError(f"data.datasets[{i}] ({ds.name}): media_root {ds.media_root} is not a directory")
@@ -287,9 +292,9 @@ def profile_data(
 ) -> ProfileSummary:
     """Write shapes.parquet and histograms.parquet for the config's datasets; return the summary.
 
-    workers: processes (0 = all cores; 1 = in this process). Raises UserError when a dataset is
-    missing, or when more than data.max_skip_frac of the samples are skipped (then nothing is
-    written).
+    workers: processes (0 = all cores; 1 = in this process). Raises UserError (and writes
+    nothing) when a dataset is missing or unreadable, a setting is bad, or more than
+    data.max_skip_frac of the samples are skipped.
     """
     check_datasets(cfg)
     rules = ShapeRules(
@@ -322,8 +327,9 @@ def profile_data(
         elapsed = time.perf_counter() - started
         _check_skip_fraction(summary, cfg.raw["data"]["max_skip_frac"])
         shapes = pd.read_parquet(tmp_shapes)
+        # Before shapes.parquet is renamed into place: a failure here leaves neither file.
+        write_histograms(shapes, histograms_path)
 
-    write_histograms(shapes, histograms_path)
     print(format_summary(summary, shapes, elapsed))
     return summary
 

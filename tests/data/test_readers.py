@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from dflop.data.media import image_size
+from bad_inputs import corrupt_image_page, write_image_parquet
+from dflop.data.media import EmbeddedSource, image_size
 from dflop.data.readers import (
     DatasetError,
     check_dataset,
@@ -31,6 +32,7 @@ from dflop.data.sampling import (
     reservoir_indices,
     sample_stream,
 )
+from dflop.errors import UserError
 
 CONV = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "This."}]
 
@@ -315,6 +317,30 @@ def test_parquet_with_embedded_images_round_trip(tmp_path):
     assert samples[2].images[0].without_bytes() is samples[2].images[0]  # a file on disk stays as it is
     with pytest.raises(DatasetError, match=r"part-0\.parquet row 7: the file has only 4 rows"):
         embedded_image_bytes(replace(lean[0].source, row=7))
+
+
+@pytest.mark.parametrize("where, page_checksums", [("header", False), ("payload", True)])
+def test_corrupt_parquet_page_is_a_one_line_error_naming_the_file(tmp_path, where, page_checksums):
+    folder = tmp_path / "ov"
+    folder.mkdir()
+    part = write_image_parquet(folder / "part-0.parquet", n_rows=40, row_group_size=10,
+                               write_page_checksum=page_checksums)
+    corrupt_image_page(part, row_group=2, where=where)  # rows 20-29
+    # Footer and schema are intact: the damage shows only when the page is read.
+    assert check_dataset(folder) == "parquet" and count_records(folder) == 40
+    with pytest.raises(DatasetError) as info:
+        list(read_dataset(folder))
+    message = str(info.value)
+    assert isinstance(info.value, UserError)  # so the CLI prints it as one line, exit code 2
+    assert "\n" not in message and message.isprintable()
+    assert re.fullmatch(rf"dataset {re.escape(str(part))}: unreadable Parquet data after \d+ readable rows \(.+\)",
+                        message), message
+    if where == "payload":  # the page itself parses: only its CRC tells the bytes are wrong
+        assert "CRC" in message
+    # The trainer reading one image of that row group back from the file gets the same kind of error.
+    with pytest.raises(DatasetError, match=rf"{re.escape(str(part))} row 25: cannot read column 'image'") as info:
+        embedded_image_bytes(EmbeddedSource(part, 25, "image"))
+    assert "\n" not in str(info.value)
 
 
 def test_parquet_random_sampling_matches_streaming_choice(tmp_path):

@@ -8,6 +8,8 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from bad_inputs import corrupt_image_page, write_image_parquet
+from dflop.cli import main
 from dflop.config import Config
 from dflop.data.media import image_size
 from dflop.errors import UserError
@@ -133,6 +135,34 @@ def test_missing_dataset_fails_before_work_naming_path(tmp_path):
     cfg = _cfg([{"name": "gone", "path": str(tmp_path / "nowhere.json")}])
     with pytest.raises(UserError, match=r"data.datasets\[0\] \(gone\).*nowhere\.json"):
         _run(tmp_path, cfg)
+
+
+def _profile_data_cli(tmp_path, capsys, datasets, workers=1, **settings) -> tuple[int, list[str]]:
+    """Run `dflop profile-data`; return its exit code and its stderr lines, less the progress bar."""
+    settings = json.dumps({"data": {"datasets": datasets}, **settings})
+    out = tmp_path / "results"
+    code = main(["profile-data", "--settings", settings, "--shapes", str(out / "shapes.parquet"),
+                 "--histograms", str(out / "histograms.parquet"), "--workers", str(workers)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return code, [line for line in lines if not line.startswith("profile_data: ")]
+
+
+def _nothing_written(tmp_path) -> bool:
+    out = tmp_path / "results"
+    return not out.exists() or not any(out.iterdir())  # no outputs, no temp files
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_corrupt_parquet_page_fails_in_one_line_and_writes_nothing(tmp_path, capsys, workers):
+    folder = tmp_path / "ov"
+    folder.mkdir()
+    part = write_image_parquet(folder / "part-0.parquet", n_rows=40, row_group_size=10)
+    corrupt_image_page(part, row_group=2, where="header")
+    code, err = _profile_data_cli(tmp_path, capsys, [{"name": "ov", "path": str(folder)}], workers=workers)
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(
+        f"dflop profile-data: data.datasets[0] (ov): dataset {part}: unreadable Parquet data after "), err
+    assert _nothing_written(tmp_path)
 
 
 def test_sampling_rule_limits_rows(tmp_path, demo_manifest):
