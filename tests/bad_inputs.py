@@ -1,14 +1,17 @@
-"""Real broken input for the error-path tests: Parquet files with a corrupt data page.
+"""Real broken input for the error-path tests: Parquet files with a corrupt data page, videos cut short.
 
-Each helper breaks a file the way it breaks in the field (bytes flipped inside a page) and returns what an independent reader sees, so tests can check that the break
+Each helper breaks a file the way it breaks in the field (bytes flipped inside a page, a copy that
+stopped part-way) and returns what an independent reader sees, so tests can check that the break
 is real before checking how dflop reports it.
 """
 
 from __future__ import annotations
 
 import io
+from fractions import Fraction
 from pathlib import Path
 
+import av
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,6 +20,7 @@ from PIL import Image
 IMAGE_STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 TURN = pa.struct([("from", pa.string()), ("value", pa.string())])
 IMAGE_CONV = [{"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "Noise."}]
+VIDEO_CONV = [{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "Noise."}]
 
 
 def png_bytes(width: int, height: int, seed: int) -> bytes:
@@ -64,3 +68,50 @@ def _column_chunk(row_group, dotted_path: str):
         if row_group.column(j).path_in_schema == dotted_path:
             return row_group.column(j)
     raise KeyError(dotted_path)
+
+
+def write_video(path: Path, *, codec: str = "mpeg4", n_frames: int = 23, rate: Fraction = Fraction(12),
+                fmt: str | None = None, faststart: bool = True) -> Path:
+    """A video of random frames (every frame costs bytes). faststart: an MP4 with its index (moov)
+    before the frames, so that cutting the file keeps the header, as a partial download does."""
+    options = {"movflags": "faststart"} if faststart and path.suffix in (".mp4", ".mov") else {}
+    rng = np.random.default_rng(n_frames)
+    with av.open(str(path), "w", format=fmt, options=options) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for _ in range(n_frames):
+            frame = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def packet_ranges(path: Path) -> list[tuple[int, int]]:
+    """(byte offset, size) of each video packet in file order, as the demuxer reads them."""
+    with av.open(str(path)) as container:
+        return [(p.pos, p.size) for p in container.demux(video=0) if p.size]
+
+
+def cut_file(path: Path, out: Path, length: int) -> Path:
+    """The first `length` bytes of `path` (a transfer that stopped part-way)."""
+    out.write_bytes(path.read_bytes()[:length])
+    return out
+
+
+def header_frames(path: Path) -> int:
+    with av.open(str(path)) as container:
+        return container.streams.video[0].frames
+
+
+def decodable_frames(path: Path) -> int:
+    """Frames a decoder delivers before the data runs out or breaks (what a training loader gets)."""
+    count = 0
+    try:
+        with av.open(str(path)) as container:
+            for _ in container.decode(video=0):
+                count += 1
+    except av.FFmpegError:
+        pass
+    return count

@@ -22,8 +22,13 @@ Choices that decide what a size means:
   (e.g. a motion photo with a video appended: accepted, as the training loader accepts it).
   Formats without an end marker (BMP, TIFF, ...) get the header check only.
 - Videos: frame count from the container index (``stream.frames``), or duration x frame rate when
-  the container has no count (Matroska/WebM). A video cut after its index is not detected here;
-  that needs decoding.
+  the container has no count (Matroska/WebM). A video cut after its header (an MP4 with its index
+  first, a Matroska file) still claims every frame; the trainer's decoder then runs out of frames.
+  ``video_meta(..., check_complete=True)`` catches that without decoding: an MP4/MOV sample table
+  gives every frame's byte range, and the file must reach the end of each (nothing beyond the
+  header is read; B-frames and edit lists do not matter); other containers (Matroska, AVI,
+  fragmented MP4) have their packets demuxed (the file is read, nothing decoded) and the whole
+  ones counted against the header.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ TRUNCATED_IMAGE = "truncated_image"
 IMAGE_TOO_LARGE = "image_too_large"
 UNREADABLE_VIDEO = "unreadable_video"
 NO_VIDEO_STREAM = "no_video_stream"
+TRUNCATED_VIDEO = "truncated_video"
 
 _TAIL_BYTES = 64
 # Bytes that some writers pad after the end marker; they do not make a file truncated.
@@ -228,10 +234,13 @@ def _end_marker_present(fp: BinaryIO, image_format: str | None) -> bool | None:
     return tail.endswith(marker)
 
 
-def video_meta(path: str | os.PathLike) -> VideoMeta:
+def video_meta(path: str | os.PathLike, *, check_complete: bool = False) -> VideoMeta:
     """Frame count, frame rate, duration and size of a video's first video stream, from metadata.
 
-    Raises MediaError with reason missing_file, unreadable_video or no_video_stream.
+    check_complete: also check, without decoding, that the file holds every frame the header
+        counts (module docstring); a file cut short raises MediaError(truncated_video).
+    Raises MediaError with reason missing_file, unreadable_video, no_video_stream or
+    truncated_video.
     """
     label = str(path)
     if not os.path.exists(path):
@@ -256,11 +265,42 @@ def video_meta(path: str | os.PathLike) -> VideoMeta:
         if duration_s <= 0 and fps > 0:
             duration_s = n_frames / fps
         width, height = stream.codec_context.width, stream.codec_context.height
-    if n_frames <= 0 or width <= 0 or height <= 0:
-        raise MediaError(
-            UNREADABLE_VIDEO, label, f"no frame count or size ({n_frames} frames, {width}x{height})"
-        )
+        if n_frames <= 0 or width <= 0 or height <= 0:
+            raise MediaError(
+                UNREADABLE_VIDEO, label, f"no frame count or size ({n_frames} frames, {width}x{height})"
+            )
+        if check_complete:
+            missing = _missing_frames(container, stream, n_frames, os.path.getsize(path))
+            if missing:
+                raise MediaError(TRUNCATED_VIDEO, label, missing)
     return VideoMeta(n_frames=n_frames, fps=fps, duration_s=duration_s, width=width, height=height)
+
+
+def _missing_frames(container, stream, n_frames: int, file_size: int) -> str | None:
+    """Why the file cannot hold the `n_frames` frames its header counts (None when it can).
+
+    MP4/MOV with a sample table: the table gives each frame's byte range and the file must reach
+    the end of every one; nothing beyond the header is read. Frame counts are not compared there:
+    an edit list that hides the first frames (a trimmed copy) can take them out of the demuxer's
+    index and packets altogether. Other containers (Matroska, AVI, fragmented MP4) have no such
+    table: their packets are demuxed, not decoded, and the whole ones (not cut by the end of the
+    file) are counted against the header.
+    """
+    if stream.frames and "mp4" in container.format.name.split(","):
+        ends = [entry.pos + entry.size for entry in stream.index_entries]
+        cut = sum(1 for end in ends if end > file_size)
+        if not cut:
+            return None
+        return f"the file ends at byte {file_size} but its index puts frames up to byte {max(ends)} ({cut} cut off)"
+    whole, error = 0, ""
+    try:
+        for packet in container.demux(stream):
+            whole += packet.size > 0 and not packet.is_corrupt
+    except (av.FFmpegError, OSError, ValueError) as exc:  # what came before it is what a decoder gets
+        error = f" before an error ({_one_line(exc)})"
+    if whole >= n_frames:
+        return None
+    return f"the header says {n_frames} frames but the file holds {whole} whole ones{error}"
 
 
 def _one_line(exc: BaseException) -> str:

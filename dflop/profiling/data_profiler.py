@@ -1,8 +1,9 @@
 """Data profiler: the shape of every sample (tiles, vision and text tokens) from file headers.
 
 Reads each dataset of the config as a stream, sizes images from their headers and videos from
-their container metadata (no pixel decoding), turns sizes into encoder tiles and LLM tokens with
-the architecture's rules (dflop.data.vision_tokens) and counts text tokens with the model's
+their container metadata (no pixel decoding; a video whose file stops short of the frames its
+header counts is skipped as ``truncated_video``), turns sizes into encoder tiles and LLM tokens
+with the architecture's rules (dflop.data.vision_tokens) and counts text tokens with the model's
 tokenizer and chat template. Writes ``shapes.parquet`` (one row per sample, DESIGN.md §4) and
 ``histograms.parquet``, both atomically and only when the whole stage succeeds: a dataset that
 cannot be read (a corrupt Parquet page), a bad setting or too many skipped samples raise a
@@ -153,7 +154,8 @@ def _vision_row(sample: RawSample, rules: ShapeRules) -> tuple[dict | None, str 
         return None, f"placeholder_mismatch: {mismatch}"
     try:
         sizes = [image_size(ref) for ref in sample.images]
-        video_frames = [video_meta(sample.video.path).n_frames] if sample.video is not None else []
+        video = video_meta(sample.video.path, check_complete=True) if sample.video is not None else None
+        video_frames = [video.n_frames] if video is not None else []
     except MediaError as exc:
         return None, f"{exc.reason}: {exc}"
     if not sizes and not video_frames:

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image, ImageFile
 from transformers.image_utils import load_image
 
+from bad_inputs import cut_file, decodable_frames, header_frames, packet_ranges, write_video
 from dflop.data.media import ImageRef, MediaError, VideoMeta, image_size, video_meta
 
 
@@ -109,6 +110,7 @@ def test_video_meta_without_frame_count_in_container(tmp_path, rate):
     assert meta == VideoMeta(
         n_frames=decoded, fps=float(rate), duration_s=meta.duration_s, width=64, height=48
     )
+    assert video_meta(path, check_complete=True) == meta  # no per-frame index: packets are counted
     assert meta.duration_s == pytest.approx(decoded / float(rate), abs=1.5 / float(rate))
 
 
@@ -194,3 +196,84 @@ def test_truncated_mp4_is_unreadable(demo_manifest, tmp_path):
     with pytest.raises(MediaError) as info:
         video_meta(cut)
     assert info.value.reason == "unreadable_video"
+
+
+def _truncated_reason(path) -> MediaError:
+    with pytest.raises(MediaError) as info:
+        video_meta(path, check_complete=True)
+    return info.value
+
+
+def test_no_demo_video_is_taken_for_truncated(demo_manifest):
+    # The demo has what a packet or byte count could stumble on: H.264 with B-frames (packets in
+    # decode order, timestamps shifted by an edit list) next to MPEG-4 Part 2; every MP4 has an elst.
+    _, videos = _demo_media(demo_manifest)
+    codecs, with_b_frames = set(), 0
+    for path in videos:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            codecs.add(stream.codec_context.name)
+            with_b_frames += bool(stream.codec_context.has_b_frames)
+        assert b"elst" in path.read_bytes(), path
+        assert video_meta(path, check_complete=True) == video_meta(path), path
+    assert codecs == {"mpeg4", "h264"} and with_b_frames > 0
+
+
+@pytest.mark.parametrize("codec", ["mpeg4", "libx264"])
+@pytest.mark.parametrize("suffix", [".mp4", ".mov", ".mkv", ".avi"])
+def test_video_cut_after_its_header_is_truncated(tmp_path, codec, suffix):
+    whole = write_video(tmp_path / f"whole{suffix}", codec=codec, n_frames=23)
+    assert video_meta(whole, check_complete=True).n_frames == 23
+    packets = packet_ranges(whole)
+    assert len(packets) == 23
+    pos, size = packets[5]
+    cut = cut_file(whole, tmp_path / f"cut{suffix}", pos + size // 2)  # stops inside frame 5
+    # The break is real: the header still promises 23 frames, a decoder delivers frames 0-4 and
+    # at best a damaged frame 5.
+    assert video_meta(cut).n_frames == 23
+    assert decodable_frames(cut) <= 6
+    error = _truncated_reason(cut)
+    assert error.reason == "truncated_video" and str(cut) in str(error)
+
+
+@pytest.mark.parametrize("codec", ["mpeg4", "libx264"])
+def test_mp4_missing_only_its_last_byte_is_truncated(tmp_path, codec):
+    whole = write_video(tmp_path / "whole.mp4", codec=codec, n_frames=23)
+    pos, size = max(packet_ranges(whole))
+    assert pos + size == whole.stat().st_size  # faststart: the last frame ends the file
+    cut = cut_file(whole, tmp_path / "cut.mp4", pos + size - 1)
+    assert header_frames(cut) == 23
+    error = _truncated_reason(cut)
+    assert error.reason == "truncated_video"
+    assert "(1 cut off)" in str(error)
+
+
+@pytest.mark.parametrize("source", ["all_keyframes", "demo"])
+def test_edit_list_hiding_frames_is_not_truncation(tmp_path, demo_manifest, source):
+    # An edit list that starts the presentation 5 frames in (as a trimmed copy made without
+    # re-encoding has). FFmpeg then keeps the hidden frames a decoder needs (the demo's MPEG-4 has
+    # one keyframe: all 5 stay, flagged discard) and drops the others from its index and packets
+    # (noise frames are all keyframes: all 5 go), so packet counts fall short of the header's 23.
+    path = tmp_path / "trimmed.mp4"
+    if source == "demo":
+        _, videos = _demo_media(demo_manifest)
+        path.write_bytes(next(v for v in videos if header_frames(v) > 10 and _codec(v) == "mpeg4").read_bytes())
+    else:
+        write_video(path, codec="mpeg4", n_frames=23)
+    n_frames = header_frames(path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"elst")
+    assert data[at + 4] == 0 and int.from_bytes(data[at + 8:at + 12], "big") == 1  # version 0, one entry
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        ticks_per_frame = int(1 / (stream.time_base * stream.average_rate))
+    media_time = int.from_bytes(data[at + 16:at + 20], "big", signed=True)
+    data[at + 16:at + 20] = (media_time + 5 * ticks_per_frame).to_bytes(4, "big", signed=True)
+    path.write_bytes(bytes(data))
+    assert header_frames(path) == n_frames and decodable_frames(path) == n_frames - 5  # took effect
+    assert video_meta(path, check_complete=True) == video_meta(path)
+
+
+def _codec(path) -> str:
+    with av.open(str(path)) as container:
+        return container.streams.video[0].codec_context.name

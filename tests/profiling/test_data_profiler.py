@@ -8,7 +8,16 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from bad_inputs import corrupt_image_page, write_image_parquet
+from bad_inputs import (
+    VIDEO_CONV,
+    corrupt_image_page,
+    cut_file,
+    decodable_frames,
+    header_frames,
+    packet_ranges,
+    write_image_parquet,
+    write_video,
+)
 from dflop.cli import main
 from dflop.config import Config
 from dflop.data.media import image_size
@@ -162,6 +171,33 @@ def test_corrupt_parquet_page_fails_in_one_line_and_writes_nothing(tmp_path, cap
     assert code == 2
     assert len(err) == 1 and err[0].startswith(
         f"dflop profile-data: data.datasets[0] (ov): dataset {part}: unreadable Parquet data after "), err
+    assert _nothing_written(tmp_path)
+
+
+def test_truncated_video_is_skipped_and_counts_toward_max_skip_frac(tmp_path, capsys):
+    whole = write_video(tmp_path / "whole.mp4", codec="libx264", n_frames=23)
+    pos, size = packet_ranges(whole)[5]
+    cut = cut_file(whole, tmp_path / "cut.mp4", pos + size // 2)
+    # The header of the cut copy still says 23 frames, of which a decoder delivers a handful: the
+    # trainer's loader fails on it (SampleError) unless profile_data skips it.
+    assert header_frames(cut) == 23 and decodable_frames(cut) <= 6
+    manifest = tmp_path / "videos.jsonl"
+    manifest.write_text("".join(json.dumps({"id": name, "video": f"{name}.mp4", "conversations": VIDEO_CONV}) + "\n"
+                                for name in ("whole", "cut")))
+    datasets = [{"name": "vids", "path": str(manifest)}]
+
+    summary, shapes_path, _ = _run(tmp_path, _cfg(datasets, max_skip_frac=0.5))
+    status = dict(zip(*pd.read_parquet(shapes_path)[["sample_id", "status"]].to_numpy().T))
+    assert status == {"whole": "ok", "cut": "skipped:truncated_video"}
+    assert summary.skipped == {"truncated_video": 1}
+    assert "cut.mp4: truncated_video" in summary.skipped_examples[0]
+
+    code, err = _profile_data_cli(tmp_path, capsys, datasets)  # default max_skip_frac: 1%
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(
+        "dflop profile-data: profile_data: 1 of 2 samples skipped (50.0%), more than data.max_skip_frac=1.0% "
+        "(truncated_video: 1; first: vids/cut: truncated_video"), err
+    assert str(cut) in err[0]
     assert _nothing_written(tmp_path)
 
 
