@@ -55,9 +55,23 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_check_config(args: argparse.Namespace) -> None:
+    # Beyond the schema, what the stages will look up: the model (presets, or the config.json in
+    # model.weights, whose model then ignores model.llm), the vision preset (its tile geometry sets
+    # the token rules even with model.weights) and every dataset (files opened, Parquet footers read).
+    from dflop.models.architectures import architecture, check_compatible
+    from dflop.models.builder import model_config
+    from dflop.models.presets import vision_preset
+    from dflop.profiling.data_profiler import check_datasets
+
     cfg = _config(args)
-    print(f"config ok: arch={cfg.model.arch} vision={cfg.model.vision} llm={cfg.model.llm} "
-          f"datasets={', '.join(d.name for d in cfg.datasets)}")
+    m = cfg.model
+    model_config(m.arch, m.vision, m.llm, weights_dir=m.weights)
+    check_compatible(architecture(m.arch), vision_preset(m.vision))
+    demo = Path(cfg.raw["data"]["demo"]["dir"]) / "demo.json"  # made by rule make_demo_data
+    check_datasets(cfg, pending={demo})
+    datasets = ", ".join(d.name + (" (to be made by make_demo_data)" if d.path == demo and not demo.exists() else "")
+                         for d in cfg.datasets)
+    print(f"config ok: arch={m.arch} vision={m.vision} llm={m.llm} datasets={datasets}")
 
 
 def cmd_make_demo_data(args: argparse.Namespace) -> None:

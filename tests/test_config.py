@@ -80,3 +80,81 @@ def test_cli_reports_config_error_in_one_line(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["dflop check-config: config error: model.arch: 'gpt' is not one of ['llava_ov', 'internvl'] (rule: enum)"]
+
+
+# --- dflop check-config: beyond the schema, what the stages will look up -------------------------
+
+
+def _check_config(tmp_path, capsys, raw: dict) -> tuple[int, str, list[str]]:
+    from dflop.cli import main
+
+    path = tmp_path / "check.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    code = main(["check-config", "--config", str(path)])
+    out, err = capsys.readouterr()
+    return code, out, err.splitlines()
+
+
+def _one_error(tmp_path, capsys, raw: dict) -> str:
+    code, out, err = _check_config(tmp_path, capsys, raw)
+    assert code == 2 and out == "" and len(err) == 1, (code, out, err)
+    assert err[0].startswith("dflop check-config: ")
+    return err[0].removeprefix("dflop check-config: ")
+
+
+def test_check_config_accepts_existing_data_and_known_presets(tmp_path, capsys, demo_manifest):
+    code, out, err = _check_config(tmp_path, capsys, {"data": {"datasets": [{"name": "d", "path": str(demo_manifest)}]}})
+    assert code == 0 and err == []
+    assert out == "config ok: arch=llava_ov vision=siglip-tiny llm=qwen2.5-tiny datasets=d\n"
+
+
+def test_check_config_names_a_missing_dataset(tmp_path, capsys):
+    missing = tmp_path / "nope.json"
+    raw = {"data": {"datasets": [{"name": "mine", "path": str(missing)}]}}
+    assert _one_error(tmp_path, capsys, raw) == f"data.datasets[0] (mine): dataset {missing}: no such file or directory"
+
+
+def test_check_config_names_an_unreadable_dataset_and_a_bad_rule(tmp_path, capsys, demo_manifest):
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not parquet at all")
+    raw = {"data": {"datasets": [{"name": "ok", "path": str(demo_manifest)}, {"name": "junk", "path": str(junk)}]}}
+    assert _one_error(tmp_path, capsys, raw).startswith(f"data.datasets[1] (junk): dataset {junk}: unreadable Parquet file (")
+    raw = {"data": {"datasets": [{"name": "ok", "path": str(demo_manifest), "sample": "250%"}]}}
+    assert _one_error(tmp_path, capsys, raw) == ("data.datasets[0] (ok).sample: sampling rule '250%': "
+                                                 "percentage must be in (0, 100]")
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"vision": "siglip-huge"}, "model.vision: unknown vision preset 'siglip-huge'; known: siglip-so400m, "),
+    ({"llm": "qwen9"}, "model.llm: unknown LLM preset 'qwen9'; known: qwen2.5-0.5b, "),
+    ({"arch": "internvl", "vision": "siglip-tiny"}, "model.vision: architecture 'internvl' needs a internvit tower"),
+])
+def test_check_config_names_an_unknown_or_mismatched_preset(tmp_path, capsys, demo_manifest, model, message):
+    raw = {"model": model, "data": {"datasets": [{"name": "d", "path": str(demo_manifest)}]}}
+    assert _one_error(tmp_path, capsys, raw).startswith(message)
+
+
+def test_check_config_with_local_weights(tmp_path, capsys, demo_manifest):
+    # With model.weights the model comes from the directory's config.json (model.llm only names
+    # it); model.vision must still be a preset: its tile size sets the data profiler's token rules.
+    from dflop.models.builder import model_config
+
+    weights = tmp_path / "my-llava"
+    model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny").save_pretrained(weights)
+    data = {"datasets": [{"name": "d", "path": str(demo_manifest)}]}
+    code, out, _ = _check_config(tmp_path, capsys, {"model": {"weights": str(weights), "llm": "my-finetune"}, "data": data})
+    assert code == 0 and out.startswith("config ok: arch=llava_ov vision=siglip-tiny llm=my-finetune ")
+    assert _one_error(tmp_path, capsys, {"model": {"weights": str(weights), "vision": "mine"}, "data": data}).startswith(
+        "model.vision: unknown vision preset 'mine'")
+    assert _one_error(tmp_path, capsys, {"model": {"weights": str(weights), "arch": "internvl", "vision": "internvit-tiny"},
+                                         "data": data}) == (
+        f"model.weights: {weights} holds a 'llava_ov' model but model.arch is 'internvl'")
+    assert _one_error(tmp_path, capsys, {"model": {"weights": str(tmp_path / "nothing")}, "data": data}) == (
+        f"model.weights: {tmp_path / 'nothing'} is not a Hugging Face model directory (no config.json)")
+
+
+def test_shipped_default_config_checks_before_the_demo_data_exists(tmp_path, capsys, monkeypatch):
+    # Its dataset is the demo manifest that the workflow's make_demo_data rule writes.
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _check_config(tmp_path, capsys, cfgmod.load_yaml(REPO / "config/config.yaml"))
+    assert code == 0 and err == [] and out.endswith("datasets=demo (to be made by make_demo_data)\n")

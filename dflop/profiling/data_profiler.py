@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from dflop.config import Config
 from dflop.data.media import MediaError, image_size, video_meta
 from dflop.data.readers import DatasetError, RawSample, check_dataset, count_records, read_dataset
+from dflop.data.sampling import SamplingRuleError, parse_sampling_rule
 from dflop.data.tokenizer import count_text_tokens_batch, expand_video_placeholders, load_tokenizer
 from dflop.data.vision_tokens import NO_VISION, sample_vision_shape, sampled_frame_count
 from dflop.errors import UserError
@@ -248,15 +250,27 @@ def _all_samples(cfg: Config) -> Iterator[RawSample]:
             raise UserError(f"data.datasets[{i}] ({ds.name}): {exc}") from None
 
 
-def check_datasets(cfg: Config) -> None:
-    """Fail before any work if a dataset is missing or unreadable; the message names its path."""
+def check_datasets(cfg: Config, *, pending: Container[Path] = ()) -> None:
+    """Fail before any work if a dataset is missing or unreadable or its sampling rule is invalid;
+    the one-line UserError names the dataset key and its path.
+
+    Cheap: opens each file, reads Parquet footers only. pending: dataset paths a workflow rule
+    has yet to make (the demo manifest); their absence is fine.
+    """
     for i, ds in enumerate(cfg.datasets):
+        where = f"data.datasets[{i}] ({ds.name})"
+        try:
+            parse_sampling_rule(ds.sample)
+        except SamplingRuleError as exc:
+            raise UserError(f"{where}.sample: {exc}") from None
+        if ds.path in pending and not ds.path.exists():
+            continue
         try:
             check_dataset(ds.path, ds.format)
         except DatasetError as exc:
-            raise UserError(f"data.datasets[{i}] ({ds.name}): {exc}") from None
+            raise UserError(f"{where}: {exc}") from None
         if ds.media_root is not None and not ds.media_root.is_dir():
-            raise UserError(f"data.datasets[{i}] ({ds.name}): media_root {ds.media_root} is not a directory")
+            raise UserError(f"{where}: media_root {ds.media_root} is not a directory")
 
 
 def _expected_total(cfg: Config) -> int | None:
@@ -305,7 +319,10 @@ def profile_data(
         tokenizer=cfg.model.tokenizer,
     )
     # Load the tokenizer here first, so a bad tokenizer setting fails once, with its own message.
-    tokenizer = load_tokenizer(rules.tokenizer)
+    try:
+        tokenizer = load_tokenizer(rules.tokenizer)
+    except ValueError as exc:
+        raise UserError(f"model.tokenizer: {exc}") from None
     usable = usable_cpus()
     if workers > usable:
         print(f"profile_data: {workers} workers asked, {usable} CPUs usable here; using {usable}", file=sys.stderr)

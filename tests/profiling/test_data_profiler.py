@@ -201,6 +201,24 @@ def test_truncated_video_is_skipped_and_counts_toward_max_skip_frac(tmp_path, ca
     assert _nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("settings, message", [
+    ({"model": {"tokenizer": "/no/such/tokenizer"}},
+     "model.tokenizer: tokenizer '/no/such/tokenizer': expected 'qwen2.5' or a local tokenizer directory"),
+    ({"model": {"vision": "siglip-huge"}}, "model.vision: unknown vision preset 'siglip-huge'"),
+])
+def test_bad_model_setting_fails_in_one_line(tmp_path, capsys, demo_manifest, settings, message):
+    code, err = _profile_data_cli(tmp_path, capsys, [{"name": "demo", "path": str(demo_manifest)}], **settings)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"dflop profile-data: {message}"), err
+    assert _nothing_written(tmp_path)
+
+
+def test_sampling_rule_out_of_range_fails_before_work(tmp_path, demo_manifest):
+    # "0%" passes the schema's pattern; the rule itself refuses it.
+    cfg = _cfg([{"name": "demo", "path": str(demo_manifest), "sample": "0%"}])
+    with pytest.raises(UserError, match=r"^data.datasets\[0\] \(demo\).sample: sampling rule '0%': percentage"):
+        _run(tmp_path, cfg)
+
+
 def test_sampling_rule_limits_rows(tmp_path, demo_manifest):
     _, shapes_path, _ = _run(tmp_path, _cfg([{"name": "demo", "path": str(demo_manifest), "sample": "random:17"}]))
     first = pd.read_parquet(shapes_path)
