@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 
 from dflop.runtime.optim import warmup_cosine
-from trainer_reference import config_dict, pick_pool
+from trainer_reference import TWO_RANK_PLAN, config_dict, pick_pool
 
 WORKER = Path(__file__).with_name("rerun_worker.py")
 LR = 1e-3
@@ -31,9 +31,7 @@ LR = 1e-3
 @pytest.mark.slow
 def test_each_rerun_trains_what_its_settings_say(tmp_path, demo_shapes, runtime_demo):
     plan = tmp_path / "plan.yaml"
-    plan.write_text("vision: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
-                    "llm: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
-                    "placement: disjoint\nmicrobatches: 2\nglobal_batch_size: 4\nworld_size: 2\n")
+    plan.write_text(TWO_RANK_PLAN)
     shapes = demo_shapes["llava_ov"]
     pool_a = pick_pool(shapes, tmp_path / "a.parquet", {"image": 2, "text": 2, "video": 1, "multi_image": 1})
     pool_b = pick_pool(shapes, tmp_path / "b.parquet", {"image": 3, "text": 3})

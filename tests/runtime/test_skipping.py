@@ -14,7 +14,7 @@ import pytest
 
 from dflop.errors import UserError
 from dflop.runtime.skipping import SkippedSamples, replacement_rows
-from trainer_reference import config_dict
+from trainer_reference import TWO_RANK_PLAN, config_dict
 
 
 def test_replacements_are_new_loadable_samples_and_reproducible():
@@ -72,9 +72,7 @@ def test_an_unloadable_sample_is_skipped_on_every_rank_and_past_the_budget_stops
     manifest = demo / runtime_demo.name
     bad_id = _corrupt_first_image(pools["llava_ov"], manifest)  # profiled while it was fine
     plan = tmp_path / "plan.yaml"  # vision and LLM on different ranks: only the vision rank decodes pixels
-    plan.write_text("vision: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
-                    "llm: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
-                    "placement: disjoint\nmicrobatches: 2\nglobal_batch_size: 4\nworld_size: 2\n")
+    plan.write_text(TWO_RANK_PLAN)
     # 8 samples, batches of 4: the two steps cover every sample once.
     settings = config_dict("llava_ov", manifest, train={"global_batch_size": 4, "steps": 2, "checkpoint_every": 2},
                            data={"max_skip_frac": 0.2})

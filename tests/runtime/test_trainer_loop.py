@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflop.models.builder import build_model
-from trainer_reference import config_dict
+from trainer_reference import TWO_RANK_PLAN, config_dict
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 DESIGN_COLUMNS = ["step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
@@ -29,9 +29,7 @@ DESIGN_COLUMNS = ["step", "loss", "step_s", "samples", "tokens", "tflops", "idle
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_parameters_and_metrics(tmp_path, demo_shapes, runtime_demo):
     plan = tmp_path / "plan.yaml"
-    plan.write_text("vision: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
-                    "llm: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
-                    "placement: disjoint\nmicrobatches: 2\nglobal_batch_size: 4\nworld_size: 2\n")
+    plan.write_text(TWO_RANK_PLAN)
     config = config_dict("llava_ov", runtime_demo, train={"global_batch_size": 4, "steps": 4, "checkpoint_every": 2,
                                                           "warmup_steps": 1, "lr": 1e-3})
     spec = {"config": config, "plan": str(plan), "shapes": str(demo_shapes["llava_ov"]),

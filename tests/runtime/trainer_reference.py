@@ -22,6 +22,13 @@ from dflop.models.builder import build_model
 MODELS = {"llava_ov": ("siglip-tiny", "qwen2.5-tiny"), "internvl": ("internvit-tiny", "llama3-tiny")}
 
 
+# The smallest pipeline: the vision tower on rank 0, the LLM on rank 1; two microbatches of a
+# 4-sample global batch.
+TWO_RANK_PLAN = ("vision: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
+                 "llm: {tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}\n"
+                 "placement: disjoint\nmicrobatches: 2\nglobal_batch_size: 4\nworld_size: 2\n")
+
+
 def config_dict(arch: str, manifest, **sections) -> dict:
     """A config (dflop.config sections) for the tiny model of `arch` on the dataset `manifest`."""
     vision, llm = MODELS[arch]
