@@ -77,6 +77,13 @@ class SampleError(UserError):
     """A sample that cannot be turned into training inputs; the message names it."""
 
 
+class UnreadableMedia(SampleError):
+    """A sample whose image or video file cannot be read or decoded (missing, cut short, corrupt):
+    a fault of that one sample, which training skips (`dflop.runtime.skipping`). Other
+    SampleErrors (shapes.parquet out of date, a tokenizer or vocabulary that does not fit) hit
+    every sample alike and stop the run."""
+
+
 @dataclass(frozen=True)
 class SampleRules:
     """How samples become model inputs for one model (plain data, picklable for loader workers).
@@ -256,7 +263,7 @@ class TrainingData(torch.utils.data.Dataset):
             sizes = [image_size(_with_bytes(ref)) for ref in sample.images]  # (width, height)
             frames = video_meta(sample.video.path).n_frames if sample.video is not None else None
         except (MediaError, DatasetError) as exc:
-            raise SampleError(f"{self._name(i)}: {exc}") from None
+            raise UnreadableMedia(f"{self._name(i)}: {exc}") from None
         params = self.rules.arch_params
         media: list[MediaItem] = []
         if self.rules.arch == "llava_ov":
@@ -410,9 +417,9 @@ class TrainingData(torch.utils.data.Dataset):
             with Image.open(ref.path if ref.path is not None else io.BytesIO(ref.data)) as image:
                 return image.convert("RGB")
         except DatasetError as exc:
-            raise SampleError(f"{self._name(i)}: {exc}") from None
+            raise UnreadableMedia(f"{self._name(i)}: {exc}") from None
         except (OSError, ValueError) as exc:
-            raise SampleError(f"{self._name(i)}: cannot decode image {ref.label} ({exc})") from None
+            raise UnreadableMedia(f"{self._name(i)}: cannot decode image {ref.label} ({exc})") from None
 
     def _image_tiles(self, images: list[Image.Image]) -> list[np.ndarray]:
         processor = self._image_processor
@@ -444,10 +451,10 @@ class TrainingData(torch.utils.data.Dataset):
                     if k >= max(indices):
                         break
         except (av.FFmpegError, OSError, ValueError) as exc:
-            raise SampleError(f"{self._name(i)}: cannot decode video {path} ({exc})") from None
+            raise UnreadableMedia(f"{self._name(i)}: cannot decode video {path} ({exc})") from None
         missing = [k for k in indices if k not in frames]
         if missing:
-            raise SampleError(f"{self._name(i)}: video {path} has no frame {missing[0]} (decoded {len(frames)} of "
+            raise UnreadableMedia(f"{self._name(i)}: video {path} has no frame {missing[0]} (decoded {len(frames)} of "
                               f"{len(indices)} sampled frames; the container metadata overstates its length)")
         processor, size = self._image_processor, self.rules.tile_size
         mean, std = processor.image_mean, processor.image_std

@@ -8,8 +8,8 @@ What a rank needs from a step's samples (DESIGN.md §6):
 
 `StepLoader.start` begins loading a step's requests in a background thread that pulls them through
 a persistent `torch.utils.data.DataLoader` (``workers`` processes; pinned memory on CUDA), so the
-next step's decoding overlaps the current step's compute. A sample that cannot be loaded (a
-`SampleError`: an unreadable image, a truncated video) comes back with its ``error`` set instead
+next step's decoding overlaps the current step's compute. A sample whose media cannot be read
+(`UnreadableMedia`: a corrupt image, a video cut short) comes back with its ``error`` set instead
 of failing the whole step; the trainer then skips it on every rank (`dflop.runtime.skipping`).
 """
 
@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from dflop.data.training import LoadedSample, Request, SampleError, TrainingData
+from dflop.data.training import LoadedSample, Request, TrainingData, UnreadableMedia
 from dflop.runtime.batches import StepPlan
 from dflop.runtime.topology import Topology
 
@@ -63,7 +63,8 @@ def _keep(sample: LoadedSample) -> LoadedSample:
 
 
 class _Tolerant(torch.utils.data.Dataset):
-    """`TrainingData` whose unloadable samples come back as a `LoadedSample` with ``error`` set."""
+    """`TrainingData` whose samples with unreadable media come back as a `LoadedSample` with
+    ``error`` set; any other error fails the load."""
 
     def __init__(self, data: TrainingData):
         self.data = data
@@ -74,7 +75,7 @@ class _Tolerant(torch.utils.data.Dataset):
     def __getitem__(self, request: Request) -> LoadedSample:
         try:
             return self.data[request]
-        except SampleError as exc:
+        except UnreadableMedia as exc:
             return LoadedSample(request.index, error=str(exc))
 
 

@@ -2,7 +2,8 @@
 
 The data profiler reads headers only, so a sample whose pixels cannot be decoded (a corrupt image,
 a video cut short after its header) can reach the trainer. The rank that loads it gets a
-`LoadedSample` with ``error`` set (`dflop.runtime.loading`) and logs why. Then, on every rank:
+`LoadedSample` with ``error`` set (`dflop.runtime.loading`: only `UnreadableMedia`, a fault of
+that one sample; other load errors stop the run on every rank). Then, on every rank:
 
 1. one all-reduce (MAX) of a flag per batch sample tells every rank which samples failed anywhere
    (a rank that only needed a sample's tokens would not know), and the reasons are gathered when
@@ -10,8 +11,9 @@ a video cut short after its header) can reach the trainer. The rank that loads i
 2. each failed sample is replaced by another pool sample, the first of a permutation seeded with
    (seed, step) that is neither in the batch nor already skipped: the global batch keeps its size
    and the run stays reproducible (a resumed run replaces the same sample by the same one);
-3. rank 0 re-partitions the batch (the scheduler's greedy portfolio, milliseconds) and broadcasts
-   the new step plan; every rank loads what it now needs and the check repeats.
+3. rank 0 re-partitions the batch (the scheduler's greedy portfolio, milliseconds) and sends the
+   new step plan to every rank (`rank0_result`); each loads what it now needs, the check repeats
+   and rank 0 logs the skipped samples, with the reasons, and their replacements by id.
 
 Skipped pool rows are counted over the run (kept in the checkpoint) and in metrics.parquet
 (``skipped_samples`` per step); past ``data.max_skip_frac`` of the pool the run stops with one
@@ -20,6 +22,7 @@ line naming the last sample and its reason.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from dflop.data.training import LoadedSample
 from dflop.errors import UserError
+from dflop.runtime.agreement import rank0_result
 from dflop.runtime.batches import StepPlan
 
 log = logging.getLogger("dflop.train")
@@ -68,24 +72,41 @@ class SkippedSamples:
         self.rows = {int(r) for r in state.get("rows", [])}
 
 
-def failures(plan: StepPlan, loaded: Mapping[int, LoadedSample], device: torch.device) -> dict[int, str]:
+def failures(plan: StepPlan, loaded: Mapping[int, LoadedSample], device: torch.device,
+             fatal: BaseException | None = None) -> dict[int, str]:
     """{batch position: why it failed} of the samples that failed to load on any rank (collective:
     every rank calls it with what it loaded; the result is the same everywhere). One all-reduce
-    of a flag per sample each step; the reasons are gathered only when something failed."""
+    of a flag per sample each step; the reasons are gathered only when something failed.
+
+    fatal: this rank's load raised something other than an unreadable sample (`StepLoader`
+    returns those as errors). Then every rank raises: this one its own error, the others a
+    UserError with its line (a RuntimeError when it was not a UserError), so no rank is left
+    waiting in a collective for one that stopped.
+    """
     mine = {k: loaded[row].error for k, row in enumerate(plan.rows)
             if row in loaded and loaded[row].error is not None}
     if not dist.is_initialized():
+        if fatal is not None:
+            raise fatal
         return mine
-    flags = torch.zeros(len(plan.rows), dtype=torch.int32, device=device)
+    flags = torch.zeros(len(plan.rows) + 1, dtype=torch.int32, device=device)
     flags[list(mine)] = 1
+    flags[-1] = fatal is not None
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if not bool(flags.any()):
         return {}
-    gathered: list[dict[int, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    report = (mine, None if fatal is None else (isinstance(fatal, UserError), str(fatal)))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, report)
+    if bool(flags[-1]):
+        if fatal is not None:
+            raise fatal
+        rank, (is_user, message) = next((r, f) for r, (_, f) in enumerate(gathered) if f is not None)
+        raise (UserError(message) if is_user else RuntimeError(f"rank {rank} failed to load step {plan.step + 1}: "
+                                                               f"{message}"))
     merged: dict[int, str] = {}
-    for reasons in gathered:
-        for k, reason in (reasons or {}).items():
+    for reasons, _ in gathered:
+        for k, reason in reasons.items():
             merged.setdefault(int(k), reason)
     return dict(sorted(merged.items()))
 
@@ -106,20 +127,25 @@ def replacement_rows(n_pool: int, batch_rows: Sequence[int], positions: Sequence
     return rows
 
 
-def load_without_failures(plan: StepPlan, loaded: dict, *, skipped: SkippedSamples, describe: Callable[[int], str],
-                          replan: Callable[[StepPlan, np.ndarray], StepPlan | None],
-                          reload: Callable[[StepPlan], dict], broadcast: Callable[[StepPlan | None], StepPlan],
-                          device: torch.device, n_pool: int, seed: int) -> tuple[StepPlan, dict, int]:
+def load_without_failures(plan: StepPlan, load: Callable[[], dict], *, skipped: SkippedSamples,
+                          describe: Callable[[int], str], replan: Callable[[StepPlan, np.ndarray], StepPlan],
+                          reload: Callable[[StepPlan], dict], device: torch.device, n_pool: int,
+                          seed: int) -> tuple[StepPlan, dict, int]:
     """The step's plan and loaded samples with every unloadable sample replaced (collective).
 
-    replan(plan, rows): rank 0's new StepPlan for the batch `rows` (None on other ranks);
-    broadcast: rank 0's plan on every rank; reload(plan): this rank's samples of `plan`.
+    load(): this rank's samples of `plan` ({pool row: LoadedSample}; may raise);
+    replan(plan, rows): the new StepPlan for the batch `rows` (called on rank 0 only, its result
+    goes to every rank); reload(plan): this rank's samples of `plan`.
     Returns (plan, loaded, samples skipped in this step).
     """
     n_skipped = 0
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     while True:
-        failed = failures(plan, loaded, device)
+        try:
+            loaded, fatal = load(), None
+        except Exception as exc:  # noqa: BLE001 — every rank raises in `failures`
+            loaded, fatal = {}, exc
+        failed = failures(plan, loaded, device, fatal)
         if not failed:
             return plan, loaded, n_skipped
         positions = list(failed)
@@ -134,5 +160,6 @@ def load_without_failures(plan: StepPlan, loaded: dict, *, skipped: SkippedSampl
             log.info("step %d: replaced %s by %s (%d of %d allowed skips used)", plan.step + 1,
                      ", ".join(describe(r) for r in rows), ", ".join(describe(int(new_rows[k])) for k in positions),
                      len(skipped.rows), skipped.allowed)
-        plan = broadcast(replan(plan, new_rows) if rank0 else None)
-        loaded = reload(plan)
+        failed_plan = plan
+        plan = rank0_result(lambda: replan(failed_plan, new_rows))
+        load = functools.partial(reload, plan)

@@ -12,8 +12,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+import torch
+
+from dflop.data.training import LoadedSample, SampleError
 from dflop.errors import UserError
-from dflop.runtime.skipping import SkippedSamples, replacement_rows
+from dflop.runtime.batches import StepPlan
+from dflop.runtime.skipping import SkippedSamples, load_without_failures, replacement_rows
 from trainer_reference import TWO_RANK_PLAN, config_dict
 
 
@@ -43,6 +47,65 @@ def test_skip_budget_counts_distinct_samples_and_names_the_last():
     restored.load_state_dict(json.loads(json.dumps(skipped.state_dict())))
     assert restored.rows == {5, 6, 7, 8}
     assert SkippedSamples.for_pool(8, 0.0).allowed == 0
+
+
+def _plan(step: int, rows) -> StepPlan:
+    rows = tuple(int(r) for r in rows)
+    n = len(rows)
+    return StepPlan(step=step, rows=rows, n_tiles=(0,) * n, seq_len=(1,) * n, feature_rows=(0,) * n,
+                    bins=((tuple(range(n)),),), vision_shares=(((),),), microbatch_ids=(0,))
+
+
+def _skip_protocol_worker(rank: int, out: str, unreadable: dict, fatal_rank: int | None) -> None:
+    """Rank r loads the batch positions k with k % world == r (as pipeline ranks load different
+    parts); `unreadable` maps pool rows to the rank that cannot read them. Records what every
+    rank ends with."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+
+    def reload(plan):
+        if fatal_rank == rank:
+            raise SampleError("sample demo/x: the trainer builds 3 tokens but shapes.parquet says 4")
+        return {row: LoadedSample(row, error=f"sample demo/{row}: unreadable" if unreadable.get(row) == rank else None)
+                for k, row in enumerate(plan.rows) if k % world == rank}
+
+    skipped = SkippedSamples.for_pool(20, 0.5)
+    start = _plan(3, [0, 1, 2, 3])
+    try:
+        plan, loaded, n = load_without_failures(
+            start, lambda: reload(start), skipped=skipped, describe=str,
+            replan=lambda p, rows: _plan(p.step, rows), reload=reload, device=torch.device("cpu"), n_pool=20, seed=7)
+        result = {"rows": list(plan.rows), "skipped": n, "skipped_rows": sorted(skipped.rows)}
+    except Exception as exc:  # noqa: BLE001 — what each rank raised is the result
+        result = {"raised": type(exc).__name__, "message": str(exc)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.distributed
+def test_every_rank_drops_the_same_samples_and_replacements_that_fail_too(tmp_path):
+    from test_checkpoint_helpers import spawn
+
+    # Row 1 (position 1: only rank 1 loads it) is unreadable; its replacement, drawn from
+    # (seed 7, step 3), is unreadable too, so a second round has to replace it again. Rank 0
+    # never sees a failure itself.
+    first = int(replacement_rows(20, [0, 1, 2, 3], [1], {1}, seed=7, step=3)[1])
+    spawn(_skip_protocol_worker, 2, tmp_path, str(tmp_path), {1: 1, first: 1}, None)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0] == results[1], results
+    second = int(replacement_rows(20, [0, first, 2, 3], [1], {1, first}, seed=7, step=3)[1])
+    assert results[0] == {"rows": [0, second, 2, 3], "skipped": 2, "skipped_rows": sorted({1, first})}
+
+
+@pytest.mark.distributed
+def test_a_load_error_that_is_not_one_samples_fault_stops_every_rank(tmp_path):
+    from test_checkpoint_helpers import spawn
+
+    spawn(_skip_protocol_worker, 2, tmp_path, str(tmp_path), {}, 1)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[1] == {"raised": "SampleError", "message": "sample demo/x: the trainer builds 3 tokens but "
+                                                              "shapes.parquet says 4"}
+    assert results[0] == {"raised": "UserError", "message": results[1]["message"]}  # not left waiting
 
 
 def _corrupt_first_image(pool_path: str, manifest: Path) -> str:
