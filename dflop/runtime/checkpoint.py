@@ -271,8 +271,9 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: TrainState, *, keep
 
 
 def latest_run_record(ckpt_root: str | Path) -> tuple[int, dict | None] | None:
-    """(step, recorded run fingerprint or None) of the newest complete checkpoint, or None when
-    there is none. Reads one small JSON file; no process group needed."""
+    """(step, its train_state.json, or None when that cannot be read) of the newest complete
+    checkpoint, or None when there is none. Reads one small JSON file; no process group needed.
+    The record's ``run`` entry is the fingerprint of the run that wrote it (format >= 2)."""
     latest = latest_checkpoint(ckpt_root)
     if latest is None:
         return None
@@ -281,10 +282,7 @@ def latest_run_record(ckpt_root: str | Path) -> tuple[int, dict | None] | None:
         train_state = json.loads((latest / TRAIN_STATE_FILE).read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return step, None
-    if not isinstance(train_state, dict) or train_state.get("format") != FORMAT_VERSION:
-        return step, None
-    run = train_state.get("run")
-    return step, run if isinstance(run, dict) else None
+    return step, train_state if isinstance(train_state, dict) else None
 
 
 def load_latest(ckpt_root: str | Path, state: TrainState) -> int | None:

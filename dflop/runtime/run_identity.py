@@ -100,8 +100,7 @@ def run_fingerprint(settings: "TrainSettings", plan: "Plan", pool: pd.DataFrame)
         "plan": layout,
         "scheduler.policy": s.policy,
         "scheduler.pad_to_longest": s.pad_to_longest,
-        "data.datasets": [{"name": d.name, "path": str(d.path), "format": d.format,
-                           "media_root": None if d.media_root is None else str(d.media_root), "sample": d.sample}
+        "data.datasets": [{"name": d.name, "format": d.format, "sample": d.sample, "files": dataset_identity(d.path)}
                           for d in s.datasets],
         "data.shapes": pool_identity(pool),
         "train.global_batch_size": s.global_batch_size,
@@ -127,10 +126,35 @@ def pool_identity(pool: pd.DataFrame) -> str:
     return f"sha256:{h.hexdigest()}"
 
 
+def dataset_identity(path: str | Path) -> str:
+    """Digest of a dataset's records, wherever it lies: a JSON/JSONL manifest's bytes (the text
+    trained on; its media are covered by their shapes in `pool_identity`), or, for a directory of
+    Parquet parts (images embedded: too large to read), each part's name, size and footer."""
+    path = Path(path)
+    h = hashlib.sha256()
+    if path.is_dir():
+        for part in sorted(path.glob("*.parquet")):
+            size = part.stat().st_size
+            h.update(f"{part.name}:{size}".encode())
+            with open(part, "rb") as f:
+                f.seek(max(0, size - 8))
+                tail = f.read(8)
+                footer = int.from_bytes(tail[:4], "little") if len(tail) == 8 else 0
+                f.seek(max(0, size - 8 - footer))
+                h.update(f.read(footer + 8))
+    elif path.is_file():
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    else:
+        h.update(b"missing")
+    return f"sha256:{h.hexdigest()}"
+
+
 def weights_identity(weights: str | None) -> str | None:
     """Digest of a local weights directory (config.json, each safetensors file's name, size, header
-    and the first and last `WEIGHTS_SAMPLE_BYTES` of its data); None for random init (the seed and
-    presets name it)."""
+    and the first and last `WEIGHTS_SAMPLE_BYTES` of its data), wherever it lies; None for random
+    init (the seed and presets name it)."""
     if weights is None:
         return None
     root = Path(weights)
@@ -149,11 +173,11 @@ def weights_identity(weights: str | None) -> str | None:
             h.update(f.read(WEIGHTS_SAMPLE_BYTES))
             f.seek(max(start, size - WEIGHTS_SAMPLE_BYTES))
             h.update(f.read(WEIGHTS_SAMPLE_BYTES))
-    return f"{root}@sha256:{h.hexdigest()}"
+    return f"sha256:{h.hexdigest()}"
 
 
 def tokenizer_identity(tokenizer: str) -> str:
-    """The bundled tokenizer's name, or a local tokenizer directory with a digest of its files."""
+    """The bundled tokenizer's name, or a digest of a local tokenizer directory's files."""
     path = Path(tokenizer)
     if str(tokenizer).lower() == "qwen2.5" or not path.is_dir():
         return str(tokenizer)
@@ -161,7 +185,7 @@ def tokenizer_identity(tokenizer: str) -> str:
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         h.update(str(file.relative_to(path)).encode())
         h.update(file.read_bytes())
-    return f"{path}@sha256:{h.hexdigest()}"
+    return f"sha256:{h.hexdigest()}"
 
 
 def _digest(text: str) -> str:
@@ -185,10 +209,12 @@ class ResumeDecision:
 
 
 def decide(current: RunFingerprint, saved: RunFingerprint | None, saved_step: int | None, *,
-           fresh: bool = False, lr_at=None) -> ResumeDecision:
+           fresh: bool = False, lr_at=None, unreadable: str | None = None) -> ResumeDecision:
     """Whether the checkpoint at `saved_step` (None: there is none) of run `saved` may be resumed.
 
-    lr_at(step, total_steps) -> learning rate (for the log line when only train.steps changed).
+    saved None with a checkpoint: it records no fingerprint (older format), or `unreadable` says
+    why its record cannot be read. lr_at(step, total_steps) -> learning rate (for the log line
+    when only train.steps changed).
     """
     run = current.run_id
     if saved_step is None:
@@ -196,8 +222,8 @@ def decide(current: RunFingerprint, saved: RunFingerprint | None, saved_step: in
     if fresh:
         return ResumeDecision(False, f"--fresh: starting run {run} afresh")
     if saved is None:
-        return ResumeDecision(False, f"the checkpoint at step {saved_step} is of an older format (no run "
-                                     f"fingerprint); starting run {run} afresh")
+        why = unreadable or "is of an older format (no run fingerprint)"
+        return ResumeDecision(False, f"the checkpoint at step {saved_step} {why}; starting run {run} afresh")
     differing = current.differences(saved)
     if differing:
         shown = ", ".join(_describe_change(k, saved.fields.get(k), current.fields.get(k)) for k in differing[:4])
@@ -257,11 +283,17 @@ def prepare_checkpoints(ckpt_dir: str | Path, current: RunFingerprint, *, fresh:
     """Rank 0, before resuming: decide about the newest checkpoint under `ckpt_dir` and, when the
     run starts afresh, move the old checkpoints aside. Returns the decision (its message says
     where they went)."""
-    from dflop.runtime.checkpoint import latest_run_record
+    from dflop.runtime.checkpoint import FORMAT_VERSION, TRAIN_STATE_FILE, latest_run_record
 
     record = latest_run_record(ckpt_dir)
-    saved_step, saved = (None, None) if record is None else (record[0], RunFingerprint.from_json(record[1]))
-    decision = decide(current, saved, saved_step, fresh=fresh, lr_at=lr_at)
+    saved_step, saved, unreadable = None, None, None
+    if record is not None:
+        saved_step, state = record
+        if state is None:
+            unreadable = f"has an unreadable {TRAIN_STATE_FILE}"
+        elif state.get("format") == FORMAT_VERSION:
+            saved = RunFingerprint.from_json(state.get("run"))
+    decision = decide(current, saved, saved_step, fresh=fresh, lr_at=lr_at, unreadable=unreadable)
     if not decision.resume and record is not None:
         moved = move_aside(ckpt_dir, saved)
         decision = ResumeDecision(False, f"{decision.message}; the old checkpoints are in {moved}")

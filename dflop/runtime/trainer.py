@@ -40,6 +40,7 @@ from dflop.data.readers import RawSample, read_dataset
 from dflop.data.training import ExpectedShape, SampleRules, TrainingData
 from dflop.errors import UserError
 from dflop.models.tensor_parallel import is_tp_shard
+from dflop.runtime.agreement import rank0_result
 from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, broadcast_step_plan
 from dflop.runtime.loading import StepLoader, requests_for
 from dflop.runtime.metrics import MetricsWriter, step_flops
@@ -317,7 +318,8 @@ class Trainer:
         from dflop.models.info import model_info
 
         self.info = model_info(settings.arch, settings.vision, settings.llm, weights_dir=settings.weights)
-        self.fingerprint = run_fingerprint(settings, plan, pool)
+        # Rank 0 decides about resuming and writes the checkpoint's record (hashing manifests).
+        self.fingerprint = run_fingerprint(settings, plan, pool) if self.rank == 0 else None
         self.skipped = SkippedSamples.for_pool(len(pool), settings.max_skip_frac)
 
     def _setup_parameters(self, spec: ModelSpec) -> None:
@@ -362,19 +364,19 @@ class Trainer:
         """Start loading what this rank needs of `plan` (returns a future of {pool index: sample})."""
         return self.loader.start(requests_for(plan, self.topo))
 
-    def without_failures(self, plan: StepPlan, loaded: dict) -> tuple[StepPlan, dict, int]:
-        """`plan` and `loaded` with the samples that failed to load on any rank replaced, and how
-        many were skipped (collective; `dflop.runtime.skipping`)."""
+    def without_failures(self, plan: StepPlan, pending) -> tuple[StepPlan, dict, int]:
+        """`plan` and its loaded samples (`pending`: the load started for it) with the samples that
+        failed to load on any rank replaced, and how many were skipped (collective;
+        `dflop.runtime.skipping`)."""
         pool = self.pool
 
         def describe(row: int) -> str:
             return f"{pool['dataset'].iat[row]}/{pool['sample_id'].iat[row]}"
 
         return load_without_failures(
-            plan, loaded, skipped=self.skipped, describe=describe,
+            plan, pending.result, skipped=self.skipped, describe=describe,
             replan=lambda p, rows: self.planner.replan(p, rows), reload=lambda p: self.load(p).result(),
-            broadcast=lambda p: broadcast_step_plan(p, self.device), device=self.device, n_pool=len(pool),
-            seed=self.settings.seed)
+            device=self.device, n_pool=len(pool), seed=self.settings.seed)
 
     def compute_gradients(self, plan: StepPlan, loaded: Mapping[int, Any]) -> dict:
         """Forward + backward of one global batch; leaves in .grad the gradient of the mean
@@ -409,6 +411,25 @@ class Trainer:
             self.lr_scheduler.step()
         return norm
 
+    def current_lr(self, step: int) -> float:
+        """The learning rate the next optimizer step (`step`, 0-based) applies: the optimizer's own
+        (its schedule's closed form on a rank whose modules are all frozen)."""
+        if self.optimizer is None:
+            return self.lr_at(step)
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def follow_schedule(self) -> None:
+        """After a resume: the optimizer's LR from this run's schedule at the checkpoint's step.
+
+        A checkpoint restores the LR its own schedule set; when train.steps has grown since, the
+        schedule (rebuilt from the current config) gives another one (`dflop.runtime.run_identity`).
+        """
+        if self.lr_scheduler is None:
+            return
+        sched = self.lr_scheduler
+        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
+
     def lr_at(self, step: int, total_steps: int | None = None) -> float:
         """Learning rate used by optimizer step `step` (0-based) of a `total_steps` schedule
         (default: train.steps)."""
@@ -437,7 +458,8 @@ class Trainer:
         extra = {"correction": correction.state_dict()} if correction is not None else {}
         extra["skipped"] = self.skipped.state_dict()
         return TrainState(params=self.rank_params, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                          data_seed=self.settings.seed, extra=extra, run=self.fingerprint.to_json())
+                          data_seed=self.settings.seed, extra=extra,
+                          run=None if self.fingerprint is None else self.fingerprint.to_json())
 
     def restore_extra(self, extra: dict) -> None:
         """After a resume: continue the scheduler's adaptive correction and the count of skipped
@@ -536,11 +558,14 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                       costs_fn=make_costs_fn(plan_for_costs(settings, plan), costmodel_path, settings.gpu_memory_gb),
                       device=device)
     ckpt_dir = out_dir / "checkpoints"
-    if trainer.rank == 0:  # the other ranks wait for its decision in load_latest's broadcast
-        log.info(prepare_checkpoints(ckpt_dir, trainer.fingerprint, fresh=fresh, lr_at=trainer.lr_at).message)
+    decision = rank0_result(lambda: prepare_checkpoints(ckpt_dir, trainer.fingerprint, fresh=fresh,
+                                                        lr_at=trainer.lr_at))
+    if trainer.rank == 0:
+        log.info(decision.message)
     state = trainer.train_state()
     start = load_latest(ckpt_dir, state) or 0
     trainer.restore_extra(state.extra)
+    trainer.follow_schedule()
     metrics = MetricsWriter(ckpt_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None
     bar = _progress_bar(settings.steps, start, progress and trainer.rank == 0)
     last = settings.steps if stop_after is None else min(settings.steps, start + stop_after)
@@ -550,17 +575,18 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
             pending = trainer.load(plan_now)
         for step in range(start, last):
             t0 = time.perf_counter()
-            plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending.result())
+            plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending)
             data_wait = time.perf_counter() - t0
             if step + 1 < last:
                 plan_next = trainer.next_plan(step + 1)
                 pending = trainer.load(plan_next)
             stats = trainer.compute_gradients(plan_now, loaded)
+            lr = trainer.current_lr(step)
             norm = trainer.optimizer_step()
             step_s = time.perf_counter() - t0
             times = trainer.gather_times(stats["result"])
             if trainer.rank == 0:
-                row = _metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm)
+                row = _metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm, lr)
                 row["skipped_samples"] = n_skipped
                 metrics.append(row)
                 trainer.planner.report(step, measured_times(trainer.topo, times, plan_now))
@@ -598,18 +624,19 @@ def plan_for_costs(settings: TrainSettings, plan: Plan) -> Plan:
 
 
 def _metrics_row(trainer: Trainer, plan: StepPlan, stats: dict, times: np.ndarray, step_s: float,
-                 data_wait: float, norm: float) -> dict:
+                 data_wait: float, norm: float, lr: float) -> dict:
     spec = trainer.settings.model_spec
     flops = step_flops(trainer.info, plan.n_tiles, plan.seq_len, vision_trainable=spec.vision_side_trainable,
                        llm_trainable=not spec.freeze_llm)
     busy = stage_busy(trainer.topo, times)
     row = {
-        "step": plan.step + 1, "run_id": trainer.fingerprint.run_id, "loss": stats["loss"], "step_s": step_s, "samples": len(plan.rows),
+        "step": plan.step + 1, "run_id": trainer.fingerprint.run_id, "loss": stats["loss"], "step_s": step_s,
+        "samples": len(plan.rows),
         "tokens": int(sum(plan.seq_len)), "tflops": flops / step_s / 1e12,
         "idle_frac": float(1 - times.sum() / (trainer.world * step_s)),
         "sched_ms": plan.sched_s * 1e3, "sched_gap": plan.predicted_step_s / plan.lower_bound_s
         if plan.lower_bound_s > 0 else float("nan"),
-        "predicted_step_s": plan.predicted_step_s, "lr": trainer.lr_at(plan.step),
+        "predicted_step_s": plan.predicted_step_s, "lr": lr,
         "grad_norm": norm, "answer_tokens": stats["n_answer"], "data_wait_s": data_wait, "member": plan.member,
     }
     for label, seconds in busy.items():

@@ -63,7 +63,6 @@ def lr(step: int, total: int) -> float:
     ("model.freeze", dict(freeze_vision=True)),
     ("model.tokenizer", dict(tokenizer="/tok")),
     ("scheduler.policy", dict(policy="baseline")),
-    ("data.datasets", dict(datasets=(DatasetSpec("demo", Path("/data/other.json")),))),
     ("data.datasets", dict(datasets=(DatasetSpec("demo", Path("/data/demo.json"), sample="first:2"),))),
 ])
 def test_each_setting_that_defines_the_run_is_named_when_it_changes(key, change):
@@ -77,6 +76,26 @@ def test_each_setting_that_defines_the_run_is_named_when_it_changes(key, change)
 def test_speed_settings_and_the_length_keep_the_run(change):
     assert _fp(_settings(**change)).differences(_fp()) == []
     assert _fp(_settings(**change)).run_id == _fp().run_id
+
+
+def test_dataset_content_defines_the_run_not_where_it_lies(tmp_path):
+    a, b, edited = tmp_path / "a" / "demo.json", tmp_path / "b" / "demo.json", tmp_path / "edited.json"
+    for path, answer in ((a, "yes"), (b, "yes"), (edited, "no")):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps([{"id": "s", "conversations": [{"from": "human", "value": "q"},
+                                                                  {"from": "gpt", "value": answer}]}]))
+
+    def with_manifest(path):
+        return _fp(_settings(datasets=(DatasetSpec("demo", path),)))
+
+    assert with_manifest(b).differences(with_manifest(a)) == []      # moved: the same run
+    assert with_manifest(edited).differences(with_manifest(a)) == ["data.datasets"]  # same shapes, other text
+    parts = tmp_path / "parquet"
+    parts.mkdir()
+    pd.DataFrame({"id": ["s"], "conversations": ["x"]}).to_parquet(parts / "part-0.parquet")
+    before = with_manifest(parts)
+    pd.DataFrame({"id": ["s"], "conversations": ["y" * 50]}).to_parquet(parts / "part-0.parquet")
+    assert with_manifest(parts).differences(before) == ["data.datasets"]
 
 
 def test_the_layout_and_the_data_define_the_run():
@@ -108,6 +127,10 @@ def test_weights_identity_sees_a_changed_tensor_value(tmp_path):
     save_file({"w": torch.zeros(64, 64).index_fill_(0, torch.tensor([31]), 1.0)}, tmp_path / "model.safetensors")
     assert weights_identity(str(tmp_path)) != before
     assert weights_identity(None) is None
+    import shutil
+
+    shutil.copytree(tmp_path, tmp_path.with_name(tmp_path.name + "_moved"))
+    assert weights_identity(str(tmp_path.with_name(tmp_path.name + "_moved"))) == weights_identity(str(tmp_path))
 
 
 # -- the decision ----------------------------------------------------------------------------------
@@ -176,11 +199,19 @@ def test_prepare_resumes_the_same_run_and_leaves_everything_in_place(tmp_path):
 
 def test_prepare_treats_an_older_format_checkpoint_as_another_run(tmp_path):
     ckpt = tmp_path / "checkpoints"
-    _fake_checkpoint(ckpt, 2, None, fmt=1)
+    _fake_checkpoint(ckpt, 2, _fp().to_json(), fmt=1)
     decision = prepare_checkpoints(ckpt, _fp())
     assert not decision.resume and "older format" in decision.message
     (moved,) = (tmp_path / PREVIOUS_RUNS_DIR).iterdir()
     assert (moved / "step_000002").exists()
+
+
+def test_prepare_says_when_a_checkpoint_record_is_unreadable(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    _fake_checkpoint(ckpt, 2, _fp().to_json())
+    (ckpt / "step_000002" / TRAIN_STATE_FILE).write_text("{not json")
+    decision = prepare_checkpoints(ckpt, _fp())
+    assert not decision.resume and f"has an unreadable {TRAIN_STATE_FILE}" in decision.message
 
 
 def test_prepare_with_no_checkpoint_moves_nothing(tmp_path):
