@@ -164,9 +164,10 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
     if pf.baseline is not None:
         check_plan_runs(pf.baseline, ctx.shape, cluster, f"{plan_path}: baseline")
     plan, baseline, notes = pf.plan, pf.baseline, []
-    B = scaled_global_batch(pf, gpus, global_batch, notes)
     if gpus is not None:
         cluster = cluster.with_gpus(int(gpus))
+    B = scaled_global_batch(pf, cluster if gpus is not None else None, global_batch, notes)
+    if gpus is not None:
         plan = scale_plan(plan, cluster, B)
         used = plan.layout.world_size
         notes.append(f"scaled to {cluster.world_size} GPUs: {plan.layout.describe()}"
@@ -211,8 +212,12 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
     return result
 
 
-def scaled_global_batch(pf: PlanFile, gpus: int | None, global_batch: int | None, notes: list[str]) -> int:
-    """The global batch a what-if simulates (see `simulate_plan`); says in `notes` what it chose."""
+def scaled_global_batch(pf: PlanFile, cluster: Cluster | None, global_batch: int | None, notes: list[str]) -> int:
+    """The global batch a what-if simulates on `cluster` (None: the plan's own), saying in `notes`
+    what it chose: `global_batch` when given; else the plan's batch scaled with the GPUs. With a
+    baseline, the scaling keeps the baseline's samples per microbatch and multiplies its replicas
+    (the largest launchable count), so its fixed-count microbatches still divide the batch;
+    without one, the plan's samples per GPU are kept."""
     planned, world = pf.global_batch, pf.plan.layout.world_size
     if global_batch is not None:
         if global_batch < 1:
@@ -220,11 +225,21 @@ def scaled_global_batch(pf: PlanFile, gpus: int | None, global_batch: int | None
         if global_batch != planned:
             notes.append(f"global batch {global_batch} (--global-batch; the plan was made for {planned})")
         return int(global_batch)
-    if gpus is None or gpus == world:
+    if cluster is None or cluster.world_size == world:
         return planned
-    scaled = max(1, round(planned * gpus / world))
-    notes.append(f"global batch {planned} -> {scaled}: the plan's {planned / world:.3g} samples per GPU on {gpus} "
-                 "GPUs (--global-batch sets another)")
+    base = pf.baseline.layout if pf.baseline is not None else None
+    per_replica = base.tp_l * base.pp_l if base is not None else 0
+    dps = cluster.launchable_dps(per_replica, cluster.world_size // per_replica, base.tp_l) if base else []
+    if base is not None and len(dps) and planned % (base.m * base.dp_l) == 0:
+        per_microbatch = planned // (base.m * base.dp_l)
+        scaled = per_microbatch * base.m * int(dps[0])
+        how = (f"the baseline's {per_microbatch} samples per microbatch x {base.m} microbatches on {int(dps[0])} "
+               "replicas")
+    else:
+        scaled = max(1, round(planned * cluster.world_size / world))
+        how = f"the plan's {planned / world:.3g} samples per GPU"
+    notes.append(f"global batch {planned} -> {scaled}: {how} on {cluster.world_size} GPUs (--global-batch sets "
+                 "another)")
     return scaled
 
 

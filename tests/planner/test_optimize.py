@@ -202,3 +202,24 @@ def test_simulate_on_more_gpus_scales_the_global_batch_and_says_so(inputs, tmp_p
     used = fixed.plan.plan.layout.world_size
     assert fixed.plan.plan.layout.dp_l * fixed.plan.plan.layout.m <= 16 and used < 64  # the batch caps the replicas
     assert "(global batch 16)" in out and f"uses {used} of the 64 GPUs" in out
+
+
+def test_scaled_batch_keeps_the_baseline_runnable_on_more_gpus():
+    """A 16-sample plan on 6 GPUs scaled to 64: samples per GPU would give 171, which no fixed-count
+    baseline splits; the batch follows the baseline's microbatches instead, and the baseline scales."""
+    from dflop.planner.cluster import Cluster
+    from dflop.planner.layout import Layout, Plan
+    from dflop.planner.planfile import PlanFile
+    from dflop.planner.whatif import scale_baseline, scaled_global_batch
+
+    plan = Plan(Layout("disjoint", 1, 1, 2, 1, 2, 2, 4), (2,), (1, 1))             # 2 + 4 = 6 GPUs
+    baseline = Plan(Layout("colocated", 1, 1, 2, 1, 2, 2, 2), (2,), (1, 1))         # 4 GPUs, 2 x 2 bins of 4
+    pf = PlanFile(plan, baseline, 16, {})
+    cluster = Cluster(nodes=8, gpus_per_node=8, gpu_memory_bytes=1e9)
+    notes = []
+    B = scaled_global_batch(pf, cluster, None, notes)
+    scaled = scale_baseline(baseline, cluster, B)
+    assert scaled is not None and scaled.layout.dp_l == 32 and B == 4 * 2 * 32  # 4 samples per bin, kept
+    assert B % (scaled.layout.m * scaled.layout.dp_l) == 0 and "4 samples per microbatch" in notes[0]
+    assert scaled_global_batch(PlanFile(plan, None, 16, {}), cluster, None, []) == round(16 * 64 / 6)
+    assert scaled_global_batch(pf, cluster, 100, []) == 100 and scaled_global_batch(pf, None, None, []) == 16
