@@ -66,6 +66,8 @@ def cmd_check_config(args: argparse.Namespace) -> None:
     cfg = _config(args)
     m = cfg.model
     model_config(m.arch, m.vision, m.llm, weights_dir=m.weights)
+    if m.weights is not None and not any(Path(m.weights).glob("*.safetensors")):
+        raise UserError(f"model.weights: {m.weights} has no *.safetensors files (pickled checkpoints are not loaded)")
     check_compatible(architecture(m.arch), vision_preset(m.vision))
     demo = Path(cfg.raw["data"]["demo"]["dir"]) / "demo.json"  # made by rule make_demo_data
     check_datasets(cfg, pending={demo})

@@ -139,9 +139,15 @@ def test_check_config_with_local_weights(tmp_path, capsys, demo_manifest):
     # it); model.vision must still be a preset: its tile size sets the data profiler's token rules.
     from dflop.models.builder import model_config
 
+    import torch
+    from safetensors.torch import save_file
+
     weights = tmp_path / "my-llava"
     model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny").save_pretrained(weights)
     data = {"datasets": [{"name": "d", "path": str(demo_manifest)}]}
+    assert _one_error(tmp_path, capsys, {"model": {"weights": str(weights)}, "data": data}) == (
+        f"model.weights: {weights} has no *.safetensors files (pickled checkpoints are not loaded)")
+    save_file({"lm_head.weight": torch.zeros(1)}, weights / "model.safetensors")  # train checks the names
     code, out, _ = _check_config(tmp_path, capsys, {"model": {"weights": str(weights), "llm": "my-finetune"}, "data": data})
     assert code == 0 and out.startswith("config ok: arch=llava_ov vision=siglip-tiny llm=my-finetune ")
     assert _one_error(tmp_path, capsys, {"model": {"weights": str(weights), "vision": "mine"}, "data": data}).startswith(

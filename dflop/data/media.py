@@ -42,6 +42,8 @@ from typing import BinaryIO
 import av
 from PIL import Image
 
+from dflop.errors import first_line
+
 # Reasons carried by MediaError; the data profiler writes them as ``status=skipped:<reason>``.
 MISSING_FILE = "missing_file"
 UNREADABLE_IMAGE = "unreadable_image"
@@ -177,7 +179,7 @@ def _probe_image(fp: BinaryIO, label: str, apply_exif_orientation: bool) -> tupl
         raise MediaError(IMAGE_TOO_LARGE, label, str(exc).split(" could be")[0]) from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         reason = TRUNCATED_IMAGE if _has_image_signature(head) else UNREADABLE_IMAGE
-        raise MediaError(reason, label, _one_line(exc)) from None
+        raise MediaError(reason, label, first_line(exc)) from None
     if size[0] <= 0 or size[1] <= 0:
         raise MediaError(UNREADABLE_IMAGE, label, f"size {size}")
     if _end_marker_present(fp, image.format) is False:
@@ -185,7 +187,7 @@ def _probe_image(fp: BinaryIO, label: str, apply_exif_orientation: bool) -> tupl
         try:
             image.load()
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
-            raise MediaError(TRUNCATED_IMAGE, label, _one_line(exc)) from None
+            raise MediaError(TRUNCATED_IMAGE, label, first_line(exc)) from None
     if apply_exif_orientation and _exif_orientation(image) in (5, 6, 7, 8):
         return size[1], size[0]
     return size
@@ -248,7 +250,7 @@ def video_meta(path: str | os.PathLike, *, check_complete: bool = False) -> Vide
     try:
         container = av.open(os.fspath(path))
     except (av.FFmpegError, OSError, ValueError) as exc:
-        raise MediaError(UNREADABLE_VIDEO, label, _one_line(exc)) from None
+        raise MediaError(UNREADABLE_VIDEO, label, first_line(exc)) from None
     with container:
         if not container.streams.video:
             raise MediaError(NO_VIDEO_STREAM, label)
@@ -297,12 +299,7 @@ def _missing_frames(container, stream, n_frames: int, file_size: int) -> str | N
         for packet in container.demux(stream):
             whole += packet.size > 0 and not packet.is_corrupt
     except (av.FFmpegError, OSError, ValueError) as exc:  # what came before it is what a decoder gets
-        error = f" before an error ({_one_line(exc)})"
+        error = f" before an error ({first_line(exc)})"
     if whole >= n_frames:
         return None
     return f"the header says {n_frames} frames but the file holds {whole} whole ones{error}"
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:200]

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from dflop.data.media import EmbeddedSource, ImageRef, VideoRef
 from dflop.data.sampling import parse_sampling_rule, sample_stream
-from dflop.errors import UserError
+from dflop.errors import UserError, first_line
 
 FORMATS = ("llava_json", "llava_jsonl", "parquet")
 
@@ -312,14 +312,7 @@ def _open_parquet(part: Path) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(part, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
-        raise DatasetError(f"dataset {part}: unreadable Parquet file ({_first_line(exc)})") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an Arrow message, printable: they span lines (a Thrift error, then what it
-    was reading) and may quote the corrupt bytes."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return "".join(c if c.isprintable() else "?" for c in lines[0]) if lines else type(exc).__name__
+        raise DatasetError(f"dataset {part}: unreadable Parquet file ({first_line(exc)})") from None
 
 
 def _parquet_records(path: Path, batch_rows: int = 256) -> Iterator[Any]:
@@ -340,7 +333,7 @@ def _parquet_records(path: Path, batch_rows: int = 256) -> Iterator[Any]:
                     yield record
         except (pa.ArrowException, OSError) as exc:
             raise DatasetError(f"dataset {part}: unreadable Parquet data after {row} readable rows "
-                               f"({_first_line(exc)})") from None
+                               f"({first_line(exc)})") from None
 
 
 _SOURCE_KEY = "\0dflop_source"  # cannot clash with a Parquet column name used as a record key
@@ -376,7 +369,7 @@ def embedded_image_bytes(source: EmbeddedSource) -> bytes:
             raise DatasetError(f"{where}: the file has only {starts[-1]} rows (changed since profile_data?)")
         value = _row_group_column(source.file, group, source.column)[source.row - starts[group]].as_py()
     except (pa.ArrowException, OSError, KeyError) as exc:
-        raise DatasetError(f"{where}: cannot read column {source.column!r} ({_first_line(exc)})") from None
+        raise DatasetError(f"{where}: cannot read column {source.column!r} ({first_line(exc)})") from None
     if source.item is not None:
         value = value[source.item] if isinstance(value, list) and source.item < len(value) else None
     data = value.get("bytes") if isinstance(value, dict) else None

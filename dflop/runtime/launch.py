@@ -198,7 +198,7 @@ def _record_worker_error(out_dir: str | Path, message: str) -> None:
     from dflop.io import write_text_atomic
 
     path = worker_error_file(out_dir)
-    if not path.exists():  # every rank may fail the same way: the first one's line is kept
+    if not path.exists():  # ranks fail alike (dflop.runtime.skipping, agreement): one line is enough
         try:
             write_text_atomic(path, message.splitlines()[0] + "\n")
         except OSError:
