@@ -9,6 +9,7 @@ checkpoints end up under results/train/previous_runs/.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
     ran, data, log, previous = _rerun(workdir, _configfile(workdir, "data", fewer_samples))
     assert {"make_demo_data", "profile_data", "optimize", "train"} <= ran and "profile_model" not in ran
     assert data["run_id"].iat[0] not in (run_a, run_b) and data["step"].tolist() == [1, 2, 3]
-    assert "differs in data.shapes" in log and len(previous) == 2
+    # Another manifest: its records and the shapes drawn from them both differ.
+    assert re.search(r"differs in data\.datasets \(.*\), data\.shapes \(", log) and len(previous) == 2
 
     def other_llm(c):
         fewer_samples(c)
