@@ -36,15 +36,16 @@ def worker(spec_path: str) -> int:
 
     from dflop.config import Config
     from dflop.models.tensor_parallel import local_tensor
-    from dflop.runtime.plan import plan_from_dict
-    from dflop.runtime.trainer import Trainer, TrainSettings, init_distributed, load_pool, pool_samples
+    from dflop.plan import plan_from_dict
+    from dflop.shapes import read_shapes
+    from dflop.runtime.trainer import Trainer, TrainSettings, init_distributed, pool_samples
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
     device = init_distributed("cpu")
     cfg = Config.from_dict(spec["config"])
-    pool = load_pool(spec["shapes"])
-    plan = plan_from_dict(spec["plan"], "benchmark plan")
+    pool = read_shapes(spec["shapes"])
+    plan = plan_from_dict(spec["plan"], "benchmark plan").plan
     n_steps = spec["warmup"] + spec["steps"]
     trainers = {}
     for name in VARIANTS:

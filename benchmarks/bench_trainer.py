@@ -104,19 +104,19 @@ def choose_split(shapes: Path, costmodel: str | None, microbatches: int, batch: 
                  layout: str, vision_layers: int, llm_layers: int) -> list[int]:
     """The LLM layer split with the best mean predicted step over sampled batches (the plan)."""
     from dflop.runtime.batches import GlobalBatches
-    from dflop.runtime.plan import plan_from_dict
-    from dflop.runtime.trainer import load_pool, make_costs_fn
+    from dflop.plan import plan_from_dict
+    from dflop.shapes import read_shapes
+    from dflop.runtime.trainer import make_costs_fn
     from dflop.scheduler.partition import partition
 
-    pool = load_pool(shapes)
+    pool = read_shapes(shapes)
     batches = GlobalBatches(len(pool), batch, seed)
     best = None
     for split in splits(layout, llm_layers):
-        plan = plan_from_dict(plan_dict(layout, vision_layers, split, microbatches, batch))
+        plan = plan_from_dict(plan_dict(layout, vision_layers, split, microbatches, batch)).plan
         costs_fn = make_costs_fn(plan, costmodel, float("inf"))
-        dp_vision = 1 if plan.colocated else plan.vision.dp
         steps = [partition(costs_fn(pool.iloc[batches.rows(s)].reset_index(drop=True)), microbatches, plan.llm.dp,
-                           dp_vision, budget_s=0.05, ilp="never").step_s for s in range(8)]
+                           plan.vision_replicas, budget_s=0.05, ilp="never").step_s for s in range(8)]
         if best is None or np.mean(steps) < best[0]:
             best = (float(np.mean(steps)), split)
     return best[1]
@@ -135,21 +135,21 @@ def worker(spec_path: str) -> int:
     import torch.distributed as dist
 
     from dflop.config import Config
-    from dflop.runtime.plan import plan_from_dict
-    from dflop.runtime.trainer import (TrainSettings, Trainer, init_distributed, load_pool, make_costs_fn,
+    from dflop.plan import plan_from_dict
+    from dflop.runtime.trainer import (TrainSettings, Trainer, init_distributed, make_costs_fn,
                                        pool_samples, plan_for_costs)
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
     device = init_distributed("cpu")
     cfg = Config.from_dict(spec["config"])
-    pool = load_pool(spec["shapes"])
+    pool = read_shapes(spec["shapes"])
     trainers = {}
     for name in VARIANTS:
         policy = "dflop" if name == "dflop" else "baseline"
         settings = TrainSettings.from_config(cfg, policy=policy, pad_to_longest=name == "baseline-pad",
                                              steps=spec["steps"] + spec["warmup"])
-        plan = plan_from_dict(spec["plans"][name], f"{name} plan")
+        plan = plan_from_dict(spec["plans"][name], f"{name} plan").plan
         costs_fn = make_costs_fn(plan_for_costs(settings, plan), spec["costmodel"], float("inf"))
         trainers[name] = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed),
                                  costs_fn=costs_fn, device=device)

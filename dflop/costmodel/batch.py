@@ -48,7 +48,7 @@ def batch_costs(
         embeddings, last the projector / head);
     mem_limit_bytes: usable memory of one GPU (``inf`` for no limit);
     in_flight_per_stage: microbatches each stage holds at the 1F1B peak
-        (`dflop.costmodel.memory.in_flight_1f1b`).
+        (`dflop.plan.in_flight_1f1b`).
 
     Each stage's memory limit in the result is
     ``(mem_limit_bytes - training state) / in_flight - per-microbatch activation constant``: the

@@ -58,13 +58,3 @@ def canonical_dtype(dtype: str) -> str:
 def training_state_bytes(dtype: str) -> TrainingStateBytes:
     """AdamW training-state bytes per parameter for weights stored in `dtype` (table above)."""
     return _STATE_BYTES[canonical_dtype(dtype)]
-
-
-def in_flight_1f1b(n_stages: int, n_microbatches: int) -> list[int]:
-    """Microbatches whose activations stage k holds at the 1F1B peak: ``min(m, p - k)``.
-
-    Stage 0 runs p forwards before its first backward; the last stage runs one at a time.
-    """
-    if n_stages < 1 or n_microbatches < 1:
-        raise UserError(f"1F1B needs at least one stage and one microbatch, got {n_stages}, {n_microbatches}")
-    return [min(n_microbatches, n_stages - k) for k in range(n_stages)]

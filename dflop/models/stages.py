@@ -22,19 +22,9 @@ from dflop.errors import UserError
 from dflop.models.architectures import ImageLayout, architecture_of
 from dflop.models.llm_parts import CausalLMHead, TokenEmbedding, run_decoder_layers
 from dflop.models.packing import PACKED_ATTENTION, PackedSequence
+from dflop.plan import uniform_layer_split
 
 _PACKING_ATTENTIONS = (PACKED_ATTENTION, "flash_attention_2", "flash_attention_3")
-
-
-def uniform_layer_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) layer ranges, sizes differing by at most one (earlier stages larger)."""
-    if not 1 <= n_stages <= n_layers:
-        raise UserError(f"cannot split {n_layers} layers into {n_stages} pipeline stages")
-    base, extra = divmod(n_layers, n_stages)
-    bounds = [0]
-    for stage in range(n_stages):
-        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _check_range(kind: str, stage: int, n_stages: int, layer_range: Sequence[int] | None,

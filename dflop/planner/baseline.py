@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflop.plan import Layout, Plan
 from dflop.planner.candidates import evaluation_columns, plan_columns
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation
-from dflop.planner.layout import Layout, Plan
 from dflop.planner.means import Granularity, ModuleMeans
 from dflop.planner.screen import SearchSpace
 from dflop.planner.stages import StageModel, TransferMeans, build_stage_model

@@ -28,8 +28,8 @@ import numpy as np
 import pandas as pd
 
 from dflop.io import atomic_path
+from dflop.plan import Plan
 from dflop.planner.expected import Evaluation
-from dflop.planner.layout import Plan
 
 STRING_COLUMNS = ("kind", "level", "placement", "status", "reason", "detail", "milp_status")
 INT_COLUMNS = ("tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m", "world_size", "n_layouts", "batches")

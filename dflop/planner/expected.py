@@ -24,8 +24,8 @@ import numpy as np
 from dflop.costmodel.model import CostModel
 from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
+from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
-from dflop.planner.layout import Plan
 from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.stages import links
 from dflop.scheduler.evaluate import simulate_times, stage_times
@@ -194,7 +194,7 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
         if not part.memory_ok or (mem > cluster.gpu_memory_bytes * (1 + 1e-9)).any():
             s = int(np.argmax(mem - cluster.gpu_memory_bytes))
             return _failed(plan, scheduler, f"memory: sampled batch {b} needs {mem[s] / 1e9:.3g} GB on "
-                           f"{stage_name(plan, s)} under the {scheduler.policy} partition", t0)
+                           f"{plan.stage_name(s)} under the {scheduler.policy} partition", t0)
         steps.append(part.step_s)
         util.append(pc.busy_gpu_s / (cluster.world_size * part.step_s))
         peak = np.maximum(peak, mem)
@@ -204,7 +204,7 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
 def run_partition(pc: PlanCosts, plan: Plan, scheduler: SchedulerSettings, cluster: Cluster, *,
                   seed: int = 0) -> Partition:
     lay = plan.layout
-    return partition(pc.costs, lay.m, lay.dp_l, 1 if lay.colocated else lay.dp_v, budget_s=scheduler.budget_s,
+    return partition(pc.costs, lay.m, lay.dp_l, lay.vision_replicas, budget_s=scheduler.budget_s,
                      seed=seed, policy=scheduler.policy, p2p_s=cluster.p2p_latency_s, allreduce_s=pc.allreduce_s,
                      ilp=scheduler.ilp)
 
@@ -226,17 +226,8 @@ def simulate_batch(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, s
     pc = plan_costs(plan, cost, batch, cluster, sizes)
     part = run_partition(pc, plan, scheduler, cluster, seed=seed)
     lay = plan.layout
-    times = stage_times(pc.costs, part.microbatch, part.replica, lay.m, lay.dp_l, 1 if lay.colocated else lay.dp_v)
+    times = stage_times(pc.costs, part.microbatch, part.replica, lay.m, lay.dp_l, lay.vision_replicas)
     return part, simulate_times(times, part.order, p2p_s=cluster.p2p_latency_s, allreduce_s=pc.allreduce_s)
-
-
-def stage_name(plan: Plan, s: int) -> str:
-    """'vision stage 0', 'llm stage 2', or 'llm stage 0 (with the vision tower)'."""
-    n_v = plan.layout.n_vision_stages
-    if s < n_v:
-        return f"vision stage {s}"
-    suffix = " (with the vision tower)" if plan.layout.colocated and s == 0 else ""
-    return f"llm stage {s - n_v}{suffix}"
 
 
 def _name_sample(message: str, batch: Pool) -> str:

@@ -1,20 +1,10 @@
-"""Reading the optimizer's inputs: shapes.parquet and the model structure, checked against the cost model."""
+"""The optimizer's inputs beside shapes.parquet (`dflop.shapes`): the model structure, checked against the cost model."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pandas as pd
-
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
-from dflop.io import read_parquet
 from dflop.planner.space import ModelShape
-
-
-def read_shapes(path: str | Path) -> pd.DataFrame:
-    """shapes.parquet as a DataFrame; one-line errors for a missing or unreadable file."""
-    return read_parquet(path, missing_hint="no shapes file: run `dflop profile-data` first")
 
 
 def load_model_shape(arch: str, vision: str, llm: str, weights: str | None = None) -> ModelShape:

@@ -17,6 +17,7 @@ import pandas as pd
 from dflop.costmodel.memory import canonical_dtype
 from dflop.costmodel.model import CostModel, StageTerms
 from dflop.errors import UserError
+from dflop.shapes import usable
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -36,28 +37,13 @@ class Pool:
 
     @classmethod
     def from_shapes(cls, shapes: pd.DataFrame, *, where: str = "shapes", llm_tokens_per_tile: int = 0) -> "Pool":
-        """The pool from a shapes table; `vision_tokens` falls back to tiles x llm_tokens_per_tile."""
-        missing = [c for c in ("sample_id", "n_tiles", "seq_len") if c not in shapes.columns]
-        if missing:
-            raise UserError(f"{where}: missing column(s) {', '.join(missing)} (expected shapes.parquet columns)")
-        if "status" in shapes.columns:
-            shapes = shapes[shapes["status"] == "ok"]
-        if shapes.empty:
-            raise UserError(f"{where}: no sample with status 'ok'")
-        ids = shapes["sample_id"].astype(str).to_numpy()
-        tiles = shapes["n_tiles"].to_numpy()
-        seq = shapes["seq_len"].to_numpy()
-        if "vision_tokens" in shapes.columns:
-            vis = shapes["vision_tokens"].to_numpy()
-        else:
-            vis = tiles * llm_tokens_per_tile
-        for name, col, lo in (("n_tiles", tiles, 0), ("seq_len", seq, 1), ("vision_tokens", vis, 0)):
-            bad = pd.isna(col) | (np.asarray(col, dtype=np.float64) < lo)
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                value = col[i].item() if hasattr(col[i], "item") else col[i]
-                raise UserError(f"{where}: sample {ids[i]!r} has invalid {name}={value!r} (must be >= {lo})")
-        return cls(ids, tiles.astype(np.int64), seq.astype(np.int64), vis.astype(np.int64))
+        """The pool from the usable rows of a shapes table (`dflop.shapes.usable`); `vision_tokens`
+        falls back to tiles x llm_tokens_per_tile where the table has no such column."""
+        shapes = usable(shapes, where)
+        tiles = shapes["n_tiles"].to_numpy(dtype=np.int64)
+        vis = (shapes["vision_tokens"].to_numpy(dtype=np.int64) if "vision_tokens" in shapes.columns
+               else tiles * llm_tokens_per_tile)
+        return cls(shapes["sample_id"].astype(str).to_numpy(), tiles, shapes["seq_len"].to_numpy(dtype=np.int64), vis)
 
     def __len__(self) -> int:
         return len(self.seq_len)

@@ -11,14 +11,16 @@ import time
 from typing import Sequence
 
 from dflop.costmodel.model import CostModel
+from dflop.plan import write_plan
 from dflop.planner.candidates import write_candidates
 from dflop.planner.cluster import Cluster
-from dflop.planner.expected import SchedulerSettings, stage_name
-from dflop.planner.inputs import check_cost_model_matches, load_model_shape, read_shapes
+from dflop.planner.expected import SchedulerSettings
+from dflop.planner.inputs import check_cost_model_matches, load_model_shape
 from dflop.planner.means import Pool
-from dflop.planner.planfile import plan_document, write_plan
+from dflop.planner.planfile import plan_document
 from dflop.planner.search import SearchResult, SearchSettings, search
 from dflop.planner.space import ModelShape
+from dflop.shapes import read_shapes
 
 
 def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *,
@@ -87,7 +89,7 @@ def summary(result: SearchResult, cluster: Cluster, global_batch: int, plan_path
              f"           {ev.plan.layout.world_size} GPUs, step {ev.mean_s:.4g} s mean / {ev.p50_s:.4g} p50 / "
              f"{ev.p90_s:.4g} p90 over {len(ev.step_s)} sampled batches, utilisation {100 * ev.mean_utilisation:.1f}%",
              "           memory per stage (GB): " + ", ".join(
-                 f"{stage_name(ev.plan, s)} {m / 1e9:.3g}" for s, m in enumerate(ev.memory_bytes))]
+                 f"{ev.plan.stage_name(s)} {m / 1e9:.3g}" for s, m in enumerate(ev.memory_bytes))]
     b = result.baseline.evaluation
     if b is not None:
         lines += [f"  baseline {b.plan.describe()} (data-blind: uniform split, fixed-count microbatches)",

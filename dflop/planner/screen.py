@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from dflop.plan import Layout
 from dflop.planner.cluster import Cluster
-from dflop.planner.layout import Layout
 from dflop.planner.means import Granularity, ModuleMeans, PartMeans
 from dflop.planner.stages import TransferMeans, links
 

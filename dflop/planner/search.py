@@ -31,12 +31,11 @@ import pandas as pd
 
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
+from dflop.plan import Layout, Plan
 from dflop.planner.baseline import BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.planner.cluster import Cluster
-from dflop.planner.expected import (Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches,
-                                    stage_name)
-from dflop.planner.layout import Layout, Plan
+from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches
 from dflop.planner.means import Granularity, ModuleMeans, Pool, TransferSizes, module_means
 from dflop.planner.milp import SplitResult, solve_split
 from dflop.planner.screen import ScreenResult, SearchSpace, layout_of, screen
@@ -353,7 +352,7 @@ def closest_fit_message(space: SearchSpace, screened: ScreenResult, vision: dict
                 best = (float(mem[s]), sm.plan(split), s)
     need, plan, s = best
     return (f"no plan fits in {M / 1e9:.3g} GB per GPU: the closest, {plan.layout.describe()}, needs "
-            f"{need / 1e9:.3g} GB on {stage_name(plan, s)} ({(need - M) / 1e9:.3g} GB short); use more GPUs or "
+            f"{need / 1e9:.3g} GB on {plan.stage_name(s)} ({(need - M) / 1e9:.3g} GB short); use more GPUs or "
             f"GPU memory, more microbatches, or a smaller global batch")
 
 

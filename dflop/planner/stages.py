@@ -28,8 +28,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from dflop.plan import Layout, Plan
 from dflop.planner.cluster import Cluster
-from dflop.planner.layout import Layout, Plan
 from dflop.planner.means import Granularity, ModuleMeans, PartMeans, Pool, TransferSizes
 
 

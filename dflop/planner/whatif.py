@@ -24,14 +24,14 @@ import numpy as np
 
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
+from dflop.plan import Layout, Plan, PlanFile, read_plan
 from dflop.planner.cluster import Cluster
-from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch, \
-    stage_name
-from dflop.planner.layout import Layout, Plan
+from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
 from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.inputs import check_cost_model_matches, load_model_shape, read_shapes
-from dflop.planner.planfile import PlanFile, check_plan_runs, read_plan
+from dflop.planner.inputs import check_cost_model_matches, load_model_shape
+from dflop.planner.planfile import check_plan_runs
 from dflop.planner.space import ModelShape
+from dflop.shapes import read_shapes
 from dflop.sim import plot_gantt
 
 
@@ -218,7 +218,7 @@ def scaled_global_batch(pf: PlanFile, cluster: Cluster | None, global_batch: int
     baseline, the scaling keeps the baseline's samples per microbatch and multiplies its replicas
     (the largest launchable count), so its fixed-count microbatches still divide the batch;
     without one, the plan's samples per GPU are kept."""
-    planned, world = pf.global_batch, pf.plan.layout.world_size
+    planned, world = pf.global_batch_size, pf.plan.layout.world_size
     if global_batch is not None:
         if global_batch < 1:
             raise UserError(f"--global-batch must be >= 1, got {global_batch}")
@@ -251,7 +251,7 @@ def whatif_summary(w: WhatIf, global_batch: int, shapes_path) -> str:
               f"           step {ev.mean_s:.4g} s mean / {ev.p50_s:.4g} p50 / {ev.p90_s:.4g} p90, "
               f"{global_batch / ev.mean_s:.4g} samples/s, utilisation {100 * ev.mean_utilisation:.1f}%",
               "           memory per stage (GB): " + ", ".join(
-                  f"{stage_name(ev.plan, s)} {m / 1e9:.3g}" for s, m in enumerate(ev.memory_bytes))]
+                  f"{ev.plan.stage_name(s)} {m / 1e9:.3g}" for s, m in enumerate(ev.memory_bytes))]
     if w.baseline is not None:
         lines += [f"  baseline {w.baseline.plan.describe()}: step {w.baseline.mean_s:.4g} s mean",
                   f"  predicted speedup over the baseline: {w.baseline.mean_s / ev.mean_s:.2f}x"]

@@ -40,22 +40,8 @@ from dflop.data.vision_tokens import NO_VISION, sample_vision_shape, sampled_fra
 from dflop.errors import UserError
 from dflop.io import atomic_path
 from dflop.models.presets import vision_preset
+from dflop.shapes import SHAPES_SCHEMA
 
-SHAPES_SCHEMA = pa.schema(
-    [
-        ("sample_id", pa.string()),
-        ("dataset", pa.string()),
-        ("modality", pa.string()),
-        ("n_images", pa.int32()),
-        ("n_frames", pa.int32()),
-        ("n_tiles", pa.int32()),
-        ("vision_tokens", pa.int64()),
-        ("text_tokens", pa.int64()),
-        ("seq_len", pa.int64()),
-        ("status", pa.string()),
-    ]
-)
-SHAPE_COLUMNS = tuple(SHAPES_SCHEMA.names)
 HISTOGRAM_FEATURES = ("n_images", "n_frames", "n_tiles", "vision_tokens", "text_tokens", "seq_len")
 HISTOGRAM_COLUMNS = ("dataset", "modality", "feature", "bin_lo", "bin_hi", "count", "frac")
 ALL = "all"  # the dataset / modality value of histogram rows that pool every dataset / modality

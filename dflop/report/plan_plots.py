@@ -22,9 +22,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from dflop.errors import UserError
-from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch, \
-    stage_name
-from dflop.planner.layout import Plan
+from dflop.plan import Plan
+from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
 from dflop.planner.whatif import load_plan_context
 from dflop.report.style import BASELINE_COLOUR, PLAN_COLOUR, save_figure
 from dflop.sim import SimResult, plot_gantt
@@ -77,7 +76,7 @@ def compare_plan(plan_path: str | Path, *, shapes: str | Path | None = None,
     ctx = load_plan_context(plan_path, shapes_path=shapes, costmodel_path=costmodel)
     pf, cost, pool, cluster, sizes, seed = ctx.plan_file, ctx.cost, ctx.pool, ctx.cluster, ctx.sizes, ctx.seed
     shapes, scheduler = ctx.shapes_path, ctx.scheduler
-    batches = sample_batches(len(pool), ctx.sample_batches, pf.global_batch, seed)
+    batches = sample_batches(len(pool), ctx.sample_batches, pf.global_batch_size, seed)
 
     def simulate(label: str, plan: Plan, settings: SchedulerSettings, median: int | None) -> tuple[LayoutStep, int]:
         ev = evaluate_plan(plan, cost, pool, batches, cluster, sizes, settings, seed=seed)
@@ -87,14 +86,14 @@ def compare_plan(plan_path: str | Path, *, shapes: str | Path | None = None,
             median = int(np.argsort(ev.step_s, kind="stable")[len(ev.step_s) // 2])
         _, timeline = simulate_batch(plan, cost, pool.take(batches[median]), cluster, sizes, settings,
                                      seed=seed + median)
-        names = tuple(stage_name(plan, s) for s in range(plan.layout.n_stages))
+        names = tuple(plan.stage_name(s) for s in range(plan.layout.n_stages))
         return LayoutStep(label, plan, ev, timeline, names), median
 
     chosen, median = simulate("DFLOP plan", pf.plan, scheduler, None)
     baseline = None
     if pf.baseline is not None:
         baseline, _ = simulate("data-blind baseline", pf.baseline, replace(scheduler, policy="megatron"), median)
-    return PlanComparison(chosen, baseline, median, cluster.gpu_memory_bytes, pf.global_batch)
+    return PlanComparison(chosen, baseline, median, cluster.gpu_memory_bytes, pf.global_batch_size)
 
 
 def draw_plan_comparison(cmp: PlanComparison) -> plt.Figure:

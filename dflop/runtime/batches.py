@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
-from dflop.runtime.plan import Plan
+from dflop.plan import Plan
 from dflop.scheduler.correction import AdaptiveCorrection, MeasuredTimes, ShapeBuckets
 from dflop.scheduler.partition import Partition, greedy_partition, partition
 from dflop.scheduler.service import SchedulerService
@@ -148,7 +148,7 @@ class StepPlanner:
         self.policy, self.prefetch, self.total_steps = policy, prefetch, total_steps
         self.buckets = ShapeBuckets()
         self.correction = AdaptiveCorrection(self.buckets.n_buckets) if adaptive and policy == "dflop" else None
-        dp_vision = 1 if plan.colocated else plan.vision.dp
+        dp_vision = plan.vision_replicas
         self.budget_s = budget_s
         # The baseline's split is instant and must not fall back to the DFLOP greedy: no service.
         self.service = None if policy == "baseline" else SchedulerService(
@@ -185,7 +185,7 @@ class StepPlanner:
         self._submit_through(step + self.prefetch)
         costs, buckets, _ = self._costs[step]
         if self.service is None:
-            dp_vision = 1 if self.plan.colocated else self.plan.vision.dp
+            dp_vision = self.plan.vision_replicas
             part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron")
         else:
             # The first step has nothing to overlap with: wait for the solve rather than fall back.
@@ -204,7 +204,7 @@ class StepPlanner:
         counts). The adaptive correction does not learn from such a step."""
         shapes = self.pool.iloc[rows].reset_index(drop=True)
         costs = self.costs_fn(shapes)
-        dp_vision = 1 if self.plan.colocated else self.plan.vision.dp
+        dp_vision = self.plan.vision_replicas
         if self.service is None:
             part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron")
         else:
@@ -223,7 +223,7 @@ class StepPlanner:
             return
         self.service.report(step, measured, part)
         if self.correction.n_obs_ and self.correction.n_obs_ % decide_every == 0:
-            dp_vision = 1 if self.plan.colocated else self.plan.vision.dp
+            dp_vision = self.plan.vision_replicas
             self.correction.decide(costs, buckets, self.plan.microbatches, self.plan.llm.dp, dp_vision)
 
     def close(self) -> None:

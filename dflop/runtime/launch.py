@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dflop.errors import UserError
-from dflop.runtime.plan import load_plan
+from dflop.plan import read_plan
 
 
 def torchrun_command(plan_path: str | Path, worker_args: Sequence[str], *, nodes: int = 1,
@@ -32,7 +32,7 @@ def torchrun_command(plan_path: str | Path, worker_args: Sequence[str], *, nodes
     nodes > 1: ``world_size / nodes`` processes per node and a c10d rendezvous at `rdzv_endpoint`
     (the first node's host:port); run the same command once per node (e.g. under srun).
     """
-    plan = load_plan(plan_path)
+    plan = read_plan(plan_path).plan
     if nodes < 1 or plan.world_size % nodes:
         raise UserError(f"{plan.source}: world_size {plan.world_size} does not split over {nodes} node(s)")
     command = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(plan.world_size // nodes)]
@@ -97,17 +97,13 @@ def check_before_launch(cfg, plan_path: str | Path) -> None:
     (`dflop.planner.planfile.check_plan_runs`) and the global batch."""
     from dflop.planner.cluster import Cluster
     from dflop.planner.inputs import load_model_shape
-    from dflop.planner.planfile import check_plan_runs, read_plan
+    from dflop.planner.planfile import check_plan_runs
 
-    load_plan(plan_path)  # the trainer's own reading of the file
     plan_file = read_plan(plan_path)
     m = cfg.model
     shape = load_model_shape(m.arch, m.vision, m.llm, m.weights)
     check_plan_runs(plan_file.plan, shape, Cluster.from_config(**cfg.section("cluster")), str(plan_path))
-    batch = cfg.section("train")["global_batch_size"]
-    if batch != plan_file.global_batch:
-        raise UserError(f"train.global_batch_size is {batch} but {plan_path} was planned for {plan_file.global_batch} "
-                        "(re-run optimize)")
+    plan_file.check_batch(cfg.section("train")["global_batch_size"])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,7 +35,7 @@ import pandas as pd
 from dflop.errors import UserError
 
 if TYPE_CHECKING:
-    from dflop.runtime.plan import Plan
+    from dflop.plan import Plan
     from dflop.runtime.trainer import TrainSettings
 
 log = logging.getLogger("dflop.train")
@@ -86,7 +86,7 @@ class RunFingerprint:
 def run_fingerprint(settings: "TrainSettings", plan: "Plan", pool: pd.DataFrame) -> RunFingerprint:
     """The fingerprint of training `settings` with `plan` on the usable shapes rows `pool`."""
     s = settings
-    layout = plan.to_dict()
+    layout = {k: v for k, v in plan.to_dict(s.global_batch_size).items() if k != "global_batch_size"}
     fields: dict[str, Any] = {
         "run.seed": s.seed,
         "model.arch": s.arch,

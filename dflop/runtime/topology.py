@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from dflop.models.tensor_parallel import TPGroup
-from dflop.runtime.plan import ModuleLayout, Plan
+from dflop.plan import ModuleLayout, Plan
 
 VISION, LLM = "vision", "llm"
 
@@ -111,7 +111,7 @@ class Topology:
     @property
     def n_pipeline_stages(self) -> int:
         """Stages of the 1F1B chain: pp_v + pp_l (disjoint) or pp_l (colocated)."""
-        return self.plan.llm.pp + (0 if self.plan.colocated else self.plan.vision.pp)
+        return self.plan.n_stages
 
     @property
     def pipeline_stage(self) -> int:

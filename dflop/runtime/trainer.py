@@ -40,6 +40,8 @@ from dflop.data.readers import RawSample, read_dataset
 from dflop.data.training import ExpectedShape, SampleRules, TrainingData
 from dflop.errors import UserError
 from dflop.models.tensor_parallel import is_tp_shard
+from dflop.plan import Plan, read_plan
+from dflop.shapes import read_shapes
 from dflop.runtime.agreement import rank0_result
 from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, broadcast_step_plan
 from dflop.runtime.loading import StepLoader, requests_for
@@ -53,7 +55,6 @@ from dflop.runtime.optim import (
     warmup_cosine,
 )
 from dflop.runtime.p2p import P2P
-from dflop.runtime.plan import Plan, load_plan
 from dflop.runtime.run_identity import prepare_checkpoints, run_fingerprint
 from dflop.runtime.skipping import SkippedSamples, load_without_failures
 from dflop.runtime.schedule import PipelineExecutor
@@ -162,15 +163,6 @@ def _free_port() -> int:
 # -- data --------------------------------------------------------------------------------------
 
 
-def load_pool(shapes_path: str | Path) -> pd.DataFrame:
-    """The usable rows of shapes.parquet (status ok), in file order: the training pool."""
-    shapes = pd.read_parquet(shapes_path)
-    missing = [c for c in ("sample_id", "dataset", "n_tiles", "vision_tokens", "seq_len", "status") if c not in shapes]
-    if missing:
-        raise UserError(f"{shapes_path}: missing column(s) {', '.join(missing)} (not a shapes.parquet?)")
-    return shapes[shapes["status"] == "ok"].reset_index(drop=True)
-
-
 def pool_samples(pool: pd.DataFrame, datasets: Sequence[DatasetSpec], seed: int) -> list[RawSample]:
     """The RawSample of every pool row, read from the datasets (each rank reads the manifests).
 
@@ -222,15 +214,12 @@ def feature_rows_fn(rules: SampleRules) -> Callable[[pd.DataFrame], np.ndarray]:
 def make_costs_fn(plan: Plan, costmodel_path: str | Path | None, memory_gb: float) -> Callable[[pd.DataFrame], BatchCosts]:
     """shapes rows of a batch -> BatchCosts for the plan's layout: the fitted cost model, or (no
     costmodel.json) the documented analytic stand-in with the plan's layer shares."""
-    from dflop.costmodel.memory import in_flight_1f1b
-
     vision_layers, llm_layers = plan.vision.layers_per_stage, plan.llm.layers_per_stage
     if costmodel_path is not None:
         from dflop.costmodel.model import CostModel
 
         model = CostModel.load(costmodel_path)
-        n_stages = plan.llm.pp + (0 if plan.colocated else plan.vision.pp)
-        in_flight = in_flight_1f1b(n_stages, plan.microbatches)
+        in_flight = plan.layout.in_flight()
         memory = memory_gb * 2**30 if math.isfinite(memory_gb) else math.inf
 
         def fitted(shapes: pd.DataFrame) -> BatchCosts:
@@ -286,9 +275,6 @@ class Trainer:
 
             plan = plan.with_uniform_layers(architecture_of(config).n_feature_layers(config),
                                             config.get_text_config().num_hidden_layers)
-        if settings.global_batch_size != plan.global_batch_size:
-            raise UserError(f"train.global_batch_size is {settings.global_batch_size} but {plan.source} was planned "
-                            f"for {plan.global_batch_size} (re-run optimize)")
         self.plan = plan
         self.topo = Topology(plan, self.rank, self.world, tied_embeddings=spec.tied_embeddings())
         self.topo.create_groups()
@@ -307,7 +293,7 @@ class Trainer:
                     zip(pool["n_tiles"], pool["vision_tokens"], pool["seq_len"])]
         self.data = TrainingData(samples, self.rules, expected)
         self.loader = StepLoader(self.data, workers=settings.loader_workers, pin_memory=self.device.type == "cuda")
-        self.batches = GlobalBatches(len(pool), plan.global_batch_size, settings.seed)
+        self.batches = GlobalBatches(len(pool), settings.global_batch_size, settings.seed)
         self.planner = None
         if self.rank == 0:
             self.planner = StepPlanner(pool, self.batches, plan, costs_fn or make_costs_fn(plan, None, math.inf),
@@ -552,8 +538,10 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
     device = init_distributed(settings.device)
     torch.manual_seed(settings.seed)
     out_dir = Path(out_dir)
-    plan = load_plan(plan_path)
-    pool = load_pool(shapes_path)
+    plan_file = read_plan(plan_path)
+    plan_file.check_batch(settings.global_batch_size)
+    plan = plan_file.plan
+    pool = read_shapes(shapes_path)
     trainer = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed),
                       costs_fn=make_costs_fn(plan_for_costs(settings, plan), costmodel_path, settings.gpu_memory_gb),
                       device=device)

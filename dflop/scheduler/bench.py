@@ -16,24 +16,18 @@ import numpy as np
 import pandas as pd
 
 from dflop.errors import UserError
-from dflop.io import read_parquet
 from dflop.scheduler.costs import AnalyticCostModel, CostsFn, StageLayout, batch_costs_from_shapes, fitted_costs_fn
 from dflop.scheduler.partition import POLICIES, greedy_partition, partition
 from dflop.scheduler.synthetic import llava_ov_mix
+from dflop.shapes import read_shapes
 
 DEFAULT_GRID = tuple((n, m, dp) for n in (64, 256, 1024, 4096) for m in (4, 16, 64) for dp in (1, 4, 8)
                      if m * dp <= n)
 
 
 def load_shapes(path: str | Path) -> pd.DataFrame:
-    """Rows of a shapes.parquet with status ``ok``; one-line errors for a missing/empty file."""
-    path = Path(path)
-    shapes = read_parquet(path, missing_hint="no shapes file: run `dflop profile-data` first")
-    if "status" in shapes.columns:
-        shapes = shapes[shapes["status"] == "ok"]
-    if shapes.empty:
-        raise UserError(f"{path}: no sample with status 'ok'")
-    return shapes.reset_index(drop=True)
+    """Rows of a shapes.parquet with status ``ok`` (`dflop.shapes.read_shapes`)."""
+    return read_shapes(path)
 
 
 def run_grid(pool: pd.DataFrame, dataset: str, *, grid, batches: int, budget_s: float, seed: int,

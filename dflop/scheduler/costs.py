@@ -15,9 +15,7 @@ import numpy as np
 import pandas as pd
 
 from dflop.costmodel.types import BatchCosts
-
-SHAPE_COLUMNS = ("sample_id", "dataset", "modality", "n_images", "n_frames", "n_tiles",
-                 "vision_tokens", "text_tokens", "seq_len", "status")
+from dflop.shapes import check_shapes
 
 
 @dataclass(frozen=True)
@@ -104,18 +102,6 @@ class AnalyticCostModel:
 CostsFn = Callable[[pd.DataFrame, StageLayout], BatchCosts]
 
 
-def check_shapes(shapes: pd.DataFrame, where: str = "shapes") -> None:
-    """Raise a one-line ValueError if `shapes` lacks a shapes.parquet column or has bad values."""
-    missing = [c for c in ("sample_id", "n_tiles", "seq_len") if c not in shapes.columns]
-    if missing:
-        raise ValueError(f"{where}: missing column(s) {missing}; expected shapes.parquet columns {list(SHAPE_COLUMNS)}")
-    for col in ("n_tiles", "seq_len"):
-        bad = shapes[col].isna() | (shapes[col] < 0)
-        if bad.any():
-            sid = shapes.loc[bad, "sample_id"].iloc[0]
-            raise ValueError(f"{where}: sample {sid!r} has invalid {col}={shapes.loc[bad, col].iloc[0]!r}")
-
-
 def batch_costs_from_shapes(shapes: pd.DataFrame, layout: StageLayout, costs_fn: CostsFn) -> BatchCosts:
     """Per-sample stage costs of the global batch `shapes` (one row per sample, in batch order).
 
@@ -165,7 +151,7 @@ def fitted_costs_fn(costmodel_path: str, *, vision_layers: int, llm_layers: int,
     """
     from dflop.costmodel.batch import batch_costs
     from dflop.costmodel.jsonio import load_cost_model
-    from dflop.costmodel.memory import in_flight_1f1b
+    from dflop.plan import in_flight_1f1b
 
     model = load_cost_model(costmodel_path)
     v_layers, l_layers = split_layers(vision_layers, pp_vision), split_layers(llm_layers, pp_llm)

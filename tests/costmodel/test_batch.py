@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dflop.costmodel.fit import fit_profile
-from dflop.costmodel.memory import in_flight_1f1b
+from dflop.plan import in_flight_1f1b
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
 from dflop.errors import UserError

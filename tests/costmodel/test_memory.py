@@ -2,7 +2,8 @@
 
 import pytest
 
-from dflop.costmodel.memory import in_flight_1f1b, training_state_bytes
+from dflop.costmodel.memory import training_state_bytes
+from dflop.plan import in_flight_1f1b
 from dflop.errors import UserError
 
 

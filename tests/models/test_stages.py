@@ -17,7 +17,8 @@ from dflop.errors import UserError
 from dflop.models.architectures import ImageLayout
 from dflop.models.builder import build_model
 from dflop.models.packing import PackedSequence
-from dflop.models.stages import build_llm_stage, build_vision_stage, uniform_layer_split
+from dflop.models.stages import build_llm_stage, build_vision_stage
+from dflop.plan import uniform_layer_split
 
 PRESETS = {"llava_ov": ("siglip-tiny", "qwen2.5-tiny"), "internvl": ("internvit-tiny", "llama3-tiny")}
 

@@ -5,7 +5,7 @@ import pandas as pd
 
 from dflop.costmodel.features import MODULE_FEATURES
 from dflop.costmodel.model import CostModel, ModuleCosts, Provenance
-from dflop.planner.layout import Layout
+from dflop.plan import Layout
 
 # Per-layer / per-part costs at tp=1 by feature name: fwd_ms, bwd_ms and act_bytes per unit of
 # the feature (tiles, tokens, squared sample length, per microbatch), and parameter bytes. Features
@@ -59,7 +59,7 @@ def random_stage_model(rng, *, pp_v, pp_l, vision_layers, llm_layers, m, memory=
     Per-layer time is shared by the stages of a module (as in real layouts); fixed times, memory
     and all-reduce terms vary per stage. Memory in units of `memory` (the GPU limit).
     """
-    from dflop.planner.layout import Layout
+    from dflop.plan import Layout
     from dflop.planner.stages import StageCoeffs, StageModel
 
     P = pp_v + pp_l

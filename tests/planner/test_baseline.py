@@ -9,10 +9,10 @@ fastest that fits.
 import numpy as np
 import pytest
 
+from dflop.plan import Plan
 from dflop.planner.baseline import baseline_layouts, search_baseline
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings, evaluate_plan, sample_batches
-from dflop.planner.layout import Plan
 from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.search import bin_granularity, prepare_means
 from dflop.planner.space import ModelShape, build_space

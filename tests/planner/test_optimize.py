@@ -6,9 +6,9 @@ import yaml
 
 from dflop.costmodel.model import CostModel, Provenance
 from dflop.errors import UserError
+from dflop.plan import read_plan
 from dflop.planner import optimize, simulate_plan
 from dflop.planner.candidates import COLUMNS
-from dflop.planner.planfile import read_plan
 from planner_testlib import toy_cost_model, toy_shapes
 
 DEMO = dict(arch="llava_ov", vision="siglip-tiny", llm="qwen2.5-tiny")
@@ -114,11 +114,11 @@ def test_bad_shapes_file_names_the_file_and_column(inputs, tmp_path, tiny_shape)
 
 def test_plan_file_errors_name_the_key(tmp_path):
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"placement": "disjoint", "microbatches": 2,
-                                                         "global_batch_size": 8, "vision": {"tp": 1, "pp": 1, "dp": 1},
+                                                         "global_batch_size": 8, "world_size": 2, "vision": {"tp": 1, "pp": 1, "dp": 1},
                                                          "llm": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]}}))
-    with pytest.raises(UserError, match=r"vision\.layers_per_stage must be a list"):
+    with pytest.raises(UserError, match=r"vision: missing key\(s\) layers_per_stage"):
         read_plan(tmp_path / "plan.yaml")
-    with pytest.raises(UserError, match=r"missing\.yaml: no such file \(run `dflop optimize` first\)"):
+    with pytest.raises(UserError, match=r"missing\.yaml: no such file \(run `dflop optimize` first"):
         read_plan(tmp_path / "missing.yaml")
 
 
@@ -137,7 +137,7 @@ def test_outputs_are_written_atomically(inputs, tmp_path, tiny_shape, monkeypatc
 
 def test_what_if_scaling_keeps_layouts_launchable():
     from dflop.planner.cluster import Cluster
-    from dflop.planner.layout import Layout, Plan
+    from dflop.plan import Layout, Plan
     from dflop.planner.whatif import scale_baseline, scale_plan
 
     # vision tp1 x pp3, LLM tp2: the plain ratio (LLM dp 3, vision dp 3) gives 15 ranks on 2x8 GPUs
@@ -208,18 +208,18 @@ def test_scaled_batch_keeps_the_baseline_runnable_on_more_gpus():
     """A 16-sample plan on 6 GPUs scaled to 64: samples per GPU would give 171, which no fixed-count
     baseline splits; the batch follows the baseline's microbatches instead, and the baseline scales."""
     from dflop.planner.cluster import Cluster
-    from dflop.planner.layout import Layout, Plan
-    from dflop.planner.planfile import PlanFile
+    from dflop.plan import Layout, Plan
+    from dflop.plan import PlanFile
     from dflop.planner.whatif import scale_baseline, scaled_global_batch
 
     plan = Plan(Layout("disjoint", 1, 1, 2, 1, 2, 2, 4), (2,), (1, 1))             # 2 + 4 = 6 GPUs
     baseline = Plan(Layout("colocated", 1, 1, 2, 1, 2, 2, 2), (2,), (1, 1))         # 4 GPUs, 2 x 2 bins of 4
-    pf = PlanFile(plan, baseline, 16, {})
+    pf = PlanFile(plan, 16, baseline)
     cluster = Cluster(nodes=8, gpus_per_node=8, gpu_memory_bytes=1e9)
     notes = []
     B = scaled_global_batch(pf, cluster, None, notes)
     scaled = scale_baseline(baseline, cluster, B)
     assert scaled is not None and scaled.layout.dp_l == 32 and B == 4 * 2 * 32  # 4 samples per bin, kept
     assert B % (scaled.layout.m * scaled.layout.dp_l) == 0 and "4 samples per microbatch" in notes[0]
-    assert scaled_global_batch(PlanFile(plan, None, 16, {}), cluster, None, []) == round(16 * 64 / 6)
+    assert scaled_global_batch(PlanFile(plan, 16), cluster, None, []) == round(16 * 64 / 6)
     assert scaled_global_batch(pf, cluster, 100, []) == 100 and scaled_global_batch(pf, None, None, []) == 16

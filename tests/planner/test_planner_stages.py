@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dflop.costmodel.memory import in_flight_1f1b
+from dflop.plan import in_flight_1f1b
 from dflop.planner.cluster import Cluster
-from dflop.planner.layout import Layout
+from dflop.plan import Layout
 from dflop.planner.means import Pool, TransferSizes, module_means
 from dflop.planner.stages import TransferMeans, build_stage_model
 from dflop.sim import simulate

@@ -22,7 +22,8 @@ from dflop.cli import main
 from dflop.config import Config
 from dflop.data.media import image_size
 from dflop.errors import UserError
-from dflop.profiling.data_profiler import SHAPE_COLUMNS, profile_data
+from dflop.profiling.data_profiler import profile_data
+from dflop.shapes import SHAPE_COLUMNS
 
 DESIGN_SHAPE_COLUMNS = ["sample_id", "dataset", "modality", "n_images", "n_frames", "n_tiles",
                         "vision_tokens", "text_tokens", "seq_len", "status"]

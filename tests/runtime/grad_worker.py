@@ -26,17 +26,18 @@ from safetensors.torch import save_file
 
 from dflop.config import Config
 from dflop.models.tensor_parallel import is_tp_shard, local_tensor
+from dflop.plan import plan_from_dict
 from dflop.runtime.batches import broadcast_step_plan
-from dflop.runtime.plan import plan_from_dict
-from dflop.runtime.trainer import Trainer, TrainSettings, init_distributed, load_pool, pool_samples
+from dflop.shapes import read_shapes
+from dflop.runtime.trainer import Trainer, TrainSettings, init_distributed, pool_samples
 
 
 def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> None:
     raw = dict(case["config"])
     raw["data"] = {"datasets": [{"name": "demo", "path": manifest}]}
     settings = TrainSettings.from_config(Config.from_dict(raw), **case.get("overrides", {}))
-    plan = plan_from_dict(case["plan"], f"case {case['name']}")
-    pool = load_pool(shapes)
+    plan = plan_from_dict(case["plan"], f"case {case['name']}").plan
+    pool = read_shapes(shapes)
     trainer = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed), device=device)
     step_plan = trainer.planner.get(0) if trainer.rank == 0 else None
     if trainer.rank == 0 and case.get("shuffle_seed") is not None:

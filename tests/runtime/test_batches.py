@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from dflop.errors import UserError
+from dflop.plan import plan_from_dict
 from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, share_by_cost
-from dflop.runtime.plan import plan_from_dict
 from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 
 
@@ -60,7 +60,7 @@ def _planner(placement="disjoint", policy="dflop", vision_dp=2):
                                       "layers_per_stage": [2]},
                            "llm": {"tp": 1, "pp": 2, "dp": 2, "layers_per_stage": [1, 1]},
                            "placement": placement, "microbatches": 3, "global_batch_size": 12,
-                           "world_size": 4 + (vision_dp if placement == "disjoint" else 0)})
+                           "world_size": 4 + (vision_dp if placement == "disjoint" else 0)}).plan
     layout = StageLayout(vision_layer_share=(1.0,), llm_layer_share=(0.5, 0.5))
     pool = _pool()
     return StepPlanner(pool, GlobalBatches(len(pool), 12, seed=1), plan,

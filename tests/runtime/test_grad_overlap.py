@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflop.plan import plan_from_dict
 from dflop.runtime.optim import GradientSync, ParamInfo
-from dflop.runtime.plan import plan_from_dict
 from dflop.runtime.topology import Topology
 from test_checkpoint_helpers import spawn
 
@@ -53,7 +53,7 @@ def _step(model: SkipChain, batches, sync: GradientSync | None) -> None:
 def _overlap_worker(rank: int, skip_rank: int | None) -> None:
     plan = plan_from_dict({"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [1]},
                            "llm": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [1]}, "placement": "colocated",
-                           "microbatches": 2, "global_batch_size": 4, "world_size": 2})
+                           "microbatches": 2, "global_batch_size": 4, "world_size": 2}).plan
     topo = Topology(plan, rank, 2)
     topo.create_groups()
     model = SkipChain()

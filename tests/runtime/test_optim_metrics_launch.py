@@ -10,10 +10,10 @@ import torch
 
 from dflop.errors import UserError
 from dflop.models.info import model_info
+from dflop.plan import plan_from_dict, write_plan
 from dflop.runtime.launch import slurm_command, srun_environment, torchrun_command
 from dflop.runtime.metrics import MetricsWriter, step_flops
 from dflop.runtime.optim import GradientSync, ParamInfo, build_optimizer, warmup_cosine
-from dflop.runtime.plan import plan_from_dict, write_plan
 from dflop.runtime.topology import Topology
 
 
@@ -36,7 +36,7 @@ def test_weight_decay_only_on_matrices():
 def _single_rank_topology():
     plan = plan_from_dict({"vision": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [1]},
                            "llm": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [1]}, "placement": "colocated",
-                           "microbatches": 1, "global_batch_size": 1, "world_size": 1})
+                           "microbatches": 1, "global_batch_size": 1, "world_size": 1}).plan
     return Topology(plan, 0, 1)
 
 
@@ -90,9 +90,9 @@ def test_step_flops_closed_form():
 def test_torchrun_command_from_the_plan(tmp_path):
     plan = plan_from_dict({"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
                            "llm": {"tp": 1, "pp": 2, "dp": 1, "layers_per_stage": [1, 1]}, "placement": "disjoint",
-                           "microbatches": 2, "global_batch_size": 4, "world_size": 4})
+                           "microbatches": 2, "global_batch_size": 4, "world_size": 4}).plan
     path = tmp_path / "plan.yaml"
-    write_plan(plan, path)
+    write_plan(plan.to_dict(4), path)
     single = torchrun_command(path, ["--plan", str(path)], python="py")
     assert single == ["py", "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
                       "-m", "dflop.runtime.launch", "--plan", str(path)]
@@ -114,8 +114,8 @@ def test_srun_inside_a_job_step_spans_the_job_and_drops_the_step_environment(tmp
                                           "SLURM_CONF": "/etc/site/slurm.conf"}
     plan = plan_from_dict({"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
                            "llm": {"tp": 1, "pp": 2, "dp": 1, "layers_per_stage": [1, 1]}, "placement": "disjoint",
-                           "microbatches": 2, "global_batch_size": 4, "world_size": 4})
-    write_plan(plan, tmp_path / "plan.yaml")
+                           "microbatches": 2, "global_batch_size": 4, "world_size": 4}).plan
+    write_plan(plan.to_dict(4), tmp_path / "plan.yaml")
     cmd = slurm_command(tmp_path / "plan.yaml", [], ["node1", "node2"], job_id="42")
     assert cmd[:6] == ["srun", "--overlap", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "node1:29500" and cmd[cmd.index("--rdzv-id") + 1] == "dflop-42"

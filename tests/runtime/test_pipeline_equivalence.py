@@ -23,7 +23,8 @@ import torch
 from dflop.config import Config
 from dflop.data.training import TrainingData
 from dflop.models.builder import model_config
-from dflop.runtime.trainer import TrainSettings, load_pool, pool_samples, sample_rules
+from dflop.shapes import read_shapes
+from dflop.runtime.trainer import TrainSettings, pool_samples, sample_rules
 
 from trainer_reference import MODELS, compare, config_dict, reference_gradients
 
@@ -68,7 +69,7 @@ CASES = {
 @lru_cache(maxsize=None)
 def _training_data(arch: str, pool_path: str, manifest: str) -> TrainingData:
     settings = TrainSettings.from_config(Config.from_dict(config_dict(arch, manifest)))
-    pool = load_pool(pool_path)
+    pool = read_shapes(pool_path)
     vision, llm = MODELS[arch]
     return TrainingData(pool_samples(pool, settings.datasets, 0), sample_rules(settings, model_config(arch, vision, llm)))
 

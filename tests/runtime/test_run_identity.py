@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 
 from dflop.config import DatasetSpec
+from dflop.plan import plan_from_dict
 from dflop.runtime.checkpoint import COMPLETE_MARKER, FORMAT_VERSION, TRAIN_STATE_FILE, latest_run_record
 from dflop.runtime.optim import warmup_cosine
-from dflop.runtime.plan import plan_from_dict
 from dflop.runtime.run_identity import (
     PREVIOUS_RUNS_DIR,
     RunFingerprint,
@@ -40,7 +40,7 @@ def _settings(**changes) -> TrainSettings:
 
 
 def _fp(settings=None, plan=None, pool=None) -> RunFingerprint:
-    return run_fingerprint(settings or _settings(), plan_from_dict(plan or PLAN), _pool() if pool is None else pool)
+    return run_fingerprint(settings or _settings(), plan_from_dict(plan or PLAN).plan, _pool() if pool is None else pool)
 
 
 def lr(step: int, total: int) -> float:

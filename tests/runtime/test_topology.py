@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from dflop.runtime.plan import plan_from_dict
+from dflop.plan import plan_from_dict
 from dflop.runtime.topology import LLM, VISION, Topology
 
 
@@ -15,7 +15,7 @@ def make_plan(vision, llm, placement="disjoint"):
     world = lt * lp * ld + (0 if placement == "colocated" else vt * vp * vd)
     return plan_from_dict({"vision": {"tp": vt, "pp": vp, "dp": vd, "layers_per_stage": [1] * vp},
                            "llm": {"tp": lt, "pp": lp, "dp": ld, "layers_per_stage": [1] * lp},
-                           "placement": placement, "microbatches": 2, "global_batch_size": 64, "world_size": world})
+                           "placement": placement, "microbatches": 2, "global_batch_size": 64, "world_size": world}).plan
 
 
 LAYOUTS = [((1, 1, 1), (1, 2, 1), "disjoint"), ((1, 2, 2), (2, 2, 3), "disjoint"), ((2, 1, 1), (1, 1, 2), "disjoint"),

@@ -1,6 +1,7 @@
 import pandas as pd
 import pytest
 
+from dflop.errors import UserError
 from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 from dflop.scheduler.synthetic import llava_ov_mix
 
@@ -20,9 +21,9 @@ def test_analytic_model_closed_form():
 
 def test_bad_shapes_and_bad_costs_fn_are_named():
     shapes = pd.DataFrame({"sample_id": ["a", "b"], "n_tiles": [1, -2], "seq_len": [10, 20]})
-    with pytest.raises(ValueError, match=r"sample 'b' has invalid n_tiles"):
+    with pytest.raises(UserError, match=r"sample 'b' has invalid n_tiles"):
         batch_costs_from_shapes(shapes, StageLayout(), AnalyticCostModel())
-    with pytest.raises(ValueError, match="missing column"):
+    with pytest.raises(UserError, match="missing column"):
         batch_costs_from_shapes(shapes.drop(columns="seq_len"), StageLayout(), AnalyticCostModel())
     ok = shapes.assign(n_tiles=[1, 2])
     wrong_stages = lambda s, lay: AnalyticCostModel()(s, StageLayout(llm_layer_share=(1.0,)))  # noqa: E731

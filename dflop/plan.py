@@ -1,0 +1,376 @@
+"""plan.yaml, the contract between the optimizer and the trainer: one type, one reader, one writer,
+one validator, and the questions every stage asks of a layout.
+
+A `Layout` is the discrete choice (placement, each module's TP/PP/DP degrees, microbatches), a
+`Plan` adds how each module's layers split over its pipeline stages, and a `PlanFile` is plan.yaml
+read back: the plan, its global batch, the data-blind baseline and everything else the optimizer
+wrote (predictions, solver, cluster, inputs) as the raw mapping. Keys the trainer reads::
+
+    vision: {tp: 1, pp: 1, dp: 2, layers_per_stage: [2]}
+    llm:    {tp: 1, pp: 2, dp: 2, layers_per_stage: [1, 1]}
+    placement: disjoint          # or colocated: the vision tower runs on the first LLM stage's ranks
+    microbatches: 4
+    global_batch_size: 16
+    world_size: 6
+
+Placements:
+- ``disjoint``: vision stages on ``tp_v * pp_v * dp_v`` ranks, then LLM stages on
+  ``tp_l * pp_l * dp_l`` other ranks; one 1F1B pipeline of ``pp_v + pp_l`` stages.
+- ``colocated``: the whole vision tower runs on the first LLM stage (as torchtitan does), so
+  ``pp_v = 1``, ``tp_v = tp_l`` and ``dp_v = dp_l``; the pipeline has ``pp_l`` stages.
+
+Every problem with a file is a one-line `UserError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from dflop.errors import UserError
+from dflop.io import read_yaml, write_text_atomic
+
+PLACEMENTS = ("disjoint", "colocated")
+MODULE_KEYS = ("tp", "pp", "dp", "layers_per_stage")
+PLAN_KEYS = ("vision", "llm", "placement", "microbatches", "global_batch_size", "world_size")
+RANK_ORDER = ("vision ranks first, then llm ranks; inside a module rank = first_rank + (stage * dp + replica) * tp "
+              "+ tp_rank; colocated: the vision tower runs on llm stage 0's ranks")
+
+
+def in_flight_1f1b(n_stages: int, n_microbatches: int) -> list[int]:
+    """Microbatches whose activations stage k holds at the 1F1B peak: ``min(m, p - k)``.
+
+    Stage 0 runs p forwards before its first backward; the last stage runs one at a time.
+    """
+    if n_stages < 1 or n_microbatches < 1:
+        raise UserError(f"1F1B needs at least one stage and one microbatch, got {n_stages}, {n_microbatches}")
+    return [min(n_microbatches, n_stages - k) for k in range(n_stages)]
+
+
+def uniform_layer_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) layer ranges, sizes differing by at most one (earlier stages larger):
+    the data-blind split Megatron and torchtitan use."""
+    if not 1 <= n_stages <= n_layers:
+        raise UserError(f"cannot split {n_layers} layers into {n_stages} pipeline stages")
+    base, extra = divmod(n_layers, n_stages)
+    bounds = [0]
+    for stage in range(n_stages):
+        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of both modules, the placement and the microbatch count m of one candidate plan."""
+
+    placement: str
+    tp_v: int
+    pp_v: int
+    dp_v: int
+    tp_l: int
+    pp_l: int
+    dp_l: int
+    m: int
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.colocated and (self.pp_v != 1 or self.tp_v != self.tp_l or self.dp_v != self.dp_l):
+            raise ValueError(f"colocated layout needs pp_v=1, tp_v=tp_l, dp_v=dp_l: {self}")
+
+    @property
+    def colocated(self) -> bool:
+        return self.placement == "colocated"
+
+    @property
+    def vision_gpus(self) -> int:
+        """Ranks only the vision tower uses (0 when colocated); the LLM's first rank."""
+        return 0 if self.colocated else self.tp_v * self.pp_v * self.dp_v
+
+    @property
+    def llm_gpus(self) -> int:
+        return self.tp_l * self.pp_l * self.dp_l
+
+    @property
+    def world_size(self) -> int:
+        return self.vision_gpus + self.llm_gpus
+
+    @property
+    def n_vision_stages(self) -> int:
+        """Pipeline stages that run only vision (0 when colocated)."""
+        return 0 if self.colocated else self.pp_v
+
+    @property
+    def n_stages(self) -> int:
+        """Stages of the one 1F1B pipeline (vision stages first)."""
+        return self.n_vision_stages + self.pp_l
+
+    @property
+    def vision_replicas(self) -> int:
+        """Vision replicas a microbatch's images are shared over, as the scheduler balances them:
+        1 when colocated (each LLM replica encodes its own bin's images), else dp_v."""
+        return 1 if self.colocated else self.dp_v
+
+    @property
+    def n_bins(self) -> int:
+        """Packed LLM rows of one step: m microbatches x dp_l replicas."""
+        return self.m * self.dp_l
+
+    def in_flight(self) -> list[int]:
+        """[n_stages] microbatches each stage holds at the 1F1B peak, vision stages first."""
+        return in_flight_1f1b(self.n_stages, self.m)
+
+    def describe(self) -> str:
+        llm = f"llm tp{self.tp_l} pp{self.pp_l} dp{self.dp_l}"
+        if self.colocated:
+            return f"colocated ({llm}, vision on llm stage 0), m={self.m}"
+        return f"disjoint (vision tp{self.tp_v} pp{self.pp_v} dp{self.dp_v} | {llm}), m={self.m}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """One module's (vision tower or LLM) grid and how its layers split over its stages."""
+
+    tp: int
+    pp: int
+    dp: int
+    layers_per_stage: tuple[int, ...]
+
+    @property
+    def n_ranks(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def n_layers(self) -> int:
+        return sum(self.layers_per_stage)
+
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """[start, stop) layer range of every stage, in stage order."""
+        bounds = [0]
+        for n in self.layers_per_stage:
+            bounds.append(bounds[-1] + n)
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "layers_per_stage": list(self.layers_per_stage)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout with its layer split: layers per vision stage and per LLM stage.
+
+    vision_layers has one entry (all vision layers) in the colocated placement.
+    source: the file it was read from, for error messages (not part of equality).
+    """
+
+    layout: Layout
+    vision_layers: tuple[int, ...]
+    llm_layers: tuple[int, ...]
+    source: str = field(default="plan", compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "vision_layers", tuple(int(n) for n in self.vision_layers))
+        object.__setattr__(self, "llm_layers", tuple(int(n) for n in self.llm_layers))
+        if len(self.vision_layers) != self.layout.pp_v or len(self.llm_layers) != self.layout.pp_l:
+            raise ValueError(f"layer split {self.vision_layers} / {self.llm_layers} does not match {self.layout}")
+        if min(self.vision_layers + self.llm_layers) < 0:
+            raise ValueError(f"negative layer count in {self.vision_layers} / {self.llm_layers}")
+
+    @classmethod
+    def uniform(cls, layout: Layout, vision_layers: int, llm_layers: int) -> "Plan":
+        """`layout` with each module's layers split uniformly (the data-blind baseline's split)."""
+        def sizes(n: int, stages: int) -> tuple[int, ...]:
+            return tuple(stop - start for start, stop in uniform_layer_split(n, stages))
+
+        return cls(layout, sizes(vision_layers, layout.pp_v), sizes(llm_layers, layout.pp_l))
+
+    def with_uniform_layers(self, vision_layers: int, llm_layers: int) -> "Plan":
+        """The same layout with layers split uniformly (baseline mode of the trainer)."""
+        plan = Plan.uniform(self.layout, vision_layers, llm_layers)
+        return Plan(plan.layout, plan.vision_layers, plan.llm_layers, self.source)
+
+    # -- what the runtime asks -------------------------------------------------------------------
+
+    @property
+    def vision(self) -> ModuleLayout:
+        lay = self.layout
+        return ModuleLayout(lay.tp_v, lay.pp_v, lay.dp_v, self.vision_layers)
+
+    @property
+    def llm(self) -> ModuleLayout:
+        lay = self.layout
+        return ModuleLayout(lay.tp_l, lay.pp_l, lay.dp_l, self.llm_layers)
+
+    @property
+    def placement(self) -> str:
+        return self.layout.placement
+
+    @property
+    def colocated(self) -> bool:
+        return self.layout.colocated
+
+    @property
+    def microbatches(self) -> int:
+        return self.layout.m
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def n_vision_ranks(self) -> int:
+        """Ranks that run only vision stages (0 when colocated)."""
+        return self.layout.vision_gpus
+
+    @property
+    def n_stages(self) -> int:
+        return self.layout.n_stages
+
+    @property
+    def vision_replicas(self) -> int:
+        return self.layout.vision_replicas
+
+    def stage_name(self, s: int) -> str:
+        """'vision stage 0', 'llm stage 2', or 'llm stage 0 (with the vision tower)'."""
+        n_v = self.layout.n_vision_stages
+        if s < n_v:
+            return f"vision stage {s}"
+        suffix = " (with the vision tower)" if self.colocated and s == 0 else ""
+        return f"llm stage {s - n_v}{suffix}"
+
+    def check_world_size(self, launched: int) -> None:
+        """The launcher must start exactly the plan's world size."""
+        if launched != self.world_size:
+            raise UserError(f"{self.source}: world_size is {self.world_size} but {launched} processes were "
+                            f"launched (torchrun --nproc-per-node x nodes must equal the plan's world_size)")
+
+    def check_model(self, vision_layers: int, llm_layers: int, vision_tp_ok=None, llm_tp_ok=None) -> None:
+        """One-line UserError unless the layer splits cover the model's layers and (when the
+        degrees that split the model evenly are given) the TP degrees divide its heads and widths."""
+        for name, layout, n, ok in (("vision", self.vision, vision_layers, vision_tp_ok),
+                                    ("llm", self.llm, llm_layers, llm_tp_ok)):
+            if layout.n_layers != n:
+                raise UserError(f"{self.source}: {name}.layers_per_stage {list(layout.layers_per_stage)} sums to "
+                                f"{layout.n_layers} but the model has {n} {name} layers")
+            if ok is not None and layout.tp not in ok:
+                raise UserError(f"{self.source}: {name}.tp is {layout.tp}, which does not split the {name} model's "
+                                f"heads and widths evenly (possible: {', '.join(map(str, ok))})")
+
+    def describe(self) -> str:
+        return (f"{self.layout.describe()}; vision layers {list(self.vision_layers)}, "
+                f"llm layers {list(self.llm_layers)}")
+
+    def to_dict(self, global_batch_size: int) -> dict:
+        """The DESIGN keys (what the trainer reads) as plain data."""
+        return {"vision": self.vision.to_dict(), "llm": self.llm.to_dict(), "placement": self.placement,
+                "microbatches": self.microbatches, "global_batch_size": int(global_batch_size),
+                "world_size": self.world_size}
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """plan.yaml read back: the plan, the global batch it was made for, the data-blind baseline
+    (None without one) and the whole mapping (`doc`: predictions, solver, cluster, model, inputs)."""
+
+    plan: Plan
+    global_batch_size: int
+    baseline: Plan | None = None
+    doc: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    source: str = "plan.yaml"
+
+    def check_batch(self, global_batch_size: int, key: str = "train.global_batch_size") -> None:
+        if global_batch_size != self.global_batch_size:
+            raise UserError(f"{key} is {global_batch_size} but {self.source} was planned for "
+                            f"{self.global_batch_size} (re-run optimize)")
+
+
+# -- reading and writing ---------------------------------------------------------------------------
+
+
+def _whole(value: Any, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{where}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _module(raw: Any, where: str) -> ModuleLayout:
+    if not isinstance(raw, Mapping):
+        raise UserError(f"{where}: expected a mapping with keys {', '.join(MODULE_KEYS)}, got {raw!r}")
+    missing = [k for k in MODULE_KEYS if k not in raw]
+    if missing:
+        raise UserError(f"{where}: missing key(s) {', '.join(missing)}")
+    unknown = sorted(set(raw) - set(MODULE_KEYS))
+    if unknown:
+        raise UserError(f"{where}.{unknown[0]}: unknown key (allowed: {', '.join(MODULE_KEYS)})")
+    tp, pp, dp = (_whole(raw[k], f"{where}.{k}") for k in ("tp", "pp", "dp"))
+    layers = raw["layers_per_stage"]
+    if not isinstance(layers, list) or len(layers) != pp:
+        raise UserError(f"{where}.layers_per_stage: expected a list of {pp} layer counts (one per stage), got {layers!r}")
+    layers = tuple(_whole(n, f"{where}.layers_per_stage[{i}]", minimum=0) for i, n in enumerate(layers))
+    return ModuleLayout(tp, pp, dp, layers)
+
+
+def _plan(raw: Any, source: str, prefix: str = "") -> tuple[Plan, int]:
+    """(plan, global batch) of one plan mapping: the top level, or the baseline section."""
+    where = f"{source}: {prefix}"
+    if not isinstance(raw, Mapping):
+        raise UserError(f"{where.rstrip(': ')}: expected a mapping of plan keys, got {type(raw).__name__}")
+    missing = [k for k in PLAN_KEYS if k not in raw]
+    if missing:
+        raise UserError(f"{where}missing key(s) {', '.join(missing)}")
+    vision, llm = _module(raw["vision"], f"{where}vision"), _module(raw["llm"], f"{where}llm")
+    placement = raw["placement"]
+    if placement not in PLACEMENTS:
+        raise UserError(f"{where}placement: expected disjoint or colocated, got {placement!r}")
+    m = _whole(raw["microbatches"], f"{where}microbatches")
+    batch = _whole(raw["global_batch_size"], f"{where}global_batch_size")
+    world = _whole(raw["world_size"], f"{where}world_size")
+    if placement == "colocated":
+        if vision.pp != 1:
+            raise UserError(f"{where}vision.pp is {vision.pp} but colocated placement runs the whole vision "
+                            f"tower on the first LLM stage (vision.pp must be 1)")
+        if (vision.dp, vision.tp) != (llm.dp, llm.tp):
+            raise UserError(f"{where}colocated placement needs vision dp/tp equal to the LLM's "
+                            f"(vision dp={vision.dp} tp={vision.tp}, llm dp={llm.dp} tp={llm.tp})")
+        how = f"llm tp*pp*dp = {llm.tp}*{llm.pp}*{llm.dp}"
+    else:
+        how = (f"vision tp*pp*dp + llm tp*pp*dp = {vision.tp}*{vision.pp}*{vision.dp} + "
+               f"{llm.tp}*{llm.pp}*{llm.dp}")
+    layout = Layout(placement, vision.tp, vision.pp, vision.dp, llm.tp, llm.pp, llm.dp, m)
+    if world != layout.world_size:
+        raise UserError(f"{where}world_size is {world} but the layout needs {layout.world_size} ranks ({how})")
+    if batch < layout.n_bins:
+        raise UserError(f"{where}global_batch_size {batch} cannot fill microbatches * llm.dp = "
+                        f"{m} * {llm.dp} = {layout.n_bins} bins")
+    return Plan(layout, vision.layers_per_stage, llm.layers_per_stage, source), batch
+
+
+def plan_from_dict(raw: Any, source: str = "plan.yaml") -> PlanFile:
+    """Validate plan data (a parsed plan.yaml); `source` names the file in errors."""
+    if not isinstance(raw, Mapping):
+        raise UserError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
+    plan, batch = _plan(raw, source)
+    baseline = None
+    if raw.get("baseline"):
+        baseline, _ = _plan(raw["baseline"], source, "baseline.")
+    return PlanFile(plan, batch, baseline, dict(raw), source)
+
+
+def read_plan(path: str | Path) -> PlanFile:
+    """Read and validate plan.yaml."""
+    raw = read_yaml(path, missing_hint="run `dflop optimize` first, or write one by hand")
+    return plan_from_dict(raw, str(path))
+
+
+def write_plan(doc: Mapping[str, Any], path: str | Path) -> None:
+    """Write a plan mapping (at least the `Plan.to_dict` keys) atomically, keys in document order;
+    checked by reading it back the way every stage reads it."""
+    plan_from_dict(doc, str(path))
+    header = "# DFLOP plan (dflop optimize); keys: DESIGN.md section 4 and dflop/plan.py\n"
+    write_text_atomic(path, header + yaml.safe_dump(dict(doc), sort_keys=False, default_flow_style=None, width=110))

@@ -1,0 +1,78 @@
+"""shapes.parquet, the data profiler's output that every later stage reads: its schema and its
+one reader.
+
+One row per sample (DESIGN.md §4): ``sample_id`` (stable across runs), ``dataset``, ``modality``
+(text|image|multi_image|video), ``n_images``, ``n_frames``, ``n_tiles`` (inputs the vision encoder
+processes), ``vision_tokens`` (tokens spliced into the LLM sequence), ``text_tokens``, ``seq_len``
+(= text_tokens + vision_tokens) and ``status`` (``ok`` or ``skipped:<reason>``). The planner, the
+trainer and the benchmarks use the ``ok`` rows in file order: `read_shapes`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from dflop.errors import UserError
+from dflop.io import read_parquet
+
+SHAPES_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("modality", pa.string()),
+        ("n_images", pa.int32()),
+        ("n_frames", pa.int32()),
+        ("n_tiles", pa.int32()),
+        ("vision_tokens", pa.int64()),
+        ("text_tokens", pa.int64()),
+        ("seq_len", pa.int64()),
+        ("status", pa.string()),
+    ]
+)
+SHAPE_COLUMNS = tuple(SHAPES_SCHEMA.names)
+OK = "ok"
+# What every use of a row needs, and the smallest value each numeric column may take.
+NEEDED = ("sample_id", "n_tiles", "seq_len")
+MINIMUM = {"n_tiles": 0, "vision_tokens": 0, "seq_len": 1}
+
+
+def check_shapes(shapes: pd.DataFrame, where: str = "shapes", *, columns=NEEDED) -> None:
+    """One-line UserError naming the column or the sample unless `shapes` has `columns` and whole,
+    non-negative sizes (seq_len >= 1) in every numeric column it has."""
+    missing = [c for c in columns if c not in shapes.columns]
+    if missing:
+        raise UserError(f"{where}: missing column(s) {', '.join(missing)} (expected shapes.parquet columns "
+                        f"{', '.join(SHAPE_COLUMNS)}; not a shapes.parquet?)")
+    for column, minimum in MINIMUM.items():
+        if column not in shapes.columns:
+            continue
+        values = shapes[column]
+        numeric = pd.to_numeric(values, errors="coerce")
+        bad = numeric.isna() | (numeric < minimum) | (numeric != np.round(numeric))
+        if bad.any():
+            i = int(np.flatnonzero(bad.to_numpy())[0])
+            value = values.iloc[i]
+            raise UserError(f"{where}: sample {shapes['sample_id'].iloc[i]!r} has invalid {column}="
+                            f"{value.item() if hasattr(value, 'item') else value!r} (must be a whole number "
+                            f">= {minimum})")
+
+
+def usable(shapes: pd.DataFrame, where: str = "shapes", *, columns=NEEDED) -> pd.DataFrame:
+    """The ``ok`` rows of a shapes table, in file order, checked (`check_shapes`), index 0..n-1."""
+    if "status" in shapes.columns:
+        shapes = shapes[shapes["status"] == OK]
+    if shapes.empty:
+        raise UserError(f"{where}: no sample with status '{OK}'")
+    check_shapes(shapes, where, columns=columns)
+    return shapes.reset_index(drop=True)
+
+
+def read_shapes(path: str | Path) -> pd.DataFrame:
+    """The usable rows of shapes.parquet (`usable`, every schema column required); one-line
+    errors for a missing, unreadable or foreign file."""
+    table = read_parquet(path, missing_hint="no shapes file: run `dflop profile-data` first")
+    return usable(table, str(path), columns=SHAPE_COLUMNS)

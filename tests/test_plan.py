@@ -1,0 +1,126 @@
+"""plan.yaml, the one plan contract: the DESIGN keys into frozen dataclasses, the derived questions,
+one-line errors naming the key, and what the optimizer writes read back as the trainer reads it."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from dflop.errors import UserError
+from dflop.plan import Layout, ModuleLayout, Plan, PlanFile, in_flight_1f1b, plan_from_dict, read_plan, write_plan
+
+
+def raw(**changes) -> dict:
+    base = {"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
+            "llm": {"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [1, 1]},
+            "placement": "disjoint", "microbatches": 4, "global_batch_size": 16, "world_size": 6,
+            "predicted": {"step_s": {"mean": 1.0}}}
+    base.update(changes)
+    return base
+
+
+def test_valid_plan_loads_into_dataclasses(tmp_path):
+    path = tmp_path / "plan.yaml"
+    write_plan(raw(), path)
+    pf = read_plan(path)
+    plan = pf.plan
+    assert plan.vision == ModuleLayout(1, 1, 2, (2,)) and plan.llm == ModuleLayout(2, 2, 1, (1, 1))
+    assert plan.placement == "disjoint" and not plan.colocated
+    assert (plan.microbatches, pf.global_batch_size, plan.world_size, plan.n_vision_ranks) == (4, 16, 6, 2)
+    assert plan.llm.layer_ranges() == [(0, 1), (1, 2)]
+    assert plan.layout == Layout("disjoint", 1, 1, 2, 2, 2, 1, 4) and pf.baseline is None
+    assert pf.doc["predicted"] == {"step_s": {"mean": 1.0}}  # the optimizer's keys, kept as written
+    assert plan_from_dict(plan.to_dict(16)).plan == plan   # the writer's keys read back
+
+
+def test_derived_questions_of_a_layout():
+    disjoint = Layout("disjoint", tp_v=1, pp_v=2, dp_v=3, tp_l=2, pp_l=3, dp_l=2, m=8)
+    assert (disjoint.vision_gpus, disjoint.llm_gpus, disjoint.world_size) == (6, 12, 18)
+    assert (disjoint.n_stages, disjoint.vision_replicas, disjoint.n_bins) == (5, 3, 16)
+    assert disjoint.in_flight() == [5, 4, 3, 2, 1]
+    colocated = Layout("colocated", 2, 1, 4, 2, 2, 4, 1)
+    assert (colocated.vision_gpus, colocated.world_size, colocated.n_stages) == (0, 16, 2)
+    assert colocated.vision_replicas == 1  # each LLM replica encodes its own bin's images
+    assert colocated.in_flight() == [1, 1]
+    assert in_flight_1f1b(4, 8) == [4, 3, 2, 1]
+    plan = Plan(disjoint, (10, 17), (9, 9, 10))
+    assert [plan.stage_name(s) for s in (1, 2)] == ["vision stage 1", "llm stage 0"]
+    assert Plan(colocated, (27,), (14, 14)).stage_name(0) == "llm stage 0 (with the vision tower)"
+
+
+def test_colocated_plan_counts_only_llm_ranks():
+    plan = plan_from_dict(raw(placement="colocated", vision={"tp": 2, "pp": 1, "dp": 1, "layers_per_stage": [2]},
+                              world_size=4)).plan
+    assert plan.colocated and plan.n_vision_ranks == 0
+
+
+def test_uniform_layer_split_for_the_baseline():
+    plan = plan_from_dict(raw(llm={"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [3, 1]})).plan
+    assert plan.with_uniform_layers(2, 4).llm.layers_per_stage == (2, 2)
+    assert Plan.uniform(Layout("disjoint", 1, 2, 1, 1, 4, 1, 4), 27, 30).vision_layers == (14, 13)
+    assert Plan.uniform(Layout("disjoint", 1, 2, 1, 1, 4, 1, 4), 27, 30).llm_layers == (8, 8, 7, 7)
+
+
+def test_the_baseline_section_is_read_as_a_plan():
+    baseline = raw(placement="colocated", vision={"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
+                   llm={"tp": 1, "pp": 2, "dp": 2, "layers_per_stage": [1, 1]}, world_size=4, policy="megatron")
+    pf = plan_from_dict(raw(baseline=baseline))
+    assert pf.baseline == Plan(Layout("colocated", 1, 1, 2, 1, 2, 2, 4), (2,), (1, 1))
+    with pytest.raises(UserError, match=r"p\.yaml: baseline\.world_size is 5 but the layout needs 4"):
+        plan_from_dict(raw(baseline={**baseline, "world_size": 5}), "p.yaml")
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(world_size=4), r"world_size is 4 but the layout needs 6 ranks \(vision tp\*pp\*dp \+ llm"),
+    (dict(placement="mixed"), "placement: expected disjoint or colocated, got 'mixed'"),
+    (dict(microbatches=0), r"microbatches: expected an integer >= 1, got 0"),
+    (dict(global_batch_size=3), r"global_batch_size 3 cannot fill microbatches \* llm.dp = 4 \* 1 = 4 bins"),
+    (dict(llm={"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [2]}),
+     r"llm.layers_per_stage: expected a list of 2 layer counts"),
+    (dict(llm={"tp": 2, "pp": 2, "dp": 1}), "llm: missing key\\(s\\) layers_per_stage"),
+    (dict(vision={"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2], "sp": 2}), r"vision.sp: unknown key"),
+    (dict(vision={"tp": 1, "pp": 1, "dp": True, "layers_per_stage": [2]}), r"vision.dp: expected an integer"),
+    (dict(placement="colocated", world_size=4), "vision dp/tp equal to the LLM's"),
+])
+def test_bad_plans_are_one_line_errors(changes, message):
+    with pytest.raises(UserError, match=message) as info:
+        plan_from_dict(raw(**changes), "p.yaml")
+    assert "\n" not in str(info.value) and str(info.value).startswith("p.yaml")
+
+
+def test_colocated_needs_one_vision_stage():
+    bad = raw(placement="colocated", vision={"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [1, 1]}, world_size=4)
+    with pytest.raises(UserError, match="vision.pp is 2 but colocated placement"):
+        plan_from_dict(bad)
+
+
+def test_missing_keys_and_files(tmp_path):
+    with pytest.raises(UserError, match="missing key\\(s\\) world_size"):
+        plan_from_dict({k: v for k, v in raw().items() if k != "world_size"})
+    with pytest.raises(UserError, match=r"nope\.yaml: no such file \(run `dflop optimize` first"):
+        read_plan(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("vision: [1, 2\n")
+    with pytest.raises(UserError, match="bad.yaml:2: not valid YAML"):
+        read_plan(bad)
+
+
+def test_writer_refuses_what_the_reader_would(tmp_path):
+    with pytest.raises(UserError, match="world_size is 5"):
+        write_plan(raw(world_size=5), tmp_path / "plan.yaml")
+    assert not (tmp_path / "plan.yaml").exists()
+    write_plan(raw(), tmp_path / "plan.yaml")
+    assert yaml.safe_load((tmp_path / "plan.yaml").read_text())["world_size"] == 6
+
+
+def test_world_size_model_and_batch_checks_name_both_numbers():
+    pf = plan_from_dict(raw(), "p.yaml")
+    with pytest.raises(UserError, match="world_size is 6 but 4 processes were launched"):
+        pf.plan.check_world_size(4)
+    with pytest.raises(UserError, match=r"llm.layers_per_stage \[1, 1\] sums to 2 but the model has 24 llm layers"):
+        pf.plan.check_model(2, 24)
+    with pytest.raises(UserError, match=r"vision.tp is 1, which does not split .* \(possible: 2, 4\)"):
+        pf.plan.check_model(2, 2, vision_tp_ok=(2, 4))
+    with pytest.raises(UserError, match="train.global_batch_size is 8 but p.yaml was planned for 16"):
+        pf.check_batch(8)
+    assert isinstance(pf, PlanFile)
