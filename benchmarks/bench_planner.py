@@ -8,7 +8,7 @@ space and simulated on the same batches) and the predicted GPU utilisation (busy
 
 Cost model: a fitted GPU profile from benchmarks/profiles/<llm>.json (a costmodel.json written by
 `dflop fit` on a GPU model_profile.parquet) when present; otherwise the FLOP-count model of
-`dflop.planner.analytic` (H100-class numbers stated in --tflops/--tp-gbps; see that module for
+`dflop.costmodel.analytic` (H100-class numbers stated in --tflops/--tp-gbps; see that module for
 exactly what it charges). Shapes: 20,000 samples of `dflop.scheduler.synthetic.llava_ov_mix`.
 
     python benchmarks/bench_planner.py [--gpus 8 64 512 1024] [--llms qwen2.5-7b qwen2.5-72b]
@@ -25,7 +25,7 @@ import torch
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.models.info import model_info
-from dflop.planner.analytic import analytic_cost_model
+from dflop.costmodel.analytic import analytic_cost_model
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool
 from dflop.planner.optimize import summary

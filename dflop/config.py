@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
@@ -130,7 +130,25 @@ def parse_settings(text: str) -> dict:
     return data
 
 
-# --- typed views -----------------------------------------------------------------------------
+# --- typed sections ------------------------------------------------------------------------------
+#
+# One frozen dataclass per section, built from the defaulted, validated mapping. No field has a
+# default: every default lives in the schema (tests/test_config.py holds the two together).
+
+
+def _typed(cls, values: Mapping[str, Any]):
+    """`cls` from a section mapping: each field from its key, lists as tuples."""
+    kwargs = {}
+    for f in fields(cls):
+        value = values[f.name]
+        kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class RunSection:
+    seed: int
+    results_dir: str
 
 
 @dataclass(frozen=True)
@@ -139,25 +157,44 @@ class DatasetSpec:
 
     name: str
     path: Path
-    format: str = "auto"
-    media_root: Path | None = None
-    sample: str = "all"
+    format: str
+    media_root: Path | None
+    sample: str
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DatasetSpec":
-        media_root = d.get("media_root")
-        return cls(
-            name=d["name"],
-            path=Path(d["path"]),
-            format=d.get("format", "auto"),
-            media_root=Path(media_root) if media_root else None,
-            sample=d.get("sample", "all"),
-        )
+        """From a ``data.datasets`` entry; missing keys take the schema's defaults."""
+        item = copy.deepcopy(dict(d))
+        _fill(item, load_schema()["properties"]["data"]["properties"]["datasets"]["items"])
+        media_root = item["media_root"]
+        return cls(name=item["name"], path=Path(item["path"]), format=item["format"],
+                   media_root=Path(media_root) if media_root else None, sample=item["sample"])
+
+
+@dataclass(frozen=True)
+class DemoSection:
+    dir: str
+    n_samples: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class DataSection:
+    datasets: tuple[DatasetSpec, ...]
+    demo: DemoSection
+    max_skip_frac: float
+    workers: int
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DataSection":
+        return cls(datasets=tuple(DatasetSpec.from_dict(x) for x in d["datasets"]), demo=_typed(DemoSection, d["demo"]),
+                   max_skip_frac=d["max_skip_frac"], workers=d["workers"])
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which model the stages profile and train, and how its inputs are tokenised."""
+    """Which model the stages profile and train, and how its inputs are tokenised (the ``model``
+    section; ``arch_params`` is the sub-section of ``arch``: llava_ov or internvl)."""
 
     arch: str
     vision: str
@@ -172,45 +209,115 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
-        return cls(
-            arch=d["arch"],
-            vision=d["vision"],
-            llm=d["llm"],
-            weights=d["weights"],
-            tokenizer=d["tokenizer"],
-            dtype=d["dtype"],
-            freeze_vision=d["freeze"]["vision"],
-            freeze_projector=d["freeze"]["projector"],
-            freeze_llm=d["freeze"]["llm"],
-            arch_params=dict(d[d["arch"]]),
-        )
+        return cls(arch=d["arch"], vision=d["vision"], llm=d["llm"], weights=d["weights"], tokenizer=d["tokenizer"],
+                   dtype=d["dtype"], freeze_vision=d["freeze"]["vision"], freeze_projector=d["freeze"]["projector"],
+                   freeze_llm=d["freeze"]["llm"], arch_params=dict(d[d["arch"]]))
+
+    @property
+    def preset(self) -> str:
+        """``arch/vision/llm``, the name cost-model profiles record."""
+        return f"{self.arch}/{self.vision}/{self.llm}"
+
+
+@dataclass(frozen=True)
+class ProfileSection:
+    """The model profiler (rule profile_model)."""
+
+    device: str
+    tp_degrees: tuple[int, ...]
+    max_tiles: int
+    max_seq_len: int
+    repeats: int
+    warmup: int
+    min_measure_ms: float
+    max_repeats: int
+    time_budget_s: float
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    """The online microbatch scheduler."""
+
+    policy: str
+    pad_to_longest: bool
+    budget_ms: float
+    prefetch: int
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    """The machines the plan is for (config units: GB, GB/s, microseconds)."""
+
+    device: str
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gb: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    p2p_latency_us: float
+
+
+@dataclass(frozen=True)
+class PlannerSection:
+    """The data-aware 3D parallelism optimizer (rule optimize)."""
+
+    placements: tuple[str, ...]
+    microbatches: tuple[int, ...]
+    sample_batches: int
+    top_k: int
+    time_limit_s: float
+    rel_gap: float
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """The training run (rule train)."""
+
+    global_batch_size: int
+    steps: int
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    checkpoint_every: int
+    schedule: str
+    loader_workers: int
+    overlap_grad_sync: bool
 
 
 @dataclass(frozen=True)
 class Config:
-    """The validated configuration, as typed objects; `raw` keeps the defaulted dict."""
+    """The validated configuration, one typed section per top-level key; `raw` keeps the
+    defaulted mapping (what Snakemake rules pass on)."""
 
     raw: Mapping[str, Any]
-    seed: int
-    results_dir: Path
+    run: RunSection
     model: ModelSpec
-    datasets: tuple[DatasetSpec, ...]
+    data: DataSection
+    profile: ProfileSection
+    scheduler: SchedulerSection
+    cluster: ClusterSection
+    planner: PlannerSection
+    train: TrainSection
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "Config":
         resolved = resolve(raw)
         _check_unique_dataset_names(resolved["data"]["datasets"])
-        return cls(
-            raw=resolved,
-            seed=resolved["run"]["seed"],
-            results_dir=Path(resolved["run"]["results_dir"]),
-            model=ModelSpec.from_dict(resolved["model"]),
-            datasets=tuple(DatasetSpec.from_dict(d) for d in resolved["data"]["datasets"]),
-        )
+        return cls(raw=resolved, run=_typed(RunSection, resolved["run"]), model=ModelSpec.from_dict(resolved["model"]),
+                   data=DataSection.from_dict(resolved["data"]), profile=_typed(ProfileSection, resolved["profile"]),
+                   scheduler=_typed(SchedulerSection, resolved["scheduler"]),
+                   cluster=_typed(ClusterSection, resolved["cluster"]),
+                   planner=_typed(PlannerSection, resolved["planner"]), train=_typed(TrainSection, resolved["train"]))
 
-    def section(self, name: str) -> Mapping[str, Any]:
-        """A defaulted top-level section as a plain mapping (e.g. ``cfg.section('profile')``)."""
-        return self.raw[name]
+    @property
+    def seed(self) -> int:
+        return self.run.seed
+
+    @property
+    def datasets(self) -> tuple[DatasetSpec, ...]:
+        return self.data.datasets
 
 
 def _check_unique_dataset_names(datasets: list[Mapping[str, Any]]) -> None:

@@ -88,7 +88,7 @@ class UnreadableMedia(SampleError):
 class SampleRules:
     """How samples become model inputs for one model (plain data, picklable for loader workers).
 
-    arch_params: the tower-completed token rules (``dflop.profiling.data_profiler.tower_arch_params``):
+    arch_params: the tower-completed token rules (``dflop.models.presets.tower_arch_params``):
         llava_ov: image_size, patch_size, grid_pinpoints, anyres_max_tiles, video_frames;
         internvl: tile_size, min_tiles, max_tiles, use_thumbnail, tokens_per_tile, video_frames.
     image_token_id, video_token_id, vocab_size: the LLM's.

@@ -54,7 +54,22 @@ def build_model(
     seed: int | None = None,
     llm_attention: str = PACKED_ATTENTION,
 ) -> PreTrainedModel:
-    """The full transformers model: random weights from the presets, or the weights in `weights_dir`.
+    """The full transformers model: random weights from the presets, or the weights in `weights_dir`
+    (`build_from_config` of `model_config`; a run resolves its model once, `dflop.models.handle`)."""
+    return build_from_config(model_config(arch, vision, llm, weights_dir=weights_dir), weights_dir=weights_dir,
+                             dtype=dtype, device=device, seed=seed, llm_attention=llm_attention)
+
+
+def build_from_config(
+    config: PreTrainedConfig,
+    *,
+    weights_dir: str | Path | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+    llm_attention: str = PACKED_ATTENTION,
+) -> PreTrainedModel:
+    """The model of `config` (from `model_config`): random weights, or the weights in `weights_dir`.
 
     weights_dir: a local Hugging Face model directory (config.json + *.safetensors); nothing is
         downloaded and pickled checkpoints are refused. The presets then only name the model.
@@ -62,18 +77,16 @@ def build_model(
     llm_attention: attention of the LLM layers; keep ``dflop_packed`` (or a flash-attention
         implementation) for packed pipeline stages. The vision tower always uses SDPA.
     """
-    spec = architecture(arch)
+    spec = architecture_of(config)
     torch_dtype = resolve_dtype(dtype)
     attn = {"text_config": llm_attention, "vision_config": "sdpa", "": "sdpa"}
     if weights_dir is not None:
         path = _weights_path(weights_dir)
-        _check_arch(spec, AutoConfig.from_pretrained(path, local_files_only=True), weights_dir)
         if not any(path.glob("*.safetensors")):
             raise UserError(f"model.weights: {path} has no *.safetensors files (pickled checkpoints are not loaded)")
         model = spec.model_class.from_pretrained(path, local_files_only=True, use_safetensors=True,
                                                  dtype=torch_dtype, attn_implementation=attn)
         return model.to(device)
-    config = model_config(arch, vision, llm)
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)

@@ -76,7 +76,11 @@ def projector_tp_divides(config: PreTrainedConfig, tp: int) -> bool:
 
 def model_info(arch: str, vision: str, llm: str, *, weights_dir: str | Path | None = None) -> ModelInfo:
     """`ModelInfo` of a preset combination (or of the model in `weights_dir`)."""
-    config = model_config(arch, vision, llm, weights_dir=weights_dir)
+    return info_of(model_config(arch, vision, llm, weights_dir=weights_dir))
+
+
+def info_of(config: PreTrainedConfig) -> ModelInfo:
+    """`ModelInfo` of the model a transformers config describes (counted on the meta device)."""
     spec = architecture_of(config)
     with torch.device("meta"):
         model = spec.model_class._from_config(config)

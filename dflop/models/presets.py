@@ -22,6 +22,7 @@ Small presets keep the families' layer structure and rough width ratios:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from transformers import InternVLVisionConfig, LlamaConfig, Qwen2Config, SiglipVisionConfig
 
@@ -213,3 +214,21 @@ def text_config(preset: LLMPreset) -> Qwen2Config | LlamaConfig:
     if preset.family == "llama":
         return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     raise UserError(f"LLM preset {preset.name!r}: unknown family {preset.family!r}")
+
+
+def tower_arch_params(arch: str, vision: str, arch_params: Mapping[str, Any]) -> dict:
+    """The config's token rules completed with the vision tower's geometry.
+
+    Tiles are the tower's input size, so a tower with other tiles than the released checkpoints
+    (e.g. the 56 px tiny towers) gets AnyRes canvases / InternVL tiles of its own size, and the
+    shapes match the tensors the trainer builds for that tower.
+    """
+    tower = vision_preset(vision)
+    params = dict(arch_params)
+    if arch == "llava_ov":
+        params.update(image_size=tower.image_size, patch_size=tower.patch_size)
+        params["grid_pinpoints"] = [(tower.image_size * h, tower.image_size * w) for h in range(1, 7) for w in range(1, 7)]
+    else:
+        # pixel shuffle 0.5 keeps a quarter of the patch tokens of each tile
+        params.update(tile_size=tower.image_size, tokens_per_tile=tower.patches_per_tile // 4)
+    return params

@@ -1,9 +1,7 @@
 """Expected step time of a plan: simulate sampled global batches partitioned by the online scheduler.
 
-For each global batch (B samples drawn from the data) the fitted cost model gives every sample's
-cost on every stage of the plan (`CostModel.batch_costs`); the transfers are added to the
-receiving stages per sample (vision features into LLM stage 0 and their gradients back, hidden
-states between stages, bandwidths from `dflop.planner.cluster`); the online scheduler
+Each global batch (B samples drawn from the data) is priced on the plan by the one pricing path
+(`dflop.planner.pricing`: the cost model's per-sample stage costs plus transfers); the online scheduler
 (`dflop.scheduler.partition.partition`) splits the batch into m microbatches x dp_l bins under the
 per-stage memory limits and simulates the exact 1F1B step with the per-stage gradient
 all-reduces. The step time of the plan is the distribution of those simulated steps — variance and
@@ -22,12 +20,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dflop.costmodel.model import CostModel
-from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
 from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.stages import links
+from dflop.planner.pricing import PlanCosts, Pricing
 from dflop.scheduler.evaluate import simulate_times, stage_times
 from dflop.scheduler.greedy import MemoryGuardError
 from dflop.scheduler.partition import Partition, partition
@@ -102,63 +99,6 @@ def sample_batches(n_pool: int, k: int, global_batch: int, seed: int) -> list[np
     return [np.sort(rng.choice(n_pool, size=global_batch, replace=n_pool < global_batch)) for _ in range(k)]
 
 
-@dataclass(frozen=True)
-class PlanCosts:
-    """One global batch on one plan: costs with transfers (what the scheduler sees), the per-stage
-    all-reduce seconds [P], and the busy GPU-seconds of its compute."""
-
-    costs: BatchCosts
-    allreduce_s: np.ndarray
-    busy_gpu_s: float
-
-
-def plan_costs(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes) -> PlanCosts:
-    """Per-sample costs of `batch` on `plan` (module docstring)."""
-    lay = plan.layout
-    base = cost.batch_costs(batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
-                            llm_layers_per_stage=list(plan.llm_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
-                            mem_limit_bytes=cluster.gpu_memory_bytes, in_flight_per_stage=lay.in_flight(),
-                            colocated=lay.colocated)
-    link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v, tp_l=lay.tp_l,
-                 pp_l=lay.pp_l, dp_l=lay.dp_l)
-    llm_fwd, llm_bwd = base.llm_fwd.copy(), base.llm_bwd.copy()
-    vis_fwd, vis_bwd = base.vision_fwd.copy(), base.vision_bwd.copy()
-    hop = batch.seq_len * sizes.llm_token_bytes / float(link.llm_hop_bps)
-    llm_fwd[1:] += hop
-    llm_bwd[:-1] += hop
-    if not lay.colocated:
-        features = batch.vision_tokens * sizes.llm_token_bytes / float(link.vision_to_llm_bps)
-        llm_fwd[0] += features
-        vis_bwd[-1] += features
-        vhop = batch.n_tiles * sizes.vision_tile_bytes / float(link.vision_hop_bps)
-        vis_fwd[1:] += vhop
-        vis_bwd[:-1] += vhop
-    costs = replace(base, llm_fwd=llm_fwd, llm_bwd=llm_bwd, vision_fwd=vis_fwd, vision_bwd=vis_bwd)
-
-    grads = _stage_grad_bytes(plan, cost)
-    n_v = lay.n_vision_stages
-    allreduce = np.r_[cluster.allreduce_s(grads[:n_v], lay.dp_v, link.vision_allreduce_intra),
-                      cluster.allreduce_s(grads[n_v:], lay.dp_l, link.llm_allreduce_intra)]
-    n_bins = lay.m * lay.dp_l
-    busy = lay.tp_l * float((base.llm_fwd + base.llm_bwd).sum() + n_bins * (base.llm_fwd_const + base.llm_bwd_const).sum())
-    busy += lay.tp_v * float((base.vision_fwd + base.vision_bwd).sum()
-                             + lay.m * lay.dp_v * (base.vision_fwd_const + base.vision_bwd_const).sum())
-    return PlanCosts(costs, allreduce, busy)
-
-
-def _stage_grad_bytes(plan: Plan, cost: CostModel) -> np.ndarray:
-    """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves)."""
-    lay = plan.layout
-    vision = [cost.vision_stage_terms([0], n_layers=n, first=k == 0, last=k == lay.pp_v - 1, tp=lay.tp_v).static
-              for k, n in enumerate(plan.vision_layers)]
-    llm = [cost.llm_stage_terms([1], n_layers=n, first=j == 0, last=j == lay.pp_l - 1, tp=lay.tp_l).static
-           for j, n in enumerate(plan.llm_layers)]
-    if lay.colocated:
-        llm[0] = llm[0] + vision[0]
-        vision = []
-    return np.array([s.grad_bytes for s in vision + llm], dtype=np.float64)
-
-
 def peak_memory(pc: PlanCosts, part: Partition, plan: Plan, memory_bytes: float) -> np.ndarray:
     """[P] peak bytes per rank of each stage under this partition.
 
@@ -182,12 +122,13 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
     """Simulate `plan` on every batch; stop at the first batch that cannot run (memory)."""
     t0 = time.perf_counter()
     lay = plan.layout
+    pricing = Pricing(plan, cost, cluster, sizes)
     steps, util, peak = [], [], np.zeros(lay.n_stages)
     for b, index in enumerate(batches):
         batch = pool.take(index)
         try:
-            pc = plan_costs(plan, cost, batch, cluster, sizes)
-            part = run_partition(pc, plan, scheduler, cluster, seed=seed + b)
+            pc = pricing.batch(batch)
+            part = run_partition(pc, pricing, scheduler, seed=seed + b)
         except MemoryGuardError as exc:
             return _failed(plan, scheduler, f"memory: sampled batch {b}: {_name_sample(str(exc), batch)}", t0)
         mem = peak_memory(pc, part, plan, cluster.gpu_memory_bytes)
@@ -201,11 +142,11 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
     return Evaluation(plan, scheduler.policy, np.array(steps), peak, np.array(util), None, time.perf_counter() - t0)
 
 
-def run_partition(pc: PlanCosts, plan: Plan, scheduler: SchedulerSettings, cluster: Cluster, *,
-                  seed: int = 0) -> Partition:
-    lay = plan.layout
+def run_partition(pc: PlanCosts, pricing: Pricing, scheduler: SchedulerSettings, *, seed: int = 0) -> Partition:
+    """The online scheduler's partition of one priced batch (the step it simulates is the prediction)."""
+    lay = pricing.plan.layout
     return partition(pc.costs, lay.m, lay.dp_l, lay.vision_replicas, budget_s=scheduler.budget_s,
-                     seed=seed, policy=scheduler.policy, p2p_s=cluster.p2p_latency_s, allreduce_s=pc.allreduce_s,
+                     seed=seed, policy=scheduler.policy, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s,
                      ilp=scheduler.ilp)
 
 
@@ -216,18 +157,19 @@ def quick_step_s(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, siz
     batch its step is at most this: a cheap upper bound for ranking many plans before the full
     scheduler runs on the best of them.
     """
-    pc = plan_costs(plan, cost, batch, cluster, sizes)
-    return run_partition(pc, plan, SchedulerSettings(policy="lpt1d"), cluster).step_s
+    pricing = Pricing(plan, cost, cluster, sizes)
+    return run_partition(pricing.batch(batch), pricing, SchedulerSettings(policy="lpt1d")).step_s
 
 
 def simulate_batch(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes,
                    scheduler: SchedulerSettings = SchedulerSettings(), *, seed: int = 0) -> tuple[Partition, SimResult]:
     """The partition of one batch and its exact 1F1B timeline (for the Gantt chart)."""
-    pc = plan_costs(plan, cost, batch, cluster, sizes)
-    part = run_partition(pc, plan, scheduler, cluster, seed=seed)
+    pricing = Pricing(plan, cost, cluster, sizes)
+    pc = pricing.batch(batch)
+    part = run_partition(pc, pricing, scheduler, seed=seed)
     lay = plan.layout
     times = stage_times(pc.costs, part.microbatch, part.replica, lay.m, lay.dp_l, lay.vision_replicas)
-    return part, simulate_times(times, part.order, p2p_s=cluster.p2p_latency_s, allreduce_s=pc.allreduce_s)
+    return part, simulate_times(times, part.order, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s)
 
 
 def _name_sample(message: str, batch: Pool) -> str:

@@ -39,7 +39,7 @@ from dflop.data.tokenizer import count_text_tokens_batch, expand_video_placehold
 from dflop.data.vision_tokens import NO_VISION, sample_vision_shape, sampled_frame_count
 from dflop.errors import UserError
 from dflop.io import atomic_path
-from dflop.models.presets import vision_preset
+from dflop.models.presets import tower_arch_params
 from dflop.shapes import SHAPES_SCHEMA
 
 HISTOGRAM_FEATURES = ("n_images", "n_frames", "n_tiles", "vision_tokens", "text_tokens", "seq_len")
@@ -71,24 +71,6 @@ class ProfileSummary:
     @property
     def skipped_total(self) -> int:
         return sum(self.skipped.values())
-
-
-def tower_arch_params(arch: str, vision: str, arch_params: Mapping[str, Any]) -> dict:
-    """The config's token rules completed with the vision tower's geometry.
-
-    Tiles are the tower's input size, so a tower with other tiles than the released checkpoints
-    (e.g. the 56 px tiny towers) gets AnyRes canvases / InternVL tiles of its own size, and the
-    shapes match the tensors the trainer builds for that tower.
-    """
-    tower = vision_preset(vision)
-    params = dict(arch_params)
-    if arch == "llava_ov":
-        params.update(image_size=tower.image_size, patch_size=tower.patch_size)
-        params["grid_pinpoints"] = [(tower.image_size * h, tower.image_size * w) for h in range(1, 7) for w in range(1, 7)]
-    else:
-        # pixel shuffle 0.5 keeps a quarter of the patch tokens of each tile
-        params.update(tile_size=tower.image_size, tokens_per_tile=tower.patches_per_tile // 4)
-    return params
 
 
 # --- per-sample shape ------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from dflop.data.readers import read_dataset
 from dflop.data.tokenizer import load_tokenizer, render_conversation
 from dflop.data.training import ExpectedShape, SampleError, SampleRules, TrainingData
 from dflop.data.vision_tokens import sample_frame_indices
-from dflop.profiling.data_profiler import profile_data, tower_arch_params
+from dflop.models.presets import tower_arch_params
+from dflop.profiling.data_profiler import profile_data
 
 torch.set_num_threads(1)
 TINY_IMAGE, TINY_VIDEO, TINY_VOCAB = 2040, 2041, 2048

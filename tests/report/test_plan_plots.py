@@ -118,7 +118,7 @@ def test_bad_plans_are_one_line_errors(planned, tmp_path):
     doc = yaml.safe_load((planned / "plan.yaml").read_text())
     doc["llm"]["pp"] = "two"
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(doc))
-    with pytest.raises(UserError, match=r"bad\.yaml: llm\.pp must be a whole number"):
+    with pytest.raises(UserError, match=r"bad\.yaml: llm\.pp: expected an integer >= 1, got 'two'"):
         compare_plan(tmp_path / "bad.yaml", shapes=planned / "shapes.parquet", costmodel=planned / "costmodel.json")
-    with pytest.raises(UserError, match=r"missing\.yaml: no such file \(run `dflop optimize` first\)"):
+    with pytest.raises(UserError, match=r"missing\.yaml: no such file \(run `dflop optimize` first"):
         compare_plan(tmp_path / "missing.yaml")

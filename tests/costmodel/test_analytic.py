@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflop.planner.analytic import analytic_cost_model
+from dflop.costmodel.analytic import analytic_cost_model
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,108 @@
+"""The one pricing path: plan + cost model + samples -> what the 1F1B simulator takes.
+
+Every prediction of a step goes through `Pricing`: the planner's expected step (plan.yaml), the
+online scheduler's partitions and the trainer's ``predicted_step_s`` (metrics.parquet), the
+what-if of `dflop simulate` and the benchmarks. For one global batch it gives every sample's cost
+on every stage of the plan (`CostModel.batch_costs`) with the transfers added to the receiving
+stages per sample (vision features into LLM stage 0 and their gradients back, hidden states
+between stages; bandwidths from `dflop.planner.cluster`), and, per plan, the per-stage gradient
+all-reduce seconds and the pipeline send latency that the simulation charges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import numpy as np
+
+from dflop.costmodel.model import CostModel
+from dflop.costmodel.types import BatchCosts
+from dflop.plan import Plan
+from dflop.planner.cluster import Cluster
+from dflop.planner.means import Pool, TransferSizes
+from dflop.planner.stages import links
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """One global batch on one plan: costs with transfers (what the scheduler sees), the per-stage
+    all-reduce seconds [P], and the busy GPU-seconds of its compute."""
+
+    costs: BatchCosts
+    allreduce_s: np.ndarray
+    busy_gpu_s: float
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How `plan` prices a batch on `cluster` with `cost` (module docstring)."""
+
+    plan: Plan
+    cost: CostModel = field(repr=False)
+    cluster: Cluster
+    sizes: TransferSizes
+
+    @property
+    def p2p_s(self) -> float:
+        """Latency of one pipeline send (seconds), charged by the simulation per hop."""
+        return self.cluster.p2p_latency_s
+
+    @cached_property
+    def allreduce_s(self) -> np.ndarray:
+        """[P] seconds of each stage's data-parallel gradient all-reduce (vision stages first)."""
+        lay = self.plan.layout
+        link = self._links
+        grads = self._stage_grad_bytes()
+        n_v = lay.n_vision_stages
+        return np.r_[self.cluster.allreduce_s(grads[:n_v], lay.dp_v, link.vision_allreduce_intra),
+                     self.cluster.allreduce_s(grads[n_v:], lay.dp_l, link.llm_allreduce_intra)]
+
+    @cached_property
+    def _links(self):
+        lay = self.plan.layout
+        return links(self.cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
+                     tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
+
+    def batch(self, batch: Pool) -> PlanCosts:
+        """Per-sample costs of the samples of `batch` (in batch order) on the plan."""
+        plan, lay, sizes, link = self.plan, self.plan.layout, self.sizes, self._links
+        base = self.cost.batch_costs(batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
+                                     llm_layers_per_stage=list(plan.llm_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
+                                     mem_limit_bytes=self.cluster.gpu_memory_bytes,
+                                     in_flight_per_stage=lay.in_flight(), colocated=lay.colocated)
+        llm_fwd, llm_bwd = base.llm_fwd.copy(), base.llm_bwd.copy()
+        vis_fwd, vis_bwd = base.vision_fwd.copy(), base.vision_bwd.copy()
+        hop = batch.seq_len * sizes.llm_token_bytes / float(link.llm_hop_bps)
+        llm_fwd[1:] += hop
+        llm_bwd[:-1] += hop
+        if not lay.colocated:
+            features = batch.vision_tokens * sizes.llm_token_bytes / float(link.vision_to_llm_bps)
+            llm_fwd[0] += features
+            vis_bwd[-1] += features
+            vhop = batch.n_tiles * sizes.vision_tile_bytes / float(link.vision_hop_bps)
+            vis_fwd[1:] += vhop
+            vis_bwd[:-1] += vhop
+        costs = replace(base, llm_fwd=llm_fwd, llm_bwd=llm_bwd, vision_fwd=vis_fwd, vision_bwd=vis_bwd)
+        busy = lay.tp_l * float((base.llm_fwd + base.llm_bwd).sum()
+                                + lay.n_bins * (base.llm_fwd_const + base.llm_bwd_const).sum())
+        busy += lay.tp_v * float((base.vision_fwd + base.vision_bwd).sum()
+                                 + lay.m * lay.dp_v * (base.vision_fwd_const + base.vision_bwd_const).sum())
+        return PlanCosts(costs, self.allreduce_s, busy)
+
+    def _stage_grad_bytes(self) -> np.ndarray:
+        """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves)."""
+        plan, lay, cost = self.plan, self.plan.layout, self.cost
+        vision = [cost.vision_stage_terms([0], n_layers=n, first=k == 0, last=k == lay.pp_v - 1, tp=lay.tp_v).static
+                  for k, n in enumerate(plan.vision_layers)]
+        llm = [cost.llm_stage_terms([1], n_layers=n, first=j == 0, last=j == lay.pp_l - 1, tp=lay.tp_l).static
+               for j, n in enumerate(plan.llm_layers)]
+        if lay.colocated:
+            llm[0] = llm[0] + vision[0]
+            vision = []
+        return np.array([s.grad_bytes for s in vision + llm], dtype=np.float64)
+
+
+def plan_costs(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes) -> PlanCosts:
+    """`Pricing(plan, cost, cluster, sizes).batch(batch)`."""
+    return Pricing(plan, cost, cluster, sizes).batch(batch)
