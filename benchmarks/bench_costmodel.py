@@ -29,7 +29,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from dflop.config import Config
 from dflop.costmodel.fit import fit
+from dflop.models.handle import ModelHandle
 from dflop.profiling import model_profiler
 
 PRESETS = {
@@ -81,9 +83,11 @@ def run_preset(name: str, out_dir: Path, *, timer: str, time_budget_s: float, re
     if not (reuse and profile_path.exists()):
         began = time.perf_counter()
         with profiler_timer(timer):
-            model_profiler.profile_model(arch, vision, llm, profile_path, device="cpu", tp_degrees=(1,),
-                                         repeats=repeats, time_budget_s=time_budget_s, cpu_threads=1,
-                                         progress=False)
+            cfg = Config.from_dict({"model": {"arch": arch, "vision": vision, "llm": llm},
+                                    "profile": {"device": "cpu", "tp_degrees": [1], "repeats": repeats,
+                                                "time_budget_s": time_budget_s}})
+            model_profiler.profile_model(ModelHandle.resolve(cfg.model), cfg.profile, profile_path, seed=0,
+                                         cpu_threads=1, progress=False)
         profile_s = time.perf_counter() - began
     fit(profile_path, out_dir / name / "costmodel.json", out_dir / name / "validation.parquet")
     return pd.read_parquet(out_dir / name / "validation.parquet"), profile_s

@@ -38,7 +38,10 @@ def worker(spec_path: str) -> int:
     from dflop.models.tensor_parallel import local_tensor
     from dflop.plan import plan_from_dict
     from dflop.shapes import read_shapes
-    from dflop.runtime.trainer import Trainer, TrainSettings, init_distributed, pool_samples
+    from dflop.runtime.loading import pool_samples
+    from dflop.runtime.process import init_distributed
+    from dflop.runtime.settings import TrainSettings
+    from dflop.runtime.trainer import Trainer
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())

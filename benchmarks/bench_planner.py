@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
+from dflop.costmodel.analytic import analytic_cost_model
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
+from dflop.models.builder import model_config
 from dflop.models.info import model_info
-from dflop.costmodel.analytic import analytic_cost_model
-from dflop.planner.cluster import Cluster
+from dflop.planner.cluster import GB, Cluster
 from dflop.planner.means import Pool
 from dflop.planner.optimize import summary
 from dflop.planner.search import SearchSettings, search
@@ -39,11 +40,12 @@ PROFILES = Path(__file__).parent / "profiles"
 SCALE = {8: (128, 4, 8), 64: (512, 4, 8), 512: (1024, 2, 4), 1024: (2048, 2, 4)}
 
 
-def cost_model_for(llm: str, info, args) -> tuple[CostModel, str]:
+def cost_model_for(llm: str, args) -> tuple[CostModel, str]:
     fitted = PROFILES / f"{llm}.json"
     if fitted.exists():
         return CostModel.load(fitted), f"fitted GPU profile {fitted}"
-    cost = analytic_cost_model(info, vision=VISION, llm=llm, achieved_tflops=args.tflops, tp_gbps=args.tp_gbps)
+    cost = analytic_cost_model(model_config("llava_ov", VISION, llm), achieved_tflops=args.tflops,
+                               tp_gbps=args.tp_gbps, preset=f"llava_ov/{VISION}/{llm}")
     return cost, (f"analytic FLOP model: {args.tflops:g} TFLOP/s achieved per GPU, TP all-reduce {args.tp_gbps:g} GB/s, "
                   f"bf16, 0.03 ms per op")
 
@@ -65,13 +67,13 @@ def main() -> None:
     for llm in args.llms:
         info = model_info("llava_ov", VISION, llm)
         shape = ModelShape.from_info(info)
-        cost, source = cost_model_for(llm, info, args)
+        cost, source = cost_model_for(llm, args)
         print(f"\n=== {VISION} + {llm} ({info.total_params / 1e9:.1f}B params); cost model: {source}")
         for gpus in args.gpus:
             batch, k, top_k = SCALE.get(gpus, (2 * gpus, 2, 4))
-            cluster = Cluster.from_config(nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus), gpu_memory_gb=80,
-                                          intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps,
-                                          p2p_latency_us=20, device="cuda")
+            cluster = Cluster(nodes=max(1, gpus // 8), gpus_per_node=min(8, gpus), gpu_memory_bytes=80 * GB,
+                              intra_node_bytes_per_s=args.intra_gbps * GB, inter_node_bytes_per_s=args.inter_gbps * GB,
+                              p2p_latency_s=20e-6, device="cuda")
             settings = SearchSettings(global_batch=batch, sample_batches=k, top_k=top_k)
             print(f"\n--- {gpus} GPUs, global batch {batch}, {k} sampled batches, top_k {top_k}")
             t0 = time.perf_counter()

@@ -100,23 +100,32 @@ def splits(layout: str, n_layers: int) -> list[list[int]]:
     return [[half, n_layers - half]] + [[k, n_layers - k] for k in range(n_layers + 1) if k != half]
 
 
-def choose_split(shapes: Path, costmodel: str | None, microbatches: int, batch: int, seed: int,
+def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches: int, batch: int, seed: int,
                  layout: str, vision_layers: int, llm_layers: int) -> list[int]:
-    """The LLM layer split with the best mean predicted step over sampled batches (the plan)."""
-    from dflop.runtime.batches import GlobalBatches
+    """The LLM layer split with the best mean predicted step over sampled batches (the plan),
+    priced as the trainer prices (`training_pricing`)."""
+    from dflop.config import Config
+    from dflop.costmodel.model import CostModel
+    from dflop.models.handle import ModelHandle
     from dflop.plan import plan_from_dict
+    from dflop.planner.expected import SchedulerSettings, run_partition
+    from dflop.planner.means import Pool
+    from dflop.runtime.batches import GlobalBatches
+    from dflop.runtime.settings import TrainSettings
+    from dflop.runtime.trainer import training_pricing
     from dflop.shapes import read_shapes
-    from dflop.runtime.trainer import make_costs_fn
-    from dflop.scheduler.partition import partition
 
+    cfg = Config.from_dict(config)
+    settings, model = TrainSettings.from_config(cfg), ModelHandle.resolve(cfg.model)
+    cost = CostModel.load(costmodel) if costmodel is not None else None
     pool = read_shapes(shapes)
     batches = GlobalBatches(len(pool), batch, seed)
     best = None
     for split in splits(layout, llm_layers):
         plan = plan_from_dict(plan_dict(layout, vision_layers, split, microbatches, batch)).plan
-        costs_fn = make_costs_fn(plan, costmodel, float("inf"))
-        steps = [partition(costs_fn(pool.iloc[batches.rows(s)].reset_index(drop=True)), microbatches, plan.llm.dp,
-                           plan.vision_replicas, budget_s=0.05, ilp="never").step_s for s in range(8)]
+        pricing = training_pricing(plan, model, cost, settings)
+        steps = [run_partition(pricing.batch(Pool.from_shapes(pool.iloc[batches.rows(s)])), pricing,
+                               SchedulerSettings(budget_s=0.05, ilp="never")).step_s for s in range(8)]
         if best is None or np.mean(steps) < best[0]:
             best = (float(np.mean(steps)), split)
     return best[1]
@@ -135,24 +144,28 @@ def worker(spec_path: str) -> int:
     import torch.distributed as dist
 
     from dflop.config import Config
+    from dflop.costmodel.model import CostModel
     from dflop.plan import plan_from_dict
-    from dflop.runtime.trainer import (TrainSettings, Trainer, init_distributed, make_costs_fn,
-                                       pool_samples, plan_for_costs)
+    from dflop.runtime.loading import pool_samples
+    from dflop.runtime.process import init_distributed
+    from dflop.runtime.settings import TrainSettings
+    from dflop.runtime.trainer import Trainer
+    from dflop.shapes import read_shapes
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
     device = init_distributed("cpu")
     cfg = Config.from_dict(spec["config"])
     pool = read_shapes(spec["shapes"])
+    cost = CostModel.load(spec["costmodel"]) if spec["costmodel"] is not None else None
     trainers = {}
     for name in VARIANTS:
         policy = "dflop" if name == "dflop" else "baseline"
         settings = TrainSettings.from_config(cfg, policy=policy, pad_to_longest=name == "baseline-pad",
                                              steps=spec["steps"] + spec["warmup"])
         plan = plan_from_dict(spec["plans"][name], f"{name} plan").plan
-        costs_fn = make_costs_fn(plan_for_costs(settings, plan), spec["costmodel"], float("inf"))
         trainers[name] = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed),
-                                 costs_fn=costs_fn, device=device)
+                                 cost=cost, device=device)
     n_steps = spec["warmup"] + spec["steps"]
     plans = {}
     if not spec["live_scheduler"]:
@@ -240,7 +253,8 @@ def main() -> int:
                         help="solve while training (its thread shares rank 0's CPU) instead of before")
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench/trainer"))
     parser.add_argument("--costmodel", help="costmodel.json (default: profile + fit the preset here)")
-    parser.add_argument("--analytic", action="store_true", help="use the analytic stand-in cost model")
+    parser.add_argument("--analytic", action="store_true",
+                        help="use the FLOP-count stand-in cost model (dflop.costmodel.analytic)")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker)
@@ -250,15 +264,16 @@ def main() -> int:
 
     manifest, shapes, costmodel = prepare(out, args.samples, args.preset, args.costmodel, args.analytic)
     info = model_info(*PRESETS[args.preset])
-    split = choose_split(shapes, costmodel, args.microbatches, args.batch, args.seed, args.layout,
+    config = {"run": {"seed": args.seed}, "model": model_section(args.preset),
+              "data": {"datasets": [{"name": "demo", "path": str(manifest)}]},
+              "train": {"global_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0},
+              "scheduler": {"budget_ms": args.budget_ms, "prefetch": 2}}
+    split = choose_split(config, shapes, costmodel, args.microbatches, args.batch, args.seed, args.layout,
                          info.vision_layers, info.llm_layers)
     uniform = plan_dict(args.layout, info.vision_layers, splits(args.layout, info.llm_layers)[0],
                         args.microbatches, args.batch)
     world = uniform["world_size"]
-    spec = {"config": {"run": {"seed": args.seed}, "model": model_section(args.preset),
-                       "data": {"datasets": [{"name": "demo", "path": str(manifest)}]},
-                       "train": {"global_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0},
-                       "scheduler": {"budget_ms": args.budget_ms, "prefetch": 2}},
+    spec = {"config": config,
             "shapes": str(shapes), "costmodel": costmodel, "steps": args.steps, "warmup": args.warmup,
             "live_scheduler": args.live_scheduler,
             "plans": {"baseline-pad": uniform, "baseline": uniform,

@@ -59,17 +59,17 @@ def cmd_check_config(args: argparse.Namespace) -> None:
     # model.weights, whose model then ignores model.llm), the vision preset (its tile geometry sets
     # the token rules even with model.weights) and every dataset (files opened, Parquet footers read).
     from dflop.models.architectures import architecture, check_compatible
-    from dflop.models.builder import model_config
+    from dflop.models.handle import ModelHandle
     from dflop.models.presets import vision_preset
     from dflop.profiling.data_profiler import check_datasets
 
     cfg = _config(args)
     m = cfg.model
-    model_config(m.arch, m.vision, m.llm, weights_dir=m.weights)
+    ModelHandle.resolve(m)
     if m.weights is not None and not any(Path(m.weights).glob("*.safetensors")):
         raise UserError(f"model.weights: {m.weights} has no *.safetensors files (pickled checkpoints are not loaded)")
     check_compatible(architecture(m.arch), vision_preset(m.vision))
-    demo = Path(cfg.raw["data"]["demo"]["dir"]) / "demo.json"  # made by rule make_demo_data
+    demo = Path(cfg.data.demo.dir) / "demo.json"  # made by rule make_demo_data
     check_datasets(cfg, pending={demo})
     datasets = ", ".join(d.name + (" (to be made by make_demo_data)" if d.path == demo and not demo.exists() else "")
                          for d in cfg.datasets)
@@ -87,22 +87,16 @@ def cmd_profile_data(args: argparse.Namespace) -> None:
     from dflop.profiling.data_profiler import profile_data
 
     cfg = _config(args)
-    profile_data(cfg, shapes_path=args.shapes, histograms_path=args.histograms, workers=args.workers)
+    workers = cfg.data.workers if args.workers is None else args.workers
+    profile_data(cfg, shapes_path=args.shapes, histograms_path=args.histograms, workers=workers)
 
 
 def cmd_profile_model(args: argparse.Namespace) -> None:
+    from dflop.models.handle import ModelHandle
     from dflop.profiling.model_profiler import profile_model
 
     cfg = _config(args)
-    prof = cfg.section("profile")
-    profile_model(
-        cfg.model.arch, cfg.model.vision, cfg.model.llm, args.out,
-        weights_dir=cfg.model.weights, device=prof["device"], dtype=cfg.model.dtype,
-        tp_degrees=prof["tp_degrees"], max_tiles=prof["max_tiles"], max_seq_len=prof["max_seq_len"],
-        repeats=prof["repeats"], warmup=prof["warmup"], min_measure_ms=prof["min_measure_ms"],
-        max_repeats=prof["max_repeats"], time_budget_s=prof["time_budget_s"],
-        seed=cfg.seed,
-    )
+    profile_model(ModelHandle.resolve(cfg.model), cfg.profile, args.out, seed=cfg.seed)
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
@@ -112,16 +106,12 @@ def cmd_fit(args: argparse.Namespace) -> None:
 
 
 def cmd_optimize(args: argparse.Namespace) -> None:
+    from dflop.models.handle import ModelHandle
     from dflop.planner import optimize
 
     cfg = _config(args)
-    m = cfg.model
-    optimize(
-        args.shapes, args.costmodel, args.plan, args.candidates,
-        arch=m.arch, vision=m.vision, llm=m.llm, weights=m.weights,
-        **cfg.section("cluster"), **cfg.section("planner"),
-        global_batch_size=cfg.section("train")["global_batch_size"], seed=cfg.seed,
-    )
+    optimize(args.shapes, args.costmodel, args.plan, args.candidates, model=ModelHandle.resolve(cfg.model),
+             cluster=cfg.cluster, planner=cfg.planner, global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
@@ -181,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--shapes", type=Path, required=True, help="output shapes.parquet")
     p.add_argument("--histograms", type=Path, required=True, help="output histograms.parquet")
-    p.add_argument("--workers", type=int, default=0, help="worker processes (0 = all cores)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (0 = all cores; default: data.workers)")
 
     p = add("profile-model", cmd_profile_model,
             "time and memory of every model part over a shape grid and TP degrees (model_profile.parquet)")

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from dflop.config import Config, ModelSpec
 from dflop.errors import UserError
 from dflop.io import read_yaml, write_text_atomic
 
@@ -283,6 +284,21 @@ class PlanFile:
     baseline: Plan | None = None
     doc: Mapping[str, Any] = field(default_factory=dict, compare=False)
     source: str = "plan.yaml"
+
+    def model_spec(self) -> ModelSpec:
+        """The model the plan was made for (its ``model`` record: arch, vision, llm, weights; the
+        rest of the section from the schema's defaults)."""
+        record = self.doc.get("model")
+        if not isinstance(record, Mapping):
+            raise UserError(f"{self.source}: model: missing (which model was this plan made for?)")
+        missing = [k for k in ("arch", "vision", "llm") if k not in record]
+        if missing:
+            raise UserError(f"{self.source}: model.{missing[0]} missing")
+        section = {k: record[k] for k in ("arch", "vision", "llm", "weights") if k in record}
+        try:
+            return Config.from_dict({"model": section}).model
+        except UserError as exc:
+            raise UserError(f"{self.source}: model record: {exc}") from None
 
     def check_batch(self, global_batch_size: int, key: str = "train.global_batch_size") -> None:
         if global_batch_size != self.global_batch_size:

@@ -27,27 +27,31 @@ fitted GPU profile when one exists. Defaults: an H100 SXM at ~40% of its 989 den
 
 from __future__ import annotations
 
+from transformers import PreTrainedConfig
+
 from dflop.costmodel.features import MODULE_FEATURES
 from dflop.costmodel.memory import canonical_dtype
 from dflop.costmodel.model import CostModel, ModuleCosts, Provenance
-from dflop.models.info import ModelInfo
-from dflop.models.presets import llm_preset, vision_preset
+from dflop.models.info import info_of
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def analytic_cost_model(info: ModelInfo, *, vision: str, llm: str, tp_degrees=(1, 2, 4, 8),
-                        achieved_tflops: float = 400.0, tp_gbps: float = 300.0, hbm_gbps: float = 2000.0,
-                        op_overhead_ms: float = 0.03, dtype: str = "bfloat16", arch: str | None = None) -> CostModel:
-    """The FLOP-count `CostModel` of `info` (module docstring) at every TP degree in `tp_degrees`.
+def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), achieved_tflops: float = 400.0,
+                        tp_gbps: float = 300.0, hbm_gbps: float = 2000.0, op_overhead_ms: float = 0.03,
+                        dtype: str = "bfloat16", preset: str | None = None) -> CostModel:
+    """The FLOP-count `CostModel` of the model `config` describes (module docstring) at every TP
+    degree in `tp_degrees`.
 
-    vision / llm: preset names (for the MLP widths); achieved_tflops: sustained dense TFLOP/s per
-    GPU; tp_gbps: TP all-reduce bandwidth (GB/s); hbm_gbps: memory bandwidth for the embedding
-    lookup; op_overhead_ms: fixed milliseconds per layer (or part) per microbatch, forward and backward.
+    achieved_tflops: sustained dense TFLOP/s per GPU; tp_gbps: TP all-reduce bandwidth (GB/s);
+    hbm_gbps: memory bandwidth for the embedding lookup; op_overhead_ms: fixed milliseconds per
+    layer (or part) per microbatch, forward and backward; preset: the ``arch/vision/llm`` name
+    recorded as its provenance.
     """
+    info = info_of(config)
     flops_per_ms = achieved_tflops * 1e12 / 1e3
     nbytes = _DTYPE_BYTES[canonical_dtype(dtype)]
-    v_pre, l_pre = vision_preset(vision), llm_preset(llm)
+    vision_mlp, llm_mlp = config.vision_config.intermediate_size, config.get_text_config().intermediate_size
     T, hv, hl, V = info.vision_tokens_per_tile, info.vision_hidden, info.llm_hidden, info.vocab_size
     modules = []
     for t in tp_degrees:
@@ -62,13 +66,13 @@ def analytic_cost_model(info: ModelInfo, *, vision: str, llm: str, tp_degrees=(1
             "vision_embed": ({"tiles": 2 * info.vision_embed_params * T / t}, 0.0, {"tiles": nbytes * T * hv},
                              info.vision_embed_params),
             "vision_layer": ({"tiles": (2 * info.vision_layer_params * T + 4 * T * T * hv) / t},
-                             2 * allreduce_ms(nbytes * T * hv), {"tiles": T * act_layer(hv, v_pre.intermediate_size)},
+                             2 * allreduce_ms(nbytes * T * hv), {"tiles": T * act_layer(hv, vision_mlp)},
                              info.vision_layer_params),
             "projector": ({"tiles": 2 * info.projector_params * T / t}, allreduce_ms(nbytes * T * hl),
                           {"tiles": nbytes * T * (hv + hl) / t}, info.projector_params),
             "llm_embed": ({}, 0.0, {"tokens": nbytes * hl}, info.llm_embed_params),
             "llm_layer": ({"tokens": 2 * info.llm_layer_params / t, "sq_tokens": 2 * hl / t},
-                          2 * allreduce_ms(nbytes * hl), {"tokens": act_layer(hl, l_pre.intermediate_size)},
+                          2 * allreduce_ms(nbytes * hl), {"tokens": act_layer(hl, llm_mlp)},
                           info.llm_layer_params),
             "llm_head": ({"tokens": 2 * hl * V / t}, allreduce_ms(4), {"tokens": nbytes * hl + 4 * V / t},
                          info.llm_head_params),
@@ -86,5 +90,5 @@ def analytic_cost_model(info: ModelInfo, *, vision: str, llm: str, tp_degrees=(1
             coef = {target: tuple(float(values.get(f, 0.0)) for f in features)
                     for target, values in (("fwd_ms", fwd), ("bwd_ms", bwd), ("act_bytes", act))}
             modules.append(ModuleCosts(name, int(t), features, coef, float(params * nbytes / t), 0, (1, 1), (1, 1)))
-    preset = f"{arch or info.arch}/{vision}/{llm}"
-    return CostModel(modules, Provenance(preset=preset, device=f"analytic {achieved_tflops:g} TFLOP/s", dtype=dtype))
+    return CostModel(modules, Provenance(preset=preset or info.arch, device=f"analytic {achieved_tflops:g} TFLOP/s",
+                                         dtype=dtype))

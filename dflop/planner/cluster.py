@@ -19,10 +19,11 @@ conservative for large messages and exact for latency-bound ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
+from dflop.config import ClusterSection
 from dflop.errors import UserError
 
 GB = 1e9  # config sizes and bandwidths are decimal gigabytes
@@ -54,17 +55,27 @@ class Cluster:
             raise UserError(f"cluster.p2p_latency_s must be >= 0, got {self.p2p_latency_s!r}")
 
     @classmethod
-    def from_config(cls, *, nodes: int = 1, gpus_per_node: int = 2, gpu_memory_gb: float = 8,
-                    intra_node_gbps: float = 150, inter_node_gbps: float = 25, p2p_latency_us: float = 20,
-                    device: str = "cpu") -> "Cluster":
-        """The cluster from the config's units (GB, GB/s, microseconds); keys as in config.schema."""
-        for key, value in (("gpu_memory_gb", gpu_memory_gb), ("intra_node_gbps", intra_node_gbps),
-                           ("inter_node_gbps", inter_node_gbps)):
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise UserError(f"cluster.{key} must be a number > 0, got {value!r}")
-        return cls(nodes=int(nodes), gpus_per_node=int(gpus_per_node), gpu_memory_bytes=gpu_memory_gb * GB,
-                   intra_node_bytes_per_s=intra_node_gbps * GB, inter_node_bytes_per_s=inter_node_gbps * GB,
-                   p2p_latency_s=p2p_latency_us * 1e-6, device=device)
+    def from_section(cls, section: ClusterSection) -> "Cluster":
+        """The cluster of the config's ``cluster`` section (GB, GB/s, microseconds)."""
+        return cls(nodes=int(section.nodes), gpus_per_node=int(section.gpus_per_node),
+                   gpu_memory_bytes=section.gpu_memory_gb * GB, intra_node_bytes_per_s=section.intra_node_gbps * GB,
+                   inter_node_bytes_per_s=section.inter_node_gbps * GB, p2p_latency_s=section.p2p_latency_us * 1e-6,
+                   device=section.device)
+
+    @classmethod
+    def from_record(cls, record, where: str) -> "Cluster":
+        """The cluster a plan.yaml records (``to_config``'s keys); one-line UserError naming the key."""
+        if not isinstance(record, dict):
+            raise UserError(f"{where}: cluster: expected a mapping of cluster keys")
+        names = [f.name for f in fields(ClusterSection)]
+        missing = [k for k in names if k not in record]
+        if missing:
+            raise UserError(f"{where}: cluster: missing key(s) {', '.join(missing)}")
+        for key in names:
+            if key != "device" and (isinstance(record[key], bool) or not isinstance(record[key], (int, float))
+                                    or not record[key] >= 0):
+                raise UserError(f"{where}: cluster.{key} must be a number >= 0, got {record[key]!r}")
+        return cls.from_section(ClusterSection(**{k: record[k] for k in names}))
 
     def to_config(self) -> dict:
         """The inverse of `from_config` (config units), for plan.yaml."""

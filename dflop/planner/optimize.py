@@ -8,14 +8,15 @@ times). Every bad input is a one-line `UserError` naming the file or key.
 from __future__ import annotations
 
 import time
-from typing import Sequence
 
+from dflop.config import ClusterSection, PlannerSection
 from dflop.costmodel.model import CostModel
+from dflop.models.handle import ModelHandle
 from dflop.plan import write_plan
 from dflop.planner.candidates import write_candidates
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings
-from dflop.planner.inputs import check_cost_model_matches, load_model_shape
+from dflop.planner.inputs import check_cost_model_matches
 from dflop.planner.means import Pool
 from dflop.planner.planfile import plan_document
 from dflop.planner.search import SearchResult, SearchSettings, search
@@ -23,38 +24,30 @@ from dflop.planner.space import ModelShape
 from dflop.shapes import read_shapes
 
 
-def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *,
-             arch: str = "llava_ov", vision: str = "siglip-tiny", llm: str = "qwen2.5-tiny",
-             weights: str | None = None, device: str = "cpu", nodes: int = 1, gpus_per_node: int = 2,
-             gpu_memory_gb: float = 8.0, intra_node_gbps: float = 150.0, inter_node_gbps: float = 25.0,
-             p2p_latency_us: float = 20.0, placements: Sequence[str] = ("disjoint", "colocated"),
-             microbatches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), sample_batches: int = 8, top_k: int = 16,
-             time_limit_s: float = 10.0, rel_gap: float = 0.01, global_batch_size: int = 16, seed: int = 0,
-             scheduler_ilp: str = "never", scheduler_budget_ms: float = 50.0, racing: bool = True,
-             verbose: bool = True,
+def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: ModelHandle,
+             cluster: ClusterSection, planner: PlannerSection, global_batch_size: int, seed: int,
+             scheduler: SchedulerSettings = SchedulerSettings(), racing: bool = True, verbose: bool = True,
              shape: ModelShape | None = None) -> SearchResult:
     """Plan the parallel layout; write plan.yaml and candidates.parquet; return the search result.
 
-    Keyword arguments mirror the config: model.{arch, vision, llm, weights}, cluster.*,
-    planner.{placements, microbatches, sample_batches, top_k, time_limit_s, rel_gap},
-    train.global_batch_size, run.seed; scheduler_ilp / scheduler_budget_ms: whether the online
-    scheduler's exact ILP runs on each sampled batch and its wall budget (default "never": plans
-    must not depend on machine load, see `SchedulerSettings`); racing: successive halving over the
-    sampled batches (see `dflop.planner.search`). `shape` overrides the model structure (tests).
+    model: the resolved model (`ModelHandle`); cluster / planner: the config's sections;
+    global_batch_size: train.global_batch_size; seed: run.seed. scheduler: how the online
+    scheduler partitions each sampled batch (default: no ILP, so plans do not depend on machine
+    load; see `SchedulerSettings`); racing: successive halving over the sampled batches (see
+    `dflop.planner.search`). `shape` overrides the model structure (tests).
     """
     t0 = time.perf_counter()
     cost = CostModel.load(costmodel_path)
-    check_cost_model_matches(cost, arch, vision, llm, costmodel_path)
-    shape = shape or load_model_shape(arch, vision, llm, weights)
+    check_cost_model_matches(cost, model.spec, costmodel_path)
+    shape = shape or ModelShape.from_info(model.info)
     pool = Pool.from_shapes(read_shapes(shapes_path), where=str(shapes_path),
                             llm_tokens_per_tile=shape.llm_tokens_per_tile)
-    cluster = Cluster.from_config(nodes=nodes, gpus_per_node=gpus_per_node, gpu_memory_gb=gpu_memory_gb,
-                                  intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps,
-                                  p2p_latency_us=p2p_latency_us, device=device)
-    scheduler = SchedulerSettings(budget_s=scheduler_budget_ms / 1e3, ilp=scheduler_ilp)
-    settings = SearchSettings(global_batch=global_batch_size, placements=tuple(placements),
-                              microbatches=tuple(microbatches), sample_batches=sample_batches, top_k=top_k,
-                              time_limit_s=time_limit_s, rel_gap=rel_gap, seed=seed, racing=racing, scheduler=scheduler)
+    cluster = Cluster.from_section(cluster)
+    p = planner
+    settings = SearchSettings(global_batch=global_batch_size, placements=tuple(p.placements),
+                              microbatches=tuple(p.microbatches), sample_batches=p.sample_batches, top_k=p.top_k,
+                              time_limit_s=p.time_limit_s, rel_gap=p.rel_gap, seed=seed, racing=racing,
+                              scheduler=scheduler)
     result = search(cost, shape, pool, cluster, settings)
     base = result.baseline
     doc = plan_document(
@@ -66,11 +59,12 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *,
         solver={"name": "highs (pyomo)", "status": result.milp.status, "time_s": result.stats["milp_s"],
                 "milps": result.stats["milps"], "statuses": result.stats["milp_statuses"],
                 "top_k_proven": result.stats["top_k_proven"], "layouts": result.stats["layouts"],
-                "feasible": result.stats["feasible"], "time_limit_s": time_limit_s, "rel_gap": rel_gap,
+                "feasible": result.stats["feasible"], "time_limit_s": p.time_limit_s, "rel_gap": p.rel_gap,
                 "wall_s": time.perf_counter() - t0},
-        evaluation={"sample_batches": sample_batches, "seed": seed, "racing": racing, "top_k": top_k,
+        evaluation={"sample_batches": p.sample_batches, "seed": seed, "racing": racing, "top_k": p.top_k,
                     "scheduler": {"policy": scheduler.policy, "budget_s": scheduler.budget_s, "ilp": scheduler.ilp}},
-        model={"arch": arch, "vision": vision, "llm": llm, "weights": weights, "dtype": cost.provenance.dtype},
+        model={"arch": model.spec.arch, "vision": model.spec.vision, "llm": model.spec.llm,
+               "weights": model.spec.weights, "dtype": cost.provenance.dtype},
         inputs={"shapes": str(shapes_path), "costmodel": str(costmodel_path)},
     )
     write_plan(doc, plan_path)

@@ -18,6 +18,7 @@ import numpy as np
 
 from dflop.costmodel.model import CostModel
 from dflop.costmodel.types import BatchCosts
+from dflop.models.handle import ModelHandle
 from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
@@ -42,6 +43,15 @@ class Pricing:
     cost: CostModel = field(repr=False)
     cluster: Cluster
     sizes: TransferSizes
+
+    @classmethod
+    def of(cls, plan: Plan, cost: CostModel, model: ModelHandle, cluster: Cluster) -> "Pricing":
+        """`plan`'s pricing, the transfer sizes taken from `model` in the cost model's dtype."""
+        info = model.info
+        sizes = TransferSizes.for_model(llm_hidden=info.llm_hidden, vision_hidden=info.vision_hidden,
+                                        vision_tokens_per_tile=info.vision_tokens_per_tile,
+                                        dtype=cost.provenance.dtype)
+        return cls(plan, cost, cluster, sizes)
 
     @property
     def p2p_s(self) -> float:

@@ -24,11 +24,12 @@ import numpy as np
 
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
+from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan, PlanFile, read_plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
 from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.inputs import check_cost_model_matches, load_model_shape
+from dflop.planner.inputs import check_cost_model_matches
 from dflop.planner.planfile import check_plan_runs
 from dflop.planner.space import ModelShape
 from dflop.shapes import read_shapes
@@ -71,24 +72,18 @@ def load_plan_context(plan_path, *, shapes_path=None, costmodel_path=None, shape
     """Read plan.yaml and the inputs it names (or the ones given); one-line UserErrors for missing keys."""
     pf = read_plan(plan_path)
     doc = pf.doc
-    inputs, model, evaluation = doc.get("inputs") or {}, doc.get("model") or {}, doc.get("evaluation") or {}
+    inputs, evaluation = doc.get("inputs") or {}, doc.get("evaluation") or {}
     shapes_path = shapes_path or inputs.get("shapes")
     costmodel_path = costmodel_path or inputs.get("costmodel")
     if not shapes_path or not costmodel_path:
         raise UserError(f"{plan_path}: inputs.shapes / inputs.costmodel missing; pass --shapes and --costmodel")
     cost = CostModel.load(costmodel_path)
     if shape is None:
-        try:
-            arch, vision, llm = model["arch"], model["vision"], model["llm"]
-        except KeyError as exc:
-            raise UserError(f"{plan_path}: model.{exc.args[0]} missing") from None
-        check_cost_model_matches(cost, arch, vision, llm, costmodel_path)
-        shape = load_model_shape(arch, vision, llm, model.get("weights"))
+        spec = pf.model_spec()
+        check_cost_model_matches(cost, spec, costmodel_path)
+        shape = ModelShape.from_info(ModelHandle.resolve(spec).info)
     pool = Pool.from_shapes(read_shapes(shapes_path), where=str(shapes_path), llm_tokens_per_tile=shape.llm_tokens_per_tile)
-    try:
-        cluster = Cluster.from_config(**(doc.get("cluster") or {}))
-    except TypeError as exc:
-        raise UserError(f"{plan_path}: cluster: {exc}") from None
+    cluster = Cluster.from_record(doc.get("cluster"), str(plan_path))
     sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
                                     vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
     recorded = evaluation.get("scheduler") or {}

@@ -312,7 +312,7 @@ def profile_data(
             writer.close()
             bar.close()
         elapsed = time.perf_counter() - started
-        _check_skip_fraction(summary, cfg.raw["data"]["max_skip_frac"])
+        _check_skip_fraction(summary, cfg.data.max_skip_frac)
         shapes = pd.read_parquet(tmp_shapes)
         # Before shapes.parquet is renamed into place: a failure here leaves neither file.
         write_histograms(shapes, histograms_path)

@@ -43,11 +43,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import PreTrainedConfig
 
+from dflop.config import ProfileSection
 from dflop.cpu_memory import reuse_large_cpu_allocations
 from dflop.errors import UserError
 from dflop.io import atomic_path
 from dflop.models.architectures import Architecture, architecture
 from dflop.models.builder import model_config, resolve_dtype
+from dflop.models.handle import ModelHandle
 from dflop.models.info import llm_tp_divides, projector_tp_divides, vision_tp_divides
 from dflop.models.tensor_parallel import TPGroup
 from dflop.profiling._memory import adam_state_bytes, grad_bytes, param_bytes, saved_tensor_bytes
@@ -107,45 +109,25 @@ class ProfileSettings:
             raise UserError(f"profile.time_budget_s must be > 0, got {self.time_budget_s}")
 
 
-def profile_model(
-    arch: str,
-    vision: str,
-    llm: str,
-    out_path: str | Path,
-    *,
-    weights_dir: str | Path | None = None,
-    device: str = "cpu",
-    dtype: str = "float32",
-    tp_degrees: Sequence[int] = (1, 2),
-    max_tiles: int = 16,
-    max_seq_len: int = 2048,
-    min_seq_len: int = 32,
-    repeats: int = 5,
-    warmup: int = 2,
-    min_measure_ms: float = 50.0,
-    max_repeats: int = 40,
-    time_budget_s: float = 120.0,
-    cpu_threads: int = 1,
-    progress: bool = True,
-    seed: int = 0,
-) -> pd.DataFrame:
-    """Profile every part of (arch, vision, llm) for each TP degree; write `out_path` atomically.
+def profile_model(model: ModelHandle, profile: ProfileSection, out_path: str | Path, *, seed: int,
+                  min_seq_len: int = 32, cpu_threads: int = 1, progress: bool = True) -> pd.DataFrame:
+    """Profile every part of `model` for each of ``profile.tp_degrees``; write `out_path` atomically.
 
-    weights_dir: take the model's shapes from this local Hugging Face directory (weights are not
-        needed to time it). cpu_threads: torch threads per rank on CPU.
+    profile: the config's ``profile`` section (device, degrees, shape grid, repeats, budget).
+    min_seq_len: shortest per-sample length of the LLM grid; cpu_threads: torch threads per rank
+    on CPU. Timings do not need weights: with ``model.weights`` only the shapes are taken from it.
     TP degrees that do not divide a module's heads/width skip that module (logged).
     Returns the table that was written.
     """
-    settings = ProfileSettings(max_tiles=max_tiles, max_seq_len=max_seq_len, min_seq_len=min_seq_len,
-                               repeats=repeats, warmup=warmup, min_measure_ms=min_measure_ms,
-                               max_repeats=max_repeats, time_budget_s=time_budget_s)
+    settings = ProfileSettings(max_tiles=profile.max_tiles, max_seq_len=profile.max_seq_len, min_seq_len=min_seq_len,
+                               repeats=profile.repeats, warmup=profile.warmup, min_measure_ms=profile.min_measure_ms,
+                               max_repeats=profile.max_repeats, time_budget_s=profile.time_budget_s)
     settings.check()
-    config = model_config(arch, vision, llm, weights_dir=weights_dir)
-    resolve_dtype(dtype)
-    _check_device(device, tp_degrees)
-    job = dict(arch=arch, vision=vision, llm=llm, weights_dir=None if weights_dir is None else str(weights_dir),
-               device=device, dtype=dtype, settings=asdict(settings), cpu_threads=cpu_threads, seed=seed,
-               preset=f"{arch}/{vision}/{llm}")
+    spec, config, tp_degrees = model.spec, model.config, profile.tp_degrees
+    resolve_dtype(spec.dtype)
+    _check_device(profile.device, tp_degrees)
+    job = dict(arch=spec.arch, vision=spec.vision, llm=spec.llm, weights_dir=spec.weights, device=profile.device,
+               dtype=spec.dtype, settings=asdict(settings), cpu_threads=cpu_threads, seed=seed, preset=spec.preset)
     began = time.perf_counter()
     frames = []
     for tp in sorted(set(int(t) for t in tp_degrees)):
@@ -157,7 +139,8 @@ def profile_model(
         if skipped:
             log.info("TP=%d: not profiling %s (heads or width not divisible)", tp, ", ".join(skipped))
         job_tp = dict(job, tp=tp, modules=list(modules))
-        rows = profile_rank(job_tp, progress=progress) if tp == 1 else _run_tp_workers(job_tp, progress=progress)
+        rows = (profile_rank(job_tp, progress=progress, config=config) if tp == 1
+                else _run_tp_workers(job_tp, progress=progress))
         frames.append(pd.DataFrame(rows, columns=list(COLUMNS)))
     if not frames:
         raise UserError(f"profile.tp_degrees {list(tp_degrees)}: no degree divides the model's heads")
@@ -226,12 +209,16 @@ class _RankSync:
         return buf.tolist()
 
 
-def profile_rank(job: dict, *, progress: bool, tp: TPGroup | None = None) -> list[dict]:
-    """Measure `job["modules"]` on this rank; returns rows (rank 0's are the ones kept)."""
+def profile_rank(job: dict, *, progress: bool, tp: TPGroup | None = None,
+                 config: PreTrainedConfig | None = None) -> list[dict]:
+    """Measure `job["modules"]` on this rank; returns rows (rank 0's are the ones kept).
+
+    config: the model's resolved config; a TP worker process resolves it from the job's names."""
     tp = tp or TPGroup(rank=0, size=1)
     settings = ProfileSettings(**job["settings"])
     spec = architecture(job["arch"])
-    config = model_config(job["arch"], job["vision"], job["llm"], weights_dir=job["weights_dir"])
+    if config is None:
+        config = model_config(job["arch"], job["vision"], job["llm"], weights_dir=job["weights_dir"])
     device = _rank_device(job["device"])
     dtype = resolve_dtype(job["dtype"])
     threads = torch.get_num_threads()

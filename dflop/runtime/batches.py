@@ -19,6 +19,7 @@ placement each replica encodes the images of its own bin.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 from dataclasses import asdict, dataclass, replace
@@ -132,15 +133,20 @@ def step_plan_from_partition(step: int, rows: np.ndarray, shapes: pd.DataFrame, 
 class StepPlanner:
     """Rank 0's side of the data path: global batches -> costs -> scheduler service -> StepPlans.
 
-    costs_fn: shapes rows of one batch -> BatchCosts for the plan's layout.
+    costs_fn: shapes rows of one batch -> BatchCosts for the plan's layout (the trainer's: the one
+        pricing path, `dflop.planner.pricing`).
     feature_rows_fn: shapes rows -> [n] feature rows per sample.
     policy: "dflop" (portfolio) or "baseline" (fixed count per microbatch in batch order).
+    p2p_s, allreduce_s: the pipeline send latency and the [P] per-stage gradient all-reduce seconds
+        the 1F1B simulation charges (the pricing's), so predictions match the planner's.
+    ilp: the portfolio's exact member, as `partition` takes it.
     """
 
     def __init__(self, pool: pd.DataFrame, batches: GlobalBatches, plan: Plan,
                  costs_fn: Callable[[pd.DataFrame], BatchCosts], feature_rows_fn: Callable[[pd.DataFrame], np.ndarray],
                  *, policy: str = "dflop", budget_s: float = 0.2, prefetch: int = 2, seed: int = 0,
-                 total_steps: int | None = None, adaptive: bool = True):
+                 total_steps: int | None = None, adaptive: bool = True, p2p_s: float = 0.0, allreduce_s=0.0,
+                 ilp: str = "auto"):
         if policy not in POLICIES:
             raise UserError(f"scheduler.policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
         self.pool, self.batches, self.plan = pool.reset_index(drop=True), batches, plan
@@ -150,10 +156,12 @@ class StepPlanner:
         self.correction = AdaptiveCorrection(self.buckets.n_buckets) if adaptive and policy == "dflop" else None
         dp_vision = plan.vision_replicas
         self.budget_s = budget_s
+        self.p2p_s, self.allreduce_s = p2p_s, allreduce_s
         # The baseline's split is instant and must not fall back to the DFLOP greedy: no service.
         self.service = None if policy == "baseline" else SchedulerService(
             m=plan.microbatches, dp_llm=plan.llm.dp, dp_vision=dp_vision, budget_s=budget_s, seed=seed,
-            prefetch=prefetch, policy=POLICIES[policy], correction=self.correction)
+            prefetch=prefetch, policy=POLICIES[policy], p2p_s=p2p_s, allreduce_s=allreduce_s,
+            correction=self.correction, solver=functools.partial(partition, ilp=ilp))
         self._submitted = -1
         self._first: int | None = None
         self._costs: dict[int, tuple[BatchCosts, np.ndarray, Partition | None]] = {}
@@ -186,7 +194,8 @@ class StepPlanner:
         costs, buckets, _ = self._costs[step]
         if self.service is None:
             dp_vision = self.plan.vision_replicas
-            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron")
+            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron",
+                             p2p_s=self.p2p_s, allreduce_s=self.allreduce_s)
         else:
             # The first step has nothing to overlap with: wait for the solve rather than fall back.
             if timeout_s is None:
@@ -206,9 +215,11 @@ class StepPlanner:
         costs = self.costs_fn(shapes)
         dp_vision = self.plan.vision_replicas
         if self.service is None:
-            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron")
+            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron",
+                             p2p_s=self.p2p_s, allreduce_s=self.allreduce_s)
         else:
-            part = greedy_partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision)
+            part = greedy_partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, p2p_s=self.p2p_s,
+                                    allreduce_s=self.allreduce_s)
         self._costs[plan.step] = (costs, None, None)
         new = step_plan_from_partition(plan.step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
                                        costs.vision_total())

@@ -95,15 +95,15 @@ def check_before_launch(cfg, plan_path: str | Path) -> None:
     """One-line UserError, before any process starts, unless the plan can train the config's model
     on its cluster: layer splits, TP degrees, world size, a launchable rank layout
     (`dflop.planner.planfile.check_plan_runs`) and the global batch."""
+    from dflop.models.handle import ModelHandle
     from dflop.planner.cluster import Cluster
-    from dflop.planner.inputs import load_model_shape
     from dflop.planner.planfile import check_plan_runs
+    from dflop.planner.space import ModelShape
 
     plan_file = read_plan(plan_path)
-    m = cfg.model
-    shape = load_model_shape(m.arch, m.vision, m.llm, m.weights)
-    check_plan_runs(plan_file.plan, shape, Cluster.from_config(**cfg.section("cluster")), str(plan_path))
-    plan_file.check_batch(cfg.section("train")["global_batch_size"])
+    shape = ModelShape.from_info(ModelHandle.resolve(cfg.model).info)
+    check_plan_runs(plan_file.plan, shape, Cluster.from_section(cfg.cluster), str(plan_path))
+    plan_file.check_batch(cfg.train.global_batch_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             return code
         from dflop.config import load
-        from dflop.runtime.trainer import train
+        from dflop.runtime.run import train
 
         train(load(args.config, args.settings), plan_path=args.plan, shapes_path=args.shapes,
               costmodel_path=args.costmodel, out_dir=args.out_dir, steps=args.steps, policy=args.policy,

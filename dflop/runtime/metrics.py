@@ -25,6 +25,9 @@ import pandas as pd
 
 from dflop.io import atomic_path
 from dflop.models.info import ModelInfo
+from dflop.runtime.batches import StepPlan
+from dflop.runtime.topology import Topology
+from dflop.scheduler.correction import MeasuredTimes
 
 BASE_COLUMNS = ("step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
                 "predicted_step_s", "run_id")
@@ -82,3 +85,72 @@ def step_flops(info: ModelInfo, n_tiles: Sequence[int], seq_len: Sequence[int], 
     llm = (2 * (info.llm_layers * info.llm_layer_params + info.llm_head_params) * seqs.sum()
            + info.llm_layers * 2 * info.llm_hidden * (seqs ** 2).sum()) * (3 if llm_trainable else 2)
     return float(vision + llm)
+
+
+# -- one row from the gathered stage times ------------------------------------------------------------
+
+
+def stage_labels(topo: Topology) -> list[str]:
+    """Name of every pipeline stage, in chain order (vision0.., llm0..)."""
+    vision = [] if topo.plan.colocated else [f"vision{k}" for k in range(topo.plan.vision.pp)]
+    return vision + [f"llm{j}" for j in range(topo.plan.llm.pp)]
+
+
+def rank_stage(topo: Topology, rank: int) -> int:
+    """Chain position of `rank`."""
+    other = Topology(topo.plan, rank, topo.world_size)
+    return other.pipeline_stage
+
+
+def measured_times(topo: Topology, times: np.ndarray, plan: StepPlan):
+    """MeasuredTimes (by microbatch id) from the gathered [world, 2, m] busy seconds: per stage the
+    slowest replica/TP rank (vision) or the slowest TP rank of each replica (LLM)."""
+    p_v = 0 if topo.plan.colocated else topo.plan.vision.pp
+    m, dp = plan.n_microbatches, topo.plan.llm.dp
+    ids = np.asarray(plan.microbatch_ids)
+    vision_fwd, vision_bwd = np.zeros((p_v, m)), np.zeros((p_v, m))
+    llm_fwd, llm_bwd = np.zeros((dp, topo.plan.llm.pp, m)), np.zeros((dp, topo.plan.llm.pp, m))
+    for rank in range(topo.world_size):
+        other = Topology(topo.plan, rank, topo.world_size)
+        fwd, bwd = times[rank, 0], times[rank, 1]
+        if other.llm_role is not None:
+            r, j = other.llm_role.replica, other.llm_role.stage
+            llm_fwd[r, j, ids] = np.maximum(llm_fwd[r, j, ids], fwd)
+            llm_bwd[r, j, ids] = np.maximum(llm_bwd[r, j, ids], bwd)
+        else:
+            k = other.vision_role.stage
+            vision_fwd[k, ids] = np.maximum(vision_fwd[k, ids], fwd)
+            vision_bwd[k, ids] = np.maximum(vision_bwd[k, ids], bwd)
+    return MeasuredTimes(vision_fwd, vision_bwd, llm_fwd, llm_bwd)
+
+
+def stage_busy(topo: Topology, times: np.ndarray) -> dict[str, float]:
+    """Mean busy seconds of each pipeline stage's ranks."""
+    labels = stage_labels(topo)
+    per_stage: dict[int, list[float]] = {}
+    for rank in range(topo.world_size):
+        per_stage.setdefault(rank_stage(topo, rank), []).append(float(times[rank].sum()))
+    return {labels[s]: float(np.mean(v)) for s, v in sorted(per_stage.items())}
+
+
+def metrics_row(trainer, plan: StepPlan, stats: dict, times: np.ndarray, step_s: float,
+                data_wait: float, norm: float, lr: float) -> dict:
+    """Rank 0's metrics.parquet row of one step (module docstring); `times`: `Trainer.gather_times`."""
+    model = trainer.model
+    flops = step_flops(model.info, plan.n_tiles, plan.seq_len, vision_trainable=model.vision_side_trainable,
+                       llm_trainable=not model.spec.freeze_llm)
+    busy = stage_busy(trainer.topo, times)
+    row = {
+        "step": plan.step + 1, "run_id": trainer.fingerprint.run_id, "loss": stats["loss"], "step_s": step_s,
+        "samples": len(plan.rows),
+        "tokens": int(sum(plan.seq_len)), "tflops": flops / step_s / 1e12,
+        "idle_frac": float(1 - times.sum() / (trainer.world * step_s)),
+        "sched_ms": plan.sched_s * 1e3, "sched_gap": plan.predicted_step_s / plan.lower_bound_s
+        if plan.lower_bound_s > 0 else float("nan"),
+        "predicted_step_s": plan.predicted_step_s, "lr": lr,
+        "grad_norm": norm, "answer_tokens": stats["n_answer"], "data_wait_s": data_wait, "member": plan.member,
+    }
+    for label, seconds in busy.items():
+        row[f"busy_s_{label}"] = seconds
+        row[f"idle_s_{label}"] = step_s - seconds
+    return row

@@ -19,16 +19,14 @@ runs backward only on the last vision stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from dflop.config import ModelSpec
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
-from dflop.models.builder import build_model, model_config
+from dflop.models.handle import ModelHandle
 from dflop.models.stages import LLMStage, VisionStage, build_llm_stage, build_vision_stage
 from dflop.models.tensor_parallel import shard_stage
 from dflop.runtime.topology import Topology
@@ -40,42 +38,6 @@ FREEZE_PREFIXES = {
     "projector": ("model.multi_modal_projector.", "model.image_newline"),
     "llm": ("model.language_model.", "lm_head."),
 }
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which model to train (the config's ``model`` section, as plain values)."""
-
-    arch: str
-    vision: str
-    llm: str
-    weights: str | Path | None = None
-    seed: int = 0
-    freeze_vision: bool = False
-    freeze_projector: bool = False
-    freeze_llm: bool = False
-
-    @property
-    def vision_side_trainable(self) -> bool:
-        """Whether anything before the LLM (tower or projector) learns: feature gradients flow back."""
-        return not (self.freeze_vision and self.freeze_projector)
-
-    def check_trainable(self) -> None:
-        if self.freeze_vision and self.freeze_projector and self.freeze_llm:
-            raise UserError("model.freeze: vision, projector and llm are all frozen; nothing to train")
-
-    def vision_stage_backward(self, stage: int, n_stages: int) -> bool:
-        """Whether vision stage `stage` runs backward (a frozen tower needs it only for the projector)."""
-        return not self.freeze_vision or (not self.freeze_projector and stage == n_stages - 1)
-
-    def vision_sends_input_grad(self) -> bool:
-        """Whether a vision stage sends its input gradient to the previous vision stage."""
-        return not self.freeze_vision
-
-    def tied_embeddings(self) -> bool:
-        config = model_config(self.arch, self.vision, self.llm, weights_dir=self.weights)
-        return bool(getattr(config.get_text_config(), "tie_word_embeddings", False)
-                    or getattr(config, "tie_word_embeddings", False))
 
 
 class RankModules(nn.Module):
@@ -100,10 +62,11 @@ class RankModules(nn.Module):
         return out
 
 
-def build_rank_modules(topo: Topology, spec: ModelSpec, device: torch.device | str = "cpu") -> RankModules:
-    """Build, shard and freeze the modules of this rank (see module docstring)."""
-    spec.check_trainable()
-    model = build_model(spec.arch, spec.vision, spec.llm, weights_dir=spec.weights, seed=spec.seed, device=device)
+def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: torch.device | str = "cpu") -> RankModules:
+    """Build (random init from `seed`, or the handle's weights), shard and freeze the modules of
+    this rank (see module docstring)."""
+    handle.check_trainable()
+    model = handle.build(seed=seed, device=device)
     plan = topo.plan
     arch = architecture_of(model)
     plan.check_model(arch.n_feature_layers(model.config), model.config.get_text_config().num_hidden_layers)
@@ -117,12 +80,12 @@ def build_rank_modules(topo: Topology, spec: ModelSpec, device: torch.device | s
         llm = build_llm_stage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage])
         shard_stage(llm, topo.llm_tp)
     modules = RankModules(model, vision, llm)
-    freeze(modules, spec)
+    freeze(modules, handle.spec)
     return modules
 
 
 def freeze(modules: RankModules, spec: ModelSpec) -> None:
-    """Set requires_grad from the freeze flags, by global parameter name."""
+    """Set requires_grad from the freeze flags (the config's model section), by global parameter name."""
     frozen = tuple(prefix for part, flag in (("vision", spec.freeze_vision), ("projector", spec.freeze_projector),
                                              ("llm", spec.freeze_llm)) if flag for prefix in FREEZE_PREFIXES[part])
     names = parameter_names(modules)

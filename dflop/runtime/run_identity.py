@@ -36,7 +36,7 @@ from dflop.errors import UserError
 
 if TYPE_CHECKING:
     from dflop.plan import Plan
-    from dflop.runtime.trainer import TrainSettings
+    from dflop.runtime.settings import TrainSettings
 
 log = logging.getLogger("dflop.train")
 
@@ -85,32 +85,32 @@ class RunFingerprint:
 
 def run_fingerprint(settings: "TrainSettings", plan: "Plan", pool: pd.DataFrame) -> RunFingerprint:
     """The fingerprint of training `settings` with `plan` on the usable shapes rows `pool`."""
-    s = settings
-    layout = {k: v for k, v in plan.to_dict(s.global_batch_size).items() if k != "global_batch_size"}
+    m, t, sched = settings.model, settings.train, settings.scheduler
+    layout = {k: v for k, v in plan.to_dict(t.global_batch_size).items() if k != "global_batch_size"}
     fields: dict[str, Any] = {
-        "run.seed": s.seed,
-        "model.arch": s.arch,
-        "model.vision": s.vision,
-        "model.llm": s.llm,
-        "model.weights": weights_identity(s.weights),
-        "model.tokenizer": tokenizer_identity(s.tokenizer),
-        "model.dtype": s.dtype,
-        "model.freeze": {"vision": s.freeze_vision, "projector": s.freeze_projector, "llm": s.freeze_llm},
-        f"model.{s.arch}": _plain(s.arch_params),
+        "run.seed": settings.seed,
+        "model.arch": m.arch,
+        "model.vision": m.vision,
+        "model.llm": m.llm,
+        "model.weights": weights_identity(m.weights),
+        "model.tokenizer": tokenizer_identity(m.tokenizer),
+        "model.dtype": m.dtype,
+        "model.freeze": {"vision": m.freeze_vision, "projector": m.freeze_projector, "llm": m.freeze_llm},
+        f"model.{m.arch}": _plain(m.arch_params),
         "plan": layout,
-        "scheduler.policy": s.policy,
-        "scheduler.pad_to_longest": s.pad_to_longest,
+        "scheduler.policy": sched.policy,
+        "scheduler.pad_to_longest": sched.pad_to_longest,
         "data.datasets": [{"name": d.name, "format": d.format, "sample": d.sample, "files": dataset_identity(d.path)}
-                          for d in s.datasets],
+                          for d in settings.datasets],
         "data.shapes": pool_identity(pool),
-        "train.global_batch_size": s.global_batch_size,
-        "train.lr": s.lr,
-        "train.min_lr_ratio": s.min_lr_ratio,
-        "train.warmup_steps": s.warmup_steps,
-        "train.weight_decay": s.weight_decay,
-        "train.grad_clip": s.grad_clip,
+        "train.global_batch_size": t.global_batch_size,
+        "train.lr": t.lr,
+        "train.min_lr_ratio": t.min_lr_ratio,
+        "train.warmup_steps": t.warmup_steps,
+        "train.weight_decay": t.weight_decay,
+        "train.grad_clip": t.grad_clip,
     }
-    return RunFingerprint(fields, int(s.steps))
+    return RunFingerprint(fields, int(t.steps))
 
 
 def pool_identity(pool: pd.DataFrame) -> str:

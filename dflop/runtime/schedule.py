@@ -31,7 +31,8 @@ import torch
 from dflop.data.training import LoadedSample
 from dflop.models.packing import IGNORE_INDEX, PackedSequence
 from dflop.runtime.batches import StepPlan
-from dflop.runtime.model import ModelSpec, RankModules
+from dflop.models.handle import ModelHandle
+from dflop.runtime.model import RankModules
 from dflop.runtime.p2p import P2P
 from dflop.runtime.topology import Topology
 from dflop.runtime.vision import VisionRunner
@@ -114,16 +115,16 @@ class PipelineExecutor:
     autocast_dtype: bf16 autocast on CUDA (None: compute in the parameters' dtype).
     """
 
-    def __init__(self, topo: Topology, modules: RankModules, spec: ModelSpec, p2p: P2P, *, image_token_id: int,
+    def __init__(self, topo: Topology, modules: RankModules, model: ModelHandle, p2p: P2P, *, image_token_id: int,
                  video_token_id: int, schedule: str = "1f1b", pad_to_longest: bool = False,
                  autocast_dtype: torch.dtype | None = None, device: torch.device = torch.device("cpu")):
-        self.topo, self.modules, self.spec, self.p2p = topo, modules, spec, p2p
+        self.topo, self.modules, self.model, self.p2p = topo, modules, model, p2p
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         self.schedule, self.pad_to_longest = schedule, pad_to_longest
         self.autocast_dtype, self.device = autocast_dtype, device
         self.vision_runner = VisionRunner(modules.vision, modules.full) if modules.vision is not None else None
         role = topo.vision_role
-        self.vision_backward = role is not None and spec.vision_stage_backward(role.stage, role.n_stages)
+        self.vision_backward = role is not None and model.vision_stage_backward(role.stage, role.n_stages)
 
     # -- the schedule ------------------------------------------------------------------------
 
@@ -209,7 +210,7 @@ class PipelineExecutor:
             x = self._pixels(share)
         else:
             x = self.p2p.recv_forward(self.topo.prev_rank(role), p)
-            x.requires_grad_(self.vision_backward and self.spec.vision_sends_input_grad())
+            x.requires_grad_(self.vision_backward and self.model.vision_sends_input_grad())
         layouts = self._layouts(share) if stage.is_last else None
         with self._timer.measure("F", p), torch.set_grad_enabled(self.vision_backward), self._autocast():
             out = self.vision_runner(x, layouts)
@@ -246,7 +247,7 @@ class PipelineExecutor:
             grad = self.p2p.recv_backward(self.topo.next_rank(role), p)
         with self._timer.measure("B", p):
             saved.output.backward(grad.to(saved.output.dtype))
-        if not stage.is_first and self.spec.vision_sends_input_grad():
+        if not stage.is_first and self.model.vision_sends_input_grad():
             self.p2p.send_backward(saved.inputs.grad, self.topo.prev_rank(role), p)
 
     # -- LLM stages --------------------------------------------------------------------------
@@ -259,7 +260,7 @@ class PipelineExecutor:
             if not share:
                 return None
             pixels = self._pixels(share)
-            with self._timer.measure("F", p), torch.set_grad_enabled(self.spec.vision_side_trainable), \
+            with self._timer.measure("F", p), torch.set_grad_enabled(self.model.vision_side_trainable), \
                     self._autocast():
                 return self.vision_runner(pixels, self._layouts(share))
         rows: dict[int, torch.Tensor] = {}
@@ -271,7 +272,7 @@ class PipelineExecutor:
         if not rows:
             return None
         features = torch.cat([rows[i] for i in self._with_tiles(bin_)])
-        return features.requires_grad_(self.spec.vision_side_trainable)
+        return features.requires_grad_(self.model.vision_side_trainable)
 
     def _with_tiles(self, bin_) -> list[int]:
         """The bin's samples that have images, in bin order (the order of its feature rows)."""
@@ -319,7 +320,7 @@ class PipelineExecutor:
                 saved.output.backward(None if grad is None else grad.to(saved.output.dtype))
         if not stage.is_first:
             self.p2p.send_backward(saved.inputs.grad, self.topo.prev_rank(role), p)
-        elif not self.topo.plan.colocated and saved.features is not None and self.spec.vision_side_trainable:
+        elif not self.topo.plan.colocated and saved.features is not None and self.model.vision_side_trainable:
             rows = self._split_rows(saved.features.grad, self._with_tiles(bin_))
             for v, destinations in self.topo.feature_grad_destinations().items():
                 share = set(self._plan.vision_shares[p][v])

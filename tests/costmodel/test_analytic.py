@@ -9,10 +9,17 @@ from dflop.costmodel.analytic import analytic_cost_model
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from dflop.models.info import model_info
+def config():
+    from dflop.models.builder import model_config
 
-    return model_info("llava_ov", "siglip-tiny", "qwen2.5-tiny")
+    return model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny(config):
+    from dflop.models.info import info_of
+
+    return info_of(config)
 
 
 def counted_llm_flops(seq_lens):
@@ -33,10 +40,9 @@ def counted_llm_flops(seq_lens):
     return np.array(out, dtype=np.float64)
 
 
-def test_llm_flops_match_the_flop_counter(tiny):
+def test_llm_flops_match_the_flop_counter(config, tiny):
     tflops = 100.0
-    cost = analytic_cost_model(tiny, vision="siglip-tiny", llm="qwen2.5-tiny", tp_degrees=(1,), achieved_tflops=tflops,
-                               op_overhead_ms=0.0)
+    cost = analytic_cost_model(config, tp_degrees=(1,), achieved_tflops=tflops, op_overhead_ms=0.0)
     flops_per_ms = tflops * 1e9
     layer, head = cost.module("llm_layer", 1), cost.module("llm_head", 1)
     coef = dict(zip(layer.features, layer.coefficients("fwd_ms")))
@@ -53,9 +59,9 @@ def test_llm_flops_match_the_flop_counter(tiny):
     assert L * coef["sq_tokens"] * flops_per_ms == pytest.approx(b / 2, rel=1e-9)  # causal: half the matmuls
 
 
-def test_tensor_parallel_splits_flops_and_adds_communication(tiny):
-    cost = analytic_cost_model(tiny, vision="siglip-tiny", llm="qwen2.5-tiny", tp_degrees=(1, 2), tp_gbps=100.0,
-                               op_overhead_ms=0.0)
+def test_tensor_parallel_splits_flops_and_adds_communication(config, tiny):
+    cost = analytic_cost_model(config, tp_degrees=(1, 2), tp_gbps=100.0, op_overhead_ms=0.0,
+                               preset="llava_ov/siglip-tiny/qwen2.5-tiny")
     one, two = (dict(zip(cost.module("llm_layer", t).features, cost.module("llm_layer", t).coefficients("fwd_ms")))
                 for t in (1, 2))
     h = tiny.llm_hidden

@@ -239,10 +239,11 @@ def test_parquet_images_load_from_their_source_without_bytes_in_memory(demo, tmp
     })
     pq.write_table(table, tmp_path / "embedded.parquet", row_group_size=2)
     from dflop.config import DatasetSpec
-    from dflop.runtime.trainer import pool_samples
+    from dflop.runtime.loading import pool_samples
 
     pool = pd.DataFrame({"dataset": "demo", "sample_id": [samples[i].sample_id for i in rows]})
-    lean = pool_samples(pool, [DatasetSpec("demo", tmp_path / "embedded.parquet")], seed=0)  # what every rank keeps
+    lean = pool_samples(pool, [DatasetSpec.from_dict({"name": "demo", "path": str(tmp_path / "embedded.parquet")})],
+                        seed=0)  # what every rank keeps
     assert [s.sample_id for s in lean] == list(pool["sample_id"])
     assert all(r.data is None and r.source is not None for s in lean for r in s.images)
 

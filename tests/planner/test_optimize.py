@@ -4,7 +4,9 @@ import pandas as pd
 import pytest
 import yaml
 
+from dflop.config import Config, deep_merge
 from dflop.costmodel.model import CostModel, Provenance
+from dflop.models.handle import ModelHandle
 from dflop.errors import UserError
 from dflop.plan import read_plan
 from dflop.planner import optimize, simulate_plan
@@ -18,9 +20,16 @@ DESIGN_KEYS = {"vision", "llm", "placement", "microbatches", "global_batch_size"
 
 @pytest.fixture(scope="module")
 def tiny_shape():
-    from dflop.planner.inputs import load_model_shape
+    from dflop.planner.space import ModelShape
 
-    return load_model_shape(**DEMO)
+    return ModelShape.from_info(ModelHandle.resolve(_config().model).info)
+
+
+def _config(**sections) -> Config:
+    """The demo model on a 2-process, 4 GB cluster, with `sections` ({"cluster": {...}}) laid over."""
+    base = {"model": DEMO, "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gb": 4},
+            "train": {"global_batch_size": 16}}
+    return Config.from_dict(deep_merge(base, sections))
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +43,18 @@ def inputs(tmp_path_factory):
     return d
 
 
-def _optimize(inputs, out, shape, **kw):
-    args = dict(nodes=1, gpus_per_node=2, gpu_memory_gb=4, global_batch_size=16, verbose=False, shape=shape, **DEMO)
-    args.update(kw)
+def _optimize(inputs, out, shape, verbose=False, **sections):
+    cfg = _config(**sections)
     return optimize(inputs / "shapes.parquet", inputs / "costmodel.json", out / "plan.yaml", out / "candidates.parquet",
-                    **args)
+                    model=ModelHandle.resolve(cfg.model), cluster=cfg.cluster, planner=cfg.planner,
+                    global_batch_size=cfg.train.global_batch_size, seed=cfg.seed, verbose=verbose, shape=shape)
+
+
+def _optimize_from(shapes, inputs, out, shape):
+    cfg = _config()
+    return optimize(shapes, inputs / "costmodel.json", out / "p.yaml", out / "c.parquet",
+                    model=ModelHandle.resolve(cfg.model), cluster=cfg.cluster, planner=cfg.planner,
+                    global_batch_size=16, seed=0, verbose=False, shape=shape)
 
 
 def test_demo_default_writes_a_valid_plan(inputs, tmp_path, tiny_shape, capsys):
@@ -65,13 +81,13 @@ def test_demo_default_writes_a_valid_plan(inputs, tmp_path, tiny_shape, capsys):
 
 
 def test_one_gpu_cluster_gives_a_world_size_one_plan(inputs, tmp_path, tiny_shape):
-    result = _optimize(inputs, tmp_path, tiny_shape, gpus_per_node=1)
+    result = _optimize(inputs, tmp_path, tiny_shape, cluster={"gpus_per_node": 1})
     assert result.chosen.plan.layout.world_size == 1
     assert result.chosen.plan.layout.placement == "colocated"
 
 
 def test_what_if_scales_dp_and_draws_the_gantt_chart(inputs, tmp_path, tiny_shape):
-    _optimize(inputs, tmp_path, tiny_shape, gpus_per_node=2)
+    _optimize(inputs, tmp_path, tiny_shape, cluster={"gpus_per_node": 2})
     same = simulate_plan(tmp_path / "plan.yaml", verbose=False, shape=tiny_shape)
     doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     assert same.plan.mean_s == pytest.approx(doc["predicted"]["step_s"]["mean"], rel=1e-12)  # same batches, same answer
@@ -95,21 +111,19 @@ def test_what_if_scales_dp_and_draws_the_gantt_chart(inputs, tmp_path, tiny_shap
 
 def test_cost_model_of_another_model_is_refused(inputs, tmp_path, tiny_shape):
     with pytest.raises(UserError, match="fitted on llava_ov/siglip-tiny/qwen2.5-tiny"):
-        _optimize(inputs, tmp_path, tiny_shape, llm="qwen2.5-7b")
+        _optimize(inputs, tmp_path, tiny_shape, model={"llm": "qwen2.5-7b"})
 
 
 def test_bad_shapes_file_names_the_file_and_column(inputs, tmp_path, tiny_shape):
     bad = toy_shapes(20).drop(columns=["seq_len"])
     bad.to_parquet(tmp_path / "bad.parquet")
     with pytest.raises(UserError, match=r"bad\.parquet: missing column\(s\) seq_len"):
-        optimize(tmp_path / "bad.parquet", inputs / "costmodel.json", tmp_path / "p.yaml", tmp_path / "c.parquet",
-                 shape=tiny_shape, verbose=False, **DEMO)
+        _optimize_from(tmp_path / "bad.parquet", inputs, tmp_path, tiny_shape)
     neg = toy_shapes(20)
     neg.loc[3, "n_tiles"] = -1
     neg.to_parquet(tmp_path / "neg.parquet")
     with pytest.raises(UserError, match=r"sample 's3' has invalid n_tiles=-1"):
-        optimize(tmp_path / "neg.parquet", inputs / "costmodel.json", tmp_path / "p.yaml", tmp_path / "c.parquet",
-                 shape=tiny_shape, verbose=False, **DEMO)
+        _optimize_from(tmp_path / "neg.parquet", inputs, tmp_path, tiny_shape)
 
 
 def test_plan_file_errors_name_the_key(tmp_path):
@@ -187,7 +201,7 @@ def test_simulate_refuses_a_plan_the_model_or_cluster_cannot_run(inputs, tmp_pat
 
 
 def test_simulate_on_more_gpus_scales_the_global_batch_and_says_so(inputs, tmp_path, tiny_shape, capsys):
-    _optimize(inputs, tmp_path, tiny_shape, gpus_per_node=2)
+    _optimize(inputs, tmp_path, tiny_shape, cluster={"gpus_per_node": 2})
     doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     per_gpu = doc["global_batch_size"] / doc["world_size"]
     big = simulate_plan(tmp_path / "plan.yaml", gpus=64, verbose=True, shape=tiny_shape, sample_batches_k=2)

@@ -13,12 +13,12 @@ from dflop.models.builder import model_config
 from dflop.models.info import model_info
 from dflop.profiling import model_profiler
 from dflop.profiling.model_grid import AdaptiveCurve
-from dflop.profiling.model_profiler import COLUMNS, modules_for_tp, profile_model, summarize
+from dflop.config import ConfigError
+from dflop.profiling.model_profiler import COLUMNS, modules_for_tp, summarize
+from profiling_testlib import SMALL_GRID, profile
 
 CONTRACT = ["module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
             "peak_bytes", "device", "dtype", "repeat"]
-SMALL_GRID = dict(max_tiles=4, max_seq_len=128, min_seq_len=16, repeats=2, warmup=1, min_measure_ms=40.0,
-                  max_repeats=4, time_budget_s=60.0, progress=False)
 
 
 @pytest.fixture(scope="module", params=[("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
@@ -26,7 +26,7 @@ SMALL_GRID = dict(max_tiles=4, max_seq_len=128, min_seq_len=16, repeats=2, warmu
 def profiled(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("profile") / "model_profile.parquet"
     threads = torch.get_num_threads()
-    table = profile_model(*request.param, out, tp_degrees=(1,), **SMALL_GRID)  # measures on 1 thread
+    table = profile(*request.param, out, tp_degrees=[1], **SMALL_GRID)  # measures on 1 thread
     assert torch.get_num_threads() == threads  # and gives the caller its threads back
     return request.param, out, table
 
@@ -112,14 +112,16 @@ def test_modules_for_tp_follow_divisibility():
 
 
 def test_bad_settings_are_one_line_errors(tmp_path):
-    with pytest.raises(UserError, match="profile.device must be 'cpu' or 'cuda'"):
-        profile_model("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", device="tpu")
+    with pytest.raises(ConfigError, match="profile.device: 'tpu' is not one of"):
+        profile("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", device="tpu")
+    with pytest.raises(ConfigError, match="profile.max_seq_len: 8 is less than the minimum"):
+        profile("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", max_seq_len=8)
     with pytest.raises(UserError, match="profile.max_seq_len"):
-        profile_model("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", max_seq_len=8)
+        profile("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", max_seq_len=16, min_seq_len=32)
     with pytest.raises(UserError, match=r"profile.max_repeats \(3\) must be >= repeats \(5\)"):
-        profile_model("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", max_repeats=3)
+        profile("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", max_repeats=3)
     with pytest.raises(UserError, match="no degree divides"):
-        profile_model("internvl", "internvit-6b", "qwen2.5-7b", tmp_path / "p.parquet", tp_degrees=(3,))
+        profile("internvl", "internvit-6b", "qwen2.5-7b", tmp_path / "p.parquet", tp_degrees=[3])
     assert not (tmp_path / "p.parquet").exists()
 
 
@@ -183,8 +185,8 @@ def test_spent_time_budget_stops_refinement_after_the_coarse_round(tmp_path, cap
     monkeypatch.setattr(model_profiler, "AdaptiveCurve", _AlwaysBentCurve)
     settings = dict(SMALL_GRID, time_budget_s=1e-6)
     with caplog.at_level("INFO", logger="dflop.profiling.model_profiler"):
-        table = profile_model("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet",
-                              tp_degrees=(1,), **settings)
+        table = profile("llava_ov", "siglip-tiny", "qwen2.5-tiny", tmp_path / "p.parquet", tp_degrees=[1],
+                        **settings)
     assert set(table["round"]) == {0}
     assert "time budget of 0 s spent; refinement stopped before round 1" in caplog.text
     assert (table.groupby(["module", "batch", "seq_len"]).size() >= 2).all()  # coarse shapes are complete

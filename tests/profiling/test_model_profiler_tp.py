@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from dflop.models.info import model_info
-from dflop.profiling.model_profiler import profile_model
+from profiling_testlib import profile
 
 
 @pytest.mark.distributed
 def test_tp2_profile_under_torchrun_holds_half_of_each_split_module(tmp_path):
     arch, vision, llm = "llava_ov", "siglip-tiny", "qwen2.5-tiny"
-    table = profile_model(arch, vision, llm, tmp_path / "model_profile.parquet", tp_degrees=(1, 2), max_tiles=4,
-                          max_seq_len=128, min_seq_len=16, repeats=2, warmup=1, time_budget_s=5.0, progress=False)
+    table = profile(arch, vision, llm, tmp_path / "model_profile.parquet", tp_degrees=[1, 2], max_tiles=4,
+                    max_seq_len=128, repeats=2, warmup=1, time_budget_s=5.0)
     assert set(table["tp"]) == {1, 2}
     tp2 = table[table.tp == 2]
     assert set(tp2["module"]) == set(table[table.tp == 1]["module"])

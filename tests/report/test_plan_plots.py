@@ -8,10 +8,12 @@ import pytest
 import yaml
 from PIL import Image
 
+from dflop.config import Config
 from dflop.costmodel.fit import fit_profile
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
 from dflop.errors import UserError
+from dflop.models.handle import ModelHandle
 from dflop.planner import optimize
 from dflop.report.plan_plots import compare_plan, draw_plan_comparison, plot_plan
 
@@ -39,9 +41,11 @@ def planned(tmp_path_factory):
     profile = synthetic_profile(patches_per_tile=729, preset="llava_ov/siglip-tiny/qwen2.5-tiny")
     model, _ = fit_profile(summarize_profile(profile))
     model.save(d / "costmodel.json")
-    optimize(d / "shapes.parquet", d / "costmodel.json", d / "plan.yaml", d / "candidates.parquet", nodes=1,
-             gpus_per_node=4, gpu_memory_gb=8, global_batch_size=32, placements=("disjoint",), microbatches=(4,),
-             sample_batches=6, verbose=False, **DEMO)
+    cfg = Config.from_dict({"model": DEMO, "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_gb": 8},
+                            "planner": {"placements": ["disjoint"], "microbatches": [4], "sample_batches": 6}})
+    optimize(d / "shapes.parquet", d / "costmodel.json", d / "plan.yaml", d / "candidates.parquet",
+             model=ModelHandle.resolve(cfg.model), cluster=cfg.cluster, planner=cfg.planner, global_batch_size=32,
+             seed=0, verbose=False)
     return d
 
 

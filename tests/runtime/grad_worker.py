@@ -29,7 +29,10 @@ from dflop.models.tensor_parallel import is_tp_shard, local_tensor
 from dflop.plan import plan_from_dict
 from dflop.runtime.batches import broadcast_step_plan
 from dflop.shapes import read_shapes
-from dflop.runtime.trainer import Trainer, TrainSettings, init_distributed, pool_samples
+from dflop.runtime.loading import pool_samples
+from dflop.runtime.process import init_distributed
+from dflop.runtime.settings import TrainSettings
+from dflop.runtime.trainer import Trainer
 
 
 def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> None:

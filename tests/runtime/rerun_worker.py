@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from dflop.config import Config, deep_merge
-from dflop.runtime.trainer import init_distributed, train
+from dflop.runtime.process import init_distributed
+from dflop.runtime.run import train
 
 
 def main() -> int:

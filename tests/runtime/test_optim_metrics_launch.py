@@ -125,13 +125,16 @@ def test_srun_inside_a_job_step_spans_the_job_and_drops_the_step_environment(tmp
 
 def test_padded_baseline_is_a_config_key():
     from dflop.config import load
-    from dflop.runtime.trainer import TrainSettings
+    from dflop.runtime.settings import TrainSettings
 
     cfg = load(None, '{"scheduler": {"policy": "baseline", "pad_to_longest": true}}')
     settings = TrainSettings.from_config(cfg)
-    assert settings.policy == "baseline" and settings.pad_to_longest
-    assert not TrainSettings.from_config(load(None, None)).pad_to_longest  # packed by default
-    assert not TrainSettings.from_config(cfg, pad_to_longest=False).pad_to_longest  # `dflop train` flag wins
+    assert settings.scheduler.policy == "baseline" and settings.scheduler.pad_to_longest and settings.baseline
+    assert not TrainSettings.from_config(load(None, None)).scheduler.pad_to_longest  # packed by default
+    assert not TrainSettings.from_config(cfg, pad_to_longest=False).scheduler.pad_to_longest  # `dflop train` flag wins
+    assert TrainSettings.from_config(cfg, pad_to_longest=None).scheduler.pad_to_longest  # None: no flag given
+    with pytest.raises(TypeError, match="cannot override 'lr'"):
+        TrainSettings.from_config(cfg, lr=1.0)
 
 
 def _mixed_parameters_worker(rank: int) -> None:

@@ -22,9 +22,9 @@ import torch
 
 from dflop.config import Config
 from dflop.data.training import TrainingData
-from dflop.models.builder import model_config
+from dflop.models.handle import ModelHandle
+from dflop.runtime.loading import pool_samples
 from dflop.shapes import read_shapes
-from dflop.runtime.trainer import TrainSettings, pool_samples, sample_rules
 
 from trainer_reference import MODELS, compare, config_dict, reference_gradients
 
@@ -68,10 +68,9 @@ CASES = {
 
 @lru_cache(maxsize=None)
 def _training_data(arch: str, pool_path: str, manifest: str) -> TrainingData:
-    settings = TrainSettings.from_config(Config.from_dict(config_dict(arch, manifest)))
+    cfg = Config.from_dict(config_dict(arch, manifest))
     pool = read_shapes(pool_path)
-    vision, llm = MODELS[arch]
-    return TrainingData(pool_samples(pool, settings.datasets, 0), sample_rules(settings, model_config(arch, vision, llm)))
+    return TrainingData(pool_samples(pool, cfg.datasets, 0), ModelHandle.resolve(cfg.model).sample_rules())
 
 
 @lru_cache(maxsize=None)
@@ -104,7 +103,10 @@ def test_loss_and_every_gradient_match_the_unsplit_model(world, tmp_path, pools,
     for c, out in _run(world, tmp_path, pools, runtime_demo):
         result = json.loads((out / "result.json").read_text())
         assert sorted(result["rows"]) == list(range(8)), "the global batch must be the whole pool"
-        if c["plan"]["vision"]["dp"] > 1 or c["plan"]["llm"]["dp"] > 1:  # the sync overlapped the backward
+        # The sync overlapped the last backward, which it can where that microbatch has work on
+        # every replica (the scheduler may leave a microbatch empty when its fixed costs outweigh
+        # the samples', as the FLOP-count stand-in cost model of these tiny models does).
+        if (c["plan"]["vision"]["dp"] > 1 or c["plan"]["llm"]["dp"] > 1) and all(result["bins"][-1]):
             assert result["overlapped_buckets"] > 0, c["name"]
         loss, count, grads = _reference(c["arch"], c["shapes"], str(runtime_demo), tuple(range(8)),
                                         tuple(c["freeze"]))

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from dflop.config import DatasetSpec
+from dflop.config import Config, deep_merge
 from dflop.plan import plan_from_dict
 from dflop.runtime.checkpoint import COMPLETE_MARKER, FORMAT_VERSION, TRAIN_STATE_FILE, latest_run_record
 from dflop.runtime.optim import warmup_cosine
@@ -22,7 +21,7 @@ from dflop.runtime.run_identity import (
     run_fingerprint,
     weights_identity,
 )
-from dflop.runtime.trainer import TrainSettings
+from dflop.runtime.settings import TrainSettings
 
 PLAN = {"vision": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
         "llm": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
@@ -34,9 +33,12 @@ def _pool(ids=("a", "b", "c", "d"), seq=(10, 20, 30, 40)) -> pd.DataFrame:
                          "vision_tokens": [0, 5, 10, 0][:len(ids)], "seq_len": list(seq), "status": ["ok"] * len(ids)})
 
 
-def _settings(**changes) -> TrainSettings:
-    base = TrainSettings(datasets=(DatasetSpec("demo", Path("/data/demo.json")),), steps=6)
-    return dataclasses.replace(base, **changes)
+BASE = {"data": {"datasets": [{"name": "demo", "path": "/data/demo.json"}]}, "train": {"steps": 6}}
+
+
+def _settings(changes: dict | None = None, **flags) -> TrainSettings:
+    """The settings of the BASE config with `changes` (config sections) laid over it."""
+    return TrainSettings.from_config(Config.from_dict(deep_merge(BASE, changes or {})), **flags)
 
 
 def _fp(settings=None, plan=None, pool=None) -> RunFingerprint:
@@ -49,33 +51,47 @@ def lr(step: int, total: int) -> float:
 
 # -- what the fingerprint covers -------------------------------------------------------------------
 
+def _section(key: str, value) -> dict:
+    """{"train": {"lr": value}} from "train.lr"."""
+    *path, last = key.split(".")
+    out = {last: value}
+    for name in reversed(path):
+        out = {name: out}
+    return out
+
+
 @pytest.mark.parametrize("key, change", [
-    ("train.lr", dict(lr=2e-3)),
-    ("train.warmup_steps", dict(warmup_steps=3)),
-    ("train.weight_decay", dict(weight_decay=0.1)),
-    ("train.grad_clip", dict(grad_clip=0.5)),
-    ("train.min_lr_ratio", dict(min_lr_ratio=0.0)),
-    ("train.global_batch_size", dict(global_batch_size=8)),
-    ("run.seed", dict(seed=1)),
-    ("model.llm", dict(llm="llama3-tiny")),
-    ("model.vision", dict(vision="siglip-small")),
-    ("model.dtype", dict(dtype="bfloat16")),
-    ("model.freeze", dict(freeze_vision=True)),
-    ("model.tokenizer", dict(tokenizer="/tok")),
-    ("scheduler.policy", dict(policy="baseline")),
-    ("data.datasets", dict(datasets=(DatasetSpec("demo", Path("/data/demo.json"), sample="first:2"),))),
+    ("train.lr", _section("train.lr", 2e-3)),
+    ("train.warmup_steps", _section("train.warmup_steps", 3)),
+    ("train.weight_decay", _section("train.weight_decay", 0.1)),
+    ("train.grad_clip", _section("train.grad_clip", 0.5)),
+    ("train.min_lr_ratio", _section("train.min_lr_ratio", 0.0)),
+    ("train.global_batch_size", _section("train.global_batch_size", 8)),
+    ("run.seed", _section("run.seed", 1)),
+    ("model.llm", _section("model.llm", "llama3-tiny")),
+    ("model.vision", _section("model.vision", "siglip-small")),
+    ("model.dtype", _section("model.dtype", "bfloat16")),
+    ("model.freeze", _section("model.freeze.vision", True)),
+    ("model.tokenizer", _section("model.tokenizer", "/tok")),
+    ("model.llava_ov", _section("model.llava_ov.video_frames", 16)),
+    ("scheduler.policy", _section("scheduler.policy", "baseline")),
+    ("scheduler.pad_to_longest", _section("scheduler.pad_to_longest", True)),
+    ("data.datasets", {"data": {"datasets": [{"name": "demo", "path": "/data/demo.json", "sample": "first:2"}]}}),
 ])
 def test_each_setting_that_defines_the_run_is_named_when_it_changes(key, change):
-    assert _fp(_settings(**change)).differences(_fp()) == [key]
-    assert _fp(_settings(**change)).run_id != _fp().run_id
+    assert _fp(_settings(change)).differences(_fp()) == [key]
+    assert _fp(_settings(change)).run_id != _fp().run_id
 
 
-@pytest.mark.parametrize("change", [dict(steps=12), dict(budget_ms=5.0), dict(prefetch=4), dict(loader_workers=2),
-                                    dict(overlap_grad_sync=False), dict(checkpoint_every=1), dict(schedule="gpipe"),
-                                    dict(adaptive_correction=False)])
+@pytest.mark.parametrize("change", [_section("train.steps", 12), _section("scheduler.budget_ms", 5.0),
+                                    _section("scheduler.prefetch", 4), _section("train.loader_workers", 2),
+                                    _section("train.overlap_grad_sync", False), _section("train.checkpoint_every", 1),
+                                    _section("train.schedule", "gpipe"), _section("data.max_skip_frac", 0.5),
+                                    _section("cluster.gpu_memory_gb", 80)])
 def test_speed_settings_and_the_length_keep_the_run(change):
-    assert _fp(_settings(**change)).differences(_fp()) == []
-    assert _fp(_settings(**change)).run_id == _fp().run_id
+    assert _fp(_settings(change)).differences(_fp()) == []
+    assert _fp(_settings(change)).run_id == _fp().run_id
+    assert _fp(_settings(adaptive_correction=False)).run_id == _fp().run_id
 
 
 def test_dataset_content_defines_the_run_not_where_it_lies(tmp_path):
@@ -86,7 +102,7 @@ def test_dataset_content_defines_the_run_not_where_it_lies(tmp_path):
                                                                   {"from": "gpt", "value": answer}]}]))
 
     def with_manifest(path):
-        return _fp(_settings(datasets=(DatasetSpec("demo", path),)))
+        return _fp(_settings({"data": {"datasets": [{"name": "demo", "path": str(path)}]}}))
 
     assert with_manifest(b).differences(with_manifest(a)) == []      # moved: the same run
     assert with_manifest(edited).differences(with_manifest(a)) == ["data.datasets"]  # same shapes, other text
@@ -111,7 +127,7 @@ def test_the_layout_and_the_data_define_the_run():
 
 
 def test_a_fingerprint_read_back_from_json_is_the_same_run():
-    fp = _fp(_settings(arch_params={"grid": ((1, 2), (2, 2))}))
+    fp = _fp(_settings({"model": {"arch": "internvl", "vision": "internvit-tiny"}}))
     back = RunFingerprint.from_json(json.loads(json.dumps(fp.to_json())))
     assert back is not None and back.differences(fp) == [] and back.run_id == fp.run_id and back.steps == 6
     assert RunFingerprint.from_json({"version": 0}) is None and RunFingerprint.from_json(None) is None
@@ -144,7 +160,7 @@ def test_same_run_resumes_and_a_finished_one_is_only_republished():
 
 
 def test_a_changed_setting_starts_afresh_naming_the_key():
-    decision = decide(_fp(_settings(lr=2e-3)), _fp(), 4)
+    decision = decide(_fp(_settings(_section("train.lr", 2e-3))), _fp(), 4)
     assert not decision.resume
     assert "train.lr (0.001 -> 0.002)" in decision.message
 
@@ -182,7 +198,7 @@ def test_prepare_moves_another_runs_checkpoints_aside_and_keeps_them(tmp_path):
     (ckpt / "metrics.parquet").write_bytes(b"rows of the old run")
     assert latest_run_record(ckpt)[0] == 4
 
-    decision = prepare_checkpoints(ckpt, _fp(_settings(lr=2e-3)))
+    decision = prepare_checkpoints(ckpt, _fp(_settings(_section("train.lr", 2e-3))))
     assert not decision.resume and not ckpt.exists()
     (moved,) = (tmp_path / PREVIOUS_RUNS_DIR).iterdir()
     assert moved.name.startswith(_fp().run_id) and str(moved) in decision.message

@@ -1,0 +1,127 @@
+"""A training run (rule train): `train` inside every torchrun worker, step after step, with
+checkpoints a re-run resumes from.
+
+`train(cfg, plan_path=..., shapes_path=..., costmodel_path=..., out_dir=...)` reads plan.yaml
+(`dflop.plan`), shapes.parquet (`dflop.shapes`) and the cost model, builds this rank's `Trainer`
+and, after each step, on rank 0: a metrics row (metrics.parquet), the progress bar and a one-line
+log, and the measured stage times for the scheduler's adaptive correction; every
+``train.checkpoint_every`` steps and at the end a checkpoint (`dflop.runtime.checkpoint`). A re-run
+resumes from the newest checkpoint when it is of the same run (`dflop.runtime.run_identity`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dflop.costmodel.model import CostModel
+from dflop.plan import read_plan
+from dflop.runtime.agreement import rank0_result
+from dflop.runtime.loading import pool_samples
+from dflop.runtime.metrics import MetricsWriter, measured_times, metrics_row
+from dflop.runtime.process import init_distributed
+from dflop.runtime.run_identity import prepare_checkpoints
+from dflop.runtime.settings import TrainSettings
+from dflop.runtime.trainer import Trainer
+from dflop.shapes import read_shapes
+
+log = logging.getLogger("dflop.train")
+
+
+def train(cfg, *, plan_path: str | Path, shapes_path: str | Path, costmodel_path: str | Path | None,
+          out_dir: str | Path, steps: int | None = None, policy: str | None = None, pad_to_longest: bool | None = None,
+          export: bool = True, progress: bool = True, stop_after: int | None = None, fresh: bool = False) -> Path:
+    """Train inside a torchrun worker (every rank calls it); returns metrics.parquet's path.
+
+    cfg: a `dflop.config.Config`. plan_path: plan.yaml; shapes_path: shapes.parquet; costmodel_path:
+    costmodel.json (None: the FLOP-count stand-in, `dflop.costmodel.analytic`). out_dir gets
+    ``metrics.parquet`` and ``checkpoints/`` and, at the end, ``final/`` (a Hugging Face
+    directory, unless export=False); a re-run resumes from the newest complete checkpoint there
+    when it is of the same run (otherwise, or with fresh=True, it is moved aside and the run
+    starts afresh).
+    steps / policy / pad_to_longest: override train.steps / scheduler.policy / the baseline's
+    padding variant. stop_after: stop (as if killed) after this many steps of this run (tests).
+    """
+    settings = TrainSettings.from_config(cfg, steps=steps, policy=policy, pad_to_longest=pad_to_longest)
+    return run_training(settings, plan_path=plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path,
+                        out_dir=out_dir, export=export, progress=progress, stop_after=stop_after, fresh=fresh)
+
+
+def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path: str | Path,
+                 costmodel_path: str | Path | None, out_dir: str | Path, export: bool = True,
+                 progress: bool = True, stop_after: int | None = None, fresh: bool = False) -> Path:
+    """`train` with explicit settings (see there)."""
+    from dflop.runtime.checkpoint import load_latest, save_checkpoint
+
+    device = init_distributed(settings.cluster.device)
+    torch.manual_seed(settings.seed)
+    out_dir = Path(out_dir)
+    plan_file = read_plan(plan_path)
+    plan_file.check_batch(settings.train.global_batch_size)
+    pool = read_shapes(shapes_path)
+    cost = CostModel.load(costmodel_path) if costmodel_path is not None else None
+    trainer = Trainer(settings, plan_file.plan, pool, pool_samples(pool, settings.datasets, settings.seed),
+                      cost=cost, device=device)
+    ckpt_dir = out_dir / "checkpoints"
+    decision = rank0_result(lambda: prepare_checkpoints(ckpt_dir, trainer.fingerprint, fresh=fresh,
+                                                        lr_at=trainer.lr_at))
+    if trainer.rank == 0:
+        log.info(decision.message)
+    state = trainer.train_state()
+    start = load_latest(ckpt_dir, state) or 0
+    trainer.restore_extra(state.extra)
+    trainer.follow_schedule()
+    total = settings.train.steps
+    metrics = MetricsWriter(ckpt_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None
+    bar = _progress_bar(total, start, progress and trainer.rank == 0)
+    last = total if stop_after is None else min(total, start + stop_after)
+    try:
+        if start < last:
+            plan_now = trainer.next_plan(start)
+            pending = trainer.load(plan_now)
+        for step in range(start, last):
+            t0 = time.perf_counter()
+            plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending)
+            data_wait = time.perf_counter() - t0
+            if step + 1 < last:
+                plan_next = trainer.next_plan(step + 1)
+                pending = trainer.load(plan_next)
+            stats = trainer.compute_gradients(plan_now, loaded)
+            lr = trainer.current_lr(step)
+            norm = trainer.optimizer_step()
+            step_s = time.perf_counter() - t0
+            times = trainer.gather_times(stats["result"])
+            if trainer.rank == 0:
+                row = metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm, lr)
+                row["skipped_samples"] = n_skipped
+                metrics.append(row)
+                trainer.planner.report(step, measured_times(trainer.topo, times, plan_now))
+                bar.update(1)
+                log.info("step %d/%d loss %.4f step %.3fs idle %.1f%% sched %.1fms gap %.3f pred %.3fs lr %.2e",
+                         step + 1, total, row["loss"], step_s, 100 * row["idle_frac"], row["sched_ms"],
+                         row["sched_gap"], row["predicted_step_s"], row["lr"])
+            done = step + 1
+            if done % settings.train.checkpoint_every == 0 or done == total:
+                save_checkpoint(ckpt_dir, done, trainer.train_state())
+            if step + 1 < last:
+                plan_now = plan_next
+        if metrics is not None and last == total:
+            metrics.publish(out_dir / "metrics.parquet")
+        if export and last == total:
+            from dflop.runtime.export import export_hf
+
+            export_hf(out_dir / "final", trainer.rank_params)
+    finally:
+        bar.close()
+        trainer.close()
+    return out_dir / "metrics.parquet"
+
+
+def _progress_bar(total: int, start: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="step", desc="train", disable=not enabled, file=sys.stderr)

@@ -1,0 +1,79 @@
+"""One pricing path: for the same plan and global batch, the trainer's prediction (its online
+scheduler's ``predicted_step_s``, what metrics.parquet records) is the planner's (what plan.yaml
+records, `simulate_batch` / `evaluate_plan`), number for number.
+
+Both sides are built as the product builds them: the trainer's scheduler by `step_planner` on
+`training_pricing`, the planner's by `simulate_batch` on the cluster and transfer sizes of the
+search. Any second pricing path (transfers or all-reduces left out on one side, another cost
+model, another memory limit) makes the numbers differ.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflop.config import Config
+from dflop.costmodel.fit import fit_profile
+from dflop.costmodel.profile_table import summarize_profile
+from dflop.costmodel.synthetic import synthetic_profile
+from dflop.models.handle import ModelHandle
+from dflop.plan import Layout, Plan
+from dflop.planner.cluster import Cluster
+from dflop.planner.expected import SchedulerSettings, evaluate_plan, simulate_batch
+from dflop.planner.means import Pool, TransferSizes
+from dflop.runtime.batches import GlobalBatches
+from dflop.runtime.settings import TrainSettings
+from dflop.runtime.trainer import step_planner, training_pricing
+from dflop.scheduler.synthetic import llava_ov_mix
+
+MODEL = {"arch": "llava_ov", "vision": "siglip-tiny", "llm": "qwen2.5-tiny"}
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    profile = synthetic_profile(patches_per_tile=16, preset="llava_ov/siglip-tiny/qwen2.5-tiny")
+    return fit_profile(summarize_profile(profile))[0]
+
+
+@pytest.mark.parametrize("layout", [Layout("disjoint", 1, 1, 2, 1, 2, 1, 4),   # vision | two LLM stages
+                                    Layout("colocated", 1, 1, 2, 1, 1, 2, 2)])  # vision inside LLM stage 0
+def test_trainer_and_planner_predict_the_same_step(fitted, layout):
+    cfg = Config.from_dict({"model": MODEL, "train": {"global_batch_size": 16},
+                            "cluster": {"gpus_per_node": 8, "gpu_memory_gb": 80, "inter_node_gbps": 10},
+                            "scheduler": {"budget_ms": 50}})
+    settings = TrainSettings.from_config(cfg, adaptive_correction=False)
+    model = ModelHandle.resolve(cfg.model)
+    plan = Plan.uniform(layout, model.n_vision_layers, model.n_llm_layers)
+    shapes = llava_ov_mix(200, seed=4)
+
+    # The trainer's side: the scheduler rank 0 runs, on the trainer's pricing.
+    pricing = training_pricing(plan, model, fitted, settings)
+    batches = GlobalBatches(len(shapes), 16, settings.seed)
+    planner = step_planner(settings, pricing, shapes, batches, model.sample_rules(), ilp="never")
+
+    # The planner's side: plan.yaml's machinery, on the search's cluster and transfer sizes.
+    cluster = Cluster.from_section(cfg.cluster)
+    info = model.info
+    sizes = TransferSizes.for_model(llm_hidden=info.llm_hidden, vision_hidden=info.vision_hidden,
+                                    vision_tokens_per_tile=info.vision_tokens_per_tile,
+                                    dtype=fitted.provenance.dtype)
+    scheduler = SchedulerSettings(policy="dflop", budget_s=settings.scheduler.budget_ms / 1e3, ilp="never")
+    pool = Pool.from_shapes(shapes)
+    try:
+        trainer_steps, planner_steps = [], []
+        for step in range(3):
+            online = planner.get(step, timeout_s=60.0)
+            part, _ = simulate_batch(plan, fitted, pool.take(batches.rows(step)), cluster, sizes, scheduler,
+                                     seed=settings.seed + step)
+            trainer_steps.append(online.predicted_step_s)
+            planner_steps.append(part.step_s)
+            assert online.member == part.member
+        assert trainer_steps == planner_steps, (trainer_steps, planner_steps)
+        assert np.all(np.asarray(trainer_steps) > 0)
+        # ... and the planner's expected step of these batches is their mean.
+        ev = evaluate_plan(plan, fitted, pool, [batches.rows(s) for s in range(3)], cluster, sizes, scheduler,
+                           seed=settings.seed)
+        assert ev.mean_s == pytest.approx(np.mean(planner_steps), rel=1e-12)
+    finally:
+        planner.close()
