@@ -17,8 +17,8 @@ directory, so a run killed mid-save leaves only a ``.tmp`` directory (or a direc
 marker), which `load_latest` ignores: the run resumes from the previous checkpoint.
 
 Nothing is unpickled freely: DCP tensor files are read with ``torch.load(weights_only=True)``,
-DCP's metadata file with an unpickler that only builds DCP's own metadata classes, and every
-non-tensor state is JSON. Works with gloo (CPU), NCCL (GPU), and in one process without a process
+DCP's metadata file with an unpickler that only builds DCP's own metadata classes
+(`dflop.runtime.safe_dcp`), and every non-tensor state is JSON. Works with gloo (CPU), NCCL (GPU), and in one process without a process
 group.
 """
 
@@ -28,7 +28,6 @@ import base64
 import copy
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -39,10 +38,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from transformers import PreTrainedConfig, PreTrainedModel
@@ -53,6 +50,15 @@ from dflop.models.architectures import architecture_of
 from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.stages import LLMStage, build_llm_stage, build_vision_stage
 from dflop.models.tensor_parallel import TPGroup
+from dflop.runtime.process_group import (
+    barrier,
+    broadcast_int,
+    device_type,
+    global_rank,
+    is_distributed,
+    world_size,
+)
+from dflop.runtime.safe_dcp import SafeFileSystemReader, TensorOnlyLoadPlanner
 
 FORMAT_VERSION = 2  # 2: train_state.json records the run fingerprint (dflop.runtime.run_identity)
 COMPLETE_MARKER = "COMPLETE"
@@ -292,7 +298,7 @@ def load_latest(ckpt_root: str | Path, state: TrainState) -> int | None:
     when `ckpt_root` holds no complete checkpoint (then `state` is untouched).
     """
     latest = latest_checkpoint(ckpt_root) if global_rank() == 0 else None
-    step = _broadcast_int(-1 if latest is None else int(_STEP_DIR.match(latest.name).group(1)))
+    step = broadcast_int(-1 if latest is None else int(_STEP_DIR.match(latest.name).group(1)))
     if step < 0:
         return None
     load_checkpoint(step_dir(ckpt_root, step), state)
@@ -326,7 +332,7 @@ def load_checkpoint(path: str | Path, state: TrainState) -> int:
                         "; was it written for a different model?")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(wanted, storage_reader=SafeFileSystemReader(path), planner=_TensorOnlyLoadPlanner(),
+        dcp.load(wanted, storage_reader=SafeFileSystemReader(path), planner=TensorOnlyLoadPlanner(),
                  no_dist=not is_distributed())
     _copy_back(state, wanted)
     _restore_optimizer(state, per_rank.get("optimizer"), optimizer_targets, path)
@@ -354,7 +360,7 @@ def read_checkpoint_model(path: str | Path) -> dict[str, torch.Tensor]:
             out[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(out, storage_reader=SafeFileSystemReader(path), planner=_TensorOnlyLoadPlanner(), no_dist=True)
+        dcp.load(out, storage_reader=SafeFileSystemReader(path), planner=TensorOnlyLoadPlanner(), no_dist=True)
     return {key.removeprefix("model."): tensor for key, tensor in out.items()}
 
 
@@ -376,7 +382,7 @@ def _name_of_params(state: TrainState) -> dict[int, str]:
 
 def _meshes(state: TrainState) -> dict[int, DeviceMesh]:
     """One 1-D device mesh per TP group of plain shards (id(TPGroup) -> mesh)."""
-    return {id(tp): tp.mesh(_device_type()) for _, tp in state.params.shards.values()}
+    return {id(tp): tp.mesh(device_type()) for _, tp in state.params.shards.values()}
 
 
 def _as_global(state: TrainState, name: str, tensor: torch.Tensor, meshes: dict[int, DeviceMesh]) -> torch.Tensor:
@@ -608,105 +614,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# --------------------------------------------------------------------------------------------------
-# Safe reading of DCP's files
-# --------------------------------------------------------------------------------------------------
-
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # layout name -> torch.strided etc.
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds only DCP's metadata classes, torch dtypes and sizes; refuses any other global."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == _METADATA_MODULE:
-            found = super().find_class(module, name)
-            if isinstance(found, type) and found.__module__ == _METADATA_MODULE:
-                return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
-
-
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader with a restricted unpickler for the .metadata file."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError:
-            raise UserError(f"checkpoint metadata {path} is missing") from None
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-            raise UserError(f"checkpoint metadata {path} is not DCP metadata: {exc}") from None
-        if not isinstance(metadata, Metadata):
-            raise UserError(f"checkpoint metadata {path} is not DCP metadata (found {type(metadata).__name__})")
-        if metadata.storage_meta is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
-    """We never save pickled objects, so never unpickle one from a checkpoint."""
-
-    def load_bytes(self, read_item, value) -> None:
-        raise UserError(f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; refusing to load it")
-
-
-# --------------------------------------------------------------------------------------------------
-# Process-group helpers (all no-ops in one process without a process group)
-# --------------------------------------------------------------------------------------------------
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def global_rank() -> int:
-    return dist.get_rank() if is_distributed() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if is_distributed() else 1
-
-
-def _device_type() -> str:
-    """Device of collective buffers: CUDA under NCCL, else CPU."""
-    return "cuda" if is_distributed() and "nccl" in str(dist.get_backend()).lower() else "cpu"
-
-
-def collective_device() -> torch.device:
-    """The device tensors must live on for collectives of the default process group."""
-    if _device_type() == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def barrier() -> None:
-    if is_distributed():
-        if _device_type() == "cuda":
-            dist.barrier(device_ids=[torch.cuda.current_device()])
-        else:
-            dist.barrier()
-
-
-def _broadcast_int(value: int) -> int:
-    """Rank 0's value on every rank."""
-    if not is_distributed():
-        return value
-    buf = torch.tensor([value], dtype=torch.int64, device=collective_device())
-    dist.broadcast(buf, src=0)
-    return int(buf.item())

@@ -26,14 +26,8 @@ from dflop.errors import UserError
 from dflop.io import replace_dir
 from dflop.models.architectures import architecture_of
 from dflop.models.builder import resolve_dtype
-from dflop.runtime.checkpoint import (
-    RankParameters,
-    barrier,
-    canonical_names,
-    collective_device,
-    global_rank,
-    is_distributed,
-)
+from dflop.runtime.checkpoint import RankParameters, canonical_names
+from dflop.runtime.process_group import barrier, collective_device, global_rank, is_distributed
 
 
 @dataclass(frozen=True)
