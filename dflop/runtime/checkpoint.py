@@ -25,7 +25,6 @@ group.
 from __future__ import annotations
 
 import base64
-import copy
 import json
 import os
 import random
@@ -34,22 +33,17 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
-from transformers import PreTrainedConfig, PreTrainedModel
 
 from dflop.errors import UserError
 from dflop.io import replace_dir
-from dflop.models.architectures import architecture_of
-from dflop.models.packing import PACKED_ATTENTION
-from dflop.models.stages import LLMStage, build_llm_stage, build_vision_stage
-from dflop.models.tensor_parallel import TPGroup
+from dflop.runtime.param_names import RankParameters
 from dflop.runtime.process_group import (
     barrier,
     broadcast_int,
@@ -64,123 +58,6 @@ FORMAT_VERSION = 2  # 2: train_state.json records the run fingerprint (dflop.run
 COMPLETE_MARKER = "COMPLETE"
 TRAIN_STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-
-
-# --------------------------------------------------------------------------------------------------
-# Which parameters a rank holds, under which global names
-# --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RankParameters:
-    """The parameters this rank trains, under the full model's parameter names.
-
-    tensors: global name (``model.named_parameters()`` of the full transformers model, which is the
-        name in its Hugging Face checkpoint) -> the tensor this rank holds: the whole parameter, a
-        plain tensor-parallel shard (listed in `shards`), or a DTensor.
-    shards: global name -> (dim, tp) for plain shards: the parameter is split into tp.size equal
-        chunks along dim and this rank holds chunk tp.rank.
-    config: the full model's transformers config (export builds the model from it).
-    untrained: parameters of the full model that no pipeline stage runs (LLaVA-OneVision's vision
-        post_layernorm), taken from this rank's full model: they never change, so export writes
-        these values.
-    """
-
-    tensors: Mapping[str, torch.Tensor]
-    shards: Mapping[str, tuple[int, TPGroup]]
-    config: PreTrainedConfig
-    untrained: Mapping[str, torch.Tensor]
-
-
-def full_model_on_meta(config: PreTrainedConfig) -> PreTrainedModel:
-    """The full model of `config` with meta tensors (shapes and names only, no memory).
-
-    The LLM uses the packed attention so pipeline stages can be built on it."""
-    attn = {"text_config": PACKED_ATTENTION, "vision_config": "sdpa", "": "sdpa"}
-    with torch.device("meta"):
-        return architecture_of(config).model_class._from_config(copy.deepcopy(config), attn_implementation=attn)
-
-
-def canonical_names(model: nn.Module) -> dict[str, str]:
-    """Every parameter name, tied aliases included (``lm_head.weight``), -> the name
-    ``named_parameters()`` reports for that tensor (``model.language_model.embed_tokens.weight``)."""
-    first: dict[int, str] = {}
-    names = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names[name] = first.setdefault(id(param), name)
-    return names
-
-
-def untrained_parameter_names(meta_model: PreTrainedModel) -> set[str]:
-    """Parameters of the full model outside every pipeline stage: the forward never uses them."""
-    stages = [build_vision_stage(meta_model, 0, 1), build_llm_stage(meta_model, 0, 1)]
-    used = {id(p) for stage in stages for p in stage.parameters()}
-    return {name for name, p in meta_model.named_parameters() if id(p) not in used}
-
-
-def rank_parameters(model: PreTrainedModel,
-                    parts: Iterable[tuple[nn.Module, TPGroup | None]] | None = None) -> RankParameters:
-    """This rank's parameters by global name, from the modules it runs.
-
-    model: this rank's full transformers model (``build_model``); pipeline stages are views of it,
-        so a stage parameter's global name is the full model's name for the same tensor. Layers
-        sharded in place (``shard_llm_layer``) stay reachable from it.
-    parts: the (module, TP group) pairs this rank runs, e.g. ``[(vision_stage, vision_tp),
-        (llm_stage, llm_tp)]``; the TP group (None: no TP) tells which plain tensors are shards.
-        None: the whole model, unsharded (single process).
-    The vocabulary-parallel wrappers of an `LLMStage` (``embedding.embed_tokens.weight``,
-    ``head.weight``) are named after the input / output embeddings they replace.
-    """
-    meta = full_model_on_meta(model.config)
-    full_shapes = {name: p.shape for name, p in meta.named_parameters()}
-    canonical = canonical_names(meta)
-    by_identity = {id(p): name for name, p in model.named_parameters()}
-    tensors: dict[str, torch.Tensor] = {}
-    shards: dict[str, tuple[int, TPGroup]] = {}
-    for module, tp in (parts if parts is not None else [(model, None)]):
-        for local_name, param in module.named_parameters():
-            name = by_identity.get(id(param)) or _wrapper_name(model, module, local_name)
-            if name is None or name not in canonical:
-                raise UserError(f"parameter {local_name!r} of {type(module).__name__} is not a parameter of "
-                                f"the full {type(model).__name__}; cannot name it in a checkpoint")
-            name = canonical[name]
-            if name in tensors:
-                if tensors[name] is not param:
-                    raise UserError(f"parameter {name} (tied) is held twice on this rank as different tensors; "
-                                    "tied weights must stay one tensor")
-                continue
-            dim = _shard_dim(name, param, full_shapes[name], tp)
-            tensors[name] = param
-            if dim is not None:
-                shards[name] = (dim, tp)
-    untrained_names = untrained_parameter_names(meta)
-    untrained = {name: p for name, p in model.named_parameters()
-                 if name in untrained_names and tuple(p.shape) == tuple(full_shapes[name]) and not p.is_meta}
-    return RankParameters(tensors=tensors, shards=shards, config=model.config, untrained=untrained)
-
-
-def _wrapper_name(model: PreTrainedModel, module: nn.Module, local_name: str) -> str | None:
-    """Global name of a parameter of a vocabulary-parallel wrapper inside an LLMStage."""
-    if not isinstance(module, LLMStage):
-        return None
-    by_identity = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-    if local_name == "embedding.embed_tokens.weight":
-        return by_identity.get(id(model.get_input_embeddings().weight))
-    if local_name in ("head.weight", "head.lm_head.weight"):
-        return by_identity.get(id(model.get_output_embeddings().weight))
-    return None
-
-
-def _shard_dim(name: str, param: torch.Tensor, full_shape: torch.Size, tp: TPGroup | None) -> int | None:
-    """None for a whole tensor (or a DTensor), else the dimension a plain TP shard is cut along."""
-    shape = tuple(param.shape)  # a DTensor reports its global shape
-    if shape == tuple(full_shape):
-        return None
-    size = 1 if tp is None or isinstance(param, DTensor) else tp.size
-    differing = [d for d in range(len(shape)) if shape[d] != full_shape[d]] if len(shape) == len(full_shape) else []
-    if size > 1 and len(differing) == 1 and shape[differing[0]] * size == full_shape[differing[0]]:
-        return differing[0]
-    raise UserError(f"parameter {name}: shape {list(shape)} is neither the full shape {list(full_shape)} "
-                    f"nor a 1/{size} tensor-parallel shard of it")
 
 
 # --------------------------------------------------------------------------------------------------

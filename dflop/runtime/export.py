@@ -26,7 +26,7 @@ from dflop.errors import UserError
 from dflop.io import replace_dir
 from dflop.models.architectures import architecture_of
 from dflop.models.builder import resolve_dtype
-from dflop.runtime.checkpoint import RankParameters, canonical_names
+from dflop.runtime.param_names import RankParameters, canonical_names
 from dflop.runtime.process_group import barrier, collective_device, global_rank, is_distributed
 
 
@@ -122,7 +122,7 @@ def export_hf(out_dir: str | Path, params: RankParameters, *, dtype: str | torch
     """Write the full model as a Hugging Face directory (collective: every rank calls it).
 
     out_dir: the directory to create (replaced if it exists); rank 0 writes it.
-    params: this rank's parameters (`dflop.runtime.checkpoint.rank_parameters`).
+    params: this rank's parameters (`dflop.runtime.param_names.rank_parameters`).
     dtype: dtype of the saved weights (default: as trained).
     Returns out_dir on every rank, once it is complete.
     """

@@ -115,7 +115,7 @@ class Trainer:
 
     def _setup_parameters(self) -> None:
         """Global names, replication info, optimizer, LR schedule, checkpoint state."""
-        from dflop.runtime.checkpoint import rank_parameters
+        from dflop.runtime.param_names import rank_parameters
 
         parts = []
         if self.modules.vision is not None:

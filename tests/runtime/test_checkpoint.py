@@ -29,11 +29,11 @@ from dflop.runtime.checkpoint import (
     TrainState,
     complete_checkpoints,
     load_latest,
-    rank_parameters,
     read_checkpoint_model,
     save_checkpoint,
     step_dir,
 )
+from dflop.runtime.param_names import rank_parameters
 from test_checkpoint_helpers import (
     INTERNVL,
     LAYOUTS,

@@ -31,15 +31,9 @@ from dflop.models.tensor_parallel import (
     shard_projector,
     shard_vision_layer,
 )
-from dflop.runtime.checkpoint import (
-    RankParameters,
-    TrainState,
-    global_rank,
-    load_latest,
-    rank_parameters,
-    save_checkpoint,
-    world_size,
-)
+from dflop.runtime.checkpoint import TrainState, load_latest, save_checkpoint
+from dflop.runtime.param_names import RankParameters, rank_parameters
+from dflop.runtime.process_group import global_rank, world_size
 
 # --------------------------------------------------------------------------------------------------
 # Processes

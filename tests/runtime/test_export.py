@@ -12,7 +12,7 @@ from transformers.models.llava_onevision.modeling_llava_onevision import image_s
 
 from dflop.errors import UserError
 from dflop.models.builder import build_model
-from dflop.runtime.checkpoint import rank_parameters
+from dflop.runtime.param_names import rank_parameters
 from dflop.runtime.export import HeldTensor, export_hf, transfer_plan
 from test_checkpoint_helpers import (
     INTERNVL,
