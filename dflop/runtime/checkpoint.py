@@ -3,8 +3,7 @@
 Every rank calls `save_checkpoint` / `load_latest` with its `TrainState`. Parameters and optimizer
 tensors are stored under the full model's global parameter names (the Hugging Face names), so
 pipeline stages never collide; DCP writes a tensor held by several data-parallel replicas once, and
-a tensor-parallel shard as its chunk of the global tensor (a plain shard is wrapped in a DTensor
-over its TP group; DTensor parameters go in as they are). Checkpoint layout, one directory per step:
+a tensor-parallel shard (a DTensor) as its chunk of the global tensor. Checkpoint layout, one directory per step:
 
     <ckpt_root>/step_000123/
         .metadata, __<rank>_0.distcp   DCP: "model.<name>" and "optim.<name>.<key>" tensors
@@ -39,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from dflop.errors import UserError
 from dflop.io import replace_dir
@@ -47,7 +46,6 @@ from dflop.runtime.param_names import RankParameters
 from dflop.runtime.process_group import (
     barrier,
     broadcast_int,
-    device_type,
     global_rank,
     is_distributed,
     world_size,
@@ -257,29 +255,14 @@ def _name_of_params(state: TrainState) -> dict[int, str]:
     return name_of
 
 
-def _meshes(state: TrainState) -> dict[int, DeviceMesh]:
-    """One 1-D device mesh per TP group of plain shards (id(TPGroup) -> mesh)."""
-    return {id(tp): tp.mesh(device_type()) for _, tp in state.params.shards.values()}
-
-
-def _as_global(state: TrainState, name: str, tensor: torch.Tensor, meshes: dict[int, DeviceMesh]) -> torch.Tensor:
-    """The tensor as DCP should see it: a plain shard becomes a DTensor view over its TP group."""
-    if name not in state.params.shards or isinstance(tensor, DTensor):
-        return tensor.detach()
-    dim, tp = state.params.shards[name]
-    return DTensor.from_local(tensor.detach(), meshes[id(tp)], [Shard(dim)], run_check=False)
-
-
 def _model_tensors(state: TrainState) -> dict[str, torch.Tensor]:
-    """Flat DCP state of the parameters: "model.<name>" -> tensor (plain shards as DTensors)."""
-    meshes = _meshes(state)
-    return {f"model.{name}": _as_global(state, name, t, meshes) for name, t in state.params.tensors.items()}
+    """Flat DCP state of the parameters: "model.<name>" -> tensor (DTensors as they are)."""
+    return {f"model.{name}": t.detach() for name, t in state.params.tensors.items()}
 
 
 def _tensor_state(state: TrainState, name_of: dict[int, str]) -> dict[str, torch.Tensor]:
     """Flat DCP state: "model.<name>" and "optim.<name>.<key>" (optimizer tensors shaped like their
-    parameter are sharded like it; scalars such as Adam's step are whole)."""
-    meshes = _meshes(state)
+    parameter are DTensors like it; scalars such as Adam's step are whole)."""
     out = _model_tensors(state)
     if state.optimizer is not None:
         for group in state.optimizer.param_groups:
@@ -287,18 +270,8 @@ def _tensor_state(state: TrainState, name_of: dict[int, str]) -> dict[str, torch
                 name = name_of[id(param)]
                 for key, value in state.optimizer.state.get(param, {}).items():
                     if isinstance(value, torch.Tensor):
-                        like_param = value.shape == param.shape
-                        out[f"optim.{name}.{key}"] = _as_global(state, name, value, meshes) if like_param else value.detach()
+                        out[f"optim.{name}.{key}"] = value.detach()
     return out
-
-
-def _global_shape(state: TrainState, name: str, tensor: torch.Tensor) -> tuple[int, ...]:
-    """Shape of the whole parameter a local tensor (or a tensor shaped like it) belongs to."""
-    shape = list(tensor.shape)  # a DTensor reports its global shape already
-    if name in state.params.shards and not isinstance(tensor, DTensor):
-        dim, tp = state.params.shards[name]
-        shape[dim] *= tp.size
-    return tuple(shape)
 
 
 def _optimizer_targets(state: TrainState, name_of: dict[int, str],
@@ -307,7 +280,6 @@ def _optimizer_targets(state: TrainState, name_of: dict[int, str],
     checkpoint holds: existing state tensors where shapes fit, else new ones (a fresh optimizer)."""
     if state.optimizer is None:
         return {}
-    meshes = _meshes(state)
     saved_keys: dict[str, list[tuple[str, TensorStorageMetadata]]] = {}  # name -> [(state key, meta)]
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("optim.") and isinstance(meta, TensorStorageMetadata):
@@ -321,7 +293,7 @@ def _optimizer_targets(state: TrainState, name_of: dict[int, str],
             current = state.optimizer.state.get(param, {})
             entries = {}
             for state_key, meta in saved_keys.get(name, []):
-                like_param = tuple(meta.size) == _global_shape(state, name, param)
+                like_param = tuple(meta.size) == tuple(param.shape)  # a DTensor reports its global shape
                 want_shape = tuple(param.shape) if like_param else tuple(meta.size)
                 existing = current.get(state_key)
                 if (isinstance(existing, torch.Tensor) and tuple(existing.shape) == want_shape
@@ -332,8 +304,7 @@ def _optimizer_targets(state: TrainState, name_of: dict[int, str],
                 else:
                     device = param.device if on_param_device else torch.device("cpu")
                     local = torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
-                key = f"optim.{name}.{state_key}"
-                entries[key] = _as_global(state, name, local, meshes) if like_param else local
+                entries[f"optim.{name}.{state_key}"] = local
             targets[id(param)] = entries
     return targets
 
@@ -343,7 +314,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _copy_back(state: TrainState, loaded: dict[str, torch.Tensor]) -> None:
-    """DCP loads in place; a DTensor view of a plain shard shares its storage, but copy to be sure."""
+    """DCP loads in place into detached views of the parameters; copy in case it did not."""
     with torch.no_grad():
         for name, tensor in state.params.tensors.items():
             value, target = _local(loaded[f"model.{name}"]), _local(tensor)

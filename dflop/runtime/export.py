@@ -1,13 +1,12 @@
 """Export trained weights as a Hugging Face model directory (config.json + model.safetensors).
 
 Every rank calls `export_hf` with its `RankParameters` (the stage modules it runs, by global name).
-Rank 0 learns from a small manifest what each rank holds, then receives each parameter once: a
-whole tensor from the lowest rank holding it (data-parallel replicas are skipped), a plain
-tensor-parallel parameter as its tp.size shards (concatenated along the shard dimension), a
-DTensor after ``full_tensor()`` on its mesh. Parameters no pipeline stage runs (never trained) come
-from the ranks' own full models. Rank 0 loads them into the transformers model built from the same
-config (on the meta device, so no second random init) and calls ``save_pretrained`` into a
-temporary directory that is renamed into place, so a reader never sees a half-written export.
+Rank 0 learns from a small manifest what each rank holds, then receives each parameter once from
+the lowest rank holding it (data-parallel replicas are skipped), a DTensor after ``full_tensor()``
+on its mesh. Parameters no pipeline stage runs (never trained) come from the ranks' own full
+models. Rank 0 loads them into the transformers model built from the same config (on the meta
+device, so no second random init) and calls ``save_pretrained`` into a temporary directory that is
+renamed into place, so a reader never sees a half-written export.
 """
 
 from __future__ import annotations
@@ -32,31 +31,17 @@ from dflop.runtime.process_group import barrier, collective_device, global_rank,
 
 @dataclass(frozen=True)
 class HeldTensor:
-    """One rank's piece of one parameter, as advertised in the manifest.
+    """One parameter as one rank holds it, as advertised in the manifest.
 
-    shape: what the rank will send: its local shard, or the whole tensor (DTensors: after
-        ``full_tensor()``). shard_dim: None for whole tensors, else the dimension the tp_size
-        pieces concatenate along. gather_ranks: for a DTensor, the ranks of its device mesh, which
-        all take part in ``full_tensor()``.
+    shape: the whole tensor's (a DTensor's global shape: it is sent after ``full_tensor()``).
+    gather_ranks: for a DTensor, the ranks of its device mesh, which all take part in
+    ``full_tensor()``.
     """
 
     name: str
     rank: int
     shape: tuple[int, ...]
     dtype: str
-    shard_dim: int | None = None
-    tp_rank: int = 0
-    tp_size: int = 1
-    gather_ranks: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """How rank 0 gets one parameter: pieces in concatenation order (one piece if whole)."""
-
-    name: str
-    pieces: tuple[HeldTensor, ...]
-    shard_dim: int | None
     gather_ranks: tuple[int, ...] = ()
 
 
@@ -65,26 +50,18 @@ def manifest(params: RankParameters, rank: int) -> list[HeldTensor]:
     held = []
     for name, tensor in sorted(params.tensors.items()):
         dtype = str(tensor.dtype).removeprefix("torch.")
-        if isinstance(tensor, DTensor):
-            mesh_ranks = tuple(int(r) for r in tensor.device_mesh.mesh.flatten().tolist())
-            held.append(HeldTensor(name, rank, tuple(tensor.shape), dtype, gather_ranks=mesh_ranks))
-        elif name in params.shards:
-            dim, tp = params.shards[name]
-            held.append(HeldTensor(name, rank, tuple(tensor.shape), dtype, dim, tp.rank, tp.size))
-        else:
-            held.append(HeldTensor(name, rank, tuple(tensor.shape), dtype))
+        mesh_ranks = (tuple(int(r) for r in tensor.device_mesh.mesh.flatten().tolist())
+                      if isinstance(tensor, DTensor) else ())
+        held.append(HeldTensor(name, rank, tuple(tensor.shape), dtype, mesh_ranks))
     for name, tensor in sorted(params.untrained.items()):
         if name not in params.tensors:
             held.append(HeldTensor(name, rank, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
     return held
 
 
-def transfer_plan(manifests: list[list[HeldTensor]], expected: set[str]) -> list[Transfer]:
-    """Which piece of which parameter comes from which rank, by parameter name.
-
-    Whole tensors come from their lowest holding rank; sharded ones from the lowest rank holding
-    each shard. Raises UserError naming a parameter that no rank holds (completely).
-    """
+def transfer_plan(manifests: list[list[HeldTensor]], expected: set[str]) -> list[HeldTensor]:
+    """Which rank sends each parameter (its lowest holder), by parameter name. Raises UserError
+    naming a parameter that no rank holds, or one the model does not have."""
     by_name: dict[str, list[HeldTensor]] = {}
     for entries in manifests:
         for entry in entries:
@@ -96,26 +73,7 @@ def transfer_plan(manifests: list[list[HeldTensor]], expected: set[str]) -> list
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UserError(f"export: no rank holds parameter {missing[0]}{more}; pass every stage module to rank_parameters")
-    plan = []
-    for name in sorted(by_name):
-        holders = sorted(by_name[name], key=lambda e: e.rank)
-        whole = [e for e in holders if e.shard_dim is None]
-        if whole:
-            first = whole[0]
-            plan.append(Transfer(name, (first,), None, first.gather_ranks))
-            continue
-        sizes = {(e.shard_dim, e.tp_size) for e in holders}
-        if len(sizes) != 1:
-            raise UserError(f"export: ranks hold parameter {name} sharded in different ways: {sorted(sizes)}")
-        dim, tp_size = sizes.pop()
-        pieces = []
-        for tp_rank in range(tp_size):
-            found = [e for e in holders if e.tp_rank == tp_rank]
-            if not found:
-                raise UserError(f"export: no rank holds tensor-parallel shard {tp_rank} of {tp_size} of {name}")
-            pieces.append(found[0])
-        plan.append(Transfer(name, tuple(pieces), dim))
-    return plan
+    return [min(by_name[name], key=lambda e: e.rank) for name in sorted(by_name)]
 
 
 def export_hf(out_dir: str | Path, params: RankParameters, *, dtype: str | torch.dtype | None = None) -> Path:
@@ -137,24 +95,19 @@ def export_hf(out_dir: str | Path, params: RankParameters, *, dtype: str | torch
     plan = transfer_plan(manifests, expected)  # the same on every rank, so a bad plan fails everywhere
 
     weights: dict[str, torch.Tensor] = {}
-    for transfer in plan:
-        local = params.tensors.get(transfer.name, params.untrained.get(transfer.name))
-        if transfer.gather_ranks and rank in transfer.gather_ranks:
+    for source in plan:
+        local = params.tensors.get(source.name, params.untrained.get(source.name))
+        if source.gather_ranks and rank in source.gather_ranks:
             local = local.full_tensor()
-        received = []
-        for piece in transfer.pieces:
-            if piece.rank == rank:
-                if rank == 0:
-                    received.append(local.detach().cpu())
-                else:
-                    dist.send(local.detach().to(collective_device()).contiguous(), dst=0)
-            elif rank == 0:
-                buf = torch.empty(piece.shape, dtype=getattr(torch, piece.dtype), device=collective_device())
-                dist.recv(buf, src=piece.rank)
-                received.append(buf.cpu())
-        if rank == 0:
-            weights[transfer.name] = (received[0] if transfer.shard_dim is None
-                                      else torch.cat(received, dim=transfer.shard_dim))
+        if source.rank == rank:
+            if rank == 0:
+                weights[source.name] = local.detach().cpu()
+            else:
+                dist.send(local.detach().to(collective_device()).contiguous(), dst=0)
+        elif rank == 0:
+            buf = torch.empty(source.shape, dtype=getattr(torch, source.dtype), device=collective_device())
+            dist.recv(buf, src=source.rank)
+            weights[source.name] = buf.cpu()
     out = Path(out_dir)
     if rank == 0:
         _write_hf_dir(out, params.config, weights, dtype)

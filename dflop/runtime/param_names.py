@@ -7,6 +7,9 @@ collide. Pipeline stages are views of the rank's full model, so a stage paramete
 the full model's name for the same tensor; the vocabulary-parallel wrappers of an `LLMStage` (new
 modules holding the token embedding / LM head slice) are named after the embeddings they replace.
 This module is the one place that mapping is made.
+
+Tensor-parallel shards are DTensors (`dflop.models.tensor_parallel`): their ``shape`` is the global
+shape, so a parameter of any other shape than the full model's is refused.
 """
 
 from __future__ import annotations
@@ -17,25 +20,20 @@ from typing import Iterable, Mapping
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.stages import LLMStage, build_llm_stage, build_vision_stage
-from dflop.models.tensor_parallel import TPGroup
 
 
 @dataclass(frozen=True)
 class RankParameters:
     """The parameters this rank trains, under the full model's parameter names.
 
-    tensors: global name (``model.named_parameters()`` of the full transformers model, which is the
-        name in its Hugging Face checkpoint) -> the tensor this rank holds: the whole parameter, a
-        plain tensor-parallel shard (listed in `shards`), or a DTensor.
-    shards: global name -> (dim, tp) for plain shards: the parameter is split into tp.size equal
-        chunks along dim and this rank holds chunk tp.rank.
+    tensors: global name (``named_parameters()`` of the full transformers model) -> the parameter
+        this rank holds: the whole tensor, or a DTensor (a tensor-parallel shard, or replicated).
     config: the full model's transformers config (export builds the model from it).
     untrained: parameters of the full model that no pipeline stage runs (LLaVA-OneVision's vision
         post_layernorm), taken from this rank's full model: they never change, so export writes
@@ -43,7 +41,6 @@ class RankParameters:
     """
 
     tensors: Mapping[str, torch.Tensor]
-    shards: Mapping[str, tuple[int, TPGroup]]
     config: PreTrainedConfig
     untrained: Mapping[str, torch.Tensor]
 
@@ -74,26 +71,20 @@ def untrained_parameter_names(meta_model: PreTrainedModel) -> set[str]:
     return {name for name, p in meta_model.named_parameters() if id(p) not in used}
 
 
-def rank_parameters(model: PreTrainedModel,
-                    parts: Iterable[tuple[nn.Module, TPGroup | None]] | None = None) -> RankParameters:
+def rank_parameters(model: PreTrainedModel, modules: Iterable[nn.Module] | None = None) -> RankParameters:
     """This rank's parameters by global name, from the modules it runs.
 
-    model: this rank's full transformers model (``build_model``); pipeline stages are views of it,
-        so a stage parameter's global name is the full model's name for the same tensor. Layers
-        sharded in place (``shard_llm_layer``) stay reachable from it.
-    parts: the (module, TP group) pairs this rank runs, e.g. ``[(vision_stage, vision_tp),
-        (llm_stage, llm_tp)]``; the TP group (None: no TP) tells which plain tensors are shards.
-        None: the whole model, unsharded (single process).
-    The vocabulary-parallel wrappers of an `LLMStage` (``embedding.embed_tokens.weight``,
-    ``head.weight``) are named after the input / output embeddings they replace.
+    model: this rank's full transformers model (``build_model``); pipeline stages are views of it.
+        Layers sharded in place (``shard_llm_layer``) stay reachable from it.
+    modules: the modules this rank runs, e.g. ``[vision_stage, llm_stage]``; None: the whole model
+        (single process).
     """
     meta = full_model_on_meta(model.config)
     full_shapes = {name: p.shape for name, p in meta.named_parameters()}
     canonical = canonical_names(meta)
     by_identity = {id(p): name for name, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
-    shards: dict[str, tuple[int, TPGroup]] = {}
-    for module, tp in (parts if parts is not None else [(model, None)]):
+    for module in (modules if modules is not None else [model]):
         for local_name, param in module.named_parameters():
             name = by_identity.get(id(param)) or _wrapper_name(model, module, local_name)
             if name is None or name not in canonical:
@@ -105,14 +96,14 @@ def rank_parameters(model: PreTrainedModel,
                     raise UserError(f"parameter {name} (tied) is held twice on this rank as different tensors; "
                                     "tied weights must stay one tensor")
                 continue
-            dim = _shard_dim(name, param, full_shapes[name], tp)
+            if tuple(param.shape) != tuple(full_shapes[name]):  # a DTensor reports its global shape
+                raise UserError(f"parameter {name}: shape {list(param.shape)} is not the full model's "
+                                f"{list(full_shapes[name])} (tensor-parallel shards must be DTensors)")
             tensors[name] = param
-            if dim is not None:
-                shards[name] = (dim, tp)
     untrained_names = untrained_parameter_names(meta)
     untrained = {name: p for name, p in model.named_parameters()
                  if name in untrained_names and tuple(p.shape) == tuple(full_shapes[name]) and not p.is_meta}
-    return RankParameters(tensors=tensors, shards=shards, config=model.config, untrained=untrained)
+    return RankParameters(tensors=tensors, config=model.config, untrained=untrained)
 
 
 def _wrapper_name(model: PreTrainedModel, module: nn.Module, local_name: str) -> str | None:
@@ -126,15 +117,3 @@ def _wrapper_name(model: PreTrainedModel, module: nn.Module, local_name: str) ->
         return by_identity.get(id(model.get_output_embeddings().weight))
     return None
 
-
-def _shard_dim(name: str, param: torch.Tensor, full_shape: torch.Size, tp: TPGroup | None) -> int | None:
-    """None for a whole tensor (or a DTensor), else the dimension a plain TP shard is cut along."""
-    shape = tuple(param.shape)  # a DTensor reports its global shape
-    if shape == tuple(full_shape):
-        return None
-    size = 1 if tp is None or isinstance(param, DTensor) else tp.size
-    differing = [d for d in range(len(shape)) if shape[d] != full_shape[d]] if len(shape) == len(full_shape) else []
-    if size > 1 and len(differing) == 1 and shape[differing[0]] * size == full_shape[differing[0]]:
-        return differing[0]
-    raise UserError(f"parameter {name}: shape {list(shape)} is neither the full shape {list(full_shape)} "
-                    f"nor a 1/{size} tensor-parallel shard of it")

@@ -117,12 +117,8 @@ class Trainer:
         """Global names, replication info, optimizer, LR schedule, checkpoint state."""
         from dflop.runtime.param_names import rank_parameters
 
-        parts = []
-        if self.modules.vision is not None:
-            parts.append((self.modules.vision, self.topo.vision_tp))
-        if self.modules.llm is not None:
-            parts.append((self.modules.llm, self.topo.llm_tp))
-        self.rank_params = rank_parameters(self.modules.full, parts)
+        self.rank_params = rank_parameters(self.modules.full,
+                                           [m for m in (self.modules.vision, self.modules.llm) if m is not None])
         names = parameter_names(self.modules)
         canonical = {id(t): n for n, t in self.rank_params.tensors.items()}
         llm_role = self.topo.llm_role
@@ -131,8 +127,7 @@ class Trainer:
         for param in self.modules.trainable_parameters():
             name = canonical.get(id(param), names[id(param)])
             module = LLM if name.startswith(("model.language_model.", "lm_head.")) else VISION
-            sharded = name in self.rank_params.shards or is_tp_shard(param)
-            infos[param] = ParamInfo(name, module, sharded,
+            infos[param] = ParamInfo(name, module, is_tp_shard(param),
                                      tied_copy=head_copy and name == EMBEDDING_NAME)
         self.param_infos = infos
         t = self.settings.train

@@ -56,10 +56,7 @@ def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> No
     for param, info in trainer.param_infos.items():
         key = f"{info.name}@{len(grads)}"
         grads[key] = local_tensor(param.grad).detach().contiguous().clone()
-        if info.name in trainer.rank_params.shards:
-            dim, tp = trainer.rank_params.shards[info.name]
-            shards[key] = [dim, tp.rank, tp.size]
-        elif is_tp_shard(param):  # a DTensor on a 1-D TP mesh
+        if is_tp_shard(param):  # a DTensor on a 1-D TP mesh
             (placement,) = param.placements
             shards[key] = [placement.dim, param.device_mesh.get_local_rank(), param.device_mesh.size()]
     save_file(grads, out / f"grads_rank{trainer.rank}.safetensors")

@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor
 from dflop.errors import UserError
 from dflop.models.builder import build_model
 from dflop.models.stages import build_llm_stage
-from dflop.models.tensor_parallel import TPGroup
 from dflop.runtime.checkpoint import (
     TrainState,
     complete_checkpoints,
@@ -259,7 +258,7 @@ def test_mismatches_are_one_line_errors(tmp_path):
 def test_global_names_of_pipeline_stages_and_untrained_parameters():
     model = build_model(*LLAVA, seed=0)
     last = build_llm_stage(model, 1, 2)
-    params = rank_parameters(model, [(last, None)])
+    params = rank_parameters(model, [last])
     # layer 0 of stage 1 is the model's layer 1; the tied head is the embedding
     assert "model.language_model.layers.1.self_attn.q_proj.weight" in params.tensors
     assert not any(".layers.0." in n for n in params.tensors)
@@ -267,36 +266,16 @@ def test_global_names_of_pipeline_stages_and_untrained_parameters():
     assert set(params.untrained) == LLAVA_UNTRAINED
 
 
-def _keep_chunk(module: torch.nn.Module, name: str, dim: int, tp: TPGroup) -> None:
-    """Replace a parameter by this rank's chunk of it along `dim`."""
-    chunk = getattr(module, name).detach().chunk(tp.size, dim)[tp.rank].clone()
-    setattr(module, name, torch.nn.Parameter(chunk))
-
-
-def test_plain_tensor_parallel_shards_get_megatron_dims():
-    """Plain (non-DTensor) shards, as a hand-written TP holds them: the split dimension is read from
-    the shape; column-parallel weights along dim 0, row-parallel along dim 1 (Megatron's layout)."""
+def test_a_plain_tensor_parallel_shard_is_refused():
+    """Tensor-parallel shards are DTensors (their shape is the global one); a plain tensor cut to a
+    slice cannot be named in a checkpoint."""
     model = build_model(*INTERNVL, seed=0)
-    tp = TPGroup(rank=1, size=2)
     stage = build_llm_stage(model, 0, 1)
-    split_dims = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0, "self_attn.o_proj": 1,
-                  "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1}
-    for layer in stage.layers:
-        for path, dim in split_dims.items():
-            _keep_chunk(layer.get_submodule(path), "weight", dim, tp)
-    _keep_chunk(model.lm_head, "weight", 0, tp)
-    params = rank_parameters(model, [(stage, tp)])
-    prefix = "model.language_model.layers.0."
-    dims = {n.removeprefix(prefix): d for n, (d, _) in params.shards.items() if n.startswith(prefix)}
-    assert dims == {"self_attn.q_proj.weight": 0, "self_attn.k_proj.weight": 0, "self_attn.v_proj.weight": 0,
-                    "self_attn.o_proj.weight": 1, "mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0,
-                    "mlp.down_proj.weight": 1}
-    assert params.shards["lm_head.weight"][0] == 0
-    assert params.tensors["lm_head.weight"] is model.lm_head.weight
-    assert f"{prefix}input_layernorm.weight" not in params.shards  # replicated
-
-    with pytest.raises(UserError, match=r"parameter .*q_proj.weight: shape \[32, 64\] is neither the full shape"):
-        rank_parameters(model, [(stage, None)])  # shards without their TP group
+    proj = stage.layers[0].self_attn.q_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach().chunk(2, 0)[1].clone())
+    with pytest.raises(UserError, match=r"q_proj.weight: shape \[32, 64\] is not the full model's \[64, 64\] "
+                                        r"\(tensor-parallel shards must be DTensors\)"):
+        rank_parameters(model, [stage])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -98,8 +98,7 @@ def fake_steps(params: RankParameters, optimizer, scheduler, n: int, salt: int) 
                 grad = noise(name, local.shape, salt * 100 + step * 10 + tp_rank)
                 param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
             else:
-                tp_rank = params.shards[name][1].rank if name in params.shards else 0
-                param.grad = noise(name, param.shape, salt * 100 + step * 10 + tp_rank)
+                param.grad = noise(name, param.shape, salt * 100 + step * 10)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -142,9 +141,9 @@ class Layout:
     untrained: set[str]
 
 
-def _poison_unowned_(model: nn.Module, parts, keep: set[str]) -> None:
+def _poison_unowned_(model: nn.Module, parts: list[nn.Module], keep: set[str]) -> None:
     """NaN in every full-model parameter this rank does not run, so using it anywhere shows."""
-    owned = {id(p) for module, _ in parts for p in module.parameters()}
+    owned = {id(p) for module in parts for p in module.parameters()}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if id(param) not in owned and name not in keep:
@@ -158,11 +157,11 @@ def pipeline_layout(rank: int, world: int) -> Layout:
     perturb_(model)
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
     if world == 1:
-        parts = [(build_vision_stage(model, 0, 1), None), (build_llm_stage(model, 0, 1), None)]
+        parts = [build_vision_stage(model, 0, 1), build_llm_stage(model, 0, 1)]
     elif rank == 0:
-        parts = [(build_vision_stage(model, 0, 1), None), (build_llm_stage(model, 0, 2), None)]
+        parts = [build_vision_stage(model, 0, 1), build_llm_stage(model, 0, 2)]
     else:
-        parts = [(build_llm_stage(model, 1, 2), None)]
+        parts = [build_llm_stage(model, 1, 2)]
     _poison_unowned_(model, parts, LLAVA_UNTRAINED)
     return Layout(model, rank_parameters(model, parts), reference, LLAVA_UNTRAINED)
 
@@ -188,7 +187,7 @@ def tensor_parallel_layout(rank: int, world: int, tp_size: int | None = None) ->
         shard_llm_layer(layer, tp)
     llm.embedding.embed_tokens = VocabParallelEmbedding(llm.embedding.embed_tokens, tp)
     llm.head = VocabParallelCausalLMHead(llm.head.norm, llm.head.lm_head, tp)
-    parts = [(vision, tp), (llm, tp)]
+    parts = [vision, llm]
     _poison_unowned_(model, parts, set())
     return Layout(model, rank_parameters(model, parts), reference, set())
 
@@ -208,7 +207,7 @@ def dtensor_layout(rank: int, world: int) -> Layout:
              "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
     for layer in model.model.language_model.layers:
         parallelize_module(layer, mesh, plan)
-    parts = [(build_vision_stage(model, 0, 1), None), (build_llm_stage(model, 0, 1), None)]
+    parts = [build_vision_stage(model, 0, 1), build_llm_stage(model, 0, 1)]
     return Layout(model, rank_parameters(model, parts), reference, LLAVA_UNTRAINED)
 
 

@@ -1,6 +1,6 @@
 """Hugging Face export: the directory loads with transformers' Auto class, holds exactly the trained
 weights and computes the same forward; multi-rank exports (pipeline stages on different ranks,
-dflop TP shards, DTensor shards) give the weights of the single-process model they were cut from.
+DTensor tensor-parallel shards) give the weights of the single-process model they were cut from.
 """
 
 from __future__ import annotations
@@ -91,32 +91,21 @@ def test_export_replaces_an_existing_directory_and_casts(tmp_path):
         assert torch.equal(value, model.state_dict()[name].to(torch.bfloat16)), name
 
 
-def _held(name, rank, shard_dim=None, tp_rank=0, tp_size=1):
-    return HeldTensor(name, rank, (4, 4), "float32", shard_dim, tp_rank, tp_size)
+def _held(name, rank):
+    return HeldTensor(name, rank, (4, 4), "float32")
 
 
-def test_transfer_plan_takes_each_tensor_once_and_shards_in_tp_order():
-    manifests = [
-        [_held("a", 0), _held("w", 0, 1, 0, 2)],
-        [_held("a", 1), _held("w", 1, 1, 1, 2)],
-        [_held("w", 2, 1, 0, 2)],  # a second replica of shard 0
-        [_held("w", 3, 1, 1, 2), _held("b", 3)],
-    ]
-    plan = {t.name: t for t in transfer_plan(manifests, {"a", "b", "w"})}
-    assert [p.rank for p in plan["a"].pieces] == [0] and plan["a"].shard_dim is None
-    assert [p.rank for p in plan["b"].pieces] == [3]
-    assert [(p.rank, p.tp_rank) for p in plan["w"].pieces] == [(0, 0), (1, 1)] and plan["w"].shard_dim == 1
+def test_transfer_plan_takes_each_tensor_once_from_its_lowest_rank():
+    manifests = [[_held("a", 0)], [_held("a", 1), _held("w", 1)], [_held("w", 2)], [_held("b", 3), _held("w", 3)]]
+    plan = {t.name: t.rank for t in transfer_plan(manifests, {"a", "b", "w"})}
+    assert plan == {"a": 0, "b": 3, "w": 1}
 
 
 def test_transfer_plan_names_what_is_missing():
     with pytest.raises(UserError, match="no rank holds parameter b"):
         transfer_plan([[_held("a", 0)]], {"a", "b"})
-    with pytest.raises(UserError, match="no rank holds tensor-parallel shard 1 of 2 of w"):
-        transfer_plan([[_held("w", 0, 0, 0, 2)], [_held("w", 1, 0, 0, 2)]], {"w"})
     with pytest.raises(UserError, match="parameter z is not a parameter of the model"):
         transfer_plan([[_held("z", 0)]], set())
-    with pytest.raises(UserError, match="sharded in different ways"):
-        transfer_plan([[_held("w", 0, 0, 0, 2)], [_held("w", 1, 1, 1, 2)]], {"w"})
 
 
 def _distributed_exports(rank: int, tmp: str) -> None:
