@@ -6,7 +6,8 @@ split over ranks, and pipeline stages (whose module paths restart at their own `
 collide. Pipeline stages are views of the rank's full model, so a stage parameter's global name is
 the full model's name for the same tensor; the vocabulary-parallel wrappers of an `LLMStage` (new
 modules holding the token embedding / LM head slice) are named after the embeddings they replace.
-This module is the one place that mapping is made.
+This module is the one place that mapping is made; `global_name_module` hands it to torch's
+state_dict API, which keys model and optimizer state by a module's parameter names.
 
 Tensor-parallel shards are DTensors (`dflop.models.tensor_parallel`): their ``shape`` is the global
 shape, so a parameter of any other shape than the full model's is refused.
@@ -117,3 +118,23 @@ def _wrapper_name(model: PreTrainedModel, module: nn.Module, local_name: str) ->
         return by_identity.get(id(model.get_output_embeddings().weight))
     return None
 
+
+def global_name_module(tensors: Mapping[str, nn.Parameter]) -> nn.Module:
+    """A module holding exactly `tensors`, each under its global name (``named_parameters()`` gives
+    ``model.language_model.layers.1.mlp.up_proj.weight`` for the tensor a pipeline stage calls
+    ``layers.0.mlp.up_proj.weight``): the model torch's state_dict API reads names from.
+
+    The parameters are the rank's own objects (no copy), so an optimizer over them is keyed by
+    these names, and loading into the module loads into the stages. Never called (no forward)."""
+    root = nn.Module()
+    for name, param in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        module.register_parameter(leaf, param)
+    return root

@@ -13,12 +13,16 @@ import json
 import os
 import pickle
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from dflop.errors import UserError
@@ -32,7 +36,8 @@ from dflop.runtime.checkpoint import (
     save_checkpoint,
     step_dir,
 )
-from dflop.runtime.param_names import rank_parameters
+from dflop.runtime.param_names import global_name_module, rank_parameters
+from dflop.runtime.safe_dcp import SafeFileSystemReader, TensorOnlyLoadPlanner
 from test_checkpoint_helpers import (
     INTERNVL,
     LAYOUTS,
@@ -264,6 +269,73 @@ def test_global_names_of_pipeline_stages_and_untrained_parameters():
     assert not any(".layers.0." in n for n in params.tensors)
     assert params.tensors["model.language_model.embed_tokens.weight"] is model.lm_head.weight
     assert set(params.untrained) == LLAVA_UNTRAINED
+
+
+def _dcp_tensor(path: Path, key: str, like: torch.Tensor) -> torch.Tensor:
+    """One tensor as the checkpoint's DCP files hold it."""
+    out = {key: torch.empty_like(like)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's warning about loading in one process
+        dcp.load(out, storage_reader=SafeFileSystemReader(path), planner=TensorOnlyLoadPlanner(), no_dist=True)
+    return out[key]
+
+
+def test_optimizer_state_is_keyed_by_global_names_through_the_state_dict_api(tmp_path):
+    """A pipeline stage's optimizer state goes in under the full model's names (its local layer 0 is
+    the model's layer 1), as torch's get_optimizer_state_dict flattens it; DCP holds only tensors,
+    the optimizer settings are JSON."""
+    model = build_model(*LLAVA, seed=0)
+    last = build_llm_stage(model, 1, 2)
+    state = make_state(rank_parameters(model, [last]))
+    fake_steps(state.params, state.optimizer, state.lr_scheduler, n=2, salt=1)
+    path = save_checkpoint(tmp_path, 2, state)
+
+    metadata = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    assert all(isinstance(meta, TensorStorageMetadata) for meta in metadata.values())  # nothing pickled
+    library = get_optimizer_state_dict(global_name_module(state.params.tensors), state.optimizer,
+                                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+    tensors = {f"optimizer.{k}" for k, v in library.items() if torch.is_tensor(v)}
+    assert {k for k in metadata if k.startswith("optimizer.")} == tensors
+    settings = json.loads((path / "rank_00000.json").read_text())["optimizer"]
+    assert settings == json.loads(json.dumps({k: v for k, v in library.items() if not torch.is_tensor(v)}))
+
+    local = last.layers[0].mlp.up_proj.weight
+    exp_avg = state.optimizer.state[local]["exp_avg"]
+    key = "optimizer.state.model.language_model.layers.1.mlp.up_proj.weight.exp_avg"
+    assert torch.equal(_dcp_tensor(path, key, exp_avg), exp_avg)
+    assert not any(".layers.0." in k for k in metadata)
+
+
+def test_parameters_never_stepped_keep_no_optimizer_state(tmp_path):
+    """Saving never steps an optimizer (AdamW counts steps per parameter), and a parameter without
+    optimizer state (no gradient yet) has none after a load either."""
+    layout = pipeline_layout(0, 1)
+    state = make_state(layout.params)
+    save_checkpoint(tmp_path, 0, state, keep=5)
+    assert not any(state.optimizer.state.values())
+
+    llm = {n for n in state.params.tensors if n.startswith("model.language_model.")}
+    for name, param in state.params.tensors.items():
+        param.grad = torch.ones_like(param) if name in llm else None
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    save_checkpoint(tmp_path, 1, state, keep=5)
+    fresh = make_state(state.params)
+    assert load_latest(tmp_path, fresh) == 1
+    for name, param in state.params.tensors.items():
+        got = fresh.optimizer.state[param]
+        assert (set(got) == {"step", "exp_avg", "exp_avg_sq"}) if name in llm else not got, name
+        for key, value in got.items():
+            assert torch.equal(value, state.optimizer.state[param][key]), (name, key)
+
+
+def test_a_checkpoint_of_the_previous_format_is_refused_in_one_line(tmp_path):
+    state = _small_state()
+    path = save_checkpoint(tmp_path, 1, state)
+    record = json.loads((path / "train_state.json").read_text())
+    (path / "train_state.json").write_text(json.dumps({**record, "format": 2}))
+    with pytest.raises(UserError, match=r"step_000001 is of an older format \(2; this dflop reads format 3\)"):
+        load_latest(tmp_path, state)
 
 
 def test_a_plain_tensor_parallel_shard_is_refused():

@@ -222,6 +222,17 @@ def test_prepare_treats_an_older_format_checkpoint_as_another_run(tmp_path):
     assert (moved / "step_000002").exists()
 
 
+def test_a_checkpoint_of_the_previous_format_is_moved_aside_never_resumed(tmp_path):
+    """Format 2 (before the state_dict API) records this very run, yet its files are not this
+    format's: one line says so and the run starts afresh."""
+    ckpt = tmp_path / "checkpoints"
+    _fake_checkpoint(ckpt, 2, _fp().to_json(), fmt=2)
+    decision = prepare_checkpoints(ckpt, _fp())
+    assert not decision.resume and not ckpt.exists()
+    assert decision.message.startswith("the checkpoint at step 2 is of an older format")
+    assert "\n" not in decision.message
+
+
 def test_prepare_says_when_a_checkpoint_record_is_unreadable(tmp_path):
     ckpt = tmp_path / "checkpoints"
     _fake_checkpoint(ckpt, 2, _fp().to_json())
