@@ -88,16 +88,14 @@ class OptimizerState(Stateful):
         checkpoint has no state for are left out (they had never been stepped)."""
         if not all(self.optimizer.state.get(p) for p in self.names.values()):
             self.optimizer.state.clear()
-            grads = {p: p.grad for p in self.names.values()}
-            for param in grads:
-                param.grad = None
-            try:
-                template = get_optimizer_state_dict(self.module, self.optimizer, options=_FLAT)
-            finally:
-                for param, grad in grads.items():
-                    param.grad = grad
-        else:
+        grads = {p: p.grad for p in self.names.values()}  # any gradient would stop the library's step
+        for param in grads:
+            param.grad = None
+        try:
             template = get_optimizer_state_dict(self.module, self.optimizer, options=_FLAT)
+        finally:
+            for param, grad in grads.items():
+                param.grad = grad
         never_stepped = tuple(f"state.{name}." for name in self._without_state(saved))
         return {key: value for key, value in template.items() if not key.startswith(never_stepped)}
 
