@@ -147,7 +147,7 @@ def worker(spec_path: str) -> int:
     from dflop.costmodel.model import CostModel
     from dflop.plan import plan_from_dict
     from dflop.runtime.loading import pool_samples
-    from dflop.runtime.process import init_distributed
+    from dflop.runtime.process_group import init_distributed
     from dflop.runtime.settings import TrainSettings
     from dflop.runtime.trainer import Trainer
     from dflop.shapes import read_shapes

@@ -1,10 +1,18 @@
-"""The default process group, as checkpointing and export use it: all helpers are no-ops in one
-process without a process group (tests, `read_checkpoint_model`), so the same code serves both."""
+"""The default process group: joining it (`init_distributed`: torchrun's, NCCL on CUDA, gloo on
+CPU, or a world of one), and the helpers checkpointing and export use, all no-ops in one process
+without a process group (tests, `read_checkpoint_model`), so the same code serves both."""
 
 from __future__ import annotations
 
+import os
+import socket
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+
+from dflop.cpu_memory import reuse_large_cpu_allocations
+from dflop.errors import UserError
 
 
 def is_distributed() -> bool:
@@ -46,3 +54,30 @@ def broadcast_int(value: int) -> int:
     buf = torch.tensor([value], dtype=torch.int64, device=collective_device())
     dist.broadcast(buf, src=0)
     return int(buf.item())
+
+
+def init_distributed(device: str) -> torch.device:
+    """Join torchrun's process group (NCCL on CUDA, gloo on CPU); a plain process is a world of 1."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("cluster.device is cuda but this machine has no CUDA device")
+        torch_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(torch_device)
+    else:
+        torch_device = torch.device("cpu")
+        reuse_large_cpu_allocations()  # no page faults on every step's large tensors (dflop.cpu_memory)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a single process: a world of one over a local store
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=10),
+                                device_id=torch_device if device == "cuda" else None)
+    return torch_device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

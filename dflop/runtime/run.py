@@ -23,7 +23,7 @@ from dflop.plan import read_plan
 from dflop.runtime.agreement import rank0_result
 from dflop.runtime.loading import pool_samples
 from dflop.runtime.metrics import MetricsWriter, measured_times, metrics_row
-from dflop.runtime.process import init_distributed
+from dflop.runtime.process_group import init_distributed
 from dflop.runtime.run_identity import prepare_checkpoints
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import Trainer

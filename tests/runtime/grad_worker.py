@@ -30,7 +30,7 @@ from dflop.plan import plan_from_dict
 from dflop.runtime.batches import broadcast_step_plan
 from dflop.shapes import read_shapes
 from dflop.runtime.loading import pool_samples
-from dflop.runtime.process import init_distributed
+from dflop.runtime.process_group import init_distributed
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import Trainer
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dflop.config import Config, deep_merge
-from dflop.runtime.process import init_distributed
+from dflop.runtime.process_group import init_distributed
 from dflop.runtime.run import train
 
 
