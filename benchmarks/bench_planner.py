@@ -33,6 +33,7 @@ from dflop.planner.optimize import summary
 from dflop.planner.search import SearchSettings, search
 from dflop.planner.space import ModelShape
 from dflop.scheduler.synthetic import llava_ov_mix
+from dflop.costmodel.jsonio import load_cost_model
 
 VISION = "siglip-so400m"
 PROFILES = Path(__file__).parent / "profiles"
@@ -43,7 +44,7 @@ SCALE = {8: (128, 4, 8), 64: (512, 4, 8), 512: (1024, 2, 4), 1024: (2048, 2, 4)}
 def cost_model_for(llm: str, args) -> tuple[CostModel, str]:
     fitted = PROFILES / f"{llm}.json"
     if fitted.exists():
-        return CostModel.load(fitted), f"fitted GPU profile {fitted}"
+        return load_cost_model(fitted), f"fitted GPU profile {fitted}"
     cost = analytic_cost_model(model_config("llava_ov", VISION, llm), achieved_tflops=args.tflops,
                                tp_gbps=args.tp_gbps, preset=f"llava_ov/{VISION}/{llm}")
     return cost, (f"analytic FLOP model: {args.tflops:g} TFLOP/s achieved per GPU, TP all-reduce {args.tp_gbps:g} GB/s, "

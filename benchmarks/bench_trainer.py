@@ -105,7 +105,7 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
     """The LLM layer split with the best mean predicted step over sampled batches (the plan),
     priced as the trainer prices (`training_pricing`)."""
     from dflop.config import Config
-    from dflop.costmodel.model import CostModel
+    from dflop.costmodel.jsonio import load_cost_model
     from dflop.models.handle import ModelHandle
     from dflop.plan import plan_from_dict
     from dflop.planner.expected import SchedulerSettings, run_partition
@@ -117,7 +117,7 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
 
     cfg = Config.from_dict(config)
     settings, model = TrainSettings.from_config(cfg), ModelHandle.resolve(cfg.model)
-    cost = CostModel.load(costmodel) if costmodel is not None else None
+    cost = load_cost_model(costmodel) if costmodel is not None else None
     pool = read_shapes(shapes)
     batches = GlobalBatches(len(pool), batch, seed)
     best = None
@@ -144,7 +144,7 @@ def worker(spec_path: str) -> int:
     import torch.distributed as dist
 
     from dflop.config import Config
-    from dflop.costmodel.model import CostModel
+    from dflop.costmodel.jsonio import load_cost_model
     from dflop.plan import plan_from_dict
     from dflop.runtime.loading import pool_samples
     from dflop.runtime.process_group import init_distributed
@@ -157,7 +157,7 @@ def worker(spec_path: str) -> int:
     device = init_distributed("cpu")
     cfg = Config.from_dict(spec["config"])
     pool = read_shapes(spec["shapes"])
-    cost = CostModel.load(spec["costmodel"]) if spec["costmodel"] is not None else None
+    cost = load_cost_model(spec["costmodel"]) if spec["costmodel"] is not None else None
     trainers = {}
     for name in VARIANTS:
         policy = "dflop" if name == "dflop" else "baseline"

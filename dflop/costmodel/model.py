@@ -25,7 +25,6 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from dflop.costmodel.batch import batch_costs
 from dflop.costmodel.features import (
     MODULE_FEATURES,
     ShapeKind,
@@ -33,7 +32,6 @@ from dflop.costmodel.features import (
     sample_features,
 )
 from dflop.costmodel.memory import training_state_bytes
-from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
 
 #: Fitted targets and their units; times are converted to seconds on prediction.
@@ -149,7 +147,7 @@ _MS = 1e-3
 class CostModel:
     """Time and memory predictions for vision and LLM pipeline stages.
 
-    Build one with `dflop.costmodel.fit.fit` or `CostModel.load`; the JSON format lives in
+    Build one with `dflop.costmodel.fit.fit` or `jsonio.load_cost_model`; the JSON format lives in
     `dflop.costmodel.jsonio`.
     """
 
@@ -314,25 +312,6 @@ class CostModel:
             act_bytes=per_sample["act_bytes"],
             static=self._static(parts),
         )
-
-    def batch_costs(self, n_tiles, seq_len, **kwargs) -> BatchCosts:
-        """Per-sample costs of one global batch; see `dflop.costmodel.batch.batch_costs`."""
-        return batch_costs(self, n_tiles, seq_len, **kwargs)
-
-    # ---- JSON -----------------------------------------------------------------------------------
-
-    def save(self, path) -> None:
-        """Write this model as JSON (atomically); see `dflop.costmodel.jsonio`."""
-        from dflop.costmodel.jsonio import save_cost_model
-
-        save_cost_model(self, path)
-
-    @classmethod
-    def load(cls, path) -> "CostModel":
-        """Read a model written by `save`; a bad file raises a one-line UserError naming the key."""
-        from dflop.costmodel.jsonio import load_cost_model
-
-        return load_cost_model(path)
 
 
 def _stage_time(parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray) -> StageTime:

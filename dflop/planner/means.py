@@ -16,7 +16,6 @@ import pandas as pd
 
 from dflop.costmodel.memory import canonical_dtype
 from dflop.costmodel.model import CostModel, StageTerms
-from dflop.errors import UserError
 from dflop.shapes import usable
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 from dflop.config import ClusterSection, PlannerSection
-from dflop.costmodel.model import CostModel
 from dflop.models.handle import ModelHandle
 from dflop.plan import write_plan
 from dflop.planner.candidates import write_candidates
@@ -22,6 +21,7 @@ from dflop.planner.planfile import plan_document
 from dflop.planner.search import SearchResult, SearchSettings, search
 from dflop.planner.space import ModelShape
 from dflop.shapes import read_shapes
+from dflop.costmodel.jsonio import load_cost_model
 
 
 def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: ModelHandle,
@@ -37,7 +37,7 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
     `dflop.planner.search`). `shape` overrides the model structure (tests).
     """
     t0 = time.perf_counter()
-    cost = CostModel.load(costmodel_path)
+    cost = load_cost_model(costmodel_path)
     check_cost_model_matches(cost, model.spec, costmodel_path)
     shape = shape or ModelShape.from_info(model.info)
     pool = Pool.from_shapes(read_shapes(shapes_path), where=str(shapes_path),

@@ -23,6 +23,7 @@ from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.stages import links
+from dflop.costmodel.batch import batch_costs
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Pricing:
     def batch(self, batch: Pool) -> PlanCosts:
         """Per-sample costs of the samples of `batch` (in batch order) on the plan."""
         plan, lay, sizes, link = self.plan, self.plan.layout, self.sizes, self._links
-        base = self.cost.batch_costs(batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
+        base = batch_costs(self.cost, batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
                                      llm_layers_per_stage=list(plan.llm_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
                                      mem_limit_bytes=self.cluster.gpu_memory_bytes,
                                      in_flight_per_stage=lay.in_flight(), colocated=lay.colocated)

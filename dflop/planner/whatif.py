@@ -34,6 +34,7 @@ from dflop.planner.planfile import check_plan_runs
 from dflop.planner.space import ModelShape
 from dflop.shapes import read_shapes
 from dflop.sim import plot_gantt
+from dflop.costmodel.jsonio import load_cost_model
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def load_plan_context(plan_path, *, shapes_path=None, costmodel_path=None, shape
     costmodel_path = costmodel_path or inputs.get("costmodel")
     if not shapes_path or not costmodel_path:
         raise UserError(f"{plan_path}: inputs.shapes / inputs.costmodel missing; pass --shapes and --costmodel")
-    cost = CostModel.load(costmodel_path)
+    cost = load_cost_model(costmodel_path)
     if shape is None:
         spec = pf.model_spec()
         check_cost_model_matches(cost, spec, costmodel_path)

@@ -1,8 +1,25 @@
-"""``python -m dflop.report GROUP ...``: the same as ``dflop report GROUP ...``."""
+"""``python -m dflop.report GROUP ...``: the same as ``dflop report GROUP ...`` (without importing
+the `dflop` command, which sits above the report layer)."""
 
+import argparse
 import sys
 
-from dflop.cli import main
+from dflop.errors import UserError
+from dflop.report.command import add_arguments, run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflop.report", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        for path in run(args):
+            print(f"wrote {path}")
+    except (UserError, FileNotFoundError) as exc:
+        print(f"dflop report: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit(main(["report", *sys.argv[1:]]))
+    sys.exit(main())

@@ -20,6 +20,7 @@ from dflop.costmodel.features import profile_features
 from dflop.costmodel.model import TARGETS, CostModel
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.report.style import read_table, save_figure
+from dflop.costmodel.jsonio import load_cost_model
 
 VALIDATION_COLUMNS = ("module", "tp", "target", "mape_median", "mape_p90")
 PROFILE_COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
@@ -102,7 +103,7 @@ def draw_costmodel_fit(fit: pd.DataFrame, validation: pd.DataFrame, *, title: st
 def plot_costmodel_fit(*, profile: str | Path, costmodel: str | Path, validation: str | Path,
                        out_png: str | Path) -> Path:
     """Read the three artifacts, draw the fit figure, write `out_png`; returns its path."""
-    model = CostModel.load(costmodel)
+    model = load_cost_model(costmodel)
     table = read_table(profile, "model_profile.parquet", PROFILE_COLUMNS)
     held_out = read_table(validation, "validation.parquet", VALIDATION_COLUMNS)
     prov = model.provenance

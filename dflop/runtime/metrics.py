@@ -96,12 +96,6 @@ def stage_labels(topo: Topology) -> list[str]:
     return vision + [f"llm{j}" for j in range(topo.plan.llm.pp)]
 
 
-def rank_stage(topo: Topology, rank: int) -> int:
-    """Chain position of `rank`."""
-    other = Topology(topo.plan, rank, topo.world_size)
-    return other.pipeline_stage
-
-
 def measured_times(topo: Topology, times: np.ndarray, plan: StepPlan):
     """MeasuredTimes (by microbatch id) from the gathered [world, 2, m] busy seconds: per stage the
     slowest replica/TP rank (vision) or the slowest TP rank of each replica (LLM)."""
@@ -110,8 +104,7 @@ def measured_times(topo: Topology, times: np.ndarray, plan: StepPlan):
     ids = np.asarray(plan.microbatch_ids)
     vision_fwd, vision_bwd = np.zeros((p_v, m)), np.zeros((p_v, m))
     llm_fwd, llm_bwd = np.zeros((dp, topo.plan.llm.pp, m)), np.zeros((dp, topo.plan.llm.pp, m))
-    for rank in range(topo.world_size):
-        other = Topology(topo.plan, rank, topo.world_size)
+    for rank, other in enumerate(topo.peers):
         fwd, bwd = times[rank, 0], times[rank, 1]
         if other.llm_role is not None:
             r, j = other.llm_role.replica, other.llm_role.stage
@@ -128,8 +121,8 @@ def stage_busy(topo: Topology, times: np.ndarray) -> dict[str, float]:
     """Mean busy seconds of each pipeline stage's ranks."""
     labels = stage_labels(topo)
     per_stage: dict[int, list[float]] = {}
-    for rank in range(topo.world_size):
-        per_stage.setdefault(rank_stage(topo, rank), []).append(float(times[rank].sum()))
+    for rank, other in enumerate(topo.peers):
+        per_stage.setdefault(other.pipeline_stage, []).append(float(times[rank].sum()))
     return {labels[s]: float(np.mean(v)) for s, v in sorted(per_stage.items())}
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from dflop.costmodel.model import CostModel
 from dflop.plan import read_plan
 from dflop.runtime.agreement import rank0_result
 from dflop.runtime.loading import pool_samples
@@ -28,6 +27,7 @@ from dflop.runtime.run_identity import prepare_checkpoints
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import Trainer
 from dflop.shapes import read_shapes
+from dflop.costmodel.jsonio import load_cost_model
 
 log = logging.getLogger("dflop.train")
 
@@ -63,7 +63,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
     plan_file = read_plan(plan_path)
     plan_file.check_batch(settings.train.global_batch_size)
     pool = read_shapes(shapes_path)
-    cost = CostModel.load(costmodel_path) if costmodel_path is not None else None
+    cost = load_cost_model(costmodel_path) if costmodel_path is not None else None
     trainer = Trainer(settings, plan_file.plan, pool, pool_samples(pool, settings.datasets, settings.seed),
                       cost=cost, device=device)
     ckpt_dir = out_dir / "checkpoints"

@@ -17,6 +17,7 @@ The arithmetic (`rank_of`, roles, peers) needs no process group, so it is unit-t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch.distributed as dist
 
@@ -72,6 +73,14 @@ class Topology:
         self.groups = Groups()
         self.vision_role = self._role(VISION)
         self.llm_role = self._role(LLM)
+
+    @cached_property
+    def peers(self) -> tuple["Topology", ...]:
+        """Every rank's Topology (arithmetic only, no process groups), built once: what rank 0
+        reads other ranks' measurements with."""
+        return tuple(self if r == self.rank else Topology(self.plan, r, self.world_size,
+                                                          tied_embeddings=self.tied_embeddings)
+                     for r in range(self.world_size))
 
     # -- arithmetic --------------------------------------------------------------------------
 

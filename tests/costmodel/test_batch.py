@@ -8,6 +8,7 @@ from dflop.plan import in_flight_1f1b
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
 from dflop.errors import UserError
+from dflop.costmodel.batch import batch_costs
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def test_any_grouping_reproduces_stage_predictions(model):
     vision_layers, llm_layers = [10, 9, 8], [7, 7, 6, 4]
     in_flight = in_flight_1f1b(7, 8)
     limit = 80e9
-    costs = model.batch_costs(tiles, seq_len, vision_layers_per_stage=vision_layers, llm_layers_per_stage=llm_layers,
+    costs = batch_costs(model, tiles, seq_len, vision_layers_per_stage=vision_layers, llm_layers_per_stage=llm_layers,
                               tp_v=1, tp_l=2, mem_limit_bytes=limit, in_flight_per_stage=in_flight)
     assert costs.vision_fwd.shape == (3, 40) and costs.llm_fwd.shape == (4, 40)
     for _ in range(5):
@@ -52,7 +53,7 @@ def test_any_grouping_reproduces_stage_predictions(model):
 
 
 def test_text_only_samples_cost_nothing_on_vision_stages(model):
-    costs = model.batch_costs([0, 3], [100, 400], vision_layers_per_stage=[12], llm_layers_per_stage=[12],
+    costs = batch_costs(model, [0, 3], [100, 400], vision_layers_per_stage=[12], llm_layers_per_stage=[12],
                               tp_v=1, tp_l=1, mem_limit_bytes=np.inf, in_flight_per_stage=[2, 1])
     assert costs.vision_fwd[0, 0] == 0 and costs.vision_act_bytes[0, 0] == 0
     assert costs.vision_fwd[0, 1] > 0
@@ -62,7 +63,7 @@ def test_text_only_samples_cost_nothing_on_vision_stages(model):
 def test_colocated_layout_folds_the_vision_tower_into_llm_stage_0(model):
     rng = np.random.default_rng(1)
     tiles, seq_len = _random_batch(rng, 12)
-    costs = model.batch_costs(tiles, seq_len, vision_layers_per_stage=[27], llm_layers_per_stage=[12, 12],
+    costs = batch_costs(model, tiles, seq_len, vision_layers_per_stage=[27], llm_layers_per_stage=[12, 12],
                               tp_v=2, tp_l=2, mem_limit_bytes=80e9, in_flight_per_stage=[2, 1], colocated=True)
     assert costs.pp_vision == 0 and costs.vision_fwd.shape == (0, 12) and costs.pp_llm == 2
     group = np.array([0, 3, 5, 11])
@@ -81,17 +82,17 @@ def test_colocated_layout_folds_the_vision_tower_into_llm_stage_0(model):
 def test_layout_mistakes_are_one_line_errors(model):
     kw = dict(tp_v=1, tp_l=1, mem_limit_bytes=1e9)
     with pytest.raises(UserError, match=r"^n_tiles has 2 samples but seq_len has 1$"):
-        model.batch_costs([1, 2], [5], vision_layers_per_stage=[1], llm_layers_per_stage=[1],
+        batch_costs(model, [1, 2], [5], vision_layers_per_stage=[1], llm_layers_per_stage=[1],
                           in_flight_per_stage=[2, 1], **kw)
     with pytest.raises(UserError, match=r"in_flight_per_stage has 2 entries, expected 3 \(disjoint: pp_v \+ pp_l\)"):
-        model.batch_costs([1], [5], vision_layers_per_stage=[1], llm_layers_per_stage=[1, 1],
+        batch_costs(model, [1], [5], vision_layers_per_stage=[1], llm_layers_per_stage=[1, 1],
                           in_flight_per_stage=[2, 1], **kw)
     with pytest.raises(UserError, match="vision_layers_per_stage must have one entry, got 2"):
-        model.batch_costs([1], [5], vision_layers_per_stage=[1, 1], llm_layers_per_stage=[1],
+        batch_costs(model, [1], [5], vision_layers_per_stage=[1, 1], llm_layers_per_stage=[1],
                           in_flight_per_stage=[1], colocated=True, **kw)
     with pytest.raises(UserError, match=r"^in_flight_per_stage\[1\] must be >= 1, got 0$"):
-        model.batch_costs([1], [5], vision_layers_per_stage=[1], llm_layers_per_stage=[1],
+        batch_costs(model, [1], [5], vision_layers_per_stage=[1], llm_layers_per_stage=[1],
                           in_flight_per_stage=[1, 0], **kw)
     with pytest.raises(UserError, match=r"^no profile for vision_layer at tp=4; profiled tp: 1, 2$"):
-        model.batch_costs([1], [5], vision_layers_per_stage=[1], llm_layers_per_stage=[1],
+        batch_costs(model, [1], [5], vision_layers_per_stage=[1], llm_layers_per_stage=[1],
                           in_flight_per_stage=[2, 1], tp_v=4, tp_l=1, mem_limit_bytes=1e9)

@@ -18,10 +18,10 @@ from dflop.costmodel.features import (
 )
 from dflop.costmodel.fit import fit_profile
 from dflop.costmodel.jsonio import cost_model_to_dict
-from dflop.costmodel.model import CostModel
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
 from dflop.errors import UserError
+from dflop.costmodel.jsonio import load_cost_model, save_cost_model
 
 
 def kernel_loops(length: int) -> tuple[int, int]:
@@ -117,15 +117,15 @@ def test_fit_of_a_cpu_profile_recovers_the_kernel_coefficients():
 def test_cpu_features_survive_the_json_round_trip_and_bad_lists_are_named(tmp_path):
     model, _ = fit_profile(summarize_profile(_cpu_profile(COEF)))
     path = tmp_path / "costmodel.json"
-    model.save(path)
-    loaded = CostModel.load(path)
+    save_cost_model(model, path)
+    loaded = load_cost_model(path)
     assert loaded.modules[("llm_attention", 1)].features == CPU_KERNEL_FEATURES["llm_attention"]
     data = cost_model_to_dict(model)
     entry = next(i for i, m in enumerate(data["modules"]) if m["module"] == "llm_attention")
     data["modules"][entry]["features"] = ["tokens", "cpu_attn_pairs", "const"]
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(UserError, match=rf"modules/{entry} \(llm_attention\) has features .* expected .* or .*cpu_attn_pairs"):
-        CostModel.load(tmp_path / "bad.json")
+        load_cost_model(tmp_path / "bad.json")
 
 
 def test_packed_cpu_attention_runs_the_kernel_these_features_count():

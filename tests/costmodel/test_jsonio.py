@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
+from dflop.costmodel.batch import batch_costs
 from dflop.costmodel.fit import fit_profile
-from dflop.costmodel.jsonio import cost_model_to_dict, save_cost_model
-from dflop.costmodel.model import CostModel
+from dflop.costmodel.jsonio import cost_model_to_dict, load_cost_model, save_cost_model
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
 from dflop.errors import UserError
@@ -20,14 +20,14 @@ def model():
 
 def test_round_trip_predicts_identically(model, tmp_path):
     path = tmp_path / "costmodel.json"
-    model.save(path)
-    loaded = CostModel.load(path)
+    save_cost_model(model, path)
+    loaded = load_cost_model(path)
     assert loaded.provenance == model.provenance
     rng = np.random.default_rng(2)
     tiles, lens = rng.integers(0, 20, 30), rng.integers(1, 5000, 30)
     kw = dict(vision_layers_per_stage=[14, 13], llm_layers_per_stage=[10, 10, 8], tp_v=2, tp_l=1,
               mem_limit_bytes=40e9, in_flight_per_stage=[5, 4, 3, 2, 1])
-    before, after = model.batch_costs(tiles, lens, **kw), loaded.batch_costs(tiles, lens, **kw)
+    before, after = batch_costs(model, tiles, lens, **kw), batch_costs(loaded, tiles, lens, **kw)
     for name in before.__dataclass_fields__:
         np.testing.assert_array_equal(getattr(before, name), getattr(after, name), err_msg=name)
     assert model.llm_stage_memory(lens, n_layers=3, first=True, last=True, tp=1, in_flight=2) == \
@@ -49,33 +49,33 @@ def test_damaged_files_name_the_problem(model, tmp_path):
     bad = json.loads(json.dumps(good))
     bad["modules"][2]["coef"]["fwd_ms"][0] = -1.0
     with pytest.raises(UserError, match=r"costmodel.json: invalid cost model at modules/2/coef/fwd_ms/0: -1.0 is less than the minimum of 0"):
-        CostModel.load(_write(tmp_path, bad))
+        load_cost_model(_write(tmp_path, bad))
 
     bad = json.loads(json.dumps(good))
     bad["modules"][0]["coef"]["bwd_ms"].pop()
     with pytest.raises(UserError, match=r"modules/0/coef/bwd_ms has 3 coefficients for 4 features"):
-        CostModel.load(_write(tmp_path, bad))
+        load_cost_model(_write(tmp_path, bad))
 
     bad = json.loads(json.dumps(good))
     bad["version"] = 99
     with pytest.raises(UserError, match=r"format version 99 is not supported \(this dflop reads version 1\)"):
-        CostModel.load(_write(tmp_path, bad))
+        load_cost_model(_write(tmp_path, bad))
 
     bad = json.loads(json.dumps(good))
     del bad["provenance"]["dtype"]
     with pytest.raises(UserError, match=r"invalid cost model at provenance: 'dtype' is a required property"):
-        CostModel.load(_write(tmp_path, bad))
+        load_cost_model(_write(tmp_path, bad))
 
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(UserError, match=r"broken.json: not valid JSON"):
-        CostModel.load(tmp_path / "broken.json")
+        load_cost_model(tmp_path / "broken.json")
     with pytest.raises(UserError, match=r"cost model not found"):
-        CostModel.load(tmp_path / "missing.json")
+        load_cost_model(tmp_path / "missing.json")
 
 
 def test_file_is_plain_json_with_the_feature_spec(model, tmp_path):
     path = tmp_path / "m.json"
-    model.save(path)
+    save_cost_model(model, path)
     data = json.loads(path.read_text())
     layer = next(m for m in data["modules"] if m["module"] == "llm_layer" and m["tp"] == 1)
     assert layer["features"] == ["tokens", "tokens_pow1.5", "sq_tokens", "const"]

@@ -11,6 +11,7 @@ from dflop.errors import UserError
 from dflop.plan import read_plan
 from dflop.planner import optimize, simulate_plan
 from dflop.planner.candidates import COLUMNS
+from dflop.costmodel.jsonio import save_cost_model
 from planner_testlib import toy_cost_model, toy_shapes
 
 DEMO = dict(arch="llava_ov", vision="siglip-tiny", llm="qwen2.5-tiny")
@@ -39,7 +40,7 @@ def inputs(tmp_path_factory):
     cost = toy_cost_model(tp_degrees=(1,))
     demo = CostModel(cost.modules.values(), Provenance(preset="llava_ov/siglip-tiny/qwen2.5-tiny", device="synthetic",
                                                        dtype="float32"))
-    demo.save(d / "costmodel.json")
+    save_cost_model(demo, d / "costmodel.json")
     return d
 
 

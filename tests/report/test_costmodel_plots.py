@@ -14,6 +14,7 @@ from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import SyntheticCosts, synthetic_profile
 from dflop.errors import UserError
 from dflop.report.costmodel_plots import draw_costmodel_fit, fit_table, plot_costmodel_fit
+from dflop.costmodel.jsonio import save_cost_model
 
 GRID = dict(tiles=(1, 2, 4, 8, 16), patches_per_tile=16, llm_batches=(1, 2, 4), llm_seq_lens=(64, 256, 1024))
 
@@ -100,7 +101,7 @@ def test_figure_shows_every_shape_and_the_held_out_errors(noisy):
 def test_png_and_one_line_errors(noisy, tmp_path):
     profile, model, validation = noisy
     profile.to_parquet(tmp_path / "model_profile.parquet")
-    model.save(tmp_path / "costmodel.json")
+    save_cost_model(model, tmp_path / "costmodel.json")
     validation.to_parquet(tmp_path / "validation.parquet")
     out = plot_costmodel_fit(profile=tmp_path / "model_profile.parquet", costmodel=tmp_path / "costmodel.json",
                              validation=tmp_path / "validation.parquet", out_png=tmp_path / "fit.png")

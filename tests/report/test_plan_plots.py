@@ -16,6 +16,7 @@ from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.planner import optimize
 from dflop.report.plan_plots import compare_plan, draw_plan_comparison, plot_plan
+from dflop.costmodel.jsonio import save_cost_model
 
 DEMO = dict(arch="llava_ov", vision="siglip-tiny", llm="qwen2.5-tiny")
 
@@ -40,7 +41,7 @@ def planned(tmp_path_factory):
     _shapes().to_parquet(d / "shapes.parquet")
     profile = synthetic_profile(patches_per_tile=729, preset="llava_ov/siglip-tiny/qwen2.5-tiny")
     model, _ = fit_profile(summarize_profile(profile))
-    model.save(d / "costmodel.json")
+    save_cost_model(model, d / "costmodel.json")
     cfg = Config.from_dict({"model": DEMO, "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_gb": 8},
                             "planner": {"placements": ["disjoint"], "microbatches": [4], "sample_batches": 6}})
     optimize(d / "shapes.parquet", d / "costmodel.json", d / "plan.yaml", d / "candidates.parquet",

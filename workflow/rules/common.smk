@@ -3,13 +3,13 @@
 import json
 import os
 
-import yaml
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 from dflop.config import ConfigError, resolve
+from dflop.plan import read_plan
 
 try:
     _resolved = resolve(config)
@@ -52,8 +52,7 @@ def dataset_files(wildcards=None):
 
 
 def plan_world_size(path):
-    with open(path) as f:
-        return int(yaml.safe_load(f)["world_size"])
+    return read_plan(path).plan.world_size
 
 
 def train_nodes(wildcards, input):
