@@ -43,21 +43,13 @@ def model_config(arch: str, vision: str, llm: str, *, weights_dir: str | Path | 
     return spec.make_config(vision_p, llm_preset(llm))
 
 
-def build_model(
-    arch: str,
-    vision: str,
-    llm: str,
-    *,
-    weights_dir: str | Path | None = None,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-    seed: int | None = None,
-    llm_attention: str = PACKED_ATTENTION,
-) -> PreTrainedModel:
-    """The full transformers model: random weights from the presets, or the weights in `weights_dir`
-    (`build_from_config` of `model_config`; a run resolves its model once, `dflop.models.handle`)."""
+def build_model(arch: str, vision: str, llm: str, *, weights_dir: str | Path | None = None,
+                **options) -> PreTrainedModel:
+    """The model of (arch, vision preset, LLM preset), or the one in `weights_dir`: `build_from_config`
+    (`options`: its dtype, device, seed, llm_attention) of `model_config`. A run resolves its model
+    once instead (`dflop.models.handle`)."""
     return build_from_config(model_config(arch, vision, llm, weights_dir=weights_dir), weights_dir=weights_dir,
-                             dtype=dtype, device=device, seed=seed, llm_attention=llm_attention)
+                             **options)
 
 
 def build_from_config(
