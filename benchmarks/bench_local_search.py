@@ -9,7 +9,7 @@ over the batches of:
     bottleneck-stage load; 1.000 = no change);
   - greedy_gain: simulated step of the portfolio's "greedy" member without / with the search;
   - dflop_gain: the portfolio's simulated step without / with it (local_search replaced by the
-    identity in `dflop.scheduler.partition`, which also drops it from the greedy_ends members);
+    identity in `dflop.scheduler.portfolio`, which also drops it from the greedy_ends members);
   - changed: batches whose final partition differs;
   - ls_ms: CPU milliseconds of one `local_search` call (p50 over the batches).
 The ILP is off (``ilp="never"``) so both runs see the same members and results do not depend on
@@ -33,6 +33,8 @@ from dflop.scheduler.synthetic import llava_ov_mix
 
 # the module, not the function `dflop.scheduler` re-exports under the same name
 partition_module = importlib.import_module("dflop.scheduler.partition")
+# where the portfolio's members call local_search
+portfolio_module = importlib.import_module("dflop.scheduler.portfolio")
 
 
 def _identity(sc, bin_of, *args, **kwargs):
@@ -55,11 +57,11 @@ def run(grid, batches: int, seed: int) -> pd.DataFrame:
             searched = local_search(sc, start, m, dp, guard)
             ls_s = time.process_time() - c0
             with_ls = partition_module.partition(costs, m, dp, dp, ilp="never", seed=seed + b)
-            partition_module.local_search = _identity
+            portfolio_module.local_search = _identity
             try:
                 without = partition_module.partition(costs, m, dp, dp, ilp="never", seed=seed + b)
             finally:
-                partition_module.local_search = local_search
+                portfolio_module.local_search = local_search
             rows.append(dict(n=n, m=m, dp=dp, batch=b, proxy_gain=proxy(sc, start, m, dp) / proxy(sc, searched, m, dp),
                              greedy_gain=dict(without.candidates)["greedy"] / dict(with_ls.candidates)["greedy"],
                              dflop_gain=without.step_s / with_ls.step_s, changed=not with_ls.same_assignment(without),

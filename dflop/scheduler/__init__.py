@@ -9,11 +9,12 @@ from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_fr
 from dflop.scheduler.evaluate import StageTimes, lower_bound, stage_times
 from dflop.scheduler.greedy import MemoryGuardError
 from dflop.scheduler.partition import POLICIES, Partition, greedy_partition, partition
+from dflop.scheduler.portfolio import PortfolioSettings
 from dflop.scheduler.profile import fluid_lower_bound
 from dflop.scheduler.service import SchedulerService
 from dflop.scheduler.synthetic import llava_ov_mix
 
 __all__ = ["POLICIES", "AdaptiveCorrection", "AnalyticCostModel", "CorrectionDecision", "MeasuredTimes",
-           "MemoryGuardError", "Partition", "SchedulerService", "ShapeBuckets", "StageLayout", "StageTimes",
-           "batch_costs_from_shapes", "bench_scheduler", "fluid_lower_bound", "greedy_partition", "llava_ov_mix",
+           "MemoryGuardError", "Partition", "PortfolioSettings", "SchedulerService", "ShapeBuckets", "StageLayout",
+           "StageTimes", "batch_costs_from_shapes", "bench_scheduler", "fluid_lower_bound", "greedy_partition", "llava_ov_mix",
            "lower_bound", "partition", "stage_times"]

@@ -17,7 +17,7 @@ def test_with_and_without_local_search_on_the_benchmark_batches():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     raw = bench.run(((64, 4, 4), (16, 2, 8)), batches=2, seed=0)
-    assert bench.partition_module.local_search is local_search       # the identity is swapped back
+    assert bench.portfolio_module.local_search is local_search       # the identity is swapped back
     assert partition_function is bench.partition_module.partition
     assert (raw.proxy_gain >= 1 - 1e-12).all()                       # the search never raises its proxy
     one_per_bin = raw[raw.n == raw.m * raw.dp]

@@ -4,6 +4,7 @@ import pytest
 from dflop.scheduler.evaluate import equal_split_step, scalar_costs, simulate_times, stage_times
 from dflop.scheduler.greedy import MemoryGuard, greedy_2d
 from dflop.scheduler.partition import partition
+from dflop.scheduler.portfolio import PortfolioSettings
 from dflop.scheduler.profile import (fill_empty_bins, fit_profile, fluid_profile, heavy_slots, profile_partition,
                                      profile_targets, sample_classes, worst_ratio)
 from dflop.sim import simulate
@@ -103,7 +104,7 @@ def test_partition_runs_profile_member_only_with_two_to_four_samples_per_bin(mak
     _, costs = make_costs(256, seed=6)
     names = lambda part: [name for name, _ in part.candidates]  # noqa: E731
     assert "profile" in names(partition(costs, 16, 8, 8, ilp="never"))          # 2 per bin
-    assert "profile" not in names(partition(costs, 16, 8, 8, ilp="never", profile_items_per_bin=0))
+    assert "profile" not in names(partition(costs, 16, 8, 8, ilp="never", settings=PortfolioSettings(exclude=frozenset({"profile"}))))
     assert "profile" not in names(partition(costs, 64, 4, 4, ilp="never"))      # 1 per bin
     assert "profile" not in names(partition(costs, 8, 4, 4, ilp="never"))       # 8 per bin
     assert "profile" not in names(partition(costs, 16, 1, 1, ilp="never"))      # dp_llm = 1

@@ -5,6 +5,7 @@ import pytest
 
 from dflop.scheduler.evaluate import simulate_times, stage_times
 from dflop.scheduler.partition import POLICIES, partition
+from dflop.scheduler.portfolio import PortfolioSettings
 from dflop.scheduler.simsearch import order_moves, sim_search, swap_pairs
 
 
@@ -71,7 +72,7 @@ def test_partition_uses_it_at_one_sample_per_bin(make_costs):
     m, dp = 8, 8
     shapes, costs = make_costs(m * dp, seed=3)
     ours = partition(costs, m, dp, dp, ilp="never")
-    without = partition(costs, m, dp, dp, ilp="never", sim_items_per_bin=0)
+    without = partition(costs, m, dp, dp, ilp="never", settings=PortfolioSettings(exclude=frozenset({"sim_search"})))
     assert ours.member == "sim_search" and ours.step_s < without.step_s
     assert ours.step_s == pytest.approx(_step(costs, ours.microbatch * dp + ours.replica, ours.order, m, dp))
     assert ours.step_s <= 0.97 * without.step_s
@@ -91,8 +92,8 @@ def test_second_start_is_never_worse_and_sometimes_wins(make_costs):
     gains = []
     for seed in range(3):
         _, costs = make_costs(m * dp, seed=seed)
-        one = partition(costs, m, dp, dp, ilp="never", sim_starts=1)
-        two = partition(costs, m, dp, dp, ilp="never", sim_starts=2)
+        one = partition(costs, m, dp, dp, ilp="never", settings=PortfolioSettings(sim_starts=1))
+        two = partition(costs, m, dp, dp, ilp="never", settings=PortfolioSettings(sim_starts=2))
         assert two.step_s <= one.step_s * (1 + 1e-12)
         assert two.step_s <= min(step for member, step in two.candidates if member != "sim_search") * (1 + 1e-12)
         assert two.step_s == pytest.approx(_step(costs, two.microbatch * dp + two.replica, two.order, m, dp))
