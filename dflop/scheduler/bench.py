@@ -30,26 +30,49 @@ def load_shapes(path: str | Path) -> pd.DataFrame:
     return read_shapes(path)
 
 
-def run_grid(pool: pd.DataFrame, dataset: str, *, grid, batches: int, budget_s: float, seed: int,
-             policies, layout: StageLayout, costs_fn: CostsFn) -> pd.DataFrame:
-    """One row per (grid point, batch, policy) with step_s, bound_s, ratio, solve_s, member."""
+def load_pools(shapes_path: str | None, *, include_mix: bool = True, mix_size: int = 20000,
+               seed: int = 0) -> list[tuple[str, pd.DataFrame]]:
+    """(name, shapes) of the data sets to sample from: the shapes file's (named by its datasets)
+    and the generated LLaVA-OV-like mix (always, when there is no shapes file)."""
+    pools = []
+    if shapes_path:
+        shapes = load_shapes(shapes_path)
+        name = "+".join(sorted(shapes["dataset"].astype(str).unique())) if "dataset" in shapes else Path(shapes_path).stem
+        pools.append((name, shapes))
+    if include_mix or not pools:
+        pools.append(("llava_ov_mix", llava_ov_mix(mix_size, seed=seed)))
+    return pools
+
+
+def sample_batches(pool: pd.DataFrame, *, grid, batches: int, seed: int, layout: StageLayout, costs_fn: CostsFn):
+    """The benchmark's global batches: (n, m, dp, batch index, costs, lengths) for each grid point and
+    batch, drawn from `pool` by one generator seeded with `seed` (every script that compares with the
+    recorded table draws them this way). lengths: [n] text tokens (what llava_group sorts by) or None."""
     rng = np.random.default_rng(seed)
-    rows = []
     for n, m, dp in grid:
         for b in range(batches):
             idx = rng.choice(len(pool), size=n, replace=len(pool) < n)
             shapes = pool.iloc[idx].reset_index(drop=True)
             costs = batch_costs_from_shapes(shapes, layout, costs_fn)
             lengths = shapes["text_tokens"].to_numpy(dtype=np.float64) if "text_tokens" in shapes else None
-            for policy in policies:
-                t0, c0 = time.perf_counter(), time.process_time()
-                part = partition(costs, m, dp, dp, budget_s=budget_s, seed=seed + b, policy=policy, lengths=lengths)
-                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-                rows.append(dict(dataset=dataset, n=n, m=m, dp=dp, batch=b, policy=policy, step_s=part.step_s,
-                                 bound_s=part.lower_bound_s, ratio=part.gap, solve_s=wall, solve_cpu_s=cpu,
-                                 member=part.member,
-                                 ilp_status=part.ilp_status, memory_ok=part.memory_ok,
-                                 greedy_step_s=dict(part.candidates).get("greedy", np.nan)))
+            yield n, m, dp, b, costs, lengths
+
+
+def run_grid(pool: pd.DataFrame, dataset: str, *, grid, batches: int, budget_s: float, seed: int,
+             policies, layout: StageLayout, costs_fn: CostsFn) -> pd.DataFrame:
+    """One row per (grid point, batch, policy) with step_s, bound_s, ratio, solve_s, member."""
+    rows = []
+    for n, m, dp, b, costs, lengths in sample_batches(pool, grid=grid, batches=batches, seed=seed, layout=layout,
+                                                      costs_fn=costs_fn):
+        for policy in policies:
+            t0, c0 = time.perf_counter(), time.process_time()
+            part = partition(costs, m, dp, dp, budget_s=budget_s, seed=seed + b, policy=policy, lengths=lengths)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            rows.append(dict(dataset=dataset, n=n, m=m, dp=dp, batch=b, policy=policy, step_s=part.step_s,
+                             bound_s=part.lower_bound_s, ratio=part.gap, solve_s=wall, solve_cpu_s=cpu,
+                             member=part.member,
+                             ilp_status=part.ilp_status, memory_ok=part.memory_ok,
+                             greedy_step_s=dict(part.candidates).get("greedy", np.nan)))
     return pd.DataFrame(rows)
 
 
@@ -108,13 +131,7 @@ def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, 
     """
     layout = layout or StageLayout()
     costs_fn = costs_fn or AnalyticCostModel()
-    pools = []
-    if shapes_path:
-        shapes = load_shapes(shapes_path)
-        name = "+".join(sorted(shapes["dataset"].astype(str).unique())) if "dataset" in shapes else Path(shapes_path).stem
-        pools.append((name, shapes))
-    if include_mix or not pools:
-        pools.append(("llava_ov_mix", llava_ov_mix(mix_size, seed=seed)))
+    pools = load_pools(shapes_path, include_mix=include_mix, mix_size=mix_size, seed=seed)
     raw = pd.concat([run_grid(pool, name, grid=grid, batches=batches, budget_s=budget_s, seed=seed,
                               policies=policies, layout=layout, costs_fn=costs_fn) for name, pool in pools],
                     ignore_index=True)

@@ -305,11 +305,11 @@ REGISTRY: tuple[Member, ...] = (
 )
 
 
-def _sim_applies(sit: Situation, s: PortfolioSettings) -> bool:
+def sim_applies(sit: Situation, s: PortfolioSettings) -> bool:
     return 0 < s.sim_max_items_per_bin and sit.items_per_bin <= s.sim_max_items_per_bin and s.sim_max_evals > 0
 
 
-def _ilp_applies(sit: Situation, s: PortfolioSettings) -> bool:
+def ilp_applies(sit: Situation, s: PortfolioSettings) -> bool:
     return sit.n * sit.n_bins <= s.ilp_max_vars and (sit.items_per_bin <= s.ilp_max_items_per_bin
                                                      or sit.skew >= s.ilp_min_skew)
 
@@ -324,9 +324,9 @@ class Candidate:
     step_s: float
 
 
-def active_members(sit: Situation, settings: PortfolioSettings, registry=REGISTRY) -> list[Member]:
-    """The registry's members that run on this situation, in registry order."""
-    return [mem for mem in registry if mem.name not in settings.exclude and mem.applies(sit, settings)
+def active_members(sit: Situation, settings: PortfolioSettings, registry=None) -> list[Member]:
+    """The members of `registry` (default `REGISTRY`) that run on this situation, in registry order."""
+    return [mem for mem in (REGISTRY if registry is None else registry) if mem.name not in settings.exclude and mem.applies(sit, settings)
             and (mem.greedy_path or not settings.greedy_path_only)]
 
 
@@ -398,11 +398,11 @@ def sim_refine(ctx: Context, scored: list[Candidate], search=run_sim_search) -> 
     return found
 
 
-def ilp_refine(ctx: Context, scored: list[Candidate], *, deadline: float) -> tuple[list[Candidate], str]:
-    """The 1F1B-aware ILP warm-started from the greedy member, scored by simulation: ([the ILP's
+def ilp_refine(ctx: Context, warm_bin_of: np.ndarray, *, deadline: float) -> tuple[list[Candidate], str]:
+    """The 1F1B-aware ILP warm-started from `warm_bin_of`, scored by simulation: ([the ILP's
     candidate] or [], its status). HiGHS stops at `deadline` (perf_counter seconds) at the latest."""
     sit = ctx.sit
-    res = solve_ilp(ctx.costs, sit.m, sit.dp_llm, sit.dp_vision, ctx.greedy,
+    res = solve_ilp(ctx.costs, sit.m, sit.dp_llm, sit.dp_vision, warm_bin_of,
                     time_limit_s=max(deadline - time.perf_counter(), 1e-3), seed=ctx.seed,
                     max_nodes=ctx.settings.ilp_max_nodes)
     if res.status in ("optimal", "node_limit") and res.bin_of is not None:
@@ -413,26 +413,27 @@ def ilp_refine(ctx: Context, scored: list[Candidate], *, deadline: float) -> tup
 def candidates(ctx: Context, members: list[Member], *, ilp: str = "auto",
                deadline: float = float("inf")) -> tuple[list[Candidate], str]:
     """Every member's scored candidate, then the ILP's (``ilp``: "never", "auto": where
-    `_ilp_applies`, "always") and `sim_search`'s where they run: (candidates, the ILP's status or
+    `ilp_applies`, "always") and `sim_search`'s where they run: (candidates, the ILP's status or
     "not_run"). The fastest of them is the portfolio's answer."""
     scored = score(ctx, build(ctx, members))
     ilp_status = "not_run"
     settings = ctx.settings
     if "ilp" not in settings.exclude and not settings.greedy_path_only and (
-            ilp == "always" or (ilp == "auto" and _ilp_applies(ctx.sit, settings))):
-        found, ilp_status = ilp_refine(ctx, scored, deadline=deadline)
+            ilp == "always" or (ilp == "auto" and ilp_applies(ctx.sit, settings))):
+        found, ilp_status = ilp_refine(ctx, ctx.greedy, deadline=deadline)
         scored += found
-    if "sim_search" not in settings.exclude and not settings.greedy_path_only and _sim_applies(ctx.sit, settings):
+    if "sim_search" not in settings.exclude and not settings.greedy_path_only and sim_applies(ctx.sit, settings):
         scored += sim_refine(ctx, scored)
     return scored, ilp_status
 
 
 def context(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, settings: PortfolioSettings, *,
             seed: int = 0, lengths: np.ndarray | None = None, p2p_s: float = 0.0,
-            allreduce_s=0.0) -> tuple[Context, list[Member]]:
-    """The shared context of one batch and the members that run on it."""
+            allreduce_s=0.0, registry=None) -> tuple[Context, list[Member]]:
+    """The shared context of one batch and the members of `registry` (default `REGISTRY`) that run
+    on it."""
     sit = Situation(costs.n_samples, m, dp_llm, dp_vision, costs.pp_vision + costs.pp_llm, cost_skew(costs))
-    members = active_members(sit, settings)
+    members = active_members(sit, settings, registry)
     guard = MemoryGuard.from_costs(costs, dp_vision)
     guard.check_samples()
     length = np.asarray(lengths, dtype=np.float64) if lengths is not None else costs.llm_total()
