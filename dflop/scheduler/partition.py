@@ -19,7 +19,7 @@ from dflop.scheduler import baselines
 from dflop.scheduler.evaluate import lower_bound, memory_ok, scalar_costs, stage_times
 from dflop.scheduler.greedy import proxy
 from dflop.scheduler.ordering import best_orders
-from dflop.scheduler.portfolio import (ILP_MODES, Candidate, PortfolioSettings, align_replicas,  # noqa: F401
+from dflop.scheduler.portfolio import (ILP_MODES, Candidate, PortfolioSettings,  # noqa: F401
                                        balance_replicas, candidates, context, cost_skew, fastest, regroup_bins)
 
 POLICIES = ("dflop", "megatron", "llava_group", "lpt1d")
@@ -37,7 +37,7 @@ class Partition:
         lower_bound_s: max(T*, heaviest sample's critical path) (seconds), see `lower_bound`.
         proxy_s: bottleneck-stage seconds of the busiest bin or microbatch.
         policy: the policy asked for; member: the portfolio member that won ("greedy",
-            "greedy_aligned", "profile", "lpt1d", "ilp", ..., or the baseline's name).
+            "profile", "lpt1d", "sim_search", "ilp", ..., or the baseline's name).
         solve_s: wall seconds this partition took.
         ilp_status: "not_run", or the ILP's status ("optimal", "node_limit", "overrun",
             "failed: ...").

@@ -116,18 +116,6 @@ def cost_skew(costs: BatchCosts) -> float:
     return float(0.5 * np.abs(v / v.sum() - l / l.sum()).sum())
 
 
-def align_replicas(bin_of: np.ndarray, llm_cost: np.ndarray, m: int, dp_llm: int) -> np.ndarray:
-    """Permute each replica's bins over the microbatch ids so that microbatch k holds every
-    replica's k-th heaviest bin (by `llm_cost`, [n] seconds)."""
-    n_bins = m * dp_llm
-    loads = np.bincount(bin_of, weights=llm_cost, minlength=n_bins).reshape(m, dp_llm)
-    new_bin = np.empty(n_bins, dtype=np.int64)
-    for r in range(dp_llm):
-        ranked = np.argsort(-loads[:, r], kind="stable")  # old microbatch ids, heaviest first
-        new_bin[ranked * dp_llm + r] = np.arange(m) * dp_llm + r
-    return new_bin[bin_of]
-
-
 def balance_replicas(bin_of: np.ndarray, llm_cost: np.ndarray, m: int, dp_llm: int) -> np.ndarray:
     """Keep every microbatch's bins but re-deal them over the replicas so replica totals even
     out: microbatches by decreasing heaviest bin, each one's heaviest bin to the replica with the
@@ -272,17 +260,14 @@ def _ends_member(w_first: float, w_last: float) -> Member:
 REGISTRY: tuple[Member, ...] = (
     # 2-D vector LPT + move/swap local search on the bottleneck proxy.
     Member("greedy", _always, lambda c: c.greedy),
-    # The greedy bins, each replica's k-th heaviest bin in microbatch k (one heavy microbatch
-    # instead of several out of step).
-    Member("greedy_aligned", _replicated, lambda c: align_replicas(c.greedy, c.sc.llm, c.sit.m, c.sit.dp_llm)),
-    # The greedy bins regrouped into microbatches of similar LLM load, vision evened over windows
-    # of 1 or 4 microbatches (`regroup_bins`).
+    # The greedy bins regrouped into microbatches of dp_llm bins of similar LLM load (replicas run
+    # a microbatch in lockstep, so it costs its heaviest bin), vision evened out (`regroup_bins`).
     Member("greedy_regrouped1", _replicated, lambda c: c.regrouped1),
-    Member("greedy_regrouped4", _replicated,
-           lambda c: regroup_bins(c.greedy, c.sc.llm, c.sc.vision, c.sit.m, c.sit.dp_llm, 4)),
     # Swaps on the sum over microbatches of max(vision load, heaviest bin): replicas run a
-    # microbatch together, so it costs its heaviest bin; from the greedy bins, and from the
-    # regrouped ones with the replicas re-dealt afterwards (`balance_replicas`).
+    # microbatch together, so it costs its heaviest bin. From the greedy bins (where the profile
+    # member runs it is overshadowed; it earns its place on the greedy-path fallback), and from the
+    # regrouped ones with the replicas re-dealt afterwards (`balance_replicas`; rarely the fastest
+    # itself, but with one sample per bin the start from which sim_search finds the fastest).
     Member("lockstep", _lockstep, lambda c: lockstep_search(c.sc, c.greedy, c.sit.m, c.sit.dp_llm)),
     Member("lockstep_regrouped", _lockstep, lambda c: balance_replicas(
         lockstep_search(c.sc, c.regrouped1, c.sit.m, c.sit.dp_llm), c.sc.llm, c.sit.m, c.sit.dp_llm)),
