@@ -1,6 +1,6 @@
 """Online microbatch scheduler: split each global batch into m microbatches x dp_llm bins
-(portfolio of 2-D greedy + local search, fluid-profile LP member, 1F1B-aware ILP, ordering by
-simulation), a certified lower bound, baselines, a background prefetching service, and adaptive
+(a registry of members: 2-D greedy + local search, fluid-profile LP, simulated-step search, an
+opt-in 1F1B-aware ILP; ordering by simulation), a certified lower bound, baselines, a background prefetching service, and adaptive
 correction of the cost model."""
 
 from dflop.scheduler.bench import bench_scheduler

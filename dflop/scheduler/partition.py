@@ -94,7 +94,7 @@ def _check_args(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, policy: 
 
 def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_s: float = 0.5,
               seed: int = 0, policy: str = "dflop", p2p_s: float = 0.0, allreduce_s=0.0,
-              lengths: np.ndarray | None = None, ilp: str = "auto",
+              lengths: np.ndarray | None = None, ilp: str = "never",
               settings: PortfolioSettings = PortfolioSettings()) -> Partition:
     """Partition one global batch: the fastest member of the portfolio (`dflop.scheduler.portfolio`)
     or one baseline.
@@ -107,9 +107,11 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
         policy: "dflop" (portfolio) or a baseline: "megatron", "llava_group", "lpt1d".
         p2p_s, allreduce_s: passed to the simulator (seconds).
         lengths: [n] lengths llava_group sorts by (LLaVA uses text length); default LLM cost.
-        ilp: the exact ILP as an extra member, warm-started from the greedy member and kept only if
-            its simulated step is faster: "auto" (where `PortfolioSettings` gates it: few samples
-            per bin or high skew, small model), "always" or "never".
+        ilp: the exact 1F1B-aware ILP (`dflop.scheduler.ilp`) as an opt-in extra member,
+            warm-started from the fastest member and kept only if its simulated step is faster:
+            "never" (default: on the benchmark grid it won no batch, benchmarks/README.md), "auto"
+            (where `PortfolioSettings` gates it: few samples per bin or high skew, small model) or
+            "always".
         settings: where each member runs (`PortfolioSettings`).
     """
     t0 = time.perf_counter()

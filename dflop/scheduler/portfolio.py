@@ -6,7 +6,8 @@ it builds ``bin_of`` ([n] bin ``j * dp_llm + r`` of every sample) from the share
 computes what several members start from (the searched greedy, its regroupings) once. `candidates`
 builds every member that applies, scores each in its best order (`dflop.scheduler.ordering`: all
 members and candidate orders in one batched simulation) and then runs the refiners, which start from
-the scored members: the simulated-step search (`sim_search`) and, only when asked for, the ILP.
+the scored members: the simulated-step search (`sim_search`) and, only when asked for, the ILP
+(opt-in: it never won on the benchmark grid, see `PortfolioSettings`).
 Every threshold is a field of `PortfolioSettings`, with where its number comes from.
 
 A member stays in the registry only if it earns its place on the benchmark grid
@@ -51,9 +52,11 @@ class PortfolioSettings:
         samples per bin (one: nothing to pack, the order and lockstep decide), from the `sim_starts`
         fastest distinct members, scoring at most `sim_max_evals` candidate x microbatch simulations
         each (deterministic; 0.3-1.4 s where it runs; benchmarks/README.md, "1 sample per bin").
-    ilp_max_vars, ilp_max_items_per_bin, ilp_min_skew, ilp_max_nodes: with ``ilp="auto"`` the ILP
-        runs where n * bins <= ilp_max_vars (HiGHS spends its budget on root cuts beyond that)
-        and bins hold at most ilp_max_items_per_bin samples or the vision/LLM skew is at least
+    ilp_max_vars, ilp_max_items_per_bin, ilp_min_skew, ilp_max_nodes: the ILP is opt-in
+        (`partition`'s ``ilp``, default "never": on the benchmark grid it won no batch, even
+        warm-started from the fastest member with 20x the budget). With ``ilp="auto"`` it runs
+        where n * bins <= ilp_max_vars (HiGHS spends its budget on root cuts beyond that) and bins
+        hold at most ilp_max_items_per_bin samples or the vision/LLM skew is at least
         ilp_min_skew; HiGHS stops after ilp_max_nodes branch-and-bound nodes.
     exclude: member names left out (the win table's leave-one-out; tests).
     greedy_path_only: only the members marked ``greedy_path`` (milliseconds): the online service's
@@ -395,17 +398,18 @@ def ilp_refine(ctx: Context, warm_bin_of: np.ndarray, *, deadline: float) -> tup
     return [], res.status
 
 
-def candidates(ctx: Context, members: list[Member], *, ilp: str = "auto",
+def candidates(ctx: Context, members: list[Member], *, ilp: str = "never",
                deadline: float = float("inf")) -> tuple[list[Candidate], str]:
     """Every member's scored candidate, then the ILP's (``ilp``: "never", "auto": where
-    `ilp_applies`, "always") and `sim_search`'s where they run: (candidates, the ILP's status or
-    "not_run"). The fastest of them is the portfolio's answer."""
+    `ilp_applies`, "always"; warm-started from the fastest candidate so far) and `sim_search`'s
+    where they run: (candidates, the ILP's status or "not_run"). The fastest of them is the
+    portfolio's answer."""
     scored = score(ctx, build(ctx, members))
     ilp_status = "not_run"
     settings = ctx.settings
     if "ilp" not in settings.exclude and not settings.greedy_path_only and (
             ilp == "always" or (ilp == "auto" and ilp_applies(ctx.sit, settings))):
-        found, ilp_status = ilp_refine(ctx, ctx.greedy, deadline=deadline)
+        found, ilp_status = ilp_refine(ctx, fastest(scored).bin_of, deadline=deadline)
         scored += found
     if "sim_search" not in settings.exclude and not settings.greedy_path_only and sim_applies(ctx.sit, settings):
         scored += sim_refine(ctx, scored)

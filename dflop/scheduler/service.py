@@ -31,7 +31,8 @@ class SchedulerService:
 
     Args:
         m, dp_llm, dp_vision: microbatches and data-parallel replicas.
-        budget_s: the portfolio's ILP time budget per batch (seconds).
+        budget_s: the ILP's time budget per batch (seconds); the default solver leaves the ILP off
+            (it is opt-in, see `partition`), so this only matters with a solver that turns it on.
         seed: base seed; step k is solved with seed + k.
         prefetch: how many steps ahead of the last `get` the worker may solve (>= 1).
         policy: partition policy (see `partition`).
