@@ -6,6 +6,8 @@
 
 Prints one row per (data set, n, m, dp): mean simulated step / bound per policy, our worst batch,
 our worst ratio to the best baseline, and our solve time p50/p99 in ms. See benchmarks/README.md.
+The ILP is opt-in (`partition(ilp="never")` by default), so --budget-s has no effect here; which
+members earn their place in the portfolio: benchmarks/bench_portfolio.py.
 """
 
 import sys

@@ -59,14 +59,15 @@ def sample_batches(pool: pd.DataFrame, *, grid, batches: int, seed: int, layout:
 
 
 def run_grid(pool: pd.DataFrame, dataset: str, *, grid, batches: int, budget_s: float, seed: int,
-             policies, layout: StageLayout, costs_fn: CostsFn) -> pd.DataFrame:
+             policies, layout: StageLayout, costs_fn: CostsFn, ilp: str = "never") -> pd.DataFrame:
     """One row per (grid point, batch, policy) with step_s, bound_s, ratio, solve_s, member."""
     rows = []
     for n, m, dp, b, costs, lengths in sample_batches(pool, grid=grid, batches=batches, seed=seed, layout=layout,
                                                       costs_fn=costs_fn):
         for policy in policies:
             t0, c0 = time.perf_counter(), time.process_time()
-            part = partition(costs, m, dp, dp, budget_s=budget_s, seed=seed + b, policy=policy, lengths=lengths)
+            part = partition(costs, m, dp, dp, budget_s=budget_s, seed=seed + b, policy=policy, lengths=lengths,
+                             ilp=ilp)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             rows.append(dict(dataset=dataset, n=n, m=m, dp=dp, batch=b, policy=policy, step_s=part.step_s,
                              bound_s=part.lower_bound_s, ratio=part.gap, solve_s=wall, solve_cpu_s=cpu,
@@ -115,7 +116,7 @@ def format_table(summary: pd.DataFrame) -> str:
 def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, *, grid=DEFAULT_GRID,
                     batches: int = 3, budget_s: float = 0.25, seed: int = 0, policies=POLICIES,
                     include_mix: bool = True, mix_size: int = 20000, layout: StageLayout | None = None,
-                    costs_fn: CostsFn | None = None, verbose: bool = True) -> pd.DataFrame:
+                    costs_fn: CostsFn | None = None, verbose: bool = True, ilp: str = "never") -> pd.DataFrame:
     """Benchmark every policy; print the summary table and return it (raw rows to `out_csv`).
 
     Args:
@@ -124,7 +125,8 @@ def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, 
             next to it as ``<stem>_summary.csv``.
         grid: (n, m, dp) points; dp is used for both the LLM and the vision encoder.
         batches: global batches sampled per grid point and data set.
-        budget_s: ILP time budget per partition (seconds).
+        budget_s: ILP time budget per partition (seconds), with ``ilp`` "auto" or "always".
+        ilp: `partition`'s ILP mode; default "never" (the ILP is opt-in).
         include_mix: also run the generated LLaVA-OV-like mix (`llava_ov_mix`, `mix_size` samples).
         layout: pipeline stages and memory limits (default: 1 vision stage, 3 equal LLM stages).
         costs_fn: ``(shapes, layout) -> BatchCosts``; default `AnalyticCostModel()`.
@@ -133,7 +135,7 @@ def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, 
     costs_fn = costs_fn or AnalyticCostModel()
     pools = load_pools(shapes_path, include_mix=include_mix, mix_size=mix_size, seed=seed)
     raw = pd.concat([run_grid(pool, name, grid=grid, batches=batches, budget_s=budget_s, seed=seed,
-                              policies=policies, layout=layout, costs_fn=costs_fn) for name, pool in pools],
+                              policies=policies, layout=layout, costs_fn=costs_fn, ilp=ilp) for name, pool in pools],
                     ignore_index=True)
     summary = summarise(raw)
     if out_csv:
@@ -204,4 +206,5 @@ def run_from_args(args: argparse.Namespace) -> pd.DataFrame | None:
     if args.timing:
         return time_greedy_path(layout=layout, costs_fn=costs_fn)
     return bench_scheduler(args.shapes, args.out, grid=grid, batches=args.batches, budget_s=args.budget_s,
-                           seed=args.seed, include_mix=not args.no_mix, layout=layout, costs_fn=costs_fn)
+                           seed=args.seed, include_mix=not args.no_mix, layout=layout, costs_fn=costs_fn,
+                           ilp=getattr(args, "ilp", "never"))   # no --ilp option in dflop.cli yet
