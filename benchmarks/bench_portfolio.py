@@ -16,7 +16,8 @@ Same batches as `bench_scheduler.py --batches 5` (data sets, grid, seed, analyti
   4. each member's build CPU time (p50 ms where it runs; machine-dependent, unlike the rest).
 With --ilp-budget-s: the ILP warm-started from the fastest member, scored by simulation, on every
 batch where ``ilp="auto"`` runs it (with --ilp-everywhere: every batch within its size limit);
-time-budgeted, so machine-dependent.
+time-budgeted, so machine-dependent. With --open-gates, instead: every gated member also runs
+outside its gate, and the grid rows it would then make faster are printed (what each gate costs).
 """
 
 from __future__ import annotations
@@ -27,19 +28,22 @@ import pandas as pd
 
 from dflop.scheduler.bench import load_pools, parse_grid, sample_batches
 from dflop.scheduler.costs import AnalyticCostModel, StageLayout
-from dflop.scheduler.wintable import THRESHOLD, eliminate, ilp_rows, instances, member_names, row_table, win_table
+from dflop.scheduler.portfolio import PortfolioSettings
+from dflop.scheduler.wintable import (OPEN_GATES, THRESHOLD, eliminate, gate_gains, ilp_rows, instances, member_names,
+                                      row_table, win_table)
 
 FORMATS = {"margin_median": "{:.4f}".format, "margin_max": "{:.4f}".format, "row_loss_max": "{:+.3%}".format,
            "batch_loss_max": "{:+.3%}".format, "fb_row_loss_max": "{:+.3%}".format, "fb_batch_loss_max": "{:+.3%}".format, "before": "{:.4f}".format, "after": "{:.4f}".format,
            "ratio": "{:.4f}".format, "worst_batch": "{:.4f}".format}
 
 
-def run(shapes: str | None, *, grid, batches: int, seed: int, include_mix: bool = True):
+def run(shapes: str | None, *, grid, batches: int, seed: int, include_mix: bool = True,
+        settings: PortfolioSettings = PortfolioSettings()):
     """Instances of every data set's batches (`dflop.scheduler.wintable.Instance`)."""
     insts = []
     for name, pool in load_pools(shapes, include_mix=include_mix, seed=seed):
         insts += instances(sample_batches(pool, grid=grid, batches=batches, seed=seed, layout=StageLayout(),
-                                          costs_fn=AnalyticCostModel()), name)
+                                          costs_fn=AnalyticCostModel()), name, settings=settings)
     return insts
 
 
@@ -72,8 +76,17 @@ def main(argv=None) -> None:
                     help="relative change that counts (default 0.001: the recorded table's resolution)")
     ap.add_argument("--ilp-budget-s", type=float, default=0.0, help="also measure the ILP with this budget")
     ap.add_argument("--ilp-everywhere", action="store_true", help="the ILP on every batch within its size limit")
+    ap.add_argument("--open-gates", action="store_true",
+                    help="instead: run every gated member everywhere and print what each gate costs (minutes)")
     args = ap.parse_args(argv)
     pd.set_option("display.width", 250)
+    if args.open_gates:
+        insts = run(args.shapes, grid=parse_grid(args.grid), batches=args.batches, seed=args.seed,
+                    include_mix=not args.no_mix, settings=OPEN_GATES)
+        print(f"{len(insts)} batches; grid rows where running a member outside its gate makes the row faster "
+              f"by more than {args.threshold:g} (gain: mean step / bound gated / ungated; fb: greedy path)")
+        print(gate_gains(insts, threshold=args.threshold).to_string(index=False, float_format="{:.4f}".format))
+        return
     insts = run(args.shapes, grid=parse_grid(args.grid), batches=args.batches, seed=args.seed,
                 include_mix=not args.no_mix)
     everyone = member_names(insts)

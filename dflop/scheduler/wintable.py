@@ -248,3 +248,36 @@ def ilp_rows(insts: list[Instance], members, *, budget_s: float, everywhere: boo
                         gated=ilp_applies(sit, s), step_s=best.step_s,
                         ilp_step_s=found[0].step_s if found else np.nan, status=status, wall_s=wall))
     return pd.DataFrame(out)
+
+
+# Gates opened as far as they go, to measure what each gate costs (`gate_gains`).
+OPEN_GATES = PortfolioSettings(lockstep_max_items_per_bin=float("inf"), profile_items_per_bin=(1.0, float("inf")),
+                               ends_min_bubble=0.0)
+
+
+def gate_gains(insts: list[Instance], settings: PortfolioSettings = PortfolioSettings(), *,
+               threshold: float = THRESHOLD) -> pd.DataFrame:
+    """What each member's gate costs. `insts` must be built with wider gates (`OPEN_GATES`); for
+    each member and grid row where it ran outside its gate under `settings`, the row's mean step /
+    bound with the members `settings` lets run, divided by the same with this one member also
+    run everywhere (``gain``; ``fb_gain`` for the greedy-path fallback). Rows with a gain above
+    `threshold` only."""
+    by_name = {mem.name: mem for mem in portfolio.REGISTRY}
+    gated = [frozenset(c.member for c in inst.cands if by_name[c.member].applies(inst.ctx.sit, settings)) | {SIM}
+             for inst in insts]
+    out = []
+    for name in member_names(insts):
+        if name == SIM:
+            continue
+        for (ds, n, m, dp), idx in _rows(insts).items():
+            if not any(name not in gated[k] and any(c.member == name for c in insts[k].cands) for k in idx):
+                continue
+            gains = []
+            bound = np.array([insts[k].bound_s for k in idx])
+            for fallback in (False, True):
+                base = np.array([insts[k].step(gated[k], fallback) for k in idx])
+                wide = np.array([insts[k].step(gated[k] | {name}, fallback) for k in idx])
+                gains.append(float(np.mean(base / bound) / np.mean(wide / bound)))
+            if max(gains) > 1 + threshold:
+                out.append(dict(member=name, dataset=ds, n=n, m=m, dp=dp, gain=gains[0], fb_gain=gains[1]))
+    return pd.DataFrame(out, columns=["member", "dataset", "n", "m", "dp", "gain", "fb_gain"])

@@ -91,3 +91,21 @@ def test_fallback_step_is_greedy_partition(batches):
     names = frozenset(member_names(insts))
     for inst, (costs, m, dp, b) in zip(insts, batches):
         assert inst.step(names, fallback=True) == greedy_partition(costs, m, dp, dp).step_s
+
+
+def test_gate_gains_compare_the_gated_portfolio_with_one_gate_opened(batches):
+    """Built with every gate open, the members the default gates allow reproduce `partition`'s
+    default answer, and all of them `partition` with the gates open; a listed gain is that of a
+    member the default gates keep out of the row."""
+    from dflop.scheduler.wintable import OPEN_GATES, gate_gains
+
+    insts = _insts(batches, settings=OPEN_GATES)
+    by_name = {mem.name: mem for mem in REGISTRY}
+    for inst, (costs, m, dp, b) in zip(insts, batches):
+        gated = frozenset(c.member for c in inst.cands if by_name[c.member].applies(inst.ctx.sit, PortfolioSettings()))
+        assert inst.step(gated | {SIM}) == partition(costs, m, dp, dp, seed=b).step_s
+        assert inst.step(frozenset(member_names(insts))) == partition(costs, m, dp, dp, seed=b, settings=OPEN_GATES).step_s
+    gains = gate_gains(insts, threshold=0.0)
+    for row in gains.itertuples():
+        sits = [i.ctx.sit for i in insts if (i.n, i.m, i.dp) == (row.n, row.m, row.dp)]
+        assert not all(by_name[row.member].applies(sit, PortfolioSettings()) for sit in sits)
