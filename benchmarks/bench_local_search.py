@@ -25,11 +25,11 @@ import time
 import numpy as np
 import pandas as pd
 
-from dflop.scheduler.bench import DEFAULT_GRID, parse_grid
-from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
+from scheduler_grid import DEFAULT_GRID, parse_grid
+from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 from dflop.scheduler.evaluate import scalar_costs
 from dflop.scheduler.greedy import MemoryGuard, greedy_2d, local_search, proxy
-from dflop.scheduler.synthetic import llava_ov_mix
+from synthetic_mix import llava_ov_mix
 
 # the module, not the function `dflop.scheduler` re-exports under the same name
 partition_module = importlib.import_module("dflop.scheduler.partition")
@@ -44,7 +44,7 @@ def _identity(sc, bin_of, *args, **kwargs):
 def run(grid, batches: int, seed: int) -> pd.DataFrame:
     pool = llava_ov_mix(20000, seed=seed)
     layout, costs_fn = StageLayout(), AnalyticCostModel()
-    rng = np.random.default_rng(seed)   # the batch sampling of dflop.scheduler.bench.run_grid
+    rng = np.random.default_rng(seed)   # the batch sampling of scheduler_grid.draw_batches
     rows = []
     for n, m, dp in grid:
         for b in range(batches):

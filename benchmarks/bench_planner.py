@@ -9,7 +9,7 @@ space and simulated on the same batches) and the predicted GPU utilisation (busy
 Cost model: a fitted GPU profile from benchmarks/profiles/<llm>.json (a costmodel.json written by
 `dflop fit` on a GPU model_profile.parquet) when present; otherwise the FLOP-count model of
 `dflop.costmodel.analytic` (H100-class numbers stated in --tflops/--tp-gbps; see that module for
-exactly what it charges). Shapes: 20,000 samples of `dflop.scheduler.synthetic.llava_ov_mix`.
+exactly what it charges). Shapes: 20,000 samples of `synthetic_mix.llava_ov_mix`.
 
     python benchmarks/bench_planner.py [--gpus 8 64 512 1024] [--llms qwen2.5-7b qwen2.5-72b]
 """
@@ -32,7 +32,7 @@ from dflop.planner.means import Pool
 from dflop.planner.optimize import summary
 from dflop.planner.search import SearchSettings, search
 from dflop.planner.space import ModelShape
-from dflop.scheduler.synthetic import llava_ov_mix
+from synthetic_mix import llava_ov_mix
 from dflop.costmodel.jsonio import load_cost_model
 
 VISION = "siglip-so400m"

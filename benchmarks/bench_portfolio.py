@@ -4,7 +4,7 @@
         [--grid 64:4:1,...] [--threshold 0.001] [--no-mix] [--ilp-budget-s 0.25 [--ilp-everywhere]]
 
 Same batches as `bench_scheduler.py --batches 5` (data sets, grid, seed, analytic costs, one vision
-+ three LLM stages), ILP off. Prints (`dflop.scheduler.wintable` defines every column):
++ three LLM stages), ILP off. Prints (`portfolio_wins` defines every column):
   1. the win table of every member in the registry: grid rows and batches where it runs, batches it
      wins by more than the threshold (and grid rows with such a win), ties, the median and largest
      margin (runner-up's step / its step) where it wins, and what removing it costs: grid rows
@@ -26,10 +26,10 @@ import argparse
 
 import pandas as pd
 
-from dflop.scheduler.bench import load_pools, parse_grid, sample_batches
-from dflop.scheduler.costs import AnalyticCostModel, StageLayout
+from scheduler_grid import load_pools, parse_grid, sample_batches
+from synthetic_costs import AnalyticCostModel, StageLayout
 from dflop.scheduler.portfolio import PortfolioSettings
-from dflop.scheduler.wintable import (OPEN_GATES, THRESHOLD, eliminate, gate_gains, ilp_rows, instances, member_names,
+from portfolio_wins import (OPEN_GATES, THRESHOLD, eliminate, gate_gains, ilp_rows, instances, member_names,
                                       row_table, win_table)
 
 FORMATS = {"margin_median": "{:.4f}".format, "margin_max": "{:.4f}".format, "row_loss_max": "{:+.3%}".format,
@@ -39,7 +39,7 @@ FORMATS = {"margin_median": "{:.4f}".format, "margin_max": "{:.4f}".format, "row
 
 def run(shapes: str | None, *, grid, batches: int, seed: int, include_mix: bool = True,
         settings: PortfolioSettings = PortfolioSettings()):
-    """Instances of every data set's batches (`dflop.scheduler.wintable.Instance`)."""
+    """Instances of every data set's batches (`portfolio_wins.Instance`)."""
     insts = []
     for name, pool in load_pools(shapes, include_mix=include_mix, seed=seed):
         insts += instances(sample_batches(pool, grid=grid, batches=batches, seed=seed, layout=StageLayout(),

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_scheduler_bound.py [--grid 256:16:8,1024:64:8] [--batches 5] [--seed 0]
 
-Samples the same global batches of the generated LLaVA-OV-like mix as `dflop bench-scheduler`
+Samples the same global batches of the generated LLaVA-OV-like mix as `bench_scheduler.py`
 with the same grid, batches and seed (the rng is replayed over the whole grid), partitions each
 with the DFLOP portfolio (ILP budget 0.25 s, as the benchmark) and prints per grid point the mean
 over batches of:
@@ -23,12 +23,12 @@ import numpy as np
 import pandas as pd
 
 from dflop.errors import UserError
-from dflop.scheduler.bench import parse_grid
-from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
+from scheduler_grid import parse_grid
+from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 from dflop.scheduler.evaluate import heaviest_sample_path
 from dflop.scheduler.partition import partition
 from dflop.scheduler.profile import fluid_lower_bound
-from dflop.scheduler.synthetic import llava_ov_mix
+from synthetic_mix import llava_ov_mix
 
 
 def run(grid, batches: int, seed: int, mix_size: int = 20000, budget_s: float = 0.25) -> pd.DataFrame:

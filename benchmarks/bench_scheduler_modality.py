@@ -8,7 +8,7 @@ Prints two tables:
      (the benchmark's 20 000-sample pool, `AnalyticCostModel`, default `StageLayout`), and its
      vision stage seconds per LLM stage second (vision on the one vision stage, LLM on the busiest
      LLM stage; the mix as a whole is close to 1, which is what the default layout balances);
-  2. `dflop bench-scheduler`'s columns (mean step / bound per policy, our worst batch, our worst
+  2. `bench_scheduler.py`'s columns (mean step / bound per policy, our worst batch, our worst
      step over the best baseline's) on the same grid, for the mix as the benchmark samples it and
      for the mix with every sample of the dropped modality removed (batches redrawn from what is
      left, same seed).
@@ -23,11 +23,11 @@ import argparse
 import pandas as pd
 
 from dflop.errors import UserError
-from dflop.scheduler.bench import format_table, parse_grid, run_grid, summarise
-from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
+from scheduler_grid import format_table, parse_grid, run_grid, summarise
+from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 from dflop.scheduler.evaluate import scalar_costs
 from dflop.scheduler.partition import POLICIES
-from dflop.scheduler.synthetic import llava_ov_mix
+from synthetic_mix import llava_ov_mix
 
 
 def modality_shares(pool: pd.DataFrame, layout: StageLayout, costs_fn) -> pd.DataFrame:

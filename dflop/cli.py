@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -30,24 +29,6 @@ def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return int(text)
-
-
-def _add_bench_scheduler_args(ap: argparse.ArgumentParser) -> None:
-    # Here, not in dflop.scheduler.bench, so that `dflop --help` does not import the scheduler.
-    ap.add_argument("--shapes", help="shapes.parquet to sample global batches from")
-    ap.add_argument("--out", help="CSV of every (data set, n, m, dp, batch, policy) row")
-    ap.add_argument("--batches", type=_positive_int, default=3, help="global batches per grid point and data set")
-    ap.add_argument("--budget-s", type=float, default=0.25, help="ILP time budget per partition")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-mix", action="store_true", help="skip the generated LLaVA-OV-like mix")
-    ap.add_argument("--grid", help="n:m:dp points, comma-separated (default: 64..4096 x 4..64 x 1..8)")
-    ap.add_argument("--costmodel", help="fitted costmodel.json instead of the analytic model")
-    ap.add_argument("--vision-layers", type=int, help="vision encoder layers (with --costmodel)")
-    ap.add_argument("--llm-layers", type=int, help="LLM layers (with --costmodel)")
-    ap.add_argument("--pp-llm", type=int, default=3, help="LLM pipeline stages (with --costmodel)")
-    ap.add_argument("--mem-limit-gb", type=float, default=math.inf, help="GPU memory (with --costmodel)")
-    ap.add_argument("--timing", action="store_true",
-                    help="only time the greedy path at n=1024 with 64 bins (64x1, 16x4, 8x8)")
 
 
 def _config(args: argparse.Namespace) -> Config:
@@ -129,12 +110,6 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise SystemExit(code)
 
 
-def cmd_bench_scheduler(args: argparse.Namespace) -> None:
-    from dflop.scheduler.bench import run_from_args
-
-    run_from_args(args)
-
-
 def cmd_report(args: argparse.Namespace) -> None:
     from dflop.report.command import run
 
@@ -206,10 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     train_help = "train with the plan: torchrun with the plan's world size (srun per node on Slurm)"
     p = sub.add_parser("train", help=train_help, description=train_help, add_help=False)
     p.set_defaults(func=cmd_train)
-
-    p = add("bench-scheduler", cmd_bench_scheduler,
-            "benchmark the microbatch partitioning policies on sampled global batches over an (n, m, dp) grid")
-    _add_bench_scheduler_args(p)
 
     p = add("report", cmd_report, "draw the report plots of one artifact group (data, costmodel, plan, training)")
     add_report_arguments(p)

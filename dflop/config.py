@@ -240,6 +240,7 @@ class SchedulerSection:
 
     policy: str
     pad_to_longest: bool
+    ilp: str
     budget_ms: float
     prefetch: int
 

@@ -59,16 +59,16 @@ def training_pricing(plan: Plan, model: ModelHandle, cost: CostModel | None, set
 
 
 def step_planner(settings: TrainSettings, pricing: Pricing, pool: pd.DataFrame, batches: GlobalBatches,
-                 rules, *, ilp: str = "auto") -> StepPlanner:
+                 rules) -> StepPlanner:
     """Rank 0's online scheduler for `pricing`'s plan: every global batch priced by the one pricing
-    path, partitioned with its send latency and all-reduces. ilp: the portfolio's exact member
-    ("auto"; "never" makes partitions independent of machine load, as the planner's)."""
+    path, partitioned with its send latency and all-reduces (``scheduler.ilp`` says whether the
+    portfolio's exact member runs)."""
     sched = settings.scheduler
     return StepPlanner(pool, batches, pricing.plan, lambda shapes: pricing.batch(Pool.from_shapes(shapes)).costs,
                        feature_rows_fn(rules), policy=sched.policy, budget_s=sched.budget_ms / 1e3,
                        prefetch=sched.prefetch, seed=settings.seed, total_steps=settings.train.steps,
                        adaptive=settings.adaptive_correction, p2p_s=pricing.p2p_s, allreduce_s=pricing.allreduce_s,
-                       ilp=ilp)
+                       ilp=sched.ilp)
 
 
 class Trainer:

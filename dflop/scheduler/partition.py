@@ -19,8 +19,7 @@ from dflop.scheduler import baselines
 from dflop.scheduler.evaluate import lower_bound, memory_ok, scalar_costs, stage_times
 from dflop.scheduler.greedy import proxy
 from dflop.scheduler.ordering import best_orders
-from dflop.scheduler.portfolio import (ILP_MODES, Candidate, PortfolioSettings,  # noqa: F401
-                                       balance_replicas, candidates, context, cost_skew, fastest, regroup_bins)
+from dflop.scheduler.portfolio import ILP_MODES, Candidate, PortfolioSettings, candidates, context, fastest
 
 POLICIES = ("dflop", "megatron", "llava_group", "lpt1d")
 

@@ -11,7 +11,7 @@ import pytest
 from dflop.errors import UserError
 from dflop.plan import plan_from_dict
 from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, share_by_cost
-from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
+from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 
 
 def test_global_batches_are_seeded_and_cover_each_epoch_once():

@@ -25,7 +25,7 @@ from dflop.planner.means import Pool, TransferSizes
 from dflop.runtime.batches import GlobalBatches
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import step_planner, training_pricing
-from dflop.scheduler.synthetic import llava_ov_mix
+from synthetic_mix import llava_ov_mix
 
 MODEL = {"arch": "llava_ov", "vision": "siglip-tiny", "llm": "qwen2.5-tiny"}
 
@@ -50,7 +50,7 @@ def test_trainer_and_planner_predict_the_same_step(fitted, layout):
     # The trainer's side: the scheduler rank 0 runs, on the trainer's pricing.
     pricing = training_pricing(plan, model, fitted, settings)
     batches = GlobalBatches(len(shapes), 16, settings.seed)
-    planner = step_planner(settings, pricing, shapes, batches, model.sample_rules(), ilp="never")
+    planner = step_planner(settings, pricing, shapes, batches, model.sample_rules())
 
     # The planner's side: plan.yaml's machinery, on the search's cluster and transfer sizes.
     cluster = Cluster.from_section(cfg.cluster)

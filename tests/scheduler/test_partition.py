@@ -5,7 +5,7 @@ import pytest
 
 from dflop.costmodel.types import BatchCosts
 from dflop.scheduler import baselines
-from dflop.scheduler.costs import StageLayout
+from synthetic_costs import StageLayout
 from dflop.scheduler.evaluate import scalar_costs, simulate_times, stage_times
 from dflop.scheduler.greedy import MemoryGuard, MemoryGuardError, greedy_2d, greedy_2d_many, local_search, proxy
 from dflop.scheduler.ilp import pipeline_estimate, solve_ilp
@@ -201,7 +201,7 @@ def test_balance_replicas_keeps_microbatches_and_evens_replica_totals():
     """Every microbatch keeps its bins (only which replica runs which changes), and the LPT deal
     leaves replica totals at most one bin apart (max - min <= heaviest bin); the deal it replaces
     here gives replica 0 the heaviest bin of every microbatch."""
-    from dflop.scheduler.partition import balance_replicas
+    from dflop.scheduler.portfolio import balance_replicas
 
     rng = np.random.default_rng(4)
     m, dp = 12, 4

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from dflop.costmodel.types import BatchCosts
-from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
-from dflop.scheduler.synthetic import llava_ov_mix
+from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
+from synthetic_mix import llava_ov_mix
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_scheduler_modality.py"
 

@@ -2,8 +2,8 @@ import pandas as pd
 import pytest
 
 from dflop.errors import UserError
-from dflop.scheduler.costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
-from dflop.scheduler.synthetic import llava_ov_mix
+from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
+from synthetic_mix import llava_ov_mix
 
 
 def test_analytic_model_closed_form():

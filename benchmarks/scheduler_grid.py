@@ -1,9 +1,13 @@
-"""`dflop bench-scheduler`: every partitioning policy on sampled global batches over an (n, m, dp) grid.
+"""The scheduler benchmark (benchmarks/bench_scheduler.py): every partitioning policy on sampled
+global batches over an (n, m, dp) grid.
 
 For each data set (a shapes.parquet and/or the generated LLaVA-OV-like mix), grid point and sampled
 global batch, each policy partitions the batch; we record the simulated 1F1B step over the bound
-max(T*, heaviest sample's critical path) and the wall time of the solve. Costs come from
-``costs_fn(shapes, layout)`` — the analytic model by default, the fitted cost model when given.
+max(T*, heaviest sample's critical path) and the wall time of the solve. Costs come from the
+synthetic per-sample model (`synthetic_costs`, the recorded table's) by default; with a fitted
+cost model, each grid point's plan (vision tp1 pp1 dp | LLM tp1 pp dp, an even layer split) is
+priced by the product's one pricing path (`dflop.planner.pricing`), transfers and all-reduces
+included.
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ import numpy as np
 import pandas as pd
 
 from dflop.errors import UserError
-from dflop.scheduler.costs import AnalyticCostModel, CostsFn, StageLayout, batch_costs_from_shapes, fitted_costs_fn
 from dflop.scheduler.partition import POLICIES, greedy_partition, partition
-from dflop.scheduler.synthetic import llava_ov_mix
 from dflop.shapes import read_shapes
+from synthetic_costs import AnalyticCostModel, CostsFn, StageLayout, batch_costs_from_shapes
+from synthetic_mix import llava_ov_mix
 
 DEFAULT_GRID = tuple((n, m, dp) for n in (64, 256, 1024, 4096) for m in (4, 16, 64) for dp in (1, 4, 8)
                      if m * dp <= n)
@@ -44,30 +48,76 @@ def load_pools(shapes_path: str | None, *, include_mix: bool = True, mix_size: i
     return pools
 
 
-def sample_batches(pool: pd.DataFrame, *, grid, batches: int, seed: int, layout: StageLayout, costs_fn: CostsFn):
-    """The benchmark's global batches: (n, m, dp, batch index, costs, lengths) for each grid point and
+def draw_batches(pool: pd.DataFrame, *, grid, batches: int, seed: int):
+    """The benchmark's global batches: (n, m, dp, batch index, shapes rows) for each grid point and
     batch, drawn from `pool` by one generator seeded with `seed` (every script that compares with the
-    recorded table draws them this way). lengths: [n] text tokens (what llava_group sorts by) or None."""
+    recorded table draws them this way)."""
     rng = np.random.default_rng(seed)
     for n, m, dp in grid:
         for b in range(batches):
             idx = rng.choice(len(pool), size=n, replace=len(pool) < n)
-            shapes = pool.iloc[idx].reset_index(drop=True)
-            costs = batch_costs_from_shapes(shapes, layout, costs_fn)
-            lengths = shapes["text_tokens"].to_numpy(dtype=np.float64) if "text_tokens" in shapes else None
-            yield n, m, dp, b, costs, lengths
+            yield n, m, dp, b, pool.iloc[idx].reset_index(drop=True)
+
+
+def _lengths(shapes: pd.DataFrame):
+    """[n] text tokens (what llava_group sorts by), or None."""
+    return shapes["text_tokens"].to_numpy(dtype=np.float64) if "text_tokens" in shapes else None
+
+
+def sample_batches(pool: pd.DataFrame, *, grid, batches: int, seed: int, layout: StageLayout, costs_fn: CostsFn):
+    """`draw_batches` with the synthetic costs: (n, m, dp, batch index, costs, lengths)."""
+    for n, m, dp, b, shapes in draw_batches(pool, grid=grid, batches=batches, seed=seed):
+        yield n, m, dp, b, batch_costs_from_shapes(shapes, layout, costs_fn), _lengths(shapes)
+
+
+class FittedPricing:
+    """Each grid point's plan priced by the one pricing path with a fitted cost model (module
+    docstring): the model from the cost model's provenance (``arch/vision/llm``), `pp_llm` LLM
+    stages, `cluster`'s links and memory."""
+
+    def __init__(self, costmodel_path: str, *, pp_llm: int, cluster):
+        from dflop.config import Config
+        from dflop.costmodel.jsonio import load_cost_model
+        from dflop.models.handle import ModelHandle
+
+        self.cost = load_cost_model(costmodel_path)
+        arch, vision, llm = (self.cost.provenance.preset.split("/") + ["", "", ""])[:3]
+        if not (arch and vision and llm):
+            raise UserError(f"{costmodel_path}: records no arch/vision/llm preset; cannot build its model")
+        self.model = ModelHandle.resolve(Config.from_dict({"model": {"arch": arch, "vision": vision, "llm": llm}}).model)
+        self.pp_llm, self.cluster, self._plans = pp_llm, cluster, {}
+
+    def __call__(self, m: int, dp: int):
+        from dflop.plan import Layout, Plan
+        from dflop.planner.pricing import Pricing
+
+        if (m, dp) not in self._plans:
+            plan = Plan.uniform(Layout("disjoint", 1, 1, dp, 1, self.pp_llm, dp, m), self.model.n_vision_layers,
+                                self.model.n_llm_layers)
+            self._plans[(m, dp)] = Pricing.of(plan, self.cost, self.model, self.cluster)
+        return self._plans[(m, dp)]
 
 
 def run_grid(pool: pd.DataFrame, dataset: str, *, grid, batches: int, budget_s: float, seed: int,
-             policies, layout: StageLayout, costs_fn: CostsFn, ilp: str = "never") -> pd.DataFrame:
-    """One row per (grid point, batch, policy) with step_s, bound_s, ratio, solve_s, member."""
+             policies, layout: StageLayout, costs_fn: CostsFn, ilp: str = "never",
+             pricing: FittedPricing | None = None) -> pd.DataFrame:
+    """One row per (grid point, batch, policy) with step_s, bound_s, ratio, solve_s, member.
+    Costs: `costs_fn` on `layout` (synthetic), or `pricing` (a fitted cost model) when given."""
+    from dflop.planner.means import Pool
+
     rows = []
-    for n, m, dp, b, costs, lengths in sample_batches(pool, grid=grid, batches=batches, seed=seed, layout=layout,
-                                                      costs_fn=costs_fn):
+    for n, m, dp, b, shapes in draw_batches(pool, grid=grid, batches=batches, seed=seed):
+        lengths, p2p_s, allreduce_s = _lengths(shapes), 0.0, 0.0
+        if pricing is None:
+            costs = batch_costs_from_shapes(shapes, layout, costs_fn)
+        else:
+            priced = pricing(m, dp)
+            pc = priced.batch(Pool.from_shapes(shapes))
+            costs, p2p_s, allreduce_s = pc.costs, priced.p2p_s, pc.allreduce_s
         for policy in policies:
             t0, c0 = time.perf_counter(), time.process_time()
             part = partition(costs, m, dp, dp, budget_s=budget_s, seed=seed + b, policy=policy, lengths=lengths,
-                             ilp=ilp)
+                             ilp=ilp, p2p_s=p2p_s, allreduce_s=allreduce_s)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             rows.append(dict(dataset=dataset, n=n, m=m, dp=dp, batch=b, policy=policy, step_s=part.step_s,
                              bound_s=part.lower_bound_s, ratio=part.gap, solve_s=wall, solve_cpu_s=cpu,
@@ -116,7 +166,8 @@ def format_table(summary: pd.DataFrame) -> str:
 def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, *, grid=DEFAULT_GRID,
                     batches: int = 3, budget_s: float = 0.25, seed: int = 0, policies=POLICIES,
                     include_mix: bool = True, mix_size: int = 20000, layout: StageLayout | None = None,
-                    costs_fn: CostsFn | None = None, verbose: bool = True, ilp: str = "never") -> pd.DataFrame:
+                    costs_fn: CostsFn | None = None, verbose: bool = True, ilp: str = "never",
+                    pricing: FittedPricing | None = None) -> pd.DataFrame:
     """Benchmark every policy; print the summary table and return it (raw rows to `out_csv`).
 
     Args:
@@ -130,12 +181,14 @@ def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, 
         include_mix: also run the generated LLaVA-OV-like mix (`llava_ov_mix`, `mix_size` samples).
         layout: pipeline stages and memory limits (default: 1 vision stage, 3 equal LLM stages).
         costs_fn: ``(shapes, layout) -> BatchCosts``; default `AnalyticCostModel()`.
+        pricing: a fitted cost model through the pricing path instead (`FittedPricing`).
     """
     layout = layout or StageLayout()
     costs_fn = costs_fn or AnalyticCostModel()
     pools = load_pools(shapes_path, include_mix=include_mix, mix_size=mix_size, seed=seed)
     raw = pd.concat([run_grid(pool, name, grid=grid, batches=batches, budget_s=budget_s, seed=seed,
-                              policies=policies, layout=layout, costs_fn=costs_fn, ilp=ilp) for name, pool in pools],
+                              policies=policies, layout=layout, costs_fn=costs_fn, ilp=ilp, pricing=pricing)
+                     for name, pool in pools],
                     ignore_index=True)
     summary = summarise(raw)
     if out_csv:
@@ -193,18 +246,36 @@ def parse_grid(text: str | None) -> tuple[tuple[int, int, int], ...]:
     return tuple(points)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="Every microbatch partitioning policy on sampled global batches over "
+                                             "an (n, m, dp) grid: mean simulated step / bound per policy.")
+    ap.add_argument("--shapes", help="shapes.parquet to sample global batches from")
+    ap.add_argument("--out", help="CSV of every (data set, n, m, dp, batch, policy) row")
+    ap.add_argument("--batches", type=int, default=3, help="global batches per grid point and data set")
+    ap.add_argument("--ilp", choices=["never", "auto", "always"], default="never",
+                    help="the portfolio's exact member (opt-in, see benchmarks/README.md)")
+    ap.add_argument("--budget-s", type=float, default=0.25, help="ILP time budget per partition (with --ilp)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-mix", action="store_true", help="skip the generated LLaVA-OV-like mix")
+    ap.add_argument("--grid", help="n:m:dp points, comma-separated (default: 64..4096 x 4..64 x 1..8)")
+    ap.add_argument("--costmodel", help="fitted costmodel.json (its preset's model), priced by the pricing path")
+    ap.add_argument("--pp-llm", type=int, default=3, help="LLM pipeline stages (with --costmodel)")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GPU memory (with --costmodel)")
+    ap.add_argument("--timing", action="store_true",
+                    help="only time the greedy path at n=1024 with 64 bins (64x1, 16x4, 8x8)")
+    return ap
+
+
 def run_from_args(args: argparse.Namespace) -> pd.DataFrame | None:
-    """Run the benchmark with the options of `dflop bench-scheduler` (see dflop.cli)."""
+    """Run the benchmark with the options of `build_parser`."""
     grid = parse_grid(args.grid)
-    costs_fn = layout = None
+    pricing = None
     if args.costmodel:
-        if not (args.vision_layers and args.llm_layers):
-            raise UserError("--costmodel needs --vision-layers and --llm-layers")
-        costs_fn, layout = fitted_costs_fn(args.costmodel, vision_layers=args.vision_layers,
-                                           llm_layers=args.llm_layers, pp_llm=args.pp_llm,
-                                           mem_limit_bytes=args.mem_limit_gb * 2**30)
+        from dflop.planner.cluster import GB, Cluster
+
+        pricing = FittedPricing(args.costmodel, pp_llm=args.pp_llm,
+                                cluster=Cluster(nodes=8, gpus_per_node=8, gpu_memory_bytes=args.gpu_memory_gb * GB))
     if args.timing:
-        return time_greedy_path(layout=layout, costs_fn=costs_fn)
+        return time_greedy_path()
     return bench_scheduler(args.shapes, args.out, grid=grid, batches=args.batches, budget_s=args.budget_s,
-                           seed=args.seed, include_mix=not args.no_mix, layout=layout, costs_fn=costs_fn,
-                           ilp=getattr(args, "ilp", "never"))   # no --ilp option in dflop.cli yet
+                           seed=args.seed, include_mix=not args.no_mix, ilp=args.ilp, pricing=pricing)

@@ -7,7 +7,7 @@ import pytest
 from dflop.scheduler import baselines, portfolio
 from dflop.scheduler.partition import partition
 from dflop.scheduler.portfolio import REGISTRY, Member, PortfolioSettings
-from dflop.scheduler.wintable import SIM, eliminate, make_instance, member_names, row_table, win_table
+from portfolio_wins import SIM, eliminate, make_instance, member_names, row_table, win_table
 
 # 1 sample per bin (sim_search runs), 2 per bin (profile runs), 16 per bin with light ends.
 LAYOUTS = [(64, 8, 8), (128, 8, 8), (64, 4, 1)]
@@ -97,7 +97,7 @@ def test_gate_gains_compare_the_gated_portfolio_with_one_gate_opened(batches):
     """Built with every gate open, the members the default gates allow reproduce `partition`'s
     default answer, and all of them `partition` with the gates open; a listed gain is that of a
     member the default gates keep out of the row."""
-    from dflop.scheduler.wintable import OPEN_GATES, gate_gains
+    from portfolio_wins import OPEN_GATES, gate_gains
 
     insts = _insts(batches, settings=OPEN_GATES)
     by_name = {mem.name: mem for mem in REGISTRY}

@@ -3,8 +3,8 @@ import pytest
 
 from dflop.errors import UserError
 
-from dflop.scheduler.bench import bench_scheduler, load_shapes
-from dflop.scheduler.synthetic import llava_ov_mix
+from scheduler_grid import bench_scheduler, load_shapes
+from synthetic_mix import llava_ov_mix
 
 
 def test_bench_scheduler_on_a_shapes_file(tmp_path, capsys):
@@ -31,21 +31,21 @@ def test_load_shapes_errors(tmp_path):
         load_shapes(tmp_path / "bad.parquet")
 
 
-def test_dflop_bench_scheduler_command(tmp_path, capsys):
-    from dflop.cli import main
+def test_bench_scheduler_script(tmp_path, capsys):
+    from bench_scheduler import main
 
     llava_ov_mix(200, seed=2, dataset="cli").to_parquet(tmp_path / "shapes.parquet")
-    code = main(["bench-scheduler", "--shapes", str(tmp_path / "shapes.parquet"), "--no-mix", "--grid", "64:4:1",
-                 "--batches", "1", "--budget-s", "0.05", "--out", str(tmp_path / "b.csv")])
+    code = main(["--shapes", str(tmp_path / "shapes.parquet"), "--no-mix", "--grid", "64:4:1",
+                 "--batches", "1", "--out", str(tmp_path / "b.csv")])
     assert code == 0
     raw = pd.read_csv(tmp_path / "b.csv")
     assert set(raw.policy) == {"dflop", "megatron", "llava_group", "lpt1d"} and set(raw.dataset) == {"cli"}
     assert "vs_best_baseline" in capsys.readouterr().out
 
 
-def test_dflop_bench_scheduler_bad_grid_is_one_line(capsys):
-    from dflop.cli import main
+def test_bench_scheduler_bad_grid_is_one_line(capsys):
+    from bench_scheduler import main
 
-    assert main(["bench-scheduler", "--grid", "64:4"]) == 2
+    assert main(["--grid", "64:4"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'64:4' is not n:m:dp" in err

@@ -1,6 +1,6 @@
 """Which portfolio members earn their place: the win table on the scheduler benchmark's batches.
 
-For every batch of the benchmark grid (`dflop.scheduler.bench.sample_batches`: the same batches,
+For every batch of the benchmark grid (`scheduler_grid.sample_batches`: the same batches,
 seeds and layouts as the recorded table) every member of `REGISTRY` that applies is built and
 scored once (its simulated 1F1B step in its best order, deterministic), and `sim_search` is run
 from whichever starts a member set would give it (cached per start). The portfolio's step for any

@@ -1,8 +1,9 @@
-"""From per-sample shapes to per-sample stage costs (`BatchCosts`) for one global batch.
+"""Synthetic per-sample stage costs (`BatchCosts`) for the scheduler's benchmarks and tests.
 
-`batch_costs_from_shapes` is the one seam between shapes and the scheduler: it takes any
-``costs_fn(shapes, layout) -> BatchCosts`` — the fitted cost model in training, or the documented
-`AnalyticCostModel` below in tests and benchmarks — and checks what comes back.
+Not a pricing path of the product (that is `dflop.planner.pricing`): a documented closed-form
+stand-in (`AnalyticCostModel`) that gives partitioning experiments a skewed vision/LLM cost mix
+without a cost model or a plan. `batch_costs_from_shapes` checks what a ``costs_fn(shapes,
+layout)`` returns.
 """
 
 from __future__ import annotations
@@ -131,37 +132,3 @@ def batch_costs_from_shapes(shapes: pd.DataFrame, layout: StageLayout, costs_fn:
             sid = shapes["sample_id"].iloc[col] if arr.ndim == 2 else f"stage {col}"
             raise ValueError(f"costs_fn returned a negative or non-finite BatchCosts.{name} for {sid!r}")
     return costs
-
-
-def split_layers(n_layers: int, n_stages: int) -> list[int]:
-    """Layers per stage for an even split (earlier stages take the remainder)."""
-    if n_stages < 1 or n_layers < n_stages:
-        raise ValueError(f"cannot split {n_layers} layers over {n_stages} stages")
-    base, extra = divmod(n_layers, n_stages)
-    return [base + (k < extra) for k in range(n_stages)]
-
-
-def fitted_costs_fn(costmodel_path: str, *, vision_layers: int, llm_layers: int, pp_vision: int = 1,
-                    pp_llm: int = 3, tp_vision: int = 1, tp_llm: int = 1,
-                    mem_limit_bytes: float = math.inf) -> tuple[CostsFn, StageLayout]:
-    """A costs_fn backed by a fitted costmodel.json, and the matching StageLayout.
-
-    Layers are split evenly over the stages; memory limits use the 1F1B peak in-flight count
-    (``p - k`` microbatches on stage k, valid for m >= p).
-    """
-    from dflop.costmodel.batch import batch_costs
-    from dflop.costmodel.jsonio import load_cost_model
-    from dflop.plan import in_flight_1f1b
-
-    model = load_cost_model(costmodel_path)
-    v_layers, l_layers = split_layers(vision_layers, pp_vision), split_layers(llm_layers, pp_llm)
-    layout = StageLayout(vision_layer_share=tuple(x / vision_layers for x in v_layers),
-                         llm_layer_share=tuple(x / llm_layers for x in l_layers))
-    p = pp_vision + pp_llm
-
-    def costs_fn(shapes: pd.DataFrame, _layout: StageLayout) -> BatchCosts:
-        return batch_costs(model, shapes["n_tiles"].to_numpy(), shapes["seq_len"].to_numpy(),
-                           vision_layers_per_stage=v_layers, llm_layers_per_stage=l_layers, tp_v=tp_vision,
-                           tp_l=tp_llm, mem_limit_bytes=mem_limit_bytes, in_flight_per_stage=in_flight_1f1b(p, p))
-
-    return costs_fn, layout
