@@ -110,7 +110,7 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
     from dflop.plan import plan_from_dict
     from dflop.planner.expected import SchedulerSettings, run_partition
     from dflop.planner.means import Pool
-    from dflop.runtime.batches import GlobalBatches
+    from dflop.scheduler.online import GlobalBatches
     from dflop.runtime.settings import TrainSettings
     from dflop.runtime.trainer import training_pricing
     from dflop.shapes import read_shapes
@@ -171,13 +171,12 @@ def worker(spec_path: str) -> int:
     if not spec["live_scheduler"]:
         # Solve every batch first: on this CPU the scheduler's thread would take cycles and the GIL
         # from rank 0's compute, which on a GPU node it does not. Its solve time is reported.
-        from dflop.runtime.batches import broadcast_step_plan
+        from dflop.runtime.agreement import rank0_result
 
         for name in VARIANTS:
             planner = trainers[name].planner
             for step in range(n_steps):
-                plan = planner.get(step, timeout_s=30.0) if planner is not None else None
-                plans[(name, step)] = broadcast_step_plan(plan, device)
+                plans[(name, step)] = rank0_result(lambda: planner.get(step, timeout_s=30.0))
     rows = []
     for step in range(n_steps):
         order = VARIANTS[step % 3:] + VARIANTS[:step % 3]

@@ -67,7 +67,7 @@ def _library_defaults():
     from dflop.data.demo import make_demo_data
     from dflop.planner.cluster import GB, Cluster
     from dflop.profiling.model_profiler import ProfileSettings
-    from dflop.runtime.batches import StepPlanner
+    from dflop.scheduler.online import StepPlanner
     from dflop.runtime.loading import StepLoader
     from dflop.runtime.optim import GradientSync
     from dflop.runtime.schedule import PipelineExecutor

@@ -27,7 +27,7 @@ from dflop.config import DatasetSpec
 from dflop.data.readers import RawSample, read_dataset
 from dflop.data.training import LoadedSample, Request, SampleRules, TrainingData, UnreadableMedia
 from dflop.errors import UserError
-from dflop.runtime.batches import StepPlan
+from dflop.scheduler.online import StepPlan
 from dflop.runtime.topology import Topology
 from dflop.runtime.vision import feature_rows
 

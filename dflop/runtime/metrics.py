@@ -25,7 +25,7 @@ import pandas as pd
 
 from dflop.io import atomic_path
 from dflop.models.info import ModelInfo
-from dflop.runtime.batches import StepPlan
+from dflop.scheduler.online import StepPlan
 from dflop.runtime.topology import Topology
 from dflop.scheduler.correction import MeasuredTimes
 

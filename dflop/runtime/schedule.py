@@ -30,7 +30,7 @@ import torch
 
 from dflop.data.training import LoadedSample
 from dflop.models.packing import IGNORE_INDEX, PackedSequence
-from dflop.runtime.batches import StepPlan
+from dflop.scheduler.online import StepPlan
 from dflop.models.handle import ModelHandle
 from dflop.runtime.model import RankModules
 from dflop.runtime.p2p import P2P

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dflop.data.training import LoadedSample
 from dflop.errors import UserError
 from dflop.runtime.agreement import rank0_result
-from dflop.runtime.batches import StepPlan
+from dflop.scheduler.online import StepPlan
 
 log = logging.getLogger("dflop.train")
 

@@ -35,7 +35,7 @@ from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool
 from dflop.planner.pricing import Pricing
-from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, broadcast_step_plan
+from dflop.runtime.agreement import rank0_result
 from dflop.runtime.loading import StepLoader, feature_rows_fn, requests_for
 from dflop.runtime.model import EMBEDDING_NAME, build_rank_modules, parameter_names
 from dflop.runtime.optim import GradientSync, ParamInfo, build_lr_scheduler, build_optimizer, warmup_cosine
@@ -45,6 +45,7 @@ from dflop.runtime.schedule import PipelineExecutor
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.skipping import SkippedSamples, load_without_failures
 from dflop.runtime.topology import LLM, VISION, Topology
+from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner
 
 log = logging.getLogger("dflop.train")
 
@@ -143,8 +144,7 @@ class Trainer:
 
     def next_plan(self, step: int) -> StepPlan:
         """Step `step`'s plan on every rank (collective)."""
-        plan = self.planner.get(step) if self.rank == 0 else None
-        return broadcast_step_plan(plan, self.device)
+        return rank0_result(lambda: self.planner.get(step))
 
     def load(self, plan: StepPlan):
         """Start loading what this rank needs of `plan` (returns a future of {pool index: sample})."""

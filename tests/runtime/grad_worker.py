@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from dflop.config import Config
 from dflop.models.tensor_parallel import is_tp_shard, local_tensor
 from dflop.plan import plan_from_dict
-from dflop.runtime.batches import broadcast_step_plan
+from dflop.runtime.agreement import rank0_result
 from dflop.shapes import read_shapes
 from dflop.runtime.loading import pool_samples
 from dflop.runtime.process_group import init_distributed
@@ -42,13 +42,16 @@ def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> No
     plan = plan_from_dict(case["plan"], f"case {case['name']}").plan
     pool = read_shapes(shapes)
     trainer = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed), device=device)
-    step_plan = trainer.planner.get(0) if trainer.rank == 0 else None
-    if trainer.rank == 0 and case.get("shuffle_seed") is not None:
-        order = np.random.default_rng(case["shuffle_seed"]).permutation(step_plan.n_microbatches)
-        step_plan = dataclasses.replace(step_plan, bins=tuple(step_plan.bins[k] for k in order),
-                                        vision_shares=tuple(step_plan.vision_shares[k] for k in order),
-                                        microbatch_ids=tuple(step_plan.microbatch_ids[k] for k in order))
-    step_plan = broadcast_step_plan(step_plan, device)
+    def first_plan():
+        step_plan = trainer.planner.get(0)
+        if case.get("shuffle_seed") is not None:
+            order = np.random.default_rng(case["shuffle_seed"]).permutation(step_plan.n_microbatches)
+            step_plan = dataclasses.replace(step_plan, bins=tuple(step_plan.bins[k] for k in order),
+                                            vision_shares=tuple(step_plan.vision_shares[k] for k in order),
+                                            microbatch_ids=tuple(step_plan.microbatch_ids[k] for k in order))
+        return step_plan
+
+    step_plan = rank0_result(first_plan)
     stats = trainer.compute_gradients(step_plan, trainer.load(step_plan).result())
     out = Path(case["out"])
     out.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from dflop.plan import Layout, Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings, evaluate_plan, simulate_batch
 from dflop.planner.means import Pool, TransferSizes
-from dflop.runtime.batches import GlobalBatches
+from dflop.scheduler.online import GlobalBatches
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import step_planner, training_pricing
 from synthetic_mix import llava_ov_mix

@@ -16,7 +16,7 @@ import torch
 
 from dflop.data.training import LoadedSample, SampleError
 from dflop.errors import UserError
-from dflop.runtime.batches import StepPlan
+from dflop.scheduler.online import StepPlan
 from dflop.runtime.skipping import SkippedSamples, load_without_failures, replacement_rows
 from trainer_reference import TWO_RANK_PLAN, config_dict
 

@@ -1,4 +1,4 @@
-"""Which samples each step trains on, and how they are split: the step plan rank 0 broadcasts.
+"""The online driver of the scheduler: which samples each step trains on, and how they are split.
 
 Global batches are a pure function of (seed, step): epoch e visits the usable samples of
 shapes.parquet in the order of a permutation seeded with (seed, e), cut into consecutive global
@@ -8,8 +8,8 @@ batches, and a resumed run continues with the next batch.
 Rank 0 turns each batch into a `StepPlan` with the online scheduler (`SchedulerService`, running
 ahead in its background thread): which samples form each bin (microbatch x LLM replica) in execution
 order, and how each microbatch's images are shared among the vision replicas. Every other rank gets
-the plan (sample indices + the shapes.parquet numbers it needs) by broadcast and never decodes
-media to learn shapes.
+the plan (sample indices + the shapes.parquet numbers it needs) from rank 0 (the trainer's
+`next_plan`) and never decodes media to learn shapes.
 
 Vision sharing: a microbatch's samples that have tiles are dealt to the vision replicas by
 longest-processing-time on their vision cost, so the replicas' shares differ by at most one sample's
@@ -27,8 +27,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
-import torch.distributed as dist
 
 from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
@@ -241,19 +239,3 @@ class StepPlanner:
     def close(self) -> None:
         if self.service is not None:
             self.service.close()
-
-
-def broadcast_step_plan(plan: StepPlan | None, device: torch.device) -> StepPlan:
-    """Rank 0's plan on every rank, as JSON bytes (two broadcasts: length, then bytes)."""
-    if not dist.is_initialized():
-        return plan
-    if dist.get_rank() == 0:
-        data = torch.frombuffer(bytearray(plan.to_json().encode()), dtype=torch.uint8).to(device)
-        length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    else:
-        length = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(length, src=0)
-    if dist.get_rank() != 0:
-        data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=0)
-    return plan if dist.get_rank() == 0 else StepPlan.from_json(bytes(data.cpu().numpy()).decode())

@@ -10,7 +10,7 @@ import pytest
 
 from dflop.errors import UserError
 from dflop.plan import plan_from_dict
-from dflop.runtime.batches import GlobalBatches, StepPlan, StepPlanner, share_by_cost
+from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner, share_by_cost
 from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 
 
