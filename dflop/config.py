@@ -268,6 +268,9 @@ class PlannerSection:
     top_k: int
     time_limit_s: float
     rel_gap: float
+    recompute: str  # auto | none | selective | full
+    shard_optimizer: str | bool  # "auto" or forced
+    sequence_parallel: str | bool  # "auto" or forced
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,15 @@ wrote (predictions, solver, cluster, inputs) as the raw mapping. Keys the traine
     global_batch_size: 16
     world_size: 6
 
+Each module may also name its memory techniques (all off when absent, as in plans written before
+they existed): ``recompute`` (one of none|selective|full per stage: activation recomputation),
+``shard_optimizer`` (optimizer state and gradients sharded over the module's data-parallel
+replicas) and ``sequence_parallel`` (the residual stream sharded along the sequence between
+tensor-parallel regions; needs tp > 1)::
+
+    llm: {tp: 2, pp: 2, dp: 2, layers_per_stage: [1, 1], recompute: [full, none],
+          shard_optimizer: true, sequence_parallel: true}
+
 Placements:
 - ``disjoint``: vision stages on ``tp_v * pp_v * dp_v`` ranks, then LLM stages on
   ``tp_l * pp_l * dp_l`` other ranks; one 1F1B pipeline of ``pp_v + pp_l`` stages.
@@ -36,6 +45,8 @@ from dflop.io import read_yaml, write_text_atomic
 
 PLACEMENTS = ("disjoint", "colocated")
 MODULE_KEYS = ("tp", "pp", "dp", "layers_per_stage")
+TECHNIQUE_KEYS = ("recompute", "shard_optimizer", "sequence_parallel")  # optional; off when absent
+RECOMPUTE_MODES = ("none", "selective", "full")
 PLAN_KEYS = ("vision", "llm", "placement", "microbatches", "global_batch_size", "world_size")
 RANK_ORDER = ("vision ranks first, then llm ranks; inside a module rank = first_rank + (stage * dp + replica) * tp "
               "+ tp_rank; colocated: the vision tower runs on llm stage 0's ranks")
@@ -135,13 +146,58 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Techniques:
+    """One module's memory techniques (module docstring): what the trainer applies, what the cost
+    model charges. `recompute` has one mode per pipeline stage of the module."""
+
+    recompute: tuple[str, ...]
+    shard_optimizer: bool = False
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "recompute", tuple(self.recompute))
+        bad = [m for m in self.recompute if m not in RECOMPUTE_MODES]
+        if bad:
+            raise ValueError(f"recompute mode {bad[0]!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+
+    @classmethod
+    def off(cls, n_stages: int) -> "Techniques":
+        """No recomputation, nothing sharded: what a plan without technique keys means."""
+        return cls(("none",) * n_stages)
+
+    @property
+    def any(self) -> bool:
+        return self.shard_optimizer or self.sequence_parallel or any(m != "none" for m in self.recompute)
+
+    def to_dict(self) -> dict:
+        return {"recompute": list(self.recompute), "shard_optimizer": self.shard_optimizer,
+                "sequence_parallel": self.sequence_parallel}
+
+    def describe(self) -> str:
+        parts = []
+        if any(m != "none" for m in self.recompute):
+            parts.append("recompute " + "/".join(self.recompute))
+        if self.shard_optimizer:
+            parts.append("sharded optimizer")
+        if self.sequence_parallel:
+            parts.append("sequence parallel")
+        return ", ".join(parts) or "no memory techniques"
+
+
+@dataclass(frozen=True)
 class ModuleLayout:
-    """One module's (vision tower or LLM) grid and how its layers split over its stages."""
+    """One module's (vision tower or LLM) grid, how its layers split over its stages, and its
+    memory techniques."""
 
     tp: int
     pp: int
     dp: int
     layers_per_stage: tuple[int, ...]
+    techniques: Techniques | None = None  # None: off
+
+    def __post_init__(self):
+        if self.techniques is None:
+            object.__setattr__(self, "techniques", Techniques.off(self.pp))
 
     @property
     def n_ranks(self) -> int:
@@ -159,7 +215,8 @@ class ModuleLayout:
         return list(zip(bounds[:-1], bounds[1:]))
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "layers_per_stage": list(self.layers_per_stage)}
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "layers_per_stage": list(self.layers_per_stage),
+                **self.techniques.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -167,6 +224,7 @@ class Plan:
     """A layout with its layer split: layers per vision stage and per LLM stage.
 
     vision_layers has one entry (all vision layers) in the colocated placement.
+    vision_techniques / llm_techniques: each module's memory techniques (None: off).
     source: the file it was read from, for error messages (not part of equality).
     """
 
@@ -174,6 +232,8 @@ class Plan:
     vision_layers: tuple[int, ...]
     llm_layers: tuple[int, ...]
     source: str = field(default="plan", compare=False, repr=False)
+    vision_techniques: Techniques | None = None
+    llm_techniques: Techniques | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "vision_layers", tuple(int(n) for n in self.vision_layers))
@@ -182,6 +242,19 @@ class Plan:
             raise ValueError(f"layer split {self.vision_layers} / {self.llm_layers} does not match {self.layout}")
         if min(self.vision_layers + self.llm_layers) < 0:
             raise ValueError(f"negative layer count in {self.vision_layers} / {self.llm_layers}")
+        for name, attr, pp, tp in (("vision", "vision_techniques", self.layout.pp_v, self.layout.tp_v),
+                                   ("llm", "llm_techniques", self.layout.pp_l, self.layout.tp_l)):
+            tech = getattr(self, attr)
+            if tech is None:
+                object.__setattr__(self, attr, Techniques.off(pp))
+            elif len(tech.recompute) != pp:
+                raise ValueError(f"{name} recompute {list(tech.recompute)} needs one mode per stage ({pp})")
+            elif tech.sequence_parallel and tp == 1:
+                raise ValueError(f"{name} sequence parallelism needs tensor parallelism (tp > 1)")
+
+    def with_techniques(self, vision: Techniques, llm: Techniques) -> "Plan":
+        """The same plan with these memory techniques."""
+        return Plan(self.layout, self.vision_layers, self.llm_layers, self.source, vision, llm)
 
     @classmethod
     def uniform(cls, layout: Layout, vision_layers: int, llm_layers: int) -> "Plan":
@@ -194,19 +267,20 @@ class Plan:
     def with_uniform_layers(self, vision_layers: int, llm_layers: int) -> "Plan":
         """The same layout with layers split uniformly (baseline mode of the trainer)."""
         plan = Plan.uniform(self.layout, vision_layers, llm_layers)
-        return Plan(plan.layout, plan.vision_layers, plan.llm_layers, self.source)
+        return Plan(plan.layout, plan.vision_layers, plan.llm_layers, self.source,
+                    self.vision_techniques, self.llm_techniques)
 
     # -- what the runtime asks -------------------------------------------------------------------
 
     @property
     def vision(self) -> ModuleLayout:
         lay = self.layout
-        return ModuleLayout(lay.tp_v, lay.pp_v, lay.dp_v, self.vision_layers)
+        return ModuleLayout(lay.tp_v, lay.pp_v, lay.dp_v, self.vision_layers, self.vision_techniques)
 
     @property
     def llm(self) -> ModuleLayout:
         lay = self.layout
-        return ModuleLayout(lay.tp_l, lay.pp_l, lay.dp_l, self.llm_layers)
+        return ModuleLayout(lay.tp_l, lay.pp_l, lay.dp_l, self.llm_layers, self.llm_techniques)
 
     @property
     def placement(self) -> str:
@@ -264,8 +338,11 @@ class Plan:
                                 f"heads and widths evenly (possible: {', '.join(map(str, ok))})")
 
     def describe(self) -> str:
-        return (f"{self.layout.describe()}; vision layers {list(self.vision_layers)}, "
-                f"llm layers {list(self.llm_layers)}")
+        text = f"{self.layout.describe()}; vision layers {list(self.vision_layers)}, llm layers {list(self.llm_layers)}"
+        for name, tech in (("vision", self.vision_techniques), ("llm", self.llm_techniques)):
+            if tech.any:
+                text += f"; {name}: {tech.describe()}"
+        return text
 
     def to_dict(self, global_batch_size: int) -> dict:
         """The DESIGN keys (what the trainer reads) as plain data."""
@@ -321,15 +398,32 @@ def _module(raw: Any, where: str) -> ModuleLayout:
     missing = [k for k in MODULE_KEYS if k not in raw]
     if missing:
         raise UserError(f"{where}: missing key(s) {', '.join(missing)}")
-    unknown = sorted(set(raw) - set(MODULE_KEYS))
+    unknown = sorted(set(raw) - set(MODULE_KEYS) - set(TECHNIQUE_KEYS))
     if unknown:
-        raise UserError(f"{where}.{unknown[0]}: unknown key (allowed: {', '.join(MODULE_KEYS)})")
+        raise UserError(f"{where}.{unknown[0]}: unknown key (allowed: {', '.join(MODULE_KEYS + TECHNIQUE_KEYS)})")
     tp, pp, dp = (_whole(raw[k], f"{where}.{k}") for k in ("tp", "pp", "dp"))
     layers = raw["layers_per_stage"]
     if not isinstance(layers, list) or len(layers) != pp:
         raise UserError(f"{where}.layers_per_stage: expected a list of {pp} layer counts (one per stage), got {layers!r}")
     layers = tuple(_whole(n, f"{where}.layers_per_stage[{i}]", minimum=0) for i, n in enumerate(layers))
-    return ModuleLayout(tp, pp, dp, layers)
+    return ModuleLayout(tp, pp, dp, layers, _techniques(raw, where, pp, tp))
+
+
+def _techniques(raw: Mapping, where: str, pp: int, tp: int) -> Techniques:
+    recompute = raw.get("recompute", ["none"] * pp)
+    if not isinstance(recompute, list) or len(recompute) != pp:
+        raise UserError(f"{where}.recompute: expected a list of {pp} modes (one per stage), got {recompute!r}")
+    for i, mode in enumerate(recompute):
+        if mode not in RECOMPUTE_MODES:
+            raise UserError(f"{where}.recompute[{i}]: expected one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
+    flags = {}
+    for key in ("shard_optimizer", "sequence_parallel"):
+        flags[key] = raw.get(key, False)
+        if not isinstance(flags[key], bool):
+            raise UserError(f"{where}.{key}: expected true or false, got {flags[key]!r}")
+    if flags["sequence_parallel"] and tp == 1:
+        raise UserError(f"{where}.sequence_parallel: needs tensor parallelism (tp > 1), but tp is 1")
+    return Techniques(tuple(recompute), **flags)
 
 
 def _plan(raw: Any, source: str, prefix: str = "") -> tuple[Plan, int]:
@@ -364,7 +458,8 @@ def _plan(raw: Any, source: str, prefix: str = "") -> tuple[Plan, int]:
     if batch < layout.n_bins:
         raise UserError(f"{where}global_batch_size {batch} cannot fill microbatches * llm.dp = "
                         f"{m} * {llm.dp} = {layout.n_bins} bins")
-    return Plan(layout, vision.layers_per_stage, llm.layers_per_stage, source), batch
+    return Plan(layout, vision.layers_per_stage, llm.layers_per_stage, source,
+                vision.techniques, llm.techniques), batch
 
 
 def plan_from_dict(raw: Any, source: str = "plan.yaml") -> PlanFile:

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from dflop.errors import UserError
-from dflop.plan import Layout, ModuleLayout, Plan, PlanFile, in_flight_1f1b, plan_from_dict, read_plan, write_plan
+from dflop.plan import (Layout, ModuleLayout, Plan, PlanFile, Techniques, in_flight_1f1b, plan_from_dict, read_plan,
+                        write_plan)
 
 
 def raw(**changes) -> dict:
@@ -81,6 +82,14 @@ def test_the_baseline_section_is_read_as_a_plan():
     (dict(vision={"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2], "sp": 2}), r"vision.sp: unknown key"),
     (dict(vision={"tp": 1, "pp": 1, "dp": True, "layers_per_stage": [2]}), r"vision.dp: expected an integer"),
     (dict(placement="colocated", world_size=4), "vision dp/tp equal to the LLM's"),
+    (dict(llm={"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [1, 1], "recompute": ["full"]}),
+     r"llm.recompute: expected a list of 2 modes"),
+    (dict(llm={"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [1, 1], "recompute": ["full", "some"]}),
+     r"llm.recompute\[1\]: expected one of none, selective, full, got 'some'"),
+    (dict(llm={"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [1, 1], "shard_optimizer": "yes"}),
+     r"llm.shard_optimizer: expected true or false, got 'yes'"),
+    (dict(vision={"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2], "sequence_parallel": True}),
+     r"vision.sequence_parallel: needs tensor parallelism \(tp > 1\), but tp is 1"),
 ])
 def test_bad_plans_are_one_line_errors(changes, message):
     with pytest.raises(UserError, match=message) as info:
@@ -124,3 +133,16 @@ def test_world_size_model_and_batch_checks_name_both_numbers():
     with pytest.raises(UserError, match="train.global_batch_size is 8 but p.yaml was planned for 16"):
         pf.check_batch(8)
     assert isinstance(pf, PlanFile)
+
+
+def test_memory_techniques_are_read_per_module_and_default_to_off():
+    llm = {"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [1, 1], "recompute": ["full", "selective"],
+           "shard_optimizer": True, "sequence_parallel": True}
+    plan = plan_from_dict(raw(llm=llm)).plan
+    assert plan.llm.techniques == Techniques(("full", "selective"), shard_optimizer=True, sequence_parallel=True)
+    assert plan.vision.techniques == Techniques(("none",)) and not plan.vision.techniques.any
+    assert plan_from_dict(plan.to_dict(16)).plan == plan   # written and read back, techniques included
+    assert "llm: recompute full/selective, sharded optimizer, sequence parallel" in plan.describe()
+    # the baseline split keeps the techniques; equality sees them
+    assert plan.with_uniform_layers(2, 2).llm_techniques == plan.llm_techniques
+    assert plan != plan.with_techniques(Techniques.off(1), Techniques.off(2))

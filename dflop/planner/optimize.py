@@ -66,6 +66,7 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
         model={"arch": model.spec.arch, "vision": model.spec.vision, "llm": model.spec.llm,
                "weights": model.spec.weights, "dtype": cost.provenance.dtype},
         inputs={"shapes": str(shapes_path), "costmodel": str(costmodel_path)},
+        planner=p,
     )
     write_plan(doc, plan_path)
     write_candidates(result.candidates, candidates_path)

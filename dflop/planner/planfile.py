@@ -10,8 +10,8 @@ Top-level keys::
     placement: disjoint | colocated
     world_size: GPUs (processes) the plan uses
     global_batch_size, microbatches
-    vision: {tp, pp, dp, layers_per_stage}
-    llm:    {tp, pp, dp, layers_per_stage}
+    vision: {tp, pp, dp, layers_per_stage, recompute, shard_optimizer, sequence_parallel}
+    llm:    {tp, pp, dp, layers_per_stage, recompute, shard_optimizer, sequence_parallel}
     rank_order: how ranks map to (module, stage, replica, tp rank) (as dflop.runtime.topology)
     predicted: {step_s: {mean, p50, p90}, mean_shape_step_s, utilisation, samples_per_s,
                 memory_bytes: {vision: [per stage], llm: [per stage]}, memory_limit_bytes}
@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from dflop.errors import UserError
-from dflop.plan import RANK_ORDER, Plan
+from dflop.config import PlannerSection
+from dflop.plan import RANK_ORDER, Plan, Techniques
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.space import ModelShape
@@ -57,11 +58,28 @@ def predicted_section(ev: Evaluation, *, global_batch: int, memory_limit_bytes: 
     }
 
 
+def forced_techniques(plan: Plan, planner: PlannerSection) -> Plan:
+    """`plan` with the memory techniques the config's planner section forces on both modules.
+
+    ``auto`` means off until the planner chooses techniques itself; sequence parallelism applies
+    only to a module with tensor parallelism (tp > 1)."""
+    recompute = "none" if planner.recompute == "auto" else planner.recompute
+    shard = planner.shard_optimizer is True
+    sp = planner.sequence_parallel is True
+    lay = plan.layout
+    return plan.with_techniques(Techniques((recompute,) * lay.pp_v, shard, sp and lay.tp_v > 1),
+                                Techniques((recompute,) * lay.pp_l, shard, sp and lay.tp_l > 1))
+
+
 def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Evaluation | None,
                   baseline_mean_shape_s: float | None, global_batch: int, cluster: Cluster, solver: dict,
-                  evaluation: dict, model: dict, inputs: dict) -> dict:
-    """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted."""
-    plan = chosen.plan
+                  evaluation: dict, model: dict, inputs: dict, planner: PlannerSection | None = None) -> dict:
+    """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted.
+    Both the plan and the baseline get the memory techniques `planner` forces (`forced_techniques`)."""
+    def techniques(p: Plan) -> Plan:
+        return p if planner is None else forced_techniques(p, planner)
+
+    plan = techniques(chosen.plan)
     doc: dict[str, Any] = {"version": 1, **plan.to_dict(global_batch), "rank_order": RANK_ORDER,
                            "predicted": predicted_section(chosen, global_batch=global_batch,
                                                           memory_limit_bytes=cluster.gpu_memory_bytes,
@@ -70,7 +88,7 @@ def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Eva
     if baseline is not None:
         b = baseline.plan.layout
         doc["baseline"] = {
-            **baseline.plan.to_dict(global_batch), "micro_batch_size": global_batch // b.n_bins,
+            **techniques(baseline.plan).to_dict(global_batch), "micro_batch_size": global_batch // b.n_bins,
             "policy": baseline.policy,
             "predicted": predicted_section(baseline, global_batch=global_batch,
                                            memory_limit_bytes=cluster.gpu_memory_bytes,
@@ -87,7 +105,7 @@ def check_plan_runs(plan: Plan, shape: ModelShape, cluster: Cluster, where: str)
     cover the model's layers, TP degrees that split its heads and widths, and a rank layout that
     fits the cluster and that the launcher can start (`Cluster.launchable`). plan.yaml's own
     keys (world size against the layout, ...) are checked when it is read (`dflop.plan`)."""
-    plan = Plan(plan.layout, plan.vision_layers, plan.llm_layers, where)
+    plan = Plan(plan.layout, plan.vision_layers, plan.llm_layers, where, plan.vision_techniques, plan.llm_techniques)
     plan.check_model(shape.vision_layers, shape.llm_layers, shape.vision_tp_ok, shape.llm_tp_ok)
     lay = plan.layout
     if lay.world_size > cluster.world_size:

@@ -110,7 +110,7 @@ def scale_plan(plan: Plan, cluster: Cluster, global_batch: int) -> Plan:
                             f"each) fills whole {gpus_per_node}-GPU nodes")
         dp = int(dps[0])
         new = Layout("colocated", lay.tp_l, 1, dp, lay.tp_l, lay.pp_l, dp, lay.m)
-        return Plan(new, plan.vision_layers, plan.llm_layers)
+        return Plan(new, plan.vision_layers, plan.llm_layers, plan.source, plan.vision_techniques, plan.llm_techniques)
     per_vision = lay.tp_v * lay.pp_v
     if gpus < per_vision + per_llm:
         raise UserError(f"--gpus {gpus}: this disjoint plan needs at least {per_vision + per_llm} GPUs "
@@ -122,7 +122,7 @@ def scale_plan(plan: Plan, cluster: Cluster, global_batch: int) -> Plan:
     for dl, dv in zip(dls.tolist(), dvs.tolist()):
         if dv:
             new = Layout("disjoint", lay.tp_v, lay.pp_v, dv, lay.tp_l, lay.pp_l, dl, lay.m)
-            return Plan(new, plan.vision_layers, plan.llm_layers)
+            return Plan(new, plan.vision_layers, plan.llm_layers, plan.source, plan.vision_techniques, plan.llm_techniques)
     raise UserError(f"--gpus {gpus}: no split of this disjoint plan over whole {gpus_per_node}-GPU nodes keeps "
                     f"the LLM's tp={lay.tp_l} groups inside a node")
 
@@ -138,7 +138,7 @@ def scale_baseline(plan: Plan, cluster: Cluster, global_batch: int) -> Plan | No
         return None
     dp = int(dps[0])
     new = Layout("colocated", lay.tp_l, 1, dp, lay.tp_l, lay.pp_l, dp, lay.m)
-    return Plan(new, plan.vision_layers, plan.llm_layers)
+    return Plan(new, plan.vision_layers, plan.llm_layers, plan.source, plan.vision_techniques, plan.llm_techniques)
 
 
 def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | None = None, shapes_path=None,

@@ -87,6 +87,10 @@ def run_fingerprint(settings: "TrainSettings", plan: "Plan", pool: pd.DataFrame)
     """The fingerprint of training `settings` with `plan` on the usable shapes rows `pool`."""
     m, t, sched = settings.model, settings.train, settings.scheduler
     layout = {k: v for k, v in plan.to_dict(t.global_batch_size).items() if k != "global_batch_size"}
+    for module in ("vision", "llm"):  # recomputation and SP trade memory for time, the maths is the same;
+        keys = layout[module]          # a sharded optimizer changes what a checkpoint holds
+        layout[module] = {k: v for k, v in keys.items() if k not in ("recompute", "sequence_parallel")
+                          and not (k == "shard_optimizer" and v is False)}
     fields: dict[str, Any] = {
         "run.seed": settings.seed,
         "model.arch": m.arch,

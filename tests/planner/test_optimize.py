@@ -65,7 +65,11 @@ def test_demo_default_writes_a_valid_plan(inputs, tmp_path, tiny_shape, capsys):
     assert DESIGN_KEYS <= set(doc)
     assert doc["world_size"] <= 2 and doc["global_batch_size"] == 16
     for module, layers in (("vision", tiny_shape.vision_layers), ("llm", tiny_shape.llm_layers)):
-        assert set(doc[module]) == {"tp", "pp", "dp", "layers_per_stage"}  # exactly what the trainer reads
+        assert set(doc[module]) == {"tp", "pp", "dp", "layers_per_stage", "recompute", "shard_optimizer",
+                                    "sequence_parallel"}  # exactly what the trainer reads
+        # the config default (auto) means off until the planner chooses techniques
+        assert doc[module]["recompute"] == ["none"] * doc[module]["pp"]
+        assert doc[module]["shard_optimizer"] is False and doc[module]["sequence_parallel"] is False
         assert sum(doc[module]["layers_per_stage"]) == layers and len(doc[module]["layers_per_stage"]) == doc[module]["pp"]
     pred = doc["predicted"]
     assert pred["step_s"]["p50"] <= pred["step_s"]["p90"] and pred["step_s"]["mean"] > 0
