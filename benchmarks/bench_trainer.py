@@ -108,6 +108,7 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
     from dflop.costmodel.jsonio import load_cost_model
     from dflop.models.handle import ModelHandle
     from dflop.plan import plan_from_dict
+    from dflop.planner.cluster import Cluster
     from dflop.planner.expected import SchedulerSettings, run_partition
     from dflop.planner.means import Pool
     from dflop.scheduler.online import GlobalBatches
@@ -123,7 +124,7 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
     best = None
     for split in splits(layout, llm_layers):
         plan = plan_from_dict(plan_dict(layout, vision_layers, split, microbatches, batch)).plan
-        pricing = training_pricing(plan, model, cost, settings)
+        pricing = training_pricing(plan, model, cost, Cluster.from_section(settings.cluster))
         steps = [run_partition(pricing.batch(Pool.from_shapes(pool.iloc[batches.rows(s)])), pricing,
                                SchedulerSettings(budget_s=0.05, ilp="never")).step_s for s in range(8)]
         if best is None or np.mean(steps) < best[0]:

@@ -72,13 +72,16 @@ class Cluster:
         if missing:
             raise UserError(f"{where}: cluster: missing key(s) {', '.join(missing)}")
         for key in names:
-            if key != "device" and (isinstance(record[key], bool) or not isinstance(record[key], (int, float))
-                                    or not record[key] >= 0):
-                raise UserError(f"{where}: cluster.{key} must be a number >= 0, got {record[key]!r}")
+            if key == "device":
+                continue
+            positive = key != "p2p_latency_us"  # a zero-GB GPU or a zero-bandwidth link prices nothing sensibly
+            value = record[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 if positive else value >= 0):
+                raise UserError(f"{where}: cluster.{key} must be a number {'>' if positive else '>='} 0, got {value!r}")
         return cls.from_section(ClusterSection(**{k: record[k] for k in names}))
 
     def to_config(self) -> dict:
-        """The inverse of `from_config` (config units), for plan.yaml."""
+        """The inverse of `from_section` (config units), for plan.yaml."""
         return {"device": self.device, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
                 "gpu_memory_gb": self.gpu_memory_bytes / GB, "intra_node_gbps": self.intra_node_bytes_per_s / GB,
                 "inter_node_gbps": self.inter_node_bytes_per_s / GB, "p2p_latency_us": self.p2p_latency_s * 1e6}

@@ -25,7 +25,7 @@ from dflop.runtime.metrics import MetricsWriter, measured_times, metrics_row
 from dflop.runtime.process_group import init_distributed
 from dflop.runtime.run_identity import prepare_checkpoints
 from dflop.runtime.settings import TrainSettings
-from dflop.runtime.trainer import Trainer
+from dflop.runtime.trainer import Trainer, plan_cluster
 from dflop.shapes import read_shapes
 from dflop.costmodel.jsonio import load_cost_model
 
@@ -65,7 +65,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
     pool = read_shapes(shapes_path)
     cost = load_cost_model(costmodel_path) if costmodel_path is not None else None
     trainer = Trainer(settings, plan_file.plan, pool, pool_samples(pool, settings.datasets, settings.seed),
-                      cost=cost, device=device)
+                      cost=cost, cluster=plan_cluster(plan_file, settings), device=device)
     ckpt_dir = out_dir / "checkpoints"
     decision = rank0_result(lambda: prepare_checkpoints(ckpt_dir, trainer.fingerprint, fresh=fresh,
                                                         lr_at=trainer.lr_at))

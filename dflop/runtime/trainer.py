@@ -31,7 +31,7 @@ from dflop.data.training import ExpectedShape, TrainingData
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.models.tensor_parallel import is_tp_shard
-from dflop.plan import Plan
+from dflop.plan import Plan, PlanFile
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool
 from dflop.planner.pricing import Pricing
@@ -50,13 +50,24 @@ from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner
 log = logging.getLogger("dflop.train")
 
 
-def training_pricing(plan: Plan, model: ModelHandle, cost: CostModel | None, settings: TrainSettings) -> Pricing:
+def training_pricing(plan: Plan, model: ModelHandle, cost: CostModel | None, cluster: Cluster) -> Pricing:
     """How the trainer prices its batches: the fitted cost model (None: the FLOP-count stand-in of
-    `dflop.costmodel.analytic`, for runs without a profile) on the config's cluster."""
+    `dflop.costmodel.analytic`, for runs without a profile) on `cluster` (the one plan.yaml was
+    planned for, so the trainer's predictions are the planner's: `plan_cluster`)."""
     if cost is None:
         cost = analytic_cost_model(model.config, tp_degrees=sorted({plan.layout.tp_v, plan.layout.tp_l}),
                                    dtype=model.spec.dtype, preset=model.spec.preset)
-    return Pricing.of(plan, cost, model, Cluster.from_section(settings.cluster))
+    return Pricing.of(plan, cost, model, cluster)
+
+
+def plan_cluster(plan_file: PlanFile, settings: TrainSettings) -> Cluster:
+    """The cluster plan.yaml records (what optimize priced with), else the config's (a hand-written
+    plan). The workflow's train rule passes only the device keys of the cluster section, so the
+    config's bandwidths are not the ones the plan was made for."""
+    record = plan_file.doc.get("cluster")
+    if record is None:
+        return Cluster.from_section(settings.cluster)
+    return Cluster.from_record(record, plan_file.source)
 
 
 def step_planner(settings: TrainSettings, pricing: Pricing, pool: pd.DataFrame, batches: GlobalBatches,
@@ -76,11 +87,12 @@ class Trainer:
     """One rank's model, optimizer, data path and step (module docstring).
 
     model: the resolved model (resolved from settings.model when None); cost: the fitted cost
-    model the scheduler prices with (None: `training_pricing`'s stand-in).
+    model the scheduler prices with (None: `training_pricing`'s stand-in); cluster: the one it
+    prices on (None: the config's; `run_training` passes `plan_cluster`).
     """
 
     def __init__(self, settings: TrainSettings, plan: Plan, pool: pd.DataFrame, samples: Sequence[RawSample], *,
-                 model: ModelHandle | None = None, cost: CostModel | None = None,
+                 model: ModelHandle | None = None, cost: CostModel | None = None, cluster: Cluster | None = None,
                  device: torch.device | None = None):
         self.settings = settings
         self.device = device if device is not None else torch.device("cpu")
@@ -108,7 +120,8 @@ class Trainer:
         self.data = TrainingData(samples, self.rules, expected)
         self.loader = StepLoader(self.data, workers=train.loader_workers, pin_memory=self.device.type == "cuda")
         self.batches = GlobalBatches(len(pool), train.global_batch_size, settings.seed)
-        self.pricing = training_pricing(plan, model, cost, settings)
+        self.pricing = training_pricing(plan, model, cost,
+                                        cluster if cluster is not None else Cluster.from_section(settings.cluster))
         self.planner = step_planner(settings, self.pricing, pool, self.batches, self.rules) if self.rank == 0 else None
         # Rank 0 decides about resuming and writes the checkpoint's record (hashing manifests).
         self.fingerprint = run_fingerprint(settings, plan, pool) if self.rank == 0 else None

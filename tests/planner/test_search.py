@@ -143,3 +143,15 @@ def test_launchable_means_whole_nodes_and_llm_tp_groups_inside_a_node():
     # disjoint: 3 vision ranks then TP-2 LLM groups would put ranks 7 and 8 (two nodes) in one group
     assert not cluster.launchable(16, 3, 2) and cluster.launchable(16, 4, 2)
     assert list(cluster.launchable([8, 11, 16], [2, 2, 2], 2)) == [True, False, True]
+
+
+def test_a_recorded_cluster_reads_back_and_bad_records_name_the_key():
+    from dflop.config import Config
+    from dflop.errors import UserError
+
+    cluster = Cluster.from_section(Config.from_dict({"cluster": {"nodes": 2, "gpu_memory_gb": 40}}).cluster)
+    assert Cluster.from_record(cluster.to_config(), "plan.yaml") == cluster
+    for key, value in (("gpu_memory_gb", 0), ("intra_node_gbps", -1), ("nodes", True)):
+        with pytest.raises(UserError, match=rf"p\.yaml: cluster\.{key} must be a number > 0"):
+            Cluster.from_record({**cluster.to_config(), key: value}, "p.yaml")
+    assert Cluster.from_record({**cluster.to_config(), "p2p_latency_us": 0}, "p.yaml").p2p_latency_s == 0

@@ -3,9 +3,12 @@ scheduler's ``predicted_step_s``, what metrics.parquet records) is the planner's
 records, `simulate_batch` / `evaluate_plan`), number for number.
 
 Both sides are built as the product builds them: the trainer's scheduler by `step_planner` on
-`training_pricing`, the planner's by `simulate_batch` on the cluster and transfer sizes of the
-search. Any second pricing path (transfers or all-reduces left out on one side, another cost
-model, another memory limit) makes the numbers differ.
+`training_pricing` with the cluster plan.yaml records (`plan_cluster`: the workflow's train rule
+passes the trainer only the cluster's device keys, so the config it sees has default bandwidths),
+the planner's by `simulate_batch` on the cluster and transfer sizes of the search. Any second
+pricing path (transfers or all-reduces left out on one side, another cost model, another memory
+limit, the config's cluster instead of the plan's) makes the numbers differ. Covered with a fitted
+cost model and without one (the trainer's FLOP-count stand-in).
 """
 
 from __future__ import annotations
@@ -14,17 +17,18 @@ import numpy as np
 import pytest
 
 from dflop.config import Config
+from dflop.costmodel.analytic import analytic_cost_model
 from dflop.costmodel.fit import fit_profile
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
 from dflop.models.handle import ModelHandle
-from dflop.plan import Layout, Plan
+from dflop.plan import Layout, Plan, plan_from_dict
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings, evaluate_plan, simulate_batch
 from dflop.planner.means import Pool, TransferSizes
 from dflop.scheduler.online import GlobalBatches
 from dflop.runtime.settings import TrainSettings
-from dflop.runtime.trainer import step_planner, training_pricing
+from dflop.runtime.trainer import plan_cluster, step_planner, training_pricing
 from synthetic_mix import llava_ov_mix
 
 MODEL = {"arch": "llava_ov", "vision": "siglip-tiny", "llm": "qwen2.5-tiny"}
@@ -36,24 +40,31 @@ def fitted():
     return fit_profile(summarize_profile(profile))[0]
 
 
+@pytest.mark.parametrize("costs", ["fitted", "stand-in"])
 @pytest.mark.parametrize("layout", [Layout("disjoint", 1, 1, 2, 1, 2, 1, 4),   # vision | two LLM stages
                                     Layout("colocated", 1, 1, 2, 1, 1, 2, 2)])  # vision inside LLM stage 0
-def test_trainer_and_planner_predict_the_same_step(fitted, layout):
-    cfg = Config.from_dict({"model": MODEL, "train": {"global_batch_size": 16},
-                            "cluster": {"gpus_per_node": 8, "gpu_memory_gb": 80, "inter_node_gbps": 10},
-                            "scheduler": {"budget_ms": 50}})
+def test_trainer_and_planner_predict_the_same_step(fitted, layout, costs):
+    # The plan was made for this cluster; the trainer's config has only the defaults.
+    cluster = Cluster.from_section(Config.from_dict({"cluster": {"gpus_per_node": 8, "gpu_memory_gb": 80,
+                                                                 "inter_node_gbps": 10}}).cluster)
+    cfg = Config.from_dict({"model": MODEL, "train": {"global_batch_size": 16}, "scheduler": {"budget_ms": 50}})
+    assert Cluster.from_section(cfg.cluster) != cluster
     settings = TrainSettings.from_config(cfg, adaptive_correction=False)
     model = ModelHandle.resolve(cfg.model)
     plan = Plan.uniform(layout, model.n_vision_layers, model.n_llm_layers)
+    plan_file = plan_from_dict({**plan.to_dict(16), "cluster": cluster.to_config()}, "plan.yaml")
     shapes = llava_ov_mix(200, seed=4)
+    cost = fitted if costs == "fitted" else None
 
     # The trainer's side: the scheduler rank 0 runs, on the trainer's pricing.
-    pricing = training_pricing(plan, model, fitted, settings)
+    pricing = training_pricing(plan_file.plan, model, cost, plan_cluster(plan_file, settings))
     batches = GlobalBatches(len(shapes), 16, settings.seed)
     planner = step_planner(settings, pricing, shapes, batches, model.sample_rules())
 
     # The planner's side: plan.yaml's machinery, on the search's cluster and transfer sizes.
-    cluster = Cluster.from_section(cfg.cluster)
+    if cost is None:  # what `dflop simulate` prices with when there is no profile
+        cost = analytic_cost_model(model.config, tp_degrees=[1], dtype=model.spec.dtype, preset=model.spec.preset)
+    fitted = cost
     info = model.info
     sizes = TransferSizes.for_model(llm_hidden=info.llm_hidden, vision_hidden=info.vision_hidden,
                                     vision_tokens_per_tile=info.vision_tokens_per_tile,
