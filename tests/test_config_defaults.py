@@ -66,13 +66,15 @@ def _library_defaults():
     """(config key, what the library does when the key is absent)."""
     from dflop.data.demo import make_demo_data
     from dflop.planner.cluster import GB, Cluster
+    from dflop.planner.search import SearchSettings
+    from dflop.profiling.data_profiler import profile_data
     from dflop.profiling.model_profiler import ProfileSettings
     from dflop.scheduler.online import StepPlanner
     from dflop.runtime.loading import StepLoader
     from dflop.runtime.optim import GradientSync
     from dflop.runtime.schedule import PipelineExecutor
 
-    cluster, profile = Cluster(), ProfileSettings()
+    cluster, profile, search = Cluster(), ProfileSettings(), SearchSettings()
     parser = cli.build_parser()
     demo_args = parser.parse_args(["make-demo-data", "--out-dir", "x"])
     data_args = parser.parse_args(["profile-data", "--shapes", "s", "--histograms", "h"])
@@ -87,12 +89,18 @@ def _library_defaults():
         ("scheduler.policy", _default(StepPlanner, "policy")),
         ("scheduler.budget_ms", _default(StepPlanner, "budget_s") * 1e3),
         ("scheduler.prefetch", _default(StepPlanner, "prefetch")),
+        ("scheduler.ilp", _default(StepPlanner, "ilp")),
+        *((f"planner.{k}", list(v) if isinstance(v, tuple) else v) for k, v in
+          ((k, getattr(search, k)) for k in ("placements", "microbatches", "sample_batches", "top_k",
+                                              "time_limit_s", "rel_gap"))),
+        ("train.global_batch_size", search.global_batch), ("run.seed", search.seed),
         ("scheduler.pad_to_longest", _default(PipelineExecutor, "pad_to_longest")),
         ("train.schedule", _default(PipelineExecutor, "schedule")),
         ("train.loader_workers", _default(StepLoader, "workers")),
         ("train.overlap_grad_sync", _default(GradientSync, "overlap")),
         ("data.demo.n_samples", _default(make_demo_data, "n_samples")), ("data.demo.n_samples", demo_args.n_samples),
         ("data.demo.seed", _default(make_demo_data, "seed")), ("data.demo.seed", demo_args.seed),
+        ("data.workers", _default(profile_data, "workers")),
         ("data.workers", Config.from_dict({}).data.workers if data_args.workers is None else data_args.workers),
     ]
 
