@@ -29,18 +29,13 @@ DEFAULT_GRID = tuple((n, m, dp) for n in (64, 256, 1024, 4096) for m in (4, 16, 
                      if m * dp <= n)
 
 
-def load_shapes(path: str | Path) -> pd.DataFrame:
-    """Rows of a shapes.parquet with status ``ok`` (`dflop.shapes.read_shapes`)."""
-    return read_shapes(path)
-
-
 def load_pools(shapes_path: str | None, *, include_mix: bool = True, mix_size: int = 20000,
                seed: int = 0) -> list[tuple[str, pd.DataFrame]]:
     """(name, shapes) of the data sets to sample from: the shapes file's (named by its datasets)
     and the generated LLaVA-OV-like mix (always, when there is no shapes file)."""
     pools = []
     if shapes_path:
-        shapes = load_shapes(shapes_path)
+        shapes = read_shapes(shapes_path)
         name = "+".join(sorted(shapes["dataset"].astype(str).unique())) if "dataset" in shapes else Path(shapes_path).stem
         pools.append((name, shapes))
     if include_mix or not pools:

@@ -33,7 +33,7 @@ Every problem with a file is a one-line `UserError` naming the file and the key.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -140,9 +140,6 @@ class Layout:
         if self.colocated:
             return f"colocated ({llm}, vision on llm stage 0), m={self.m}"
         return f"disjoint (vision tp{self.tp_v} pp{self.pp_v} dp{self.dp_v} | {llm}), m={self.m}"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dflop.costmodel.model import CostModel
-from dflop.errors import UserError
 from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
@@ -187,8 +186,3 @@ def _failed(plan: Plan, scheduler: SchedulerSettings, reason: str, t0: float) ->
     return Evaluation(plan, scheduler.policy, nan, np.full(plan.layout.n_stages, np.nan), nan, reason,
                       time.perf_counter() - t0)
 
-
-def check_batch_fits(global_batch: int, plan: Plan) -> None:
-    lay = plan.layout
-    if global_batch < lay.m * lay.dp_l:
-        raise UserError(f"global batch {global_batch} cannot fill m x dp_l = {lay.m} x {lay.dp_l} bins")

@@ -113,7 +113,3 @@ class Pricing:
             vision = []
         return np.array([s.grad_bytes for s in vision + llm], dtype=np.float64)
 
-
-def plan_costs(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes) -> PlanCosts:
-    """`Pricing(plan, cost, cluster, sizes).batch(batch)`."""
-    return Pricing(plan, cost, cluster, sizes).batch(batch)

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import functools
 import heapq
-import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -67,18 +66,6 @@ class StepPlan:
     @property
     def n_microbatches(self) -> int:
         return len(self.bins)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "StepPlan":
-        d = json.loads(text)
-        nest = lambda x: tuple(tuple(tuple(b) for b in mb) for mb in x)  # noqa: E731
-        return cls(step=d["step"], rows=tuple(d["rows"]), n_tiles=tuple(d["n_tiles"]), seq_len=tuple(d["seq_len"]),
-                   feature_rows=tuple(d["feature_rows"]), bins=nest(d["bins"]), vision_shares=nest(d["vision_shares"]),
-                   microbatch_ids=tuple(d["microbatch_ids"]), predicted_step_s=d["predicted_step_s"],
-                   lower_bound_s=d["lower_bound_s"], sched_s=d["sched_s"], member=d["member"])
 
 
 class GlobalBatches:

@@ -3,7 +3,9 @@ import pytest
 
 from dflop.errors import UserError
 
-from scheduler_grid import bench_scheduler, load_shapes
+from scheduler_grid import bench_scheduler
+
+from dflop.shapes import read_shapes
 from synthetic_mix import llava_ov_mix
 
 
@@ -23,12 +25,12 @@ def test_bench_scheduler_on_a_shapes_file(tmp_path, capsys):
     assert "llava_group" in capsys.readouterr().out
 
 
-def test_load_shapes_errors(tmp_path):
+def test_read_shapes_errors(tmp_path):
     with pytest.raises(UserError, match=r"missing\.parquet: no such file \(no shapes file"):
-        load_shapes(tmp_path / "missing.parquet")
+        read_shapes(tmp_path / "missing.parquet")
     llava_ov_mix(3).assign(status="skipped:x").to_parquet(tmp_path / "bad.parquet")
     with pytest.raises(UserError, match="no sample with status 'ok'"):
-        load_shapes(tmp_path / "bad.parquet")
+        read_shapes(tmp_path / "bad.parquet")
 
 
 def test_bench_scheduler_script(tmp_path, capsys):

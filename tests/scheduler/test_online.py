@@ -10,7 +10,7 @@ import pytest
 
 from dflop.errors import UserError
 from dflop.plan import plan_from_dict
-from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner, share_by_cost
+from dflop.scheduler.online import GlobalBatches, StepPlanner, share_by_cost
 from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 
 
@@ -89,7 +89,6 @@ def test_step_plan_covers_the_batch_once(placement, policy):
                 assert plan.member == "megatron"
             elif step == 0:  # the first step waits for the portfolio; later ones may fall back
                 assert not plan.member.startswith("fallback")
-            assert StepPlan.from_json(plan.to_json()) == plan
     finally:
         planner.close()
 
