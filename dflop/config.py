@@ -133,7 +133,7 @@ def parse_settings(text: str) -> dict:
 # --- typed sections ------------------------------------------------------------------------------
 #
 # One frozen dataclass per section, built from the defaulted, validated mapping. No field has a
-# default: every default lives in the schema (tests/test_config.py holds the two together).
+# default: every default lives in the schema (tests/test_config_defaults.py holds the two together).
 
 
 def _typed(cls, values: Mapping[str, Any]):

@@ -2,6 +2,7 @@
 the `dflop` command, which sits above the report layer)."""
 
 import argparse
+import logging
 import sys
 
 from dflop.errors import UserError
@@ -12,6 +13,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflop.report", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # as the dflop command
     try:
         for path in run(args):
             print(f"wrote {path}")

@@ -3,7 +3,7 @@
 Outside torchrun this builds the torchrun command from plan.yaml (one process per plan rank;
 single node: ``--standalone``; several nodes: c10d rendezvous, one agent per node, as
 ``srun ... python -m dflop.runtime.launch --nodes N --rdzv-endpoint HOST:PORT``) and runs it with
-the same arguments; inside torchrun (``RANK`` is set) each worker calls `trainer.train`.
+the same arguments; inside torchrun (``RANK`` is set) each worker calls `dflop.runtime.run.train`.
 
     python -m dflop.runtime.launch --config config/config.yaml --plan results/plan/plan.yaml \\
         --shapes results/data/shapes.parquet --costmodel results/costmodel/costmodel.json \\

@@ -92,14 +92,14 @@ def step_flops(info: ModelInfo, n_tiles: Sequence[int], seq_len: Sequence[int], 
 
 def stage_labels(topo: Topology) -> list[str]:
     """Name of every pipeline stage, in chain order (vision0.., llm0..)."""
-    vision = [] if topo.plan.colocated else [f"vision{k}" for k in range(topo.plan.vision.pp)]
+    vision = [f"vision{k}" for k in range(topo.plan.layout.n_vision_stages)]
     return vision + [f"llm{j}" for j in range(topo.plan.llm.pp)]
 
 
 def measured_times(topo: Topology, times: np.ndarray, plan: StepPlan):
     """MeasuredTimes (by microbatch id) from the gathered [world, 2, m] busy seconds: per stage the
     slowest replica/TP rank (vision) or the slowest TP rank of each replica (LLM)."""
-    p_v = 0 if topo.plan.colocated else topo.plan.vision.pp
+    p_v = topo.plan.layout.n_vision_stages
     m, dp = plan.n_microbatches, topo.plan.llm.dp
     ids = np.asarray(plan.microbatch_ids)
     vision_fwd, vision_bwd = np.zeros((p_v, m)), np.zeros((p_v, m))

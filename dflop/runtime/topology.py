@@ -126,7 +126,7 @@ class Topology:
     def pipeline_stage(self) -> int:
         """This rank's position in the 1F1B chain."""
         if self.llm_role is not None:
-            return self.llm_role.stage + (0 if self.plan.colocated else self.plan.vision.pp)
+            return self.llm_role.stage + self.plan.layout.n_vision_stages
         return self.vision_role.stage
 
     @property
