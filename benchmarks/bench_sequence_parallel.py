@@ -47,8 +47,7 @@ def worker(preset: str, lengths: list[int]) -> None:
         model = build_model(arch, vision, llm, seed=0).to(torch.bfloat16)
         text = model.config.text_config
         stage = shard_stage(build_llm_stage(model, 0, 1), tp, sp)
-        ids = torch.randint(0, text.image_token_id if hasattr(text, "image_token_id") else 1000, (tokens,),
-                            generator=torch.Generator().manual_seed(0)) % 1000
+        ids = torch.randint(0, 1000, (tokens,), generator=torch.Generator().manual_seed(0))  # text only
         labels = packed.shift_labels(ids)
         params = list(stage.parameters())
         with saved_tensor_bytes(exclude=params) as whole:
@@ -64,7 +63,7 @@ def worker(preset: str, lengths: list[int]) -> None:
         out.sum().backward()
         cost = analytic_cost_model(model.config, tp_degrees=(tp.size,), sequence_parallel=sp)
         per_token = cost.module("llm_layer", tp.size).coefficients("act_bytes")[0]
-        rows.append((sp, layers.bytes, per_token * tokens * len(stage.layers), whole.bytes, float(loss)))
+        rows.append((sp, layers.bytes, per_token * tokens * len(stage.layers), whole.bytes, loss.item()))
     gathered = [None] * tp.size
     dist.all_gather_object(gathered, rows)
     if tp.rank == 0:
