@@ -30,7 +30,7 @@ class ModelInfo:
         matrix even when it is tied to the embedding (the last stage holds a copy of it), while
         ``total_params`` counts every distinct parameter of the model once.
     vision_tp_degrees, llm_tp_degrees: TP degrees up to MAX_TP that split heads (query and
-        key/value), MLP width and, for the LLM, the vocabulary evenly.
+        key/value), MLP width and, for the vision tower, the projector, for the LLM, the vocabulary evenly.
     """
 
     arch: str
@@ -74,6 +74,19 @@ def projector_tp_divides(config: PreTrainedConfig, tp: int) -> bool:
     return config.text_config.hidden_size % tp == 0
 
 
+def vision_tp_degrees(config: PreTrainedConfig) -> tuple[int, ...]:
+    """TP degrees (up to MAX_TP) a vision stage can use: they split the tower's heads and MLP width
+    and, as the last vision stage shards the projector at the same degree, the projector's width.
+    InternViT-6B (25 heads, MLP 12800): 1, 5, 25 (and the LLM width must divide by them too);
+    SigLIP-so400m (16 heads, MLP 4304 = 16 x 269): 1, 2, 4, 8, 16."""
+    return tuple(t for t in range(1, MAX_TP + 1) if vision_tp_divides(config, t) and projector_tp_divides(config, t))
+
+
+def llm_tp_degrees(config: PreTrainedConfig) -> tuple[int, ...]:
+    """TP degrees (up to MAX_TP) that split the LLM's heads, MLP width and vocabulary evenly."""
+    return tuple(t for t in range(1, MAX_TP + 1) if llm_tp_divides(config, t))
+
+
 def model_info(arch: str, vision: str, llm: str, *, weights_dir: str | Path | None = None) -> ModelInfo:
     """`ModelInfo` of a preset combination (or of the model in `weights_dir`)."""
     return info_of(model_config(arch, vision, llm, weights_dir=weights_dir))
@@ -107,8 +120,8 @@ def info_of(config: PreTrainedConfig) -> ModelInfo:
         llm_layer_params=count_params(lm.layers[0]),
         llm_head_params=count_params(lm.norm) + count_params(model.lm_head),
         total_params=count_params(model),
-        vision_tp_degrees=tuple(t for t in range(1, MAX_TP + 1) if vision_tp_divides(config, t)),
-        llm_tp_degrees=tuple(t for t in range(1, MAX_TP + 1) if llm_tp_divides(config, t)),
+        vision_tp_degrees=vision_tp_degrees(config),
+        llm_tp_degrees=llm_tp_degrees(config),
     )
 
 

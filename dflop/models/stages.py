@@ -84,6 +84,7 @@ class LLMStage(nn.Module):
         self.embedding = TokenEmbedding(lm.embed_tokens, model.config.image_token_id) if self.is_first else None
         self.layers = nn.ModuleList(lm.layers[self.layer_range[0]:self.layer_range[1]])
         self.head = CausalLMHead(lm.norm, model.lm_head) if self.is_last else None
+        self.sequence_sharding = None  # set by tensor_parallel.shard_stage for sequence parallelism
 
     def forward(
         self,
@@ -94,8 +95,14 @@ class LLMStage(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: token ids [T] on the first stage, else hidden [1, T, d]. The last stage needs
-        `shift_labels` [T] (`PackedSequence.shift_labels`) and returns the loss."""
+        `shift_labels` [T] (`PackedSequence.shift_labels`) and returns the loss. Sequence-parallel:
+        hidden in and out is this rank's shard [1, T'/tp, d] of the row padded to T' tokens."""
+        sharding = self.sequence_sharding
+        if sharding is not None:
+            packed, shift_labels = sharding.pad(packed, shift_labels)
         hidden = self.embedding(x, image_features) if self.is_first else x
+        if sharding is not None and self.is_first:
+            hidden = sharding.scatter(hidden, packed.total_tokens)
         position_embeddings = self.rotary_emb(hidden, packed.position_ids.unsqueeze(0))
         hidden = run_decoder_layers(self.layers, hidden, packed, position_embeddings)
         if not self.is_last:

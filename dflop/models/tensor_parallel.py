@@ -15,6 +15,17 @@ Layout (Megatron's, expressed as DTensor placements on a 1-D device mesh over th
   them and whose backward needs no collective context around the pipeline (``loss_parallel``
   would have to enclose every backward the pipeline schedule runs).
 
+Sequence parallelism (Megatron-SP, ``sequence_parallel=True``; LLM only) also shards what lies
+between those regions along the sequence: each rank keeps tokens [r T/tp, (r+1) T/tp) of the
+residual stream and runs the RMSNorms on them (``SequenceParallel``); the column-parallel
+projections all-gather their input (``PrepareModuleInput`` Shard(1) -> Replicate: attention sees
+the whole packed row, its sample boundaries and rotary positions are the full row's) and the
+row-parallel ones reduce-scatter their output (``RowwiseParallel(output_layouts=Shard(1))``). So
+each all-reduce becomes a reduce-scatter + all-gather of the same total traffic, and the
+norms' and residuals' saved tensors are 1/tp. The packed row is padded to a multiple of tp
+(`SequenceSharding`); a stage sends and receives its sequence shard [1, T/tp, d] (1/tp of the P2P
+traffic, as Megatron does).
+
 Parameters become DTensors (their ``shape`` is the global shape; ``to_local()`` is this rank's
 slice), which the checkpoint (DCP) and export read directly. InternViT-6B's QK-norm normalises over
 all heads at once; its weight is a ``Shard(0)`` DTensor and its sum of squares is all-reduced
@@ -34,11 +45,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
 from transformers.loss.loss_utils import fixed_cross_entropy
 
 from dflop.errors import UserError
-from dflop.models.packing import IGNORE_INDEX
+from dflop.models.packing import IGNORE_INDEX, PackedSequence
 from dflop.models.stages import LLMStage, VisionStage
 
 # (id(group), device type) -> (group, mesh); holding the group keeps its id from being reused
@@ -98,6 +110,68 @@ def _replicated_input(keyword: bool) -> PrepareModuleInput:
                               use_local_output=False)
 
 
+def _sequence_sharded_input(keyword: bool) -> PrepareModuleInput:
+    """Sequence parallelism: a block's input arrives as this rank's tokens (``Shard(1)``, the
+    norm's output) and is all-gathered, so the column-parallel projections see the whole row."""
+    if keyword:
+        return PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                  desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                  use_local_output=False)
+    return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                              use_local_output=False)
+
+
+def _sequence_parallel_norm(norm: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``SequenceParallel`` on a norm, whose replicated weight's gradient is then summed over
+    this rank's tokens only (a ``Partial`` DTensor): all-reduce it as it accumulates, so the
+    gradient sync, clipping and optimizer read a complete replicated gradient, as without SP
+    (Megatron all-reduces these once per step; here it is h numbers per norm per microbatch; the
+    trainer pre-zeroes gradients, and adding a Partial gradient into a replicated one all-reduces it
+    the same way, so there the hook finds nothing left to do)."""
+    parallelize_module(norm, mesh, SequenceParallel())
+
+    def reduce(param: torch.Tensor) -> None:
+        if param.grad.placements != param.placements:
+            param.grad = param.grad.redistribute(placements=param.placements)
+
+    for param in norm.parameters():
+        param.register_post_accumulate_grad_hook(reduce)
+    return norm
+
+
+class SequenceSharding:
+    """Where an LLM stage's packed row is split along the sequence (sequence parallelism).
+
+    The row is padded to a multiple of tp with one extra sample of ignored tokens: attention keeps
+    samples apart and the padded labels are ignored, so the pad changes no loss and no gradient.
+    Not DTensor's uneven sharding: the parallel styles build their DTensors with ``from_local``,
+    which takes the global length to be tp x the local one, so uneven shards would be gathered
+    and scattered at the wrong lengths.
+    """
+
+    def __init__(self, tp: TPGroup):
+        self.tp = tp
+
+    def pad(self, packed: PackedSequence, shift_labels: torch.Tensor | None):
+        """The padded row's sample boundaries and (last stage) its labels."""
+        pad = -packed.total_tokens % self.tp.size
+        if not pad:
+            return packed, shift_labels
+        padded = PackedSequence.from_lengths(packed.lengths + (pad,), device=packed.position_ids.device)
+        if shift_labels is not None:
+            shift_labels = F.pad(shift_labels, (0, pad), value=IGNORE_INDEX)
+        return padded, shift_labels
+
+    def scatter(self, hidden: torch.Tensor, total_tokens: int) -> torch.Tensor:
+        """Replicated embeddings [1, T, d] -> this rank's tokens of the padded row [1, T'/tp, d]
+        (backward: all-gather of the gradient). Done after the image splice, which needs the
+        whole row; the vocabulary-parallel lookup therefore still all-reduces."""
+        hidden = F.pad(hidden, (0, 0, 0, total_tokens - hidden.shape[1]))
+        mesh = self.tp.mesh(hidden.device.type)
+        return DTensor.from_local(hidden, mesh, [Replicate()], run_check=False).redistribute(
+            placements=[Shard(1)]).to_local()
+
+
 class TPRMSNorm(nn.Module):
     """RMSNorm over a feature dimension split across ranks (InternViT-6B's QK-norm over all heads)."""
 
@@ -137,18 +211,26 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-def shard_llm_layer(layer: nn.Module, tp: TPGroup) -> nn.Module:
-    """Qwen2/Llama decoder layer -> this rank's heads and MLP columns (in place)."""
+def shard_llm_layer(layer: nn.Module, tp: TPGroup, sequence_parallel: bool = False) -> nn.Module:
+    """Qwen2/Llama decoder layer -> this rank's heads and MLP columns (in place); with
+    `sequence_parallel`, its input and output are this rank's tokens [1, T/tp, d]."""
     if tp.size == 1:
         return layer
     config = layer.self_attn.config
     _split(config.num_attention_heads, tp, "LLM attention heads")
     _split(config.num_key_value_heads, tp, "LLM key/value heads")
     _split(config.intermediate_size, tp, "LLM MLP width")
-    plan = {"self_attn": _replicated_input(keyword=True), "mlp": _replicated_input(keyword=False),
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel()}
+    if sequence_parallel:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            _sequence_parallel_norm(getattr(layer, name), _mesh_for(layer, tp))
+        plan.update({"self_attn": _sequence_sharded_input(keyword=True), "mlp": _sequence_sharded_input(keyword=False),
+                     "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                     "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1))})
+    else:
+        plan.update({"self_attn": _replicated_input(keyword=True), "mlp": _replicated_input(keyword=False),
+                     "self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
     return parallelize_module(layer, _mesh_for(layer, tp), plan)
 
 
@@ -217,13 +299,18 @@ class VocabParallelCausalLMHead(nn.Module):
     place (column-parallel over the vocabulary, local logits out).
     """
 
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear, tp: TPGroup):
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear, tp: TPGroup, sequence_parallel: bool = False):
         super().__init__()
         self.vocab_start, _ = _split(lm_head.out_features, tp, "vocabulary")
         self.tp = tp
         self.norm = norm
-        self.lm_head = lm_head if tp.size == 1 else parallelize_module(
-            lm_head, _mesh_for(lm_head, tp), ColwiseParallel(output_layouts=Shard(-1)))
+        if tp.size > 1 and sequence_parallel:  # norm on this rank's tokens, all-gathered into the head
+            self.norm = _sequence_parallel_norm(norm, _mesh_for(norm, tp))
+            self.lm_head = parallelize_module(lm_head, _mesh_for(lm_head, tp),
+                                              ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1)))
+        else:
+            self.lm_head = lm_head if tp.size == 1 else parallelize_module(
+                lm_head, _mesh_for(lm_head, tp), ColwiseParallel(output_layouts=Shard(-1)))
 
     def forward(self, hidden: torch.Tensor, shift_labels: torch.Tensor,
                 num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
@@ -272,25 +359,31 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def shard_stage(stage: VisionStage | LLMStage, tp: TPGroup) -> VisionStage | LLMStage:
+def shard_stage(stage: VisionStage | LLMStage, tp: TPGroup, sequence_parallel: bool = False) -> VisionStage | LLMStage:
     """This rank's shard of a pipeline stage (in place): its layers, and projector, or token
-    embedding and LM head + loss. An embedding and head tied in one stage stay tied."""
+    embedding and LM head + loss. An embedding and head tied in one stage stay tied.
+    `sequence_parallel` (LLM stages, tp > 1): the stage's input and output are its sequence shard."""
     if tp.size == 1:
         return stage
     if isinstance(stage, VisionStage):
+        if sequence_parallel:
+            raise UserError("vision.sequence_parallel: sequence parallelism is implemented for the LLM only; "
+                            "set it to false for the vision tower")
         for layer in stage.layers:
             shard_vision_layer(layer, tp)
         if stage.image_features is not None:
             shard_projector(stage.image_features.projector, tp)
         return stage
     for layer in stage.layers:
-        shard_llm_layer(layer, tp)
+        shard_llm_layer(layer, tp, sequence_parallel)
+    if sequence_parallel:
+        stage.sequence_sharding = SequenceSharding(tp)
     tied = (stage.embedding is not None and stage.head is not None
             and stage.head.lm_head.weight is stage.embedding.embed_tokens.weight)
     if stage.embedding is not None:
         stage.embedding.embed_tokens = VocabParallelEmbedding(stage.embedding.embed_tokens, tp)
     if stage.head is not None:
-        stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp)
+        stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp, sequence_parallel)
         if tied:  # the same vocabulary slice on this rank: keep one tensor
             stage.head.lm_head.weight = stage.embedding.embed_tokens.weight
     return stage

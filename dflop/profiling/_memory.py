@@ -10,6 +10,7 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from dflop.models.tensor_parallel import local_tensor
 
@@ -34,7 +35,10 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBy
     result = SavedBytes()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = local_tensor(tensor).untyped_storage()
+        local = local_tensor(tensor)
+        if isinstance(local, AsyncCollectiveTensor):  # a collective's output (sequence parallelism's
+            local = local.trigger_wait()  # all-gather into the LM head): its storage once it has arrived
+        storage = local.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in excluded:
             result._storages.setdefault(ptr, storage.nbytes())

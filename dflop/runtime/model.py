@@ -27,6 +27,7 @@ from dflop.config import ModelSpec
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.handle import ModelHandle
+from dflop.models.info import llm_tp_degrees, vision_tp_degrees
 from dflop.models.stages import LLMStage, VisionStage, build_llm_stage, build_vision_stage
 from dflop.models.tensor_parallel import shard_stage
 from dflop.runtime.topology import Topology
@@ -69,16 +70,21 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
     model = handle.build(seed=seed, device=device)
     plan = topo.plan
     arch = architecture_of(model)
-    plan.check_model(arch.n_feature_layers(model.config), model.config.get_text_config().num_hidden_layers)
+    config = model.config
+    plan.check_model(arch.n_feature_layers(config), config.get_text_config().num_hidden_layers,
+                     vision_tp_ok=vision_tp_degrees(config), llm_tp_ok=llm_tp_degrees(config))
+    if plan.vision_techniques.sequence_parallel:  # every rank refuses, before any collective
+        raise UserError(f"{plan.source}: vision.sequence_parallel: sequence parallelism is implemented for the "
+                        f"LLM only; set it to false for the vision tower")
     vision = llm = None
     if topo.vision_role is not None:
         role = topo.vision_role
         vision = build_vision_stage(model, role.stage, role.n_stages, plan.vision.layer_ranges()[role.stage])
-        shard_stage(vision, topo.vision_tp)
+        shard_stage(vision, topo.vision_tp, plan.vision_techniques.sequence_parallel)
     if topo.llm_role is not None:
         role = topo.llm_role
         llm = build_llm_stage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage])
-        shard_stage(llm, topo.llm_tp)
+        shard_stage(llm, topo.llm_tp, plan.llm_techniques.sequence_parallel)
     modules = RankModules(model, vision, llm)
     freeze(modules, handle.spec)
     return modules

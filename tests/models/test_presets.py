@@ -40,7 +40,10 @@ def test_vision_presets_have_published_shapes():
     assert info.vision_tokens_per_tile == 1025 and info.llm_tokens_per_tile == 256
     info = model_info("internvl", "internvit-6b", "qwen2.5-0.5b")
     assert 5.5e9 < info.vision_embed_params + info.vision_layers * info.vision_layer_params < 5.6e9
-    assert info.vision_tp_degrees == (1, 5, 25)
+    # 25 heads and MLP 12800 split by 1, 5, 25, but the last vision stage also shards the projector
+    # (width = the LLM's, 896 here) at the vision TP degree: only LLM widths divisible by 5 allow 5
+    assert info.vision_tp_degrees == (1,)
+    assert model_info("internvl", "internvit-6b", "qwen2.5-32b").vision_tp_degrees == (1, 5)  # width 5120
 
 
 def test_part_counts_add_up_to_the_built_model():

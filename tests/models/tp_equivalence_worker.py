@@ -20,7 +20,7 @@ from dflop.models.architectures import ImageLayout, architecture, new_llm_layer,
 from dflop.models.builder import build_model, model_config
 from dflop.models.llm_parts import CausalLMHead, TokenEmbedding, run_decoder_layers
 from dflop.models.packing import PackedSequence
-from dflop.models.stages import build_llm_stage, build_vision_stage
+from dflop.models.stages import LLMStage, build_llm_stage, build_vision_stage
 from dflop.models.tensor_parallel import (
     TPGroup,
     VocabParallelCausalLMHead,
@@ -93,15 +93,18 @@ def check_megatron_collectives(name, sharded, run, hidden):
             FAILURES.append(f"{name} {phase} collectives {counts}, want 2 all-reduces")
 
 
-def check_whole_stages(arch, vision, llm, tp, g):
-    """A vision stage + an LLM stage (pp = 1 each) sharded with shard_stage vs the full stages."""
+def check_whole_stages(arch, vision, llm, tp, g, sequence_parallel=False, llm_stages=1):
+    """A vision stage + `llm_stages` LLM stages sharded with shard_stage vs the same stages unsharded,
+    on a packed row of an odd number of tokens. Between LLM stages the hidden state passes as the
+    stage hands it over (with sequence parallelism: this rank's sequence shard)."""
     full_model = build_model(arch, vision, llm, seed=0)
     tp_model = build_model(arch, vision, llm, seed=0)
     stages = {}
     for name, model in (("full", full_model), ("tp", tp_model)):
-        stages[name] = [build_vision_stage(model, 0, 1), build_llm_stage(model, 0, 1)]
+        stages[name] = [build_vision_stage(model, 0, 1)] + [build_llm_stage(model, j, llm_stages)
+                                                            for j in range(llm_stages)]
     for stage in stages["tp"]:
-        shard_stage(stage, tp)
+        shard_stage(stage, tp, sequence_parallel and isinstance(stage, LLMStage))
 
     size = full_model.config.vision_config.image_size
     size = size[0] if isinstance(size, (tuple, list)) else size
@@ -115,23 +118,54 @@ def check_whole_stages(arch, vision, llm, tp, g):
     with torch.no_grad():
         n_image = stages["full"][0](pixels, layout).shape[0]
     image = full_model.config.image_token_id
+    tail = 16 - n_image % 2  # an odd number of tokens in all: sequence parallelism pads the row
     ids = torch.cat([torch.randint(0, 2000, (5,), generator=g), torch.full((n_image,), image),
-                     torch.randint(0, 2000, (16,), generator=g)])
-    packed = PackedSequence.from_lengths([5 + n_image + 7, 9])
+                     torch.randint(0, 2000, (tail,), generator=g)])
+    packed = PackedSequence.from_lengths([5 + n_image + 7, tail - 7])
+    assert packed.total_tokens % 2 == 1
     labels = packed.shift_labels(ids.masked_fill(ids == image, -100))
     losses = {}
-    for name, (vision_stage, llm_stage) in stages.items():
-        losses[name] = llm_stage(ids, packed, image_features=vision_stage(pixels, layout), shift_labels=labels)
+    what = f"{arch}{' SP' if sequence_parallel else ''}{f' pp{llm_stages}' if llm_stages > 1 else ''} stage"
+    for name, (vision_stage, *llm_stages_) in stages.items():
+        hidden = vision_stage(pixels, layout)
+        x = ids
+        for j, llm_stage in enumerate(llm_stages_):
+            kwargs = {"image_features": hidden} if j == 0 else {}
+            if j == len(llm_stages_) - 1:
+                kwargs["shift_labels"] = labels
+            x = llm_stage(x, packed, **kwargs)
+            if sequence_parallel and name == "tp" and j < len(llm_stages_) - 1:
+                padded = packed.total_tokens + 1
+                if tuple(x.shape) != (1, padded // tp.size, full_model.config.text_config.hidden_size):
+                    FAILURES.append(f"{what}: stage output {tuple(x.shape)} is not this rank's sequence shard")
+        losses[name] = x
         losses[name].backward()
-    _close(f"{arch} stage loss", losses["tp"].detach(), losses["full"].detach())
+    _close(f"{what} loss", losses["tp"].detach(), losses["full"].detach())
     for full_stage, tp_stage in zip(stages["full"], stages["tp"]):
         full_params = dict(full_stage.named_parameters())
         for pname, param in tp_stage.named_parameters():
             ref = full_params[{"head.weight": "head.lm_head.weight"}.get(pname, pname)]
             if ref.grad is None:
                 continue
-            _same_placements(f"{arch} stage grad {pname}", param)
-            _close(f"{arch} stage grad {pname}", local_tensor(param.grad), _matching_slice(ref.grad, param, tp.rank))
+            _same_placements(f"{what} grad {pname}", param)
+            _close(f"{what} grad {pname}", local_tensor(param.grad), _matching_slice(ref.grad, param, tp.rank))
+
+
+def check_sequence_parallel_collectives(name, layer, tp, run, hidden):
+    """Megatron-SP: each all-reduce of a block becomes an all-gather (into the column-parallel
+    projections) + a reduce-scatter (out of the row-parallel one), forward and backward; the
+    norm weights' gradients (computed from this rank's tokens) are all-reduced in backward."""
+    x = hidden.detach().clone().requires_grad_(True)
+    with CommDebugMode() as forward:
+        out = run(layer, x)
+    with CommDebugMode() as backward:
+        out.sum().backward()
+    want_forward = {"c10d_functional.all_gather_into_tensor": 2, "c10d_functional.reduce_scatter_tensor": 2}
+    for phase, mode, want in (("forward", forward, want_forward),
+                              ("backward", backward, {**want_forward, "c10d_functional.all_reduce": 2})):
+        counts = {str(op): n for op, n in mode.get_comm_counts().items()}
+        if counts != want:
+            FAILURES.append(f"{name} {phase} collectives {counts}, want {want}")
 
 
 def main() -> int:
@@ -154,6 +188,31 @@ def main() -> int:
         sharded_layer = shard_llm_layer(copy.deepcopy(layer), tp)
         check(f"{llm} layer", layer, sharded_layer, run_layer, [hidden], tp)
         check_megatron_collectives(f"{llm} layer", sharded_layer, run_layer, hidden)
+
+        # sequence parallelism: this rank's tokens in and out (20 tokens: the stage pads odd rows)
+        sp_packed = PackedSequence.from_lengths([5, 11, 4])
+        sp_hidden = torch.randn(1, sp_packed.total_tokens, text_cfg.hidden_size, generator=g)
+
+        def run_sp_layer(module, x, packed=sp_packed, rotary=rotary):
+            return run_decoder_layers([module], x, packed, rotary(x, packed.position_ids[None]))
+
+        sp_layer = shard_llm_layer(copy.deepcopy(layer), tp, sequence_parallel=True)
+        full_out_layer = copy.deepcopy(layer)
+        x = sp_hidden.clone().requires_grad_(True)
+        want = run_sp_layer(full_out_layer, x)
+        want.backward(torch.ones_like(want))
+        mine = sp_hidden.chunk(tp.size, dim=1)[tp.rank].clone().requires_grad_(True)
+        got = run_sp_layer(sp_layer, mine)
+        got.backward(torch.ones_like(got))
+        _close(f"{llm} SP layer output", got.detach(), want.detach().chunk(tp.size, dim=1)[tp.rank])
+        _close(f"{llm} SP layer input grad", mine.grad, x.grad.chunk(tp.size, dim=1)[tp.rank])
+        full_params = dict(full_out_layer.named_parameters())
+        for pname, param in sp_layer.named_parameters():
+            _same_placements(f"{llm} SP layer grad {pname}", param)
+            _close(f"{llm} SP layer grad {pname}", local_tensor(param.grad),
+                   _matching_slice(full_params[pname].grad, param, tp.rank))
+        check_sequence_parallel_collectives(f"{llm} SP layer", sp_layer, tp, run_sp_layer,
+                                            sp_hidden.chunk(tp.size, dim=1)[tp.rank])
 
         embedding = torch.nn.Embedding(text_cfg.vocab_size, text_cfg.hidden_size)
         image_id = 2040
@@ -196,6 +255,9 @@ def main() -> int:
     for arch, vision, llm in [("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
                               ("internvl", "internvit-tiny", "llama3-tiny")]:
         check_whole_stages(arch, vision, llm, tp, g)
+    # sequence parallelism: embedding + head on one stage (tied weights), and across two stages
+    check_whole_stages("llava_ov", "siglip-tiny", "qwen2.5-tiny", tp, g, sequence_parallel=True)
+    check_whole_stages("internvl", "internvit-tiny", "llama3-tiny", tp, g, sequence_parallel=True, llm_stages=2)
 
     for line in FAILURES:
         print(f"rank {tp.rank}: {line}", file=sys.stderr)

@@ -407,7 +407,7 @@ def test_kill_and_resume_with_two_data_parallel_ranks(tmp_path):
 
 
 def _tp_groups_with_replicas(rank: int, tmp: str) -> None:
-    layout = tensor_parallel_layout(rank, 4, tp_size=2)
+    layout = tensor_parallel_layout(rank, 4, tp_size=2, sequence_parallel=True)
     root = Path(tmp) / "ckpt"
     state = make_state(layout.params, data_seed=5)
     save_checkpoint(root, 0, state, keep=5)
@@ -419,7 +419,8 @@ def _tp_groups_with_replicas(rank: int, tmp: str) -> None:
 
 @pytest.mark.distributed
 def test_round_trip_with_tp_subgroups_and_data_parallel_replicas(tmp_path):
-    """4 ranks: TP groups {0, 1} and {2, 3} hold the same shards (two DP replicas)."""
+    """4 ranks: TP groups {0, 1} and {2, 3} hold the same shards (two DP replicas); sequence
+    parallelism makes the LLM's norm weights replicated DTensors."""
     spawn(_tp_groups_with_replicas, 4, tmp_path, str(tmp_path))
     reference = perturbed_weights(INTERNVL)
     full = load_file(str(tmp_path / "step0.safetensors"))

@@ -166,10 +166,12 @@ def pipeline_layout(rank: int, world: int) -> Layout:
     return Layout(model, rank_parameters(model, parts), reference, LLAVA_UNTRAINED)
 
 
-def tensor_parallel_layout(rank: int, world: int, tp_size: int | None = None) -> Layout:
+def tensor_parallel_layout(rank: int, world: int, tp_size: int | None = None,
+                           sequence_parallel: bool = False) -> Layout:
     """InternVL tiny, every part sharded with dflop's DTensor TP (heads/MLP columns, projector,
     vocabulary-parallel embedding and LM head) over groups of `tp_size` neighbouring
-    ranks (default: all ranks); the world / tp_size groups are data-parallel replicas."""
+    ranks (default: all ranks); the world / tp_size groups are data-parallel replicas.
+    `sequence_parallel`: the LLM's norm weights become replicated DTensors."""
     model = build_model(*INTERNVL, seed=0)
     perturb_(model)
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -184,9 +186,9 @@ def tensor_parallel_layout(rank: int, world: int, tp_size: int | None = None) ->
         shard_vision_layer(layer, tp)
     shard_projector(model.model.multi_modal_projector, tp)
     for layer in llm.layers:
-        shard_llm_layer(layer, tp)
+        shard_llm_layer(layer, tp, sequence_parallel)
     llm.embedding.embed_tokens = VocabParallelEmbedding(llm.embedding.embed_tokens, tp)
-    llm.head = VocabParallelCausalLMHead(llm.head.norm, llm.head.lm_head, tp)
+    llm.head = VocabParallelCausalLMHead(llm.head.norm, llm.head.lm_head, tp, sequence_parallel)
     parts = [vision, llm]
     _poison_unowned_(model, parts, set())
     return Layout(model, rank_parameters(model, parts), reference, set())

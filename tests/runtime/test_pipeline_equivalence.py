@@ -31,12 +31,12 @@ from trainer_reference import MODELS, compare, config_dict, reference_gradients
 WORKER = Path(__file__).with_name("grad_worker.py")
 
 
-def plan(vision, llm, placement="disjoint", m=2, batch=8) -> dict:
-    """vision / llm: (tp, pp, dp, layers_per_stage)."""
+def plan(vision, llm, placement="disjoint", m=2, batch=8, **llm_techniques) -> dict:
+    """vision / llm: (tp, pp, dp, layers_per_stage); llm_techniques: plan keys such as sequence_parallel."""
     (vt, vp, vd, vl), (lt, lp, ld, ll) = vision, llm
     world = lt * lp * ld + (0 if placement == "colocated" else vt * vp * vd)
     return {"vision": {"tp": vt, "pp": vp, "dp": vd, "layers_per_stage": vl},
-            "llm": {"tp": lt, "pp": lp, "dp": ld, "layers_per_stage": ll},
+            "llm": {"tp": lt, "pp": lp, "dp": ld, "layers_per_stage": ll, **llm_techniques},
             "placement": placement, "microbatches": m, "global_batch_size": batch, "world_size": world}
 
 
@@ -62,7 +62,13 @@ CASES = {
         # DTensor gradients in the overlapped buckets; vision and LLM buckets on one rank
         case("colocated-tp2-dp2", "llava_ov", plan((2, 1, 2, [2]), (2, 1, 2, [2]), "colocated", m=2)),
         # the tied embedding's bucket (summed over the two LLM stages first) is never overlapped
-        case("colocated-llm-pp2-dp2-tied", "llava_ov", plan((1, 1, 2, [2]), (1, 2, 2, [1, 1]), "colocated", m=2))],
+        case("colocated-llm-pp2-dp2-tied", "llava_ov", plan((1, 1, 2, [2]), (1, 2, 2, [1, 1]), "colocated", m=2)),
+        # sequence parallelism: the padded row's sequence shard crosses the LLM stage boundary
+        case("colocated-tp2-llm-pp2-sp", "llava_ov", plan((2, 1, 1, [2]), (2, 2, 1, [1, 1]), "colocated", m=2,
+                                                          sequence_parallel=True), shuffle_seed=6),
+        # a disjoint tensor-parallel vision tower feeding a sequence-parallel LLM stage
+        case("disjoint-vision-tp2-llm-tp2-sp", "internvl", plan((2, 1, 1, [2]), (2, 1, 1, [2]), m=2,
+                                                                sequence_parallel=True))],
 }
 
 

@@ -1,0 +1,36 @@
+"""Sequence parallelism's activation saving in the analytic cost model against the bytes a TP=2
+decoder layer really saves for backward (measured with saved-tensor hooks under torchrun)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflop.costmodel.analytic import analytic_cost_model, sequence_parallel_saving
+from dflop.models.builder import model_config
+
+WORKER = Path(__file__).with_name("sp_memory_worker.py")
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_saving_matches_measured_saved_bytes():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(WORKER)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("SAVED ")]
+    assert [line[0] for line in lines] == ["bfloat16", "float32"]
+    config = model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny")
+    hidden = config.text_config.hidden_size
+    for dtype, tokens, without, with_sp in lines:
+        nbytes = {"bfloat16": 2, "float32": 4}[dtype]
+        measured = (int(without) - int(with_sp)) / int(tokens)  # per token per layer, this rank
+        assert measured > 0
+        assert sequence_parallel_saving(hidden, 2, nbytes) == pytest.approx(measured, rel=0.05), dtype
+    # the cost model charges exactly that much less per token for an LLM layer at TP 2 (none at TP 1)
+    act = {sp: {t: analytic_cost_model(config, tp_degrees=(1, 2), sequence_parallel=sp).module("llm_layer", t)
+                .coefficients("act_bytes")[0] for t in (1, 2)} for sp in (False, True)}
+    assert act[False][1] == act[True][1]
+    assert act[False][2] - act[True][2] == pytest.approx(sequence_parallel_saving(hidden, 2, 2))
