@@ -62,12 +62,12 @@ def forced_techniques(plan: Plan, planner: PlannerSection) -> Plan:
     """`plan` with the memory techniques the config's planner section forces on both modules.
 
     ``auto`` means off until the planner chooses techniques itself; sequence parallelism applies
-    only to a module with tensor parallelism (tp > 1)."""
+    to the LLM when it has tensor parallelism (tp > 1; the trainer has no SP for the vision tower)."""
     recompute = "none" if planner.recompute == "auto" else planner.recompute
     shard = planner.shard_optimizer is True
     sp = planner.sequence_parallel is True
     lay = plan.layout
-    return plan.with_techniques(Techniques((recompute,) * lay.pp_v, shard, sp and lay.tp_v > 1),
+    return plan.with_techniques(Techniques((recompute,) * lay.pp_v, shard),
                                 Techniques((recompute,) * lay.pp_l, shard, sp and lay.tp_l > 1))
 
 

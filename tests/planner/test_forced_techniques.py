@@ -29,9 +29,11 @@ def test_a_forced_recompute_mode_applies_to_every_stage_of_both_modules(mode):
     assert plan.llm_techniques == Techniques((mode, mode), shard_optimizer=True)
 
 
-def test_sequence_parallel_only_where_there_is_tensor_parallelism():
-    plan = forced_techniques(_plan(tp_l=2), _planner(sequence_parallel=True))
+def test_sequence_parallel_only_for_the_llm_and_where_there_is_tensor_parallelism():
+    plan = forced_techniques(Plan(Layout("disjoint", 2, 2, 1, 2, 2, 1, 4), (1, 1), (1, 1)),
+                             _planner(sequence_parallel=True))
     assert plan.llm_techniques.sequence_parallel and not plan.vision_techniques.sequence_parallel
+    assert not forced_techniques(_plan(tp_l=1), _planner(sequence_parallel=True)).llm_techniques.sequence_parallel
     assert not forced_techniques(_plan(tp_l=2), _planner(sequence_parallel=False)).llm_techniques.sequence_parallel
 
 
