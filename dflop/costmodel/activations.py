@@ -53,6 +53,17 @@ def _mode(mode: str) -> str:
     return mode
 
 
+def layer_input_bytes_per_token(hidden_size: int, dtype: str) -> float:
+    """What a fully recomputed layer keeps per token: its input (replicated under TP)."""
+    return float(DTYPE_BYTES[canonical_dtype(dtype)] * hidden_size)
+
+
+def core_saving_per_token(num_heads: int, tp: int = 1) -> float:
+    """What selective recomputation drops per token with a flash-style kernel whose output the
+    output projection keeps anyway: the float32 log-sum-exp."""
+    return 4.0 * num_heads / tp
+
+
 def llm_layer_bytes_per_token(text_config: PreTrainedConfig, mode: str, dtype: str, *, tp: int = 1,
                               concatenated_output: bool = False) -> float:
     """Bytes one decoder layer keeps per token (module docstring). concatenated_output: the
@@ -62,14 +73,14 @@ def llm_layer_bytes_per_token(text_config: PreTrainedConfig, mode: str, dtype: s
     H, Hkv = text_config.num_attention_heads, text_config.num_key_value_heads
     d = getattr(text_config, "head_dim", None) or h // H
     if _mode(mode) == "full":
-        return float(b * h)
+        return layer_input_bytes_per_token(h, dtype)
     out = b * H * d / tp
     none = b * (6 * h + (2 * H * d + 2 * Hkv * d + 4 * I) / tp) + 4 * (2 + H / tp) + 2 * (4 - b) * h
     if concatenated_output:
         none += out
     if mode == "none":
         return float(none)
-    return float(none - 4 * H / tp - (out if concatenated_output else 0.0))
+    return float(none - core_saving_per_token(H, tp) - (out if concatenated_output else 0.0))
 
 
 def llm_stage_shared_bytes(text_config: PreTrainedConfig, seq_lens: Sequence[int], mode: str, dtype: str) -> float:
@@ -99,13 +110,13 @@ def vision_layer_bytes_per_token(config: PreTrainedConfig, mode: str, dtype: str
     vc = config.vision_config
     h, I, H = vc.hidden_size, vc.intermediate_size, vc.num_attention_heads
     if _mode(mode) == "full":
-        return float(b * h)
+        return layer_input_bytes_per_token(h, dtype)
     family = architecture_of(config).vision_family
     if family == "internvit" and (getattr(vc, "norm_type", "layer_norm") != "layer_norm" or getattr(vc, "use_qk_norm", False)):
         raise UserError("activation bytes: InternViT with RMSNorm or QK-norm is not modelled (layer_norm towers only)")
     replicated = 4 * h + (2 * h if family == "internvit" else 0)
     none = b * (replicated + (4 * h + 2 * I) / tp) + 4 * (4 + H / tp)
-    return float(none if mode == "none" else none - 4 * H / tp)
+    return float(none if mode == "none" else none - core_saving_per_token(H, tp))
 
 
 def vision_stage_layer_bytes(config: PreTrainedConfig, n_tiles: int, n_layers: int, mode: str, dtype: str, *,
