@@ -42,15 +42,13 @@ from transformers import PreTrainedConfig
 from dflop.costmodel.memory import canonical_dtype
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
-from dflop.plan import RECOMPUTE_MODES
+from dflop.models.recompute import check_mode
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _mode(mode: str) -> str:
-    if mode not in RECOMPUTE_MODES:
-        raise UserError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-    return mode
+    return check_mode(mode, "activation bytes")
 
 
 def layer_input_bytes_per_token(hidden_size: int, dtype: str) -> float:

@@ -52,17 +52,19 @@ ONE, TWO = (1, 1, 1, [2]), (1, 1, 2, [2])
 CASES = {
     1: [case("colocated-single-rank", "llava_ov", plan(ONE, ONE, "colocated"), shuffle_seed=1)],
     2: [case("colocated-tp2", "llava_ov", plan((2, 1, 1, [2]), (2, 1, 1, [2]), "colocated"), shuffle_seed=2),
-        case("internvl-baseline-padded", "internvl", plan(ONE, ONE), policy="baseline", pad=True)],
+        case("internvl-baseline-padded", "internvl", plan(ONE, ONE), policy="baseline", pad=True),
+        # recomputation under TP: a frozen colocated InternViT checkpointed per layer, selective LLM
+        case("internvl-colocated-tp2-recompute-frozen-tower", "internvl",
+             plan((2, 1, 1, [2]), (2, 1, 1, [2]), "colocated", recompute=(["full"], ["selective"])),
+             freeze=("vision",))],
     3: [case("vision1-llm-pp2", "llava_ov", plan(ONE, (1, 2, 1, [1, 1]), m=4)),
         case("vision-pp2-frozen-tower", "llava_ov", plan((1, 2, 1, [1, 1]), ONE, m=4), freeze=("vision",),
              shuffle_seed=3),
         case("internvl-vision-pp2-gpipe", "internvl", plan((1, 2, 1, [1, 1]), ONE, m=4), schedule="gpipe",
              shuffle_seed=4),
-        # activation recomputation: each mode on vision and LLM stages, both towers, a frozen one
-        case("recompute-llm-full-selective", "llava_ov",
-             plan(ONE, (1, 2, 1, [1, 1]), m=4, recompute=(["selective"], ["full", "selective"]))),
-        case("internvl-recompute-frozen-tower", "internvl",
-             plan((1, 2, 1, [1, 1]), ONE, m=4, recompute=(["full", "selective"], ["full"])), freeze=("vision",))],
+        # activation recomputation: selective on a vision stage, full and selective on LLM stages
+        case("recompute-vision-selective-llm-full-selective", "llava_ov",
+             plan(ONE, (1, 2, 1, [1, 1]), m=4, recompute=(["selective"], ["full", "selective"])))],
     4: [case("vision-dp2-llm-dp2-baseline", "llava_ov", plan(TWO, TWO), policy="baseline", shuffle_seed=5),
         case("vision-dp2-llm-dp2-dflop", "llava_ov", plan(TWO, TWO, m=2)),
         # DTensor gradients in the overlapped buckets; vision and LLM buckets on one rank
