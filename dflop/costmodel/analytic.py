@@ -23,6 +23,15 @@ shapes and a stated achieved throughput:
   with ``sequence_parallel`` (LLM layers, t > 1) minus ``(1 - 1/t)`` of what the two RMSNorms
   save, as each rank then normalises only its T/t tokens (`sequence_parallel_saving`);
   LM head: fp32 logits ``4 V / t`` per token;
+- activation recomputation (``recompute``, per stage): ``full`` keeps the layer input ``b h`` per
+  token and its backward runs the layer's forward again (FLOPs, TP all-reduces, overhead) up to
+  the last tensor backward needs: torch's checkpoint stops early, so the LLM's and SigLIP's MLP
+  down projection (``2 h I / t`` per token) and its all-reduce are not rerun (InternViT's layer
+  scale keeps that output, so its whole layer is);
+  ``selective`` recomputes the attention core (``4 T^2 h / t`` per tile, ``2 h s^2 / t`` per
+  sample) and keeps what none keeps less the core's float32 log-sum-exp ``4 H / t`` per token
+  (`dflop.costmodel.activations`; with flash attention the core's output stays, as the output
+  projection's input);
 - parameters: the model's exact counts (`dflop.models.info`) x dtype bytes / t.
 
 It is a first-order model (no kernel efficiency curves, no overlap of TP communication); use a
@@ -33,9 +42,11 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
+from dflop.costmodel import activations
 from dflop.costmodel.features import MODULE_FEATURES
 from dflop.costmodel.memory import canonical_dtype
 from dflop.costmodel.model import CostModel, ModuleCosts, Provenance
+from dflop.models.architectures import architecture_of
 from dflop.models.info import info_of
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -66,9 +77,12 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
     recorded as its provenance; sequence_parallel: LLM layers at TP > 1 run sequence-parallel.
     """
     info = info_of(config)
+    arch = architecture_of(config)
     flops_per_ms = achieved_tflops * 1e12 / 1e3
     nbytes = _DTYPE_BYTES[canonical_dtype(dtype)]
-    vision_mlp, llm_mlp = config.vision_config.intermediate_size, config.get_text_config().intermediate_size
+    text = config.get_text_config()
+    vision_mlp, llm_mlp = config.vision_config.intermediate_size, text.intermediate_size
+    heads_v, heads_l = config.vision_config.num_attention_heads, text.num_attention_heads
     T, hv, hl, V = info.vision_tokens_per_tile, info.vision_hidden, info.llm_hidden, info.vocab_size
     modules = []
     for t in tp_degrees:
@@ -105,8 +119,32 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
             fwd[unit] = fwd.get(unit, 0.0) + comm_ms
             bwd[unit] = bwd.get(unit, 0.0) + comm_ms
             fwd["const"] = bwd["const"] = op_overhead_ms
-            coef = {target: tuple(float(values.get(f, 0.0)) for f in features)
-                    for target, values in (("fwd_ms", fwd), ("bwd_ms", bwd), ("act_bytes", act))}
+            targets = [("fwd_ms", fwd), ("bwd_ms", bwd), ("act_bytes", act)]
+            if name in ("vision_layer", "llm_layer"):
+                vision = name == "vision_layer"
+                # the trailing MLP down projection early-stopping recomputation skips (docstring)
+                skipped = 0.0 if vision and arch.vision_family == "internvit" else 1.0
+                skipped_ms = skipped * (2 * (hv * vision_mlp * T if vision else hl * llm_mlp) / t / flops_per_ms
+                                        + comm_ms / 2)
+                targets += _recompute_targets(name, fwd, bwd, act, dtype, hv if vision else hl,
+                                              heads_v if vision else heads_l, T, t, flops_per_ms, skipped_ms)
+            coef = {target: tuple(float(values.get(f, 0.0)) for f in features) for target, values in targets}
             modules.append(ModuleCosts(name, int(t), features, coef, float(params * nbytes / t), 0, (1, 1), (1, 1)))
     return CostModel(modules, Provenance(preset=preset or info.arch, device=f"analytic {achieved_tflops:g} TFLOP/s",
                                          dtype=dtype))
+
+
+def _recompute_targets(name, fwd, bwd, act, dtype, h, heads, tiles_tokens, t, flops_per_ms, skipped_ms):
+    """``bwd_ms:<mode>`` and ``act_bytes:<mode>`` of a layer module (module docstring); skipped_ms:
+    forward milliseconds per unit that early-stopping recomputation does not rerun."""
+    unit = "tiles" if name == "vision_layer" else "tokens"
+    per_unit = tiles_tokens if unit == "tiles" else 1  # tokens per feature unit
+    full_bwd = {f: bwd.get(f, 0.0) + fwd.get(f, 0.0) for f in set(bwd) | set(fwd)}
+    full_bwd[unit] -= skipped_ms
+    core_fwd = ({"tiles": 4 * tiles_tokens**2 * h / t / flops_per_ms} if unit == "tiles"
+                else {"sq_tokens": 2 * h / t / flops_per_ms})
+    selective_bwd = {f: bwd.get(f, 0.0) + core_fwd.get(f, 0.0) for f in set(bwd) | set(core_fwd)}
+    kept_selective = act[unit] - activations.core_saving_per_token(heads, t) * per_unit
+    kept_full = activations.layer_input_bytes_per_token(h, dtype) * per_unit
+    return [("bwd_ms:selective", selective_bwd), ("act_bytes:selective", {unit: kept_selective}),
+            ("bwd_ms:full", full_bwd), ("act_bytes:full", {unit: kept_full})]

@@ -12,15 +12,18 @@ Units: times in seconds (the JSON stores the fitted milliseconds), memory in byt
 at the given tensor-parallel degree.
 
 Memory of a stage = training state (`dflop.costmodel.memory`) + in-flight microbatches x the
-bytes saved for backward. Not modelled: transient workspace (the CUDA allocator peak the profiler
-records is not used), so keep a margin in the memory limit; and tied input/output embeddings are
+bytes saved for backward. A stage's ``recompute`` mode (none | selective | full) picks its layers'
+``bwd_ms:<mode>`` / ``act_bytes:<mode>`` coefficients (`RECOMPUTE_TARGETS`; the analytic model has
+them, `dflop.costmodel.activations` gives the bytes). Not modelled: transient workspace (the CUDA
+allocator peak the profiler records is not used; recomputation adds one layer's activations of one
+microbatch while that layer's backward runs), so keep a margin in the memory limit; and tied input/output embeddings are
 counted on both the first and the last LLM stage, as pipelines replicate them, which counts the
 table twice when one stage is both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -36,6 +39,11 @@ from dflop.errors import UserError
 
 #: Fitted targets and their units; times are converted to seconds on prediction.
 TARGETS = ("fwd_ms", "bwd_ms", "act_bytes")
+#: Optional targets of layer modules under activation recomputation (plan key ``recompute``): the
+#: backward including the recomputed forward, and the bytes kept for backward. Absent: that mode
+#: cannot be priced by this model (the profiler measures mode none only).
+RECOMPUTE_TARGETS = {mode: (f"bwd_ms:{mode}", f"act_bytes:{mode}") for mode in ("selective", "full")}
+_LAYER_MODULES = ("vision_layer", "llm_layer")
 
 
 @dataclass(frozen=True)
@@ -181,18 +189,33 @@ class CostModel:
 
     # ---- stage composition ----------------------------------------------------------------------
 
-    def _vision_parts(self, n_layers: int, first: bool, last: bool, tp: int) -> list[tuple[ModuleCosts, int]]:
+    def _layer(self, name: str, tp: int, recompute: str) -> ModuleCosts:
+        """The layer module's costs, with backward and activation coefficients of the recompute mode."""
+        m = self.module(name, tp)
+        if recompute == "none":
+            return m
+        if recompute not in RECOMPUTE_TARGETS:
+            raise UserError(f"recompute mode {recompute!r} is not one of none, {', '.join(RECOMPUTE_TARGETS)}")
+        bwd, act = RECOMPUTE_TARGETS[recompute]
+        if bwd not in m.coef or act not in m.coef:
+            raise UserError(f"cost model ({self.provenance.device}) has no {recompute}-recompute costs for {name}; "
+                            "a fitted profile prices recompute none only (use the analytic cost model)")
+        return replace(m, coef={**m.coef, "bwd_ms": m.coef[bwd], "act_bytes": m.coef[act]})
+
+    def _vision_parts(self, n_layers: int, first: bool, last: bool, tp: int,
+                      recompute: str = "none") -> list[tuple[ModuleCosts, int]]:
         _check_layers(n_layers)
-        parts = [(self.module("vision_layer", tp), n_layers)] if n_layers else []
+        parts = [(self._layer("vision_layer", tp, recompute), n_layers)] if n_layers else []
         if first:
             parts.append((self.module("vision_embed", tp), 1))
         if last:
             parts.append((self.module("projector", tp), 1))
         return parts
 
-    def _llm_parts(self, n_layers: int, first: bool, last: bool, tp: int) -> list[tuple[ModuleCosts, int]]:
+    def _llm_parts(self, n_layers: int, first: bool, last: bool, tp: int,
+                   recompute: str = "none") -> list[tuple[ModuleCosts, int]]:
         _check_layers(n_layers)
-        parts = [(self.module("llm_layer", tp), n_layers)] if n_layers else []
+        parts = [(self._layer("llm_layer", tp, recompute), n_layers)] if n_layers else []
         if first:
             parts.append((self.module("llm_embed", tp), 1))
         if last:
@@ -202,60 +225,69 @@ class CostModel:
     # ---- time -----------------------------------------------------------------------------------
 
     def vision_stage_time(
-        self, tiles_per_sample: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int
+        self, tiles_per_sample: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int,
+        recompute: str = "none",
     ) -> StageTime:
         """Seconds of one vision stage on a microbatch whose samples have these tile counts.
 
         The per-microbatch constant is charged even when no sample has a tile.
         """
         tiles = _sizes(tiles_per_sample, "tiles_per_sample", minimum=0)
-        parts = self._vision_parts(n_layers, first, last, tp)
+        parts = self._vision_parts(n_layers, first, last, tp, recompute)
         return _stage_time(parts, tiles)
 
     def llm_stage_time(
-        self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int
+        self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int,
+        recompute: str = "none",
     ) -> StageTime:
         """Seconds of one LLM stage on one packed bin of samples with these lengths (tokens)."""
         lens = _sizes(seq_lens, "seq_lens", minimum=1)
-        parts = self._llm_parts(n_layers, first, last, tp)
+        parts = self._llm_parts(n_layers, first, last, tp, recompute)
         return _stage_time(parts, lens)
 
     def colocated_stage_time(
         self, tiles_per_sample: Sequence[int], seq_lens: Sequence[int], *, vision_layers: int,
-        llm_layers: int, last: bool, tp_v: int, tp_l: int,
+        llm_layers: int, last: bool, tp_v: int, tp_l: int, recompute: tuple[str, str] = ("none", "none"),
     ) -> StageTime:
-        """First LLM stage carrying the whole vision tower (embeddings, all layers, projector)."""
-        vision = self.vision_stage_time(tiles_per_sample, n_layers=vision_layers, first=True, last=True, tp=tp_v)
-        return vision + self.llm_stage_time(seq_lens, n_layers=llm_layers, first=True, last=last, tp=tp_l)
+        """First LLM stage carrying the whole vision tower (embeddings, all layers, projector).
+        recompute: (vision mode, LLM mode)."""
+        vision = self.vision_stage_time(tiles_per_sample, n_layers=vision_layers, first=True, last=True, tp=tp_v,
+                                        recompute=recompute[0])
+        return vision + self.llm_stage_time(seq_lens, n_layers=llm_layers, first=True, last=last, tp=tp_l,
+                                            recompute=recompute[1])
 
     # ---- memory ---------------------------------------------------------------------------------
 
     def vision_stage_memory(
         self, tiles_per_sample: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int,
-        in_flight: int,
+        in_flight: int, recompute: str = "none",
     ) -> StageMemory:
         """Bytes per rank of a vision stage holding `in_flight` microbatches like this one."""
         tiles = _sizes(tiles_per_sample, "tiles_per_sample", minimum=0)
-        parts = self._vision_parts(n_layers, first, last, tp)
+        parts = self._vision_parts(n_layers, first, last, tp, recompute)
         return self._stage_memory(parts, tiles, in_flight)
 
     def llm_stage_memory(
-        self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int, in_flight: int
+        self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int, in_flight: int,
+        recompute: str = "none",
     ) -> StageMemory:
         """Bytes per rank of an LLM stage holding `in_flight` packed bins like this one."""
         lens = _sizes(seq_lens, "seq_lens", minimum=1)
-        parts = self._llm_parts(n_layers, first, last, tp)
+        parts = self._llm_parts(n_layers, first, last, tp, recompute)
         return self._stage_memory(parts, lens, in_flight)
 
     def colocated_stage_memory(
         self, tiles_per_sample: Sequence[int], seq_lens: Sequence[int], *, vision_layers: int,
         llm_layers: int, last: bool, tp_v: int, tp_l: int, in_flight: int,
+        recompute: tuple[str, str] = ("none", "none"),
     ) -> StageMemory:
-        """Memory of the first LLM stage carrying the whole vision tower."""
+        """Memory of the first LLM stage carrying the whole vision tower; recompute: (vision, LLM) mode."""
         vision = self.vision_stage_memory(
-            tiles_per_sample, n_layers=vision_layers, first=True, last=True, tp=tp_v, in_flight=in_flight)
+            tiles_per_sample, n_layers=vision_layers, first=True, last=True, tp=tp_v, in_flight=in_flight,
+            recompute=recompute[0])
         return vision + self.llm_stage_memory(
-            seq_lens, n_layers=llm_layers, first=True, last=last, tp=tp_l, in_flight=in_flight)
+            seq_lens, n_layers=llm_layers, first=True, last=last, tp=tp_l, in_flight=in_flight,
+            recompute=recompute[1])
 
     def _stage_memory(self, parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray, in_flight: int) -> StageMemory:
         if int(in_flight) < 1:
@@ -280,18 +312,20 @@ class CostModel:
     # ---- per-sample decomposition ---------------------------------------------------------------
 
     def vision_stage_terms(
-        self, tiles_per_sample: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int
+        self, tiles_per_sample: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int,
+        recompute: str = "none",
     ) -> StageTerms:
         """Per-sample and per-microbatch parts of a vision stage (samples with 0 tiles cost 0)."""
         tiles = _sizes(tiles_per_sample, "tiles_per_sample", minimum=0)
-        return self._stage_terms(self._vision_parts(n_layers, first, last, tp), tiles)
+        return self._stage_terms(self._vision_parts(n_layers, first, last, tp, recompute), tiles)
 
     def llm_stage_terms(
-        self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int
+        self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int,
+        recompute: str = "none",
     ) -> StageTerms:
         """Per-sample and per-bin parts of an LLM stage."""
         lens = _sizes(seq_lens, "seq_lens", minimum=1)
-        return self._stage_terms(self._llm_parts(n_layers, first, last, tp), lens)
+        return self._stage_terms(self._llm_parts(n_layers, first, last, tp, recompute), lens)
 
     def _stage_terms(self, parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray) -> StageTerms:
         const = {t: 0.0 for t in TARGETS}

@@ -15,6 +15,10 @@ last LLM stage hold equal copies whose gradients the trainer sums over the ``tie
 Which stages run a backward pass is decided here from the freeze flags, identically on every rank,
 because it decides which gradient messages exist: a frozen vision tower with a trained projector
 runs backward only on the last vision stage.
+
+Each stage recomputes activations as the plan says (``techniques.recompute[stage]`` of its module;
+a colocated vision tower is one stage). Recomputation does not change what is trained: a checkpointed
+layer whose parameters and inputs need no gradient keeps nothing and recomputes nothing.
 """
 
 from __future__ import annotations
@@ -79,11 +83,13 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
     vision = llm = None
     if topo.vision_role is not None:
         role = topo.vision_role
-        vision = build_vision_stage(model, role.stage, role.n_stages, plan.vision.layer_ranges()[role.stage])
+        vision = build_vision_stage(model, role.stage, role.n_stages, plan.vision.layer_ranges()[role.stage],
+                                    recompute=plan.vision.techniques.recompute[role.stage])
         shard_stage(vision, topo.vision_tp, plan.vision_techniques.sequence_parallel)
     if topo.llm_role is not None:
         role = topo.llm_role
-        llm = build_llm_stage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage])
+        llm = build_llm_stage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage],
+                              recompute=plan.llm.techniques.recompute[role.stage])
         shard_stage(llm, topo.llm_tp, plan.llm_techniques.sequence_parallel)
     modules = RankModules(model, vision, llm)
     freeze(modules, handle.spec)

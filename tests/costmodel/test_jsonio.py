@@ -80,3 +80,16 @@ def test_file_is_plain_json_with_the_feature_spec(model, tmp_path):
     layer = next(m for m in data["modules"] if m["module"] == "llm_layer" and m["tp"] == 1)
     assert layer["features"] == ["tokens", "tokens_pow1.5", "sq_tokens", "const"]
     assert set(layer["coef"]) == {"fwd_ms", "bwd_ms", "act_bytes"}
+
+
+def test_recompute_costs_survive_the_round_trip(tmp_path):
+    from dflop.costmodel.analytic import analytic_cost_model
+    from dflop.models.builder import model_config
+
+    model = analytic_cost_model(model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny"), tp_degrees=(1,))
+    save_cost_model(model, tmp_path / "analytic.json")
+    loaded = load_cost_model(tmp_path / "analytic.json")
+    for mode in ("none", "selective", "full"):
+        kw = dict(n_layers=2, first=False, last=False, tp=1, recompute=mode)
+        assert loaded.llm_stage_time([30, 7], **kw) == model.llm_stage_time([30, 7], **kw)
+        assert loaded.vision_stage_memory([3], in_flight=2, **kw) == model.vision_stage_memory([3], in_flight=2, **kw)

@@ -78,10 +78,13 @@ def _reference_loss(arch, reference, pixels, layout, ids, packed, labels):
     return reference(**kwargs).loss
 
 
-def _pipeline_loss_and_backward(model, vision_ranges, llm_ranges, pixels, layout, ids, packed, labels):
-    """Forward through every stage on detached inputs, then backward stage by stage."""
-    vision = [build_vision_stage(model, i, len(vision_ranges), r) for i, r in enumerate(vision_ranges)]
-    llm = [build_llm_stage(model, j, len(llm_ranges), r) for j, r in enumerate(llm_ranges)]
+def _pipeline_loss_and_backward(model, vision_ranges, llm_ranges, pixels, layout, ids, packed, labels,
+                                recompute=None):
+    """Forward through every stage on detached inputs, then backward stage by stage.
+    recompute: (vision modes, LLM modes), one per stage (default none)."""
+    v_modes, l_modes = recompute or (["none"] * len(vision_ranges), ["none"] * len(llm_ranges))
+    vision = [build_vision_stage(model, i, len(vision_ranges), r, v_modes[i]) for i, r in enumerate(vision_ranges)]
+    llm = [build_llm_stage(model, j, len(llm_ranges), r, l_modes[j]) for j, r in enumerate(llm_ranges)]
     records = []  # (stage input leaf or None, stage output)
     x = pixels
     for i, stage in enumerate(vision):
@@ -172,3 +175,47 @@ def test_image_token_count_mismatch_is_one_line_error():
     with pytest.raises(UserError, match="1 image placeholder tokens .* but 2 image feature rows"):
         stage(ids, PackedSequence.from_lengths([3]), image_features=torch.zeros(2, 64),
               shift_labels=torch.full((3,), -100))
+
+
+# Activation recomputation (dflop.models.recompute) must not change the maths: the same comparison
+# against transformers' own model, with each stage in a different mode.
+RECOMPUTE_SPLITS = [
+    pytest.param(("full", "selective"), ("selective", "full"), id="full-selective"),
+    pytest.param(("selective", "none"), ("none", "selective"), id="selective-none"),
+    pytest.param(("none", "full"), ("full", "none"), id="none-full"),
+]
+
+
+@pytest.mark.parametrize("arch", sorted(PRESETS))
+@pytest.mark.parametrize("vision_modes,llm_modes", RECOMPUTE_SPLITS)
+def test_recomputing_stages_match_full_model_loss_and_gradients(arch, vision_modes, llm_modes):
+    torch.manual_seed(0)
+    reference, model = _models(arch)
+    batch = _batch(arch, reference, torch.Generator().manual_seed(1))
+    expected = _reference_loss(arch, reference, *batch)
+    expected.backward()
+    ranges = [(0, 1), (1, 2)]
+    loss = _pipeline_loss_and_backward(model, ranges, ranges, *batch, recompute=(vision_modes, llm_modes))
+
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        ref_grad = ref_params[name].grad
+        assert (param.grad is None) == (ref_grad is None), name
+        if ref_grad is not None:
+            torch.testing.assert_close(param.grad, ref_grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_selective_recompute_switches_only_its_stage_layers_and_back():
+    """Selective mode gives each of its layers' attention a recomputing config; none restores it."""
+    _, model = _models("internvl")
+    config = model.config.vision_config
+    stage = build_vision_stage(model, 1, 2, (1, 2), recompute="selective")
+    attention = stage.layers[0].attention
+    assert attention.config._attn_implementation == "sdpa+recompute"
+    assert model.model.vision_tower.encoder.layer[0].attention.config is config  # other stage untouched
+    assert config._attn_implementation == "sdpa"
+    build_vision_stage(model, 1, 2, (1, 2), recompute="none")
+    assert attention.config is config
+    with pytest.raises(UserError, match="recompute mode 'partial'"):
+        build_llm_stage(model, 0, 1, recompute="partial")

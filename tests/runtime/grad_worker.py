@@ -25,6 +25,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from dflop.config import Config
+from dflop.models.recompute import attention_module
 from dflop.models.tensor_parallel import is_tp_shard, local_tensor
 from dflop.plan import plan_from_dict
 from dflop.runtime.agreement import rank0_result
@@ -64,6 +65,11 @@ def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> No
             shards[key] = [placement.dim, param.device_mesh.get_local_rank(), param.device_mesh.size()]
     save_file(grads, out / f"grads_rank{trainer.rank}.safetensors")
     (out / f"shards_rank{trainer.rank}.json").write_text(json.dumps(shards))
+    # what this rank's stages recompute, and the attention function their layers call
+    recompute = {part: [trainer.topo.vision_role.stage if part == "vision" else trainer.topo.llm_role.stage,
+                        stage.recompute, [attention_module(layer).config._attn_implementation for layer in stage.layers]]
+                 for part, stage in (("vision", trainer.modules.vision), ("llm", trainer.modules.llm)) if stage is not None}
+    (out / f"recompute_rank{trainer.rank}.json").write_text(json.dumps(recompute))
     overlapped = torch.tensor(trainer.sync.overlapped_buckets)
     dist.all_reduce(overlapped)  # buckets started during the last backward, over all ranks
     if trainer.rank == 0:

@@ -6,7 +6,7 @@ equal those of transformers' own model run on each sample in a single process (`
 within float32 tolerance. Layouts cover world sizes 1-4: colocated, disjoint vision + LLM pipeline,
 vision and LLM data parallelism, tensor parallelism (vocabulary-parallel embedding and loss, tied
 embeddings across and within ranks), a frozen vision tower, InternVL; both scheduler policies, the
-baseline's padding variant, GPipe, and shuffled microbatch orders.
+baseline's padding variant, GPipe, shuffled microbatch orders, and activation recomputation.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ from trainer_reference import MODELS, compare, config_dict, reference_gradients
 WORKER = Path(__file__).with_name("grad_worker.py")
 
 
-def plan(vision, llm, placement="disjoint", m=2, batch=8, **llm_techniques) -> dict:
-    """vision / llm: (tp, pp, dp, layers_per_stage); llm_techniques: plan keys such as sequence_parallel."""
+def plan(vision, llm, placement="disjoint", m=2, batch=8, recompute=None, **llm_techniques) -> dict:
+    """vision / llm: (tp, pp, dp, layers_per_stage); recompute: (vision modes, llm modes) per stage;
+    llm_techniques: further LLM plan keys such as sequence_parallel."""
     (vt, vp, vd, vl), (lt, lp, ld, ll) = vision, llm
     world = lt * lp * ld + (0 if placement == "colocated" else vt * vp * vd)
-    return {"vision": {"tp": vt, "pp": vp, "dp": vd, "layers_per_stage": vl},
-            "llm": {"tp": lt, "pp": lp, "dp": ld, "layers_per_stage": ll, **llm_techniques},
+    techniques = ({}, {}) if recompute is None else ({"recompute": recompute[0]}, {"recompute": recompute[1]})
+    return {"vision": {"tp": vt, "pp": vp, "dp": vd, "layers_per_stage": vl, **techniques[0]},
+            "llm": {"tp": lt, "pp": lp, "dp": ld, "layers_per_stage": ll, **techniques[1], **llm_techniques},
             "placement": placement, "microbatches": m, "global_batch_size": batch, "world_size": world}
 
 
@@ -51,21 +53,30 @@ ONE, TWO = (1, 1, 1, [2]), (1, 1, 2, [2])
 CASES = {
     1: [case("colocated-single-rank", "llava_ov", plan(ONE, ONE, "colocated"), shuffle_seed=1)],
     2: [case("colocated-tp2", "llava_ov", plan((2, 1, 1, [2]), (2, 1, 1, [2]), "colocated"), shuffle_seed=2),
-        case("internvl-baseline-padded", "internvl", plan(ONE, ONE), policy="baseline", pad=True)],
+        case("internvl-baseline-padded", "internvl", plan(ONE, ONE), policy="baseline", pad=True),
+        # recomputation under TP: a frozen colocated InternViT checkpointed per layer, selective LLM
+        case("internvl-colocated-tp2-recompute-frozen-tower", "internvl",
+             plan((2, 1, 1, [2]), (2, 1, 1, [2]), "colocated", recompute=(["full"], ["selective"])),
+             freeze=("vision",))],
     3: [case("vision1-llm-pp2", "llava_ov", plan(ONE, (1, 2, 1, [1, 1]), m=4)),
         case("vision-pp2-frozen-tower", "llava_ov", plan((1, 2, 1, [1, 1]), ONE, m=4), freeze=("vision",),
              shuffle_seed=3),
         case("internvl-vision-pp2-gpipe", "internvl", plan((1, 2, 1, [1, 1]), ONE, m=4), schedule="gpipe",
-             shuffle_seed=4)],
+             shuffle_seed=4),
+        # activation recomputation: selective on a vision stage, full and selective on LLM stages
+        case("recompute-vision-selective-llm-full-selective", "llava_ov",
+             plan(ONE, (1, 2, 1, [1, 1]), m=4, recompute=(["selective"], ["full", "selective"])))],
     4: [case("vision-dp2-llm-dp2-baseline", "llava_ov", plan(TWO, TWO), policy="baseline", shuffle_seed=5),
         case("vision-dp2-llm-dp2-dflop", "llava_ov", plan(TWO, TWO, m=2)),
         # DTensor gradients in the overlapped buckets; vision and LLM buckets on one rank
         case("colocated-tp2-dp2", "llava_ov", plan((2, 1, 2, [2]), (2, 1, 2, [2]), "colocated", m=2)),
         # the tied embedding's bucket (summed over the two LLM stages first) is never overlapped
         case("colocated-llm-pp2-dp2-tied", "llava_ov", plan((1, 1, 2, [2]), (1, 2, 2, [1, 1]), "colocated", m=2)),
-        # sequence parallelism: the padded row's sequence shard crosses the LLM stage boundary
-        case("colocated-tp2-llm-pp2-sp", "llava_ov", plan((2, 1, 1, [2]), (2, 2, 1, [1, 1]), "colocated", m=2,
-                                                          sequence_parallel=True), shuffle_seed=6),
+        # sequence parallelism: the padded row's sequence shard crosses the LLM stage boundary; with
+        # recomputation of both kinds on the sequence-sharded LLM stages
+        case("colocated-tp2-llm-pp2-sp-recompute", "llava_ov",
+             plan((2, 1, 1, [2]), (2, 2, 1, [1, 1]), "colocated", m=2, recompute=(["none"], ["full", "selective"]),
+                  sequence_parallel=True), shuffle_seed=6),
         # a disjoint tensor-parallel vision tower feeding a sequence-parallel LLM stage
         case("disjoint-vision-tp2-llm-tp2-sp", "internvl", plan((2, 1, 1, [2]), (2, 1, 1, [2]), m=2,
                                                                 sequence_parallel=True))],
@@ -117,6 +128,10 @@ def test_loss_and_every_gradient_match_the_unsplit_model(world, tmp_path, pools,
         loss, count, grads = _reference(c["arch"], c["shapes"], str(runtime_demo), tuple(range(8)),
                                         tuple(c["freeze"]))
         failures += [f"{c['name']}: {p}" for p in compare(out, world, loss, count, grads)]
+        for rank in range(world):  # every stage recomputes as planned (the maths cannot tell)
+            for part, (stage, mode, attention) in json.loads((out / f"recompute_rank{rank}.json").read_text()).items():
+                assert mode == c["plan"][part].get("recompute", ["none"] * 9)[stage], (c["name"], rank, part)
+                assert all(a.endswith("+recompute") == (mode == "selective") for a in attention), (c["name"], attention)
         if c["freeze"]:
             # The comparison can fail: the same run against the unfrozen model's gradients does.
             _, _, unfrozen = _reference(c["arch"], c["shapes"], str(runtime_demo), tuple(range(8)), ())

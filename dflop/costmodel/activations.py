@@ -1,0 +1,124 @@
+"""Bytes a stage keeps for backward per recompute mode, in closed form from the model's config.
+
+These are the tensors autograd saves (what `dflop.profiling._memory.saved_tensor_bytes` counts),
+read off the transformers layers' code with b = bytes of the training dtype, per token of a layer
+(t = tensor-parallel degree: q, k, v, attention output and MLP are split, norms and residuals not):
+
+LLM decoder layer (Qwen2 / Llama; h hidden, I MLP width, H heads, Hkv kv heads, d head dim):
+  none       b (6h + (2 H d + 2 Hkv d + 4 I) / t) + 4 (2 + H / t)
+             (residual, normed and projection input per RMSNorm x 2; rotary q, k and v, attention
+             output; gate, up, SiLU and down input; two float32 rstd; float32 log-sum-exp of the
+             attention kernel) + b H d / t when the packed row's samples differ in length and the
+             per-sample SDPA path concatenates their outputs (the kernel's outputs and the
+             concatenated copy are both kept)
+  selective  none - (4 H / t + the per-sample outputs b H d / t when concatenated): the attention
+             core keeps q, k, v (as its checkpoint inputs) and recomputes its output and log-sum-exp;
+             the output projection still keeps its (concatenated or shared) input
+  full       b h (the layer input)
+  per stage with layers: rotary cos + sin 2 b d per token; selective and full also keep the int64
+  position ids and int32 cu_seqlens as checkpoint inputs (8 bytes per token + 4 (n + 1)).
+  RMSNorm computes in float32, so below float32 each norm keeps a float32 copy of its input:
+  + 2 (4 - b) h per token (none and selective).
+
+Vision layer (S tokens per tile incl. CLS):
+  SigLIP (LayerNorm)     none  b (4h + (4h + 2I) / t) + 4 (4 + H / t)
+  InternViT (LayerNorm)  none  b (6h + (4h + 2I) / t) + 4 (4 + H / t)   (+ 2h: the two layer-scale
+                         products keep the attention and MLP outputs)
+  (input, norm output x 2, residual; q, k, v, attention output; MLP hidden before and after the
+  activation; float32 mean + rstd x 2; float32 log-sum-exp)
+  selective  none - 4 H / t (the attention output is the output projection's saved input, so only
+             the log-sum-exp goes);  full  b h.
+  InternViT with RMSNorm (InternViT-6B) and QK-norm are not modelled: `UserError`.
+
+Measured against the hooks on the tiny and small presets (float32, CPU) by tests/costmodel.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from transformers import PreTrainedConfig
+
+from dflop.costmodel.memory import canonical_dtype
+from dflop.errors import UserError
+from dflop.models.architectures import architecture_of
+from dflop.models.recompute import check_mode
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _mode(mode: str) -> str:
+    return check_mode(mode, "activation bytes")
+
+
+def layer_input_bytes_per_token(hidden_size: int, dtype: str) -> float:
+    """What a fully recomputed layer keeps per token: its input (replicated under TP)."""
+    return float(DTYPE_BYTES[canonical_dtype(dtype)] * hidden_size)
+
+
+def core_saving_per_token(num_heads: int, tp: int = 1) -> float:
+    """What selective recomputation drops per token with a flash-style kernel whose output the
+    output projection keeps anyway: the float32 log-sum-exp."""
+    return 4.0 * num_heads / tp
+
+
+def llm_layer_bytes_per_token(text_config: PreTrainedConfig, mode: str, dtype: str, *, tp: int = 1,
+                              concatenated_output: bool = False) -> float:
+    """Bytes one decoder layer keeps per token (module docstring). concatenated_output: the
+    packed row's samples differ in length and run through per-sample SDPA (no flash-attn)."""
+    b = DTYPE_BYTES[canonical_dtype(dtype)]
+    h, I = text_config.hidden_size, text_config.intermediate_size
+    H, Hkv = text_config.num_attention_heads, text_config.num_key_value_heads
+    d = getattr(text_config, "head_dim", None) or h // H
+    if _mode(mode) == "full":
+        return layer_input_bytes_per_token(h, dtype)
+    out = b * H * d / tp
+    none = b * (6 * h + (2 * H * d + 2 * Hkv * d + 4 * I) / tp) + 4 * (2 + H / tp) + 2 * (4 - b) * h
+    if concatenated_output:
+        none += out
+    if mode == "none":
+        return float(none)
+    return float(none - core_saving_per_token(H, tp) - (out if concatenated_output else 0.0))
+
+
+def llm_stage_shared_bytes(text_config: PreTrainedConfig, seq_lens: Sequence[int], mode: str, dtype: str) -> float:
+    """Bytes an LLM stage with layers keeps once, whatever its layer count (module docstring)."""
+    b = DTYPE_BYTES[canonical_dtype(dtype)]
+    d = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    tokens = sum(seq_lens)
+    shared = 2 * b * d * tokens
+    if _mode(mode) != "none":
+        shared += 8 * tokens + 4 * (len(seq_lens) + 1)
+    return float(shared)
+
+
+def llm_stage_layer_bytes(text_config: PreTrainedConfig, seq_lens: Sequence[int], n_layers: int, mode: str,
+                          dtype: str, *, tp: int = 1, flash_varlen: bool = False) -> float:
+    """Bytes `n_layers` decoder layers of an LLM stage keep for one packed row of these samples."""
+    if n_layers == 0:
+        return 0.0
+    concatenated = not flash_varlen and len(set(int(n) for n in seq_lens)) > 1
+    per_token = llm_layer_bytes_per_token(text_config, mode, dtype, tp=tp, concatenated_output=concatenated)
+    return n_layers * per_token * sum(seq_lens) + llm_stage_shared_bytes(text_config, seq_lens, mode, dtype)
+
+
+def vision_layer_bytes_per_token(config: PreTrainedConfig, mode: str, dtype: str, *, tp: int = 1) -> float:
+    """Bytes one vision layer keeps per token (module docstring); `config` is the multimodal config."""
+    b = DTYPE_BYTES[canonical_dtype(dtype)]
+    vc = config.vision_config
+    h, I, H = vc.hidden_size, vc.intermediate_size, vc.num_attention_heads
+    if _mode(mode) == "full":
+        return layer_input_bytes_per_token(h, dtype)
+    family = architecture_of(config).vision_family
+    if family == "internvit" and (getattr(vc, "norm_type", "layer_norm") != "layer_norm" or getattr(vc, "use_qk_norm", False)):
+        raise UserError("activation bytes: InternViT with RMSNorm or QK-norm is not modelled (layer_norm towers only)")
+    replicated = 4 * h + (2 * h if family == "internvit" else 0)
+    none = b * (replicated + (4 * h + 2 * I) / tp) + 4 * (4 + H / tp)
+    return float(none if mode == "none" else none - core_saving_per_token(H, tp))
+
+
+def vision_stage_layer_bytes(config: PreTrainedConfig, n_tiles: int, n_layers: int, mode: str, dtype: str, *,
+                             tp: int = 1) -> float:
+    """Bytes `n_layers` vision layers keep for `n_tiles` tiles."""
+    tokens = n_tiles * architecture_of(config).layer_tokens_per_tile(config)
+    return n_layers * tokens * vision_layer_bytes_per_token(config, mode, dtype, tp=tp)
