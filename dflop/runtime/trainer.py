@@ -172,8 +172,10 @@ class Trainer:
     def compute_gradients(self, plan: StepPlan, loaded: Mapping[int, Any]) -> dict:
         """Forward + backward of one global batch; leaves in .grad the gradient of the mean
         answer-token loss of the whole batch, summed over replicas. Returns step statistics."""
-        for param in self.param_infos:  # zeros, not None: every replica all-reduces the same list
-            if param.grad is None:
+        for param, info in self.param_infos.items():  # zeros, not None: every replica all-reduces the same list
+            if info.zero:  # FSDP2 sets the reduced shard; none held meanwhile (dflop.costmodel.memory)
+                param.grad = None
+            elif param.grad is None:
                 param.grad = torch.zeros_like(param)
             else:
                 param.grad.zero_()
