@@ -64,8 +64,10 @@ CASES = {
         case("colocated-tp2-dp2", "llava_ov", plan((2, 1, 2, [2]), (2, 1, 2, [2]), "colocated", m=2)),
         # the tied embedding's bucket (summed over the two LLM stages first) is never overlapped
         case("colocated-llm-pp2-dp2-tied", "llava_ov", plan((1, 1, 2, [2]), (1, 2, 2, [1, 1]), "colocated", m=2)),
-        # shard_optimizer (FSDP2, ZeRO-2): each replica holds its 1/dp shard of the summed gradient
-        case("vision-dp2-llm-dp2-sharded", "llava_ov", plan(TWO, TWO, m=2, shard=True), shuffle_seed=6),
+        # shard_optimizer (FSDP2, ZeRO-2): each replica holds its 1/dp shard of the summed gradient;
+        # the vision stage shards a frozen tower with a trained projector
+        case("vision-dp2-llm-dp2-sharded-frozen-tower", "llava_ov", plan(TWO, TWO, m=2, shard=True),
+             freeze=("vision",), shuffle_seed=6),
         # sharded stages colocated on one rank; the tied embedding's shards summed over the LLM stages
         case("colocated-llm-pp2-dp2-tied-sharded", "llava_ov",
              plan((1, 1, 2, [2]), (1, 2, 2, [1, 1]), "colocated", m=4, shard=True))],
