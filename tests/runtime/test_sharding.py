@@ -88,3 +88,58 @@ def test_held_state_bytes_match_the_cost_model(tmp_path):
     between = {(r["variant"], r["rank"]): r["between_bytes"] for r in rows}
     for rank in (0, 1):  # dp = 2: between steps a sharded rank holds about half the state
         assert between["sharded", rank] < 0.55 * between["unsharded", rank]
+
+
+def _idle_replica_worker(rank: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dflop.runtime.sharding import StepSharding
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    group = dist.new_group([0, 1])
+    sharded = fully_shard(stage, mesh=DeviceMesh.from_group(group, "cpu"), reshard_after_forward=False)
+    sharded.set_gradient_divide_factor(1.0)
+    sharded.set_force_sum_reduction_for_comms(True)
+    sharded.set_reduce_scatter_unused_params(True)
+    step = StepSharding([sharded])
+    for _ in range(2):  # two steps: the second starts from the first's state
+        for p in stage.parameters():  # the sharded ones between steps; the trainer does the same
+            p.grad = None
+        step.begin()
+        if rank == 0:  # replica 1 has no work at all this step (an empty share on every microbatch)
+            for k in range(3):
+                (stage(torch.full((2, 4), 0.1 * (k + 1))) ** 2).sum().backward()
+        step.reduce()
+    torch.save({n: (p.grad.to_local(), p.grad.placements[0].dim) for n, p in stage.named_parameters()},
+               f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_a_replica_without_work_takes_part_in_the_reduction(tmp_path):
+    """Replica 0 runs three microbatches, replica 1 none: both end with their shard of replica 0's
+    accumulated gradient (the plain model's, in one process), no collective left unmatched."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+    from torch import nn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_idle_replica_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    for k in range(3):
+        (ref(torch.full((2, 4), 0.1 * (k + 1))) ** 2).sum().backward()
+    shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name, p in ref.named_parameters():
+        (a, dim), (b, _) = shards[0][name], shards[1][name]
+        torch.testing.assert_close(torch.cat([a, b], dim), p.grad, msg=name)
