@@ -9,7 +9,8 @@
 2. `PipelineExecutor.run`: 1F1B over vision then LLM stages; the loss is the SUM of answer-token
    losses per bin;
 3. one world all-reduce of (loss sum, answer tokens); gradients: tied-embedding sum, data-parallel
-   sum, divided by the global answer-token count (the exact mean over the global batch);
+   sum (a ``shard_optimizer`` module's by FSDP2's reduce-scatter, `dflop.runtime.sharding`),
+   divided by the global answer-token count (the exact mean over the global batch);
 4. global-norm clipping, AdamW, LR schedule (warm-up + cosine) (`optimizer_step`).
 """
 
