@@ -12,6 +12,24 @@ float16        2      2     12 (same as bfloat16)                       16
 
 Mixed precision keeps gradients in the compute dtype (as PyTorch DDP does) and an fp32 master copy
 of the weights inside the optimizer. Megatron's fp32 ``main_grad`` would add 2 bytes per param.
+
+Sharded over ``dp`` data-parallel replicas (``shard_optimizer``: FSDP2, ZeRO-2 as
+`dflop.runtime.sharding` runs it), per parameter, at the peak of a step (end of its last backward,
+before the reduce-scatter), with p, g, o the unsharded row's bytes:
+
+=========  ===========================================================  ==================
+part       held                                                          bytes
+=========  ===========================================================  ==================
+param      the gathered (unsharded) copy the step computes with, and     p + p / dp
+           the 1/dp shard FSDP2 keeps (what the optimizer updates)
+grad       the full gradient accumulated over the step's microbatches   g
+           (the 1/dp reduce-scattered shard replaces it after the peak)
+optimizer  the 1/dp shard's AdamW state                                 o / dp
+=========  ===========================================================  ==================
+
+float32, dp = 2: 4 + 2 + 4 + 4 = 14 bytes (16 unsharded); dp = 8: 4 + 0.5 + 4 + 1 = 9.5. Between
+steps only the shards are held, (p + g + o) / dp. FSDP2 pads each tensor's first dimension to a
+multiple of dp (a few rows; not counted).
 """
 
 from __future__ import annotations
@@ -31,12 +49,12 @@ _DTYPE_ALIASES = {
 class TrainingStateBytes:
     """Bytes per parameter of the weight, its gradient and its AdamW state."""
 
-    param: int
-    grad: int
-    optimizer: int
+    param: float
+    grad: float
+    optimizer: float
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.param + self.grad + self.optimizer
 
 
@@ -55,6 +73,13 @@ def canonical_dtype(dtype: str) -> str:
         raise UserError(f"unsupported training dtype {dtype!r}; use float32, bfloat16 or float16") from None
 
 
-def training_state_bytes(dtype: str) -> TrainingStateBytes:
-    """AdamW training-state bytes per parameter for weights stored in `dtype` (table above)."""
-    return _STATE_BYTES[canonical_dtype(dtype)]
+def training_state_bytes(dtype: str, shard_over: int = 1) -> TrainingStateBytes:
+    """AdamW training-state bytes per parameter for weights stored in `dtype`, held at the peak of a
+    step with the state sharded over `shard_over` data-parallel replicas (1: not sharded; tables above)."""
+    full = _STATE_BYTES[canonical_dtype(dtype)]
+    if shard_over < 1:
+        raise UserError(f"shard_over must be at least 1, got {shard_over}")
+    if shard_over == 1:
+        return full
+    return TrainingStateBytes(param=full.param * (1 + 1 / shard_over), grad=full.grad,
+                              optimizer=full.optimizer / shard_over)

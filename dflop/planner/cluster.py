@@ -159,6 +159,13 @@ class Cluster:
         aligned = (block <= g) & (g % block == 0) & (np.asarray(first_rank) % block == 0)
         return aligned | self.in_one_node(first_rank, block * np.asarray(pp))
 
+    def reduce_scatter_s(self, nbytes, dp, intra):
+        """Seconds of a ring reduce-scatter of `nbytes` over `dp` replicas, or of a ring all-gather
+        of them (the same traffic): half an all-reduce (0 when dp == 1)."""
+        dp = np.asarray(dp, dtype=np.float64)
+        ring = (dp - 1.0) / dp * np.asarray(nbytes) / self.bandwidth(intra)
+        return np.where(dp > 1, ring + (dp - 1.0) * self.p2p_latency_s, 0.0)
+
     def allreduce_s(self, grad_bytes, dp, intra):
         """Seconds of a ring all-reduce of `grad_bytes` over `dp` replicas (0 when dp == 1)."""
         dp = np.asarray(dp, dtype=np.float64)

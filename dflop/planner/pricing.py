@@ -61,13 +61,25 @@ class Pricing:
 
     @cached_property
     def allreduce_s(self) -> np.ndarray:
-        """[P] seconds of each stage's data-parallel gradient all-reduce (vision stages first)."""
+        """[P] seconds of each stage's data-parallel gradient synchronisation (vision stages first).
+
+        A module with ``shard_optimizer`` (`dflop.runtime.sharding`) instead all-gathers its
+        parameters once per step and reduce-scatters its gradients once: both priced here, as
+        one fixed cost per step, like the all-reduce (the simulation charges it after the stage's
+        last backward; the all-gather really runs before its first forward, neither overlaps)."""
         lay = self.plan.layout
         link = self._links
-        grads = self._stage_grad_bytes()
+        grads, params = self._stage_grad_bytes(), self._stage_grad_bytes("param_bytes")
         n_v = lay.n_vision_stages
-        return np.r_[self.cluster.allreduce_s(grads[:n_v], lay.dp_v, link.vision_allreduce_intra),
-                     self.cluster.allreduce_s(grads[n_v:], lay.dp_l, link.llm_allreduce_intra)]
+        parts = []
+        for module, sl, dp, intra in ((self.plan.vision, slice(0, n_v), lay.dp_v, link.vision_allreduce_intra),
+                                      (self.plan.llm, slice(n_v, None), lay.dp_l, link.llm_allreduce_intra)):
+            if module.techniques.shard_optimizer:  # colocated: the one stage follows plan.llm (n_v = 0)
+                parts.append(self.cluster.reduce_scatter_s(grads[sl], dp, intra)
+                             + self.cluster.reduce_scatter_s(params[sl], dp, intra))
+            else:
+                parts.append(self.cluster.allreduce_s(grads[sl], dp, intra))
+        return np.r_[parts[0], parts[1]]
 
     @cached_property
     def _links(self):
@@ -101,8 +113,9 @@ class Pricing:
                                  + lay.m * lay.dp_v * (base.vision_fwd_const + base.vision_bwd_const).sum())
         return PlanCosts(costs, self.allreduce_s, busy)
 
-    def _stage_grad_bytes(self) -> np.ndarray:
-        """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves)."""
+    def _stage_grad_bytes(self, kind: str = "grad_bytes") -> np.ndarray:
+        """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves), or
+        its parameter bytes (`kind` "param_bytes": what a sharded stage all-gathers)."""
         plan, lay, cost = self.plan, self.plan.layout, self.cost
         vision = [cost.vision_stage_terms([0], n_layers=n, first=k == 0, last=k == lay.pp_v - 1, tp=lay.tp_v).static
                   for k, n in enumerate(plan.vision_layers)]
@@ -111,5 +124,5 @@ class Pricing:
         if lay.colocated:
             llm[0] = llm[0] + vision[0]
             vision = []
-        return np.array([s.grad_bytes for s in vision + llm], dtype=np.float64)
+        return np.array([getattr(s, kind) for s in vision + llm], dtype=np.float64)
 

@@ -67,3 +67,16 @@ def adam_state_bytes(module: nn.Module) -> int:
         if p.requires_grad:
             total += local_tensor(p).numel() * (8 + (4 if p.dtype != torch.float32 else 0))
     return total
+
+
+def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind `tensors` (a DTensor: its local shard's), each counted
+    once however many tensors view it: what a rank holds for them (e.g. FSDP2's gathered parameters
+    are views of one buffer; the buffer counts, padding included)."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        storage = local_tensor(tensor).untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage.nbytes())
+    return sum(storages.values())

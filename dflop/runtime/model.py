@@ -34,6 +34,7 @@ from dflop.models.handle import ModelHandle
 from dflop.models.info import llm_tp_degrees, vision_tp_degrees
 from dflop.models.stages import LLMStage, VisionStage, build_llm_stage, build_vision_stage
 from dflop.models.tensor_parallel import shard_stage
+from dflop.runtime.sharding import shard_stages
 from dflop.runtime.topology import Topology
 
 EMBEDDING_NAME = "model.language_model.embed_tokens.weight"  # global name of the LLM's input embedding
@@ -49,7 +50,7 @@ class RankModules(nn.Module):
     """This rank's modules: ``vision`` (a VisionStage) and/or ``llm`` (an LLMStage).
 
     full: the rank's full transformers model (stages are views of it; the checkpoint names
-    parameters through it).
+    parameters through it). sharded: the stages FSDP2 shards (`dflop.runtime.sharding`).
     """
 
     def __init__(self, full: PreTrainedModel, vision: VisionStage | None, llm: LLMStage | None):
@@ -57,6 +58,7 @@ class RankModules(nn.Module):
         self.vision = vision
         self.llm = llm
         object.__setattr__(self, "full", full)  # not a submodule: its parameters are not all ours
+        self.sharded: list = []
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         seen, out = set(), []
@@ -93,6 +95,7 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
         shard_stage(llm, topo.llm_tp, plan.llm_techniques.sequence_parallel)
     modules = RankModules(model, vision, llm)
     freeze(modules, handle.spec)
+    modules.sharded = shard_stages(topo, model, {"vision": vision, "llm": llm}, torch.device(device).type)
     return modules
 
 

@@ -14,7 +14,11 @@ final (`GradientSync`), the rest right after the pipeline, so the all-reduces ov
 backward and, on a stage that finished early, the wait for the slowest stage (the step-total
 all-reduce).
 
-Global norm: each distinct parameter is counted once over the world: data-parallel replica 0 only,
+Parameters sharded over the replicas (``ParamInfo.zero``, `dflop.runtime.sharding`) have their
+data-parallel sum done by FSDP2 before (2); the tied-embedding sum (1) adds their shards.
+
+Global norm: each distinct parameter is counted once over the world: data-parallel replica 0 only
+(a replica-sharded one: each replica's shard),
 tensor-parallel shards on every TP rank but replicated tensors on TP rank 0 only, a tied embedding
 on the first LLM stage only.
 """
@@ -42,12 +46,15 @@ class ParamInfo:
 
     module: "vision" or "llm" (decides the data-parallel group); sharded: a TP shard;
     tied_copy: the LLM head's copy of a tied embedding held on another stage than the embedding.
+    zero: sharded over the data-parallel replicas by FSDP2 (`dflop.runtime.sharding`), which
+    reduces its gradient: no data-parallel bucket; each replica's shard counts in the norm.
     """
 
     name: str
     module: str
     sharded: bool
     tied_copy: bool
+    zero: bool = False
 
 
 class PendingSync:
@@ -136,7 +143,7 @@ class GradientSync:
         for module, group in (("llm", self.topo.groups.llm_dp), ("vision", self.topo.groups.vision_dp)):
             if group is None:
                 continue
-            members = [(p, info) for p, info in reversed(self.params) if info.module == module]
+            members = [(p, info) for p, info in reversed(self.params) if info.module == module and not info.zero]
             buckets += [_Bucket(chunk, group, True) for chunk in
                         self._buckets_by_size([p for p, info in members if not self._is_tied(info)])]
             tied += [_Bucket(chunk, group, False) for chunk in
@@ -213,7 +220,7 @@ class GradientSync:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for p, info in self._grads():
             role = self.topo.llm_role if info.module == "llm" else self.topo.vision_role
-            if role.replica != 0 or info.tied_copy or (not info.sharded and role.tp_rank != 0):
+            if (role.replica != 0 and not info.zero) or info.tied_copy or (not info.sharded and role.tp_rank != 0):
                 continue
             total += self._local_grad(p).double().pow(2).sum()
         if dist.is_initialized():

@@ -9,7 +9,8 @@
 2. `PipelineExecutor.run`: 1F1B over vision then LLM stages; the loss is the SUM of answer-token
    losses per bin;
 3. one world all-reduce of (loss sum, answer tokens); gradients: tied-embedding sum, data-parallel
-   sum, divided by the global answer-token count (the exact mean over the global batch);
+   sum (a ``shard_optimizer`` module's by FSDP2's reduce-scatter, `dflop.runtime.sharding`),
+   divided by the global answer-token count (the exact mean over the global batch);
 4. global-norm clipping, AdamW, LR schedule (warm-up + cosine) (`optimizer_step`).
 """
 
@@ -43,6 +44,7 @@ from dflop.runtime.p2p import P2P
 from dflop.runtime.run_identity import run_fingerprint
 from dflop.runtime.schedule import PipelineExecutor
 from dflop.runtime.settings import TrainSettings
+from dflop.runtime.sharding import StepSharding, is_sharded_parameter
 from dflop.runtime.skipping import SkippedSamples, load_without_failures
 from dflop.runtime.topology import LLM, VISION, Topology
 from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner
@@ -142,10 +144,12 @@ class Trainer:
             name = canonical.get(id(param), names[id(param)])
             module = LLM if name.startswith(("model.language_model.", "lm_head.")) else VISION
             infos[param] = ParamInfo(name, module, is_tp_shard(param),
-                                     tied_copy=head_copy and name == EMBEDDING_NAME)
+                                     tied_copy=head_copy and name == EMBEDDING_NAME,
+                                     zero=is_sharded_parameter(param, self.modules.sharded))
         self.param_infos = infos
         t = self.settings.train
         self.sync = GradientSync(self.topo, infos, overlap=t.overlap_grad_sync)
+        self.sharding = StepSharding(self.modules.sharded)
         self.optimizer = self.lr_scheduler = None  # a rank whose modules are all frozen has none
         if infos:
             self.optimizer = build_optimizer([(i.name, p) for p, i in infos.items()], lr=t.lr,
@@ -182,15 +186,19 @@ class Trainer:
     def compute_gradients(self, plan: StepPlan, loaded: Mapping[int, Any]) -> dict:
         """Forward + backward of one global batch; leaves in .grad the gradient of the mean
         answer-token loss of the whole batch, summed over replicas. Returns step statistics."""
-        for param in self.param_infos:  # zeros, not None: every replica all-reduces the same list
-            if param.grad is None:
+        for param, info in self.param_infos.items():  # zeros, not None: every replica all-reduces the same list
+            if info.zero:  # FSDP2 sets the reduced shard; none held meanwhile (dflop.costmodel.memory)
+                param.grad = None
+            elif param.grad is None:
                 param.grad = torch.zeros_like(param)
             else:
                 param.grad.zero_()
         inputs = {i: loaded[row] for i, row in enumerate(plan.rows) if row in loaded}
         t0 = time.perf_counter()
+        self.sharding.begin()
         result = self.executor.run(plan, inputs, before_last_backward=self.sync.arm)
         pipeline_s = time.perf_counter() - t0
+        self.sharding.reduce()  # data-parallel sum of the sharded stages' gradients (FSDP2)
         pending = self.sync.start_all_reduce()  # the rest; runs while the world total below waits for the last stage
         counts_here = self.topo.llm_role is not None and self.topo.llm_role.is_last and self.topo.llm_role.tp_rank == 0
         totals = torch.tensor([result.loss_sum if counts_here else 0.0, result.n_answer if counts_here else 0],

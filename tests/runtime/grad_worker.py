@@ -5,7 +5,7 @@ scheduler (the case's policy) partitions the batch; with ``shuffle_seed`` the mi
 order is then permuted. Every rank runs the trainer's forward/backward and gradient
 synchronisation (no optimizer step) and writes the gradients it holds, under the full model's
 parameter names, to ``<case>/grads_rank<r>.safetensors`` with a JSON sidecar naming each tensor's
-tensor-parallel shard (dim, tp rank, tp size); rank 0 also writes the loss and the batch rows.
+shard (its offset and shape in the global tensor); rank 0 also writes the loss and the batch rows.
 
     python -m torch.distributed.run --nproc-per-node N grad_worker.py CASES.json
     CASES.json: {"shapes": ..., "manifest": ..., "cases": [{"name", "out", "plan", "config",
@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dflop.config import Config
 from dflop.models.recompute import attention_module
@@ -60,9 +62,9 @@ def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> No
     for param, info in trainer.param_infos.items():
         key = f"{info.name}@{len(grads)}"
         grads[key] = local_tensor(param.grad).detach().contiguous().clone()
-        if is_tp_shard(param):  # a DTensor on a 1-D TP mesh
-            (placement,) = param.placements
-            shards[key] = [placement.dim, param.device_mesh.get_local_rank(), param.device_mesh.size()]
+        if is_tp_shard(param):  # a DTensor: TP (vocabulary/row/column) or data-parallel (FSDP) shard
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            shards[key] = {"offset": list(offset), "shape": list(shape)}
     save_file(grads, out / f"grads_rank{trainer.rank}.safetensors")
     (out / f"shards_rank{trainer.rank}.json").write_text(json.dumps(shards))
     # what this rank's stages recompute, and the attention function their layers call

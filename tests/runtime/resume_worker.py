@@ -2,7 +2,8 @@
 that follows a checkpoint (as if killed) then re-run, in one launch (process start dominates on CPU).
 
     python -m torch.distributed.run --nproc-per-node N resume_worker.py SPEC.json
-    SPEC.json: {"config": {...}, "plan": path, "shapes": path, "full": dir, "resumed": dir, "stop_after": k}
+    SPEC.json: {"config": {...}, "plan": path, "shapes": path, "full": dir, "resumed": dir, "stop_after": k,
+                "reference_plan": path, "reference": dir}   (optional: one more uninterrupted run, another plan)
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main() -> int:
     # Snakemake deletes an incomplete job's declared outputs before the re-run.
     assert not (Path(spec["resumed"]) / "metrics.parquet").exists()
     train(cfg, out_dir=spec["resumed"], **common)  # re-run: resumes from the last checkpoint
+    if "reference_plan" in spec:
+        train(cfg, out_dir=spec["reference"], **{**common, "plan_path": spec["reference_plan"]})
     dist.destroy_process_group()
     return 0
 

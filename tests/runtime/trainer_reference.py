@@ -92,7 +92,7 @@ def reference_gradients(arch: str, vision: str, llm: str, data: TrainingData, ro
 
 
 def load_rank_gradients(out_dir: str | Path, world: int):
-    """[(name, grad, shard or None)] of every rank's dump (shard = [dim, tp rank, tp size])."""
+    """[(name, grad, shard or None)] of every rank's dump (shard = {"offset", "shape"} in the global tensor)."""
     out = []
     for rank in range(world):
         grads = load_file(Path(out_dir) / f"grads_rank{rank}.safetensors")
@@ -118,9 +118,7 @@ def compare(out_dir: str | Path, world: int, ref_loss: float, ref_count: int, re
                 problems.append(f"rank {rank} {name}: gradient where the reference has none")
             continue
         if shard is not None:
-            dim, tp_rank, tp_size = shard
-            part = ref.shape[dim] // tp_size
-            ref = ref.narrow(dim, tp_rank * part, part)
+            ref = ref[tuple(slice(o, o + n) for o, n in zip(shard["offset"], shard["shape"]))]
         scale = max(1e-3, float(ref.abs().max()))
         if grad.shape != ref.shape or not torch.allclose(grad, ref, rtol=1e-4, atol=1e-5 * scale):
             diff = (grad - ref).abs().max().item() if grad.shape == ref.shape else "shape"

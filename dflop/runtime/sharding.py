@@ -1,0 +1,118 @@
+"""Optimizer state and gradients sharded over a module's data-parallel replicas (ZeRO-2), on FSDP2.
+
+``plan.<module>.techniques.shard_optimizer``: the stage of that module on this rank (a whole
+`VisionStage` / `LLMStage`, one FSDP parameter group) goes through ``fully_shard`` over the
+module's data-parallel group (`Topology.groups.vision_dp` / ``llm_dp``, as a 1-D DeviceMesh made
+from the existing group: the stages' ranks are subsets of the world). Each replica then holds
+1/dp of the parameters, of their gradients and (AdamW builds it from them) of the optimizer state.
+
+Inside a step (`StepSharding`), as torch.distributed.pipelining drives FSDP under a schedule:
+
+1. ``begin``: gradient sync off, no resharding after forward/backward, and an explicit
+   ``unshard()`` (one all-gather of the stage's parameters). Every replica calls it, also one whose
+   microbatches bring it no work this step (an empty bin runs no forward, so FSDP's pre-forward
+   all-gather alone would leave the replicas' collectives unmatched). The unsharded parameters stay
+   for the whole step (ZeRO-2: no re-gather in backward); backward accumulates full gradients.
+2. ``reduce`` after the pipeline: every parameter group's post-backward with sync on (one
+   reduce-scatter per stage, SUM: the trainer divides by the global answer-token count; parameters
+   that got no gradient on this replica contribute zeros, ``set_reduce_scatter_unused_params``),
+   then FSDP's end-of-backward callback, which waits for it, reshards (frees the unsharded
+   parameters) and leaves in each sharded parameter's ``.grad`` its 1/dp shard of the summed
+   gradient. This is ``torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad``'s
+   sequence (private FSDP2 methods, the ones torch's own pipeline schedule calls).
+
+`GradientSync` leaves these parameters out of its data-parallel buckets, sums a tied embedding's
+shard over the ``tied_embedding`` group (both LLM stages shard it alike over the same dp size, and
+sums commute), and counts each shard once in the global norm (every replica holds a different one).
+
+Not supported yet: tensor parallelism together with sharding (FSDP2 needs the TP DTensors on a
+sub-mesh of its 2-D (dp, tp) mesh; `dflop.models.tensor_parallel` builds its own 1-D TP mesh), so
+tp > 1 is refused. A module whose stage on this rank trains nothing is not sharded (no optimizer
+state to shard); dp = 1 has nothing to shard over.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from dflop.errors import UserError
+from dflop.runtime.topology import LLM, VISION, Topology
+
+
+def check_sharding(topo: Topology) -> None:
+    """Refuse sharding where it is not supported (tp > 1), on every rank alike."""
+    for module in (VISION, LLM):
+        lay = topo.layout(module)
+        if lay.techniques.shard_optimizer and lay.tp > 1:
+            raise UserError(f"plan.{module}.techniques.shard_optimizer: not supported with tensor parallelism "
+                            f"(plan.{module}.tp = {lay.tp}); set it false or tp to 1")
+
+
+def shard_stages(topo: Topology, full: nn.Module, stages: dict[str, nn.Module | None],
+                 device_type: str) -> list[FSDPModule]:
+    """``fully_shard`` each stage of `stages` (module name -> this rank's stage) whose module asks
+    for it, has dp > 1 and trains something here; returns the sharded stages. Call after freezing.
+
+    full: the rank's full model, of which the stages are views: its modules get the sharded
+    parameters too (FSDP replaces them only inside the stage; e.g. LLaVA-OV's ``image_newline`` is
+    also registered on the inner model), so global names keep resolving by identity."""
+    check_sharding(topo)
+    groups = {VISION: topo.groups.vision_dp, LLM: topo.groups.llm_dp}
+    out = []
+    for module, stage in stages.items():
+        if stage is None or not topo.layout(module).techniques.shard_optimizer or groups[module] is None:
+            continue
+        if not any(p.requires_grad for p in stage.parameters()):
+            continue
+        mesh = DeviceMesh.from_group(groups[module], device_type, mesh_dim_names=(f"{module}_dp",))
+        before = dict(stage.named_parameters(remove_duplicate=False))
+        sharded = fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+        _rebind(full, before, dict(stage.named_parameters(remove_duplicate=False)))
+        sharded.set_gradient_divide_factor(1.0)  # SUM over replicas, as GradientSync does
+        sharded.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        sharded.set_reduce_scatter_unused_params(True)
+        out.append(sharded)
+    return out
+
+
+def _rebind(full: nn.Module, before: dict[str, nn.Parameter], after: dict[str, nn.Parameter]) -> None:
+    """Where `full` registers a parameter of `before`, register its replacement (same name in `after`)."""
+    new = {id(param): after[name] for name, param in before.items()}
+    for module in full.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in new:
+                module._parameters[name] = new[id(param)]
+
+
+def is_sharded_parameter(param: torch.Tensor, sharded: list[FSDPModule]) -> bool:
+    """Whether FSDP manages `param` (one of the sharded stages' parameters)."""
+    return any(param is p for m in sharded for p in m.parameters())
+
+
+class StepSharding:
+    """Drives the sharded stages through one step (module docstring: `begin`, then `reduce`)."""
+
+    def __init__(self, sharded: list[FSDPModule]):
+        self.sharded = sharded
+
+    def begin(self) -> None:
+        for m in self.sharded:
+            fully_shard.state(m)._lazy_init()  # a replica may run no forward this step
+            m.set_is_last_backward(False)
+            m.set_requires_gradient_sync(False)
+            m.set_reshard_after_backward(False)
+            m.unshard()
+
+    def reduce(self) -> None:
+        for m in self.sharded:
+            m.set_is_last_backward(True)
+            m.set_requires_gradient_sync(True)
+            m.set_reshard_after_backward(True)
+            state = fully_shard.state(m)
+            for inner in state._state_ctx.all_states:
+                for group in inner._fsdp_param_groups:
+                    group.post_backward()
+            state._root_post_backward_final_callback()

@@ -1,0 +1,145 @@
+"""shard_optimizer (FSDP2, ZeRO-2): the cost model's state bytes and the step pricing in closed form,
+the refusal of tensor parallelism, and the state bytes a rank really holds against the cost model.
+
+The gradients and steps themselves are checked elsewhere: test_pipeline_equivalence.py (every
+gradient vs transformers' single-process model) and test_trainer_loop.py (4 steps and a resume vs
+the unsharded trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflop.config import Config
+from dflop.costmodel.analytic import analytic_cost_model
+from dflop.costmodel.memory import training_state_bytes
+from dflop.errors import UserError
+from dflop.models.handle import ModelHandle
+from dflop.plan import Layout, Plan, Techniques, plan_from_dict
+from dflop.planner.cluster import Cluster
+from dflop.planner.pricing import Pricing
+from dflop.runtime.sharding import check_sharding
+from dflop.runtime.topology import Topology
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sharding.py"
+
+
+@pytest.mark.parametrize("dtype, dp, expected", [("float32", 1, (4, 4, 8)), ("float32", 2, (6, 4, 4)),
+                                                 ("float32", 8, (4.5, 4, 1)), ("bfloat16", 4, (2.5, 2, 3))])
+def test_state_bytes_per_parameter_sharded(dtype, dp, expected):
+    # param: gathered copy + 1/dp shard; grad: the full accumulation; optimizer: 1/dp
+    b = training_state_bytes(dtype, shard_over=dp)
+    assert (b.param, b.grad, b.optimizer) == pytest.approx(expected)
+    with pytest.raises(UserError):
+        training_state_bytes(dtype, shard_over=0)
+
+
+def test_sharded_stage_priced_as_all_gather_plus_reduce_scatter():
+    model = ModelHandle.resolve(Config.from_dict({"model": {"arch": "llava_ov", "vision": "siglip-tiny",
+                                                            "llm": "qwen2.5-tiny"}}).model)
+    cost = analytic_cost_model(model.config, tp_degrees=[1], dtype="float32", preset=model.spec.preset)
+    cluster = Cluster.from_section(Config.from_dict({"model": {"arch": "llava_ov", "vision": "siglip-tiny",
+                                                               "llm": "qwen2.5-tiny"},
+                                                     "cluster": {"gpus_per_node": 2, "inter_node_gbps": 10}}).cluster)
+    plan = Plan.uniform(Layout("disjoint", 1, 1, 4, 1, 2, 4, 4), model.n_vision_layers, model.n_llm_layers)
+    plain = Pricing.of(plan, cost, model, cluster)
+    sharded_llm = plan.with_techniques(Techniques.off(1), Techniques(("none", "none"), shard_optimizer=True))
+    sharded = Pricing.of(sharded_llm, cost, model, cluster)
+    stage = cost.llm_stage_terms([1], n_layers=plan.llm_layers[0], first=True, last=False, tp=1).static
+    dp, bw, lat = 4, cluster.bandwidth(sharded._links.llm_allreduce_intra), cluster.p2p_latency_s
+    # ring all-gather of the parameters + ring reduce-scatter of the gradients
+    expected = (dp - 1) / dp * (stage.param_bytes + stage.grad_bytes) / bw + 2 * (dp - 1) * lat
+    assert sharded.allreduce_s[1] == pytest.approx(expected)
+    assert sharded.allreduce_s[0] == plain.allreduce_s[0]  # vision not sharded: its all-reduce
+    # float32 everywhere: the same bytes as the all-reduce (2 (dp-1)/dp x grads)
+    np.testing.assert_allclose(sharded.allreduce_s, plain.allreduce_s)
+
+
+def test_tensor_parallel_sharding_is_refused_naming_the_key():
+    raw = {"vision": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
+           "llm": {"tp": 2, "pp": 1, "dp": 2, "layers_per_stage": [2], "shard_optimizer": True},
+           "placement": "disjoint", "microbatches": 2, "global_batch_size": 8, "world_size": 5}
+    topo = Topology(plan_from_dict(raw).plan, 0, 5)
+    with pytest.raises(UserError, match=r"plan\.llm\.techniques\.shard_optimizer.*tp"):
+        check_sharding(topo)
+    raw["llm"]["tp"], raw["world_size"] = 1, 3
+    check_sharding(Topology(plan_from_dict(raw).plan, 0, 3))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_held_state_bytes_match_the_cost_model(tmp_path):
+    """Per rank, at the step's peak and between steps, sharded and not: bytes of parameter,
+    gradient and optimizer-state storages within 5 % of n_params x training_state_bytes."""
+    result = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--steps", "1", "--samples", "60",
+                             "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [r for r in json.loads((tmp_path / "state.json").read_text())["rows"] if not r["warmup"]]
+    assert {r["variant"] for r in rows} == {"sharded", "unsharded"} and len(rows) == 4
+    for r in rows:
+        assert r["peak_bytes"] == pytest.approx(r["predicted_peak"], rel=0.05), r
+        assert r["between_bytes"] == pytest.approx(r["predicted_between"], rel=0.05), r
+    between = {(r["variant"], r["rank"]): r["between_bytes"] for r in rows}
+    for rank in (0, 1):  # dp = 2: between steps a sharded rank holds about half the state
+        assert between["sharded", rank] < 0.55 * between["unsharded", rank]
+
+
+def _idle_replica_worker(rank: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dflop.runtime.sharding import StepSharding
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    group = dist.new_group([0, 1])
+    sharded = fully_shard(stage, mesh=DeviceMesh.from_group(group, "cpu"), reshard_after_forward=False)
+    sharded.set_gradient_divide_factor(1.0)
+    sharded.set_force_sum_reduction_for_comms(True)
+    sharded.set_reduce_scatter_unused_params(True)
+    step = StepSharding([sharded])
+    for _ in range(2):  # two steps: the second starts from the first's state
+        for p in stage.parameters():  # the sharded ones between steps; the trainer does the same
+            p.grad = None
+        step.begin()
+        if rank == 0:  # replica 1 has no work at all this step (an empty share on every microbatch)
+            for k in range(3):
+                (stage(torch.full((2, 4), 0.1 * (k + 1))) ** 2).sum().backward()
+        step.reduce()
+    torch.save({n: (p.grad.to_local(), p.grad.placements[0].dim) for n, p in stage.named_parameters()},
+               f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_a_replica_without_work_takes_part_in_the_reduction(tmp_path):
+    """Replica 0 runs three microbatches, replica 1 none: both end with their shard of replica 0's
+    accumulated gradient (the plain model's, in one process), no collective left unmatched."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+    from torch import nn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_idle_replica_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    for k in range(3):
+        (ref(torch.full((2, 4), 0.1 * (k + 1))) ** 2).sum().backward()
+    shards = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name, p in ref.named_parameters():
+        (a, dim), (b, _) = shards[0][name], shards[1][name]
+        torch.testing.assert_close(torch.cat([a, b], dim), p.grad, msg=name)
