@@ -137,12 +137,14 @@ def test_world_size_model_and_batch_checks_name_both_numbers():
 
 def test_memory_techniques_are_read_per_module_and_default_to_off():
     llm = {"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [1, 1], "recompute": ["full", "selective"],
-           "shard_optimizer": True, "sequence_parallel": True}
-    plan = plan_from_dict(raw(llm=llm)).plan
-    assert plan.llm.techniques == Techniques(("full", "selective"), shard_optimizer=True, sequence_parallel=True)
-    assert plan.vision.techniques == Techniques(("none",)) and not plan.vision.techniques.any
+           "sequence_parallel": True}
+    vision = {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2], "shard_optimizer": True}
+    plan = plan_from_dict(raw(llm=llm, vision=vision)).plan
+    assert plan.llm.techniques == Techniques(("full", "selective"), sequence_parallel=True)
+    assert plan.vision.techniques == Techniques(("none",), shard_optimizer=True)
+    assert not plan_from_dict(raw()).plan.vision.techniques.any
     assert plan_from_dict(plan.to_dict(16)).plan == plan   # written and read back, techniques included
-    assert "llm: recompute full/selective, sharded optimizer, sequence parallel" in plan.describe()
+    assert "vision: sharded optimizer; llm: recompute full/selective, sequence parallel" in plan.describe()
     # the baseline split keeps the techniques; equality sees them
     assert plan.with_uniform_layers(2, 2).llm_techniques == plan.llm_techniques
     assert plan != plan.with_techniques(Techniques.off(1), Techniques.off(2))

@@ -39,6 +39,10 @@ def batch_costs(
     mem_limit_bytes: float,
     in_flight_per_stage: Sequence[int],
     colocated: bool = False,
+    vision_recompute: Sequence[str] | None = None,
+    llm_recompute: Sequence[str] | None = None,
+    vision_shard_over: int = 1,
+    llm_shard_over: int = 1,
 ) -> BatchCosts:
     """Per-sample costs of n samples on every stage of a layout.
 
@@ -48,7 +52,10 @@ def batch_costs(
         embeddings, last the projector / head);
     mem_limit_bytes: usable memory of one GPU (``inf`` for no limit);
     in_flight_per_stage: microbatches each stage holds at the 1F1B peak
-        (`dflop.plan.in_flight_1f1b`).
+        (`dflop.plan.in_flight_1f1b`);
+    vision_recompute / llm_recompute: each stage's recompute mode (None: none everywhere);
+    vision_shard_over / llm_shard_over: data-parallel replicas each module's optimizer state is
+        sharded over (1: not sharded; `dflop.plan.Techniques`).
 
     Each stage's memory limit in the result is
     ``(mem_limit_bytes - training state) / in_flight - per-microbatch activation constant``: the
@@ -76,12 +83,18 @@ def batch_costs(
             f"in_flight_per_stage has {len(in_flight_per_stage)} entries, expected {n_in_flight} ({layout})"
         )
 
+    vision_modes = list(vision_recompute) if vision_recompute is not None else ["none"] * pp_v
+    llm_modes = list(llm_recompute) if llm_recompute is not None else ["none"] * pp_l
+    if len(vision_modes) != pp_v or len(llm_modes) != pp_l:
+        raise UserError(f"recompute modes {vision_modes} / {llm_modes} do not match {pp_v} vision and {pp_l} LLM stages")
     vision = [
-        model.vision_stage_terms(tiles, n_layers=layers, first=k == 0, last=k == pp_v - 1, tp=tp_v)
+        model.vision_stage_terms(tiles, n_layers=layers, first=k == 0, last=k == pp_v - 1, tp=tp_v,
+                                 recompute=vision_modes[k], shard_over=vision_shard_over)
         for k, layers in enumerate(vision_layers_per_stage)
     ]
     llm = [
-        model.llm_stage_terms(lens, n_layers=layers, first=j == 0, last=j == pp_l - 1, tp=tp_l)
+        model.llm_stage_terms(lens, n_layers=layers, first=j == 0, last=j == pp_l - 1, tp=tp_l,
+                              recompute=llm_modes[j], shard_over=llm_shard_over)
         for j, layers in enumerate(llm_layers_per_stage)
     ]
     if colocated:

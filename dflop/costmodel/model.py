@@ -297,14 +297,16 @@ class CostModel:
         return StageMemory(static.param_bytes, static.grad_bytes, static.optimizer_bytes,
                            float(activation), int(in_flight))
 
-    def _static(self, parts: list[tuple[ModuleCosts, int]]) -> StageMemory:
-        """Training state of a stage: parameters counted from their bytes in the profiled dtype."""
-        param_bytes = sum(mult * m.param_bytes for m, mult in parts)
-        n_params = param_bytes / self.state_bytes.param
+    def _static(self, parts: list[tuple[ModuleCosts, int]], shard_over: int = 1) -> StageMemory:
+        """Training state of a stage: parameters counted from their bytes in the profiled dtype;
+        with the state sharded over `shard_over` replicas, what a rank holds at the step's peak
+        (`dflop.costmodel.memory.training_state_bytes`)."""
+        n_params = sum(mult * m.param_bytes for m, mult in parts) / self.state_bytes.param
+        state = self.state_bytes if shard_over == 1 else training_state_bytes(self.provenance.dtype, shard_over)
         return StageMemory(
-            param_bytes=float(param_bytes),
-            grad_bytes=float(n_params * self.state_bytes.grad),
-            optimizer_bytes=float(n_params * self.state_bytes.optimizer),
+            param_bytes=float(n_params * state.param),
+            grad_bytes=float(n_params * state.grad),
+            optimizer_bytes=float(n_params * state.optimizer),
             activation_bytes=0.0,
             in_flight=1,
         )
@@ -313,21 +315,23 @@ class CostModel:
 
     def vision_stage_terms(
         self, tiles_per_sample: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int,
-        recompute: str = "none",
+        recompute: str = "none", shard_over: int = 1,
     ) -> StageTerms:
-        """Per-sample and per-microbatch parts of a vision stage (samples with 0 tiles cost 0)."""
+        """Per-sample and per-microbatch parts of a vision stage (samples with 0 tiles cost 0);
+        shard_over: data-parallel replicas its optimizer state is sharded over (1: not sharded)."""
         tiles = _sizes(tiles_per_sample, "tiles_per_sample", minimum=0)
-        return self._stage_terms(self._vision_parts(n_layers, first, last, tp, recompute), tiles)
+        return self._stage_terms(self._vision_parts(n_layers, first, last, tp, recompute), tiles, shard_over)
 
     def llm_stage_terms(
         self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int,
-        recompute: str = "none",
+        recompute: str = "none", shard_over: int = 1,
     ) -> StageTerms:
-        """Per-sample and per-bin parts of an LLM stage."""
+        """Per-sample and per-bin parts of an LLM stage (shard_over as `vision_stage_terms`)."""
         lens = _sizes(seq_lens, "seq_lens", minimum=1)
-        return self._stage_terms(self._llm_parts(n_layers, first, last, tp, recompute), lens)
+        return self._stage_terms(self._llm_parts(n_layers, first, last, tp, recompute), lens, shard_over)
 
-    def _stage_terms(self, parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray) -> StageTerms:
+    def _stage_terms(self, parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray,
+                     shard_over: int = 1) -> StageTerms:
         const = {t: 0.0 for t in TARGETS}
         per_sample = {t: np.zeros(len(sizes)) for t in TARGETS}
         for m, mult in parts:
@@ -344,7 +348,7 @@ class CostModel:
             fwd_s=per_sample["fwd_ms"] * _MS,
             bwd_s=per_sample["bwd_ms"] * _MS,
             act_bytes=per_sample["act_bytes"],
-            static=self._static(parts),
+            static=self._static(parts, shard_over),
         )
 
 

@@ -47,7 +47,7 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
     settings = SearchSettings(global_batch=global_batch_size, placements=tuple(p.placements),
                               microbatches=tuple(p.microbatches), sample_batches=p.sample_batches, top_k=p.top_k,
                               time_limit_s=p.time_limit_s, rel_gap=p.rel_gap, seed=seed, racing=racing,
-                              scheduler=scheduler)
+                              scheduler=scheduler, **SearchSettings.techniques_of(p))
     result = search(cost, shape, pool, cluster, settings)
     base = result.baseline
     doc = plan_document(
@@ -66,7 +66,6 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
         model={"arch": model.spec.arch, "vision": model.spec.vision, "llm": model.spec.llm,
                "weights": model.spec.weights, "dtype": cost.provenance.dtype},
         inputs={"shapes": str(shapes_path), "costmodel": str(costmodel_path)},
-        planner=p,
     )
     write_plan(doc, plan_path)
     write_candidates(result.candidates, candidates_path)

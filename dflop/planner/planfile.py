@@ -36,8 +36,7 @@ from typing import Any
 import numpy as np
 
 from dflop.errors import UserError
-from dflop.config import PlannerSection
-from dflop.plan import RANK_ORDER, Plan, Techniques
+from dflop.plan import RANK_ORDER, Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.space import ModelShape
@@ -58,28 +57,11 @@ def predicted_section(ev: Evaluation, *, global_batch: int, memory_limit_bytes: 
     }
 
 
-def forced_techniques(plan: Plan, planner: PlannerSection) -> Plan:
-    """`plan` with the memory techniques the config's planner section forces on both modules.
-
-    ``auto`` means off until the planner chooses techniques itself; sequence parallelism applies
-    to the LLM when it has tensor parallelism (tp > 1; the trainer has no SP for the vision tower)."""
-    recompute = "none" if planner.recompute == "auto" else planner.recompute
-    shard = planner.shard_optimizer is True
-    sp = planner.sequence_parallel is True
-    lay = plan.layout
-    return plan.with_techniques(Techniques((recompute,) * lay.pp_v, shard),
-                                Techniques((recompute,) * lay.pp_l, shard, sp and lay.tp_l > 1))
-
-
 def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Evaluation | None,
                   baseline_mean_shape_s: float | None, global_batch: int, cluster: Cluster, solver: dict,
-                  evaluation: dict, model: dict, inputs: dict, planner: PlannerSection | None = None) -> dict:
-    """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted.
-    Both the plan and the baseline get the memory techniques `planner` forces (`forced_techniques`)."""
-    def techniques(p: Plan) -> Plan:
-        return p if planner is None else forced_techniques(p, planner)
-
-    plan = techniques(chosen.plan)
+                  evaluation: dict, model: dict, inputs: dict) -> dict:
+    """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted."""
+    plan = chosen.plan
     doc: dict[str, Any] = {"version": 1, **plan.to_dict(global_batch), "rank_order": RANK_ORDER,
                            "predicted": predicted_section(chosen, global_batch=global_batch,
                                                           memory_limit_bytes=cluster.gpu_memory_bytes,
@@ -88,7 +70,7 @@ def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Eva
     if baseline is not None:
         b = baseline.plan.layout
         doc["baseline"] = {
-            **techniques(baseline.plan).to_dict(global_batch), "micro_batch_size": global_batch // b.n_bins,
+            **baseline.plan.to_dict(global_batch), "micro_batch_size": global_batch // b.n_bins,
             "policy": baseline.policy,
             "predicted": predicted_section(baseline, global_batch=global_batch,
                                            memory_limit_bytes=cluster.gpu_memory_bytes,

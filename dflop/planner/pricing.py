@@ -90,10 +90,14 @@ class Pricing:
     def batch(self, batch: Pool) -> PlanCosts:
         """Per-sample costs of the samples of `batch` (in batch order) on the plan."""
         plan, lay, sizes, link = self.plan, self.plan.layout, self.sizes, self._links
+        vision, llm = plan.vision_techniques, plan.llm_techniques
         base = batch_costs(self.cost, batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
-                                     llm_layers_per_stage=list(plan.llm_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
-                                     mem_limit_bytes=self.cluster.gpu_memory_bytes,
-                                     in_flight_per_stage=lay.in_flight(), colocated=lay.colocated)
+                           llm_layers_per_stage=list(plan.llm_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
+                           mem_limit_bytes=self.cluster.gpu_memory_bytes,
+                           in_flight_per_stage=lay.in_flight(), colocated=lay.colocated,
+                           vision_recompute=vision.recompute, llm_recompute=llm.recompute,
+                           vision_shard_over=lay.dp_v if vision.shard_optimizer else 1,
+                           llm_shard_over=lay.dp_l if llm.shard_optimizer else 1)
         llm_fwd, llm_bwd = base.llm_fwd.copy(), base.llm_bwd.copy()
         vis_fwd, vis_bwd = base.vision_fwd.copy(), base.vision_bwd.copy()
         hop = batch.seq_len * sizes.llm_token_bytes / float(link.llm_hop_bps)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
+from dflop.config import PlannerSection
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.plan import Layout, Plan
@@ -68,6 +69,20 @@ class SearchSettings:
     max_milps: int | None = None
     baseline_simulate: int = 4
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    recompute: str = "none"           # memory techniques every simulated plan (and the baseline) uses:
+    shard_optimizer: bool = False     # the config's planner.* forced values (`from_section`); the
+    sequence_parallel: bool = False   # planner does not choose them yet
+
+    @staticmethod
+    def techniques_of(planner: PlannerSection) -> dict:
+        """The forced techniques of the config's planner section; ``auto`` means off until the
+        planner chooses techniques itself."""
+        return {"recompute": "none" if planner.recompute == "auto" else planner.recompute,
+                "shard_optimizer": planner.shard_optimizer is True,
+                "sequence_parallel": planner.sequence_parallel is True}
+
+    def with_techniques(self, plan: Plan) -> Plan:
+        return plan.with_forced_techniques(self.recompute, self.shard_optimizer, self.sequence_parallel)
 
     @property
     def n_prescreen(self) -> int:
@@ -157,11 +172,12 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     batches = sample_batches(len(pool), s.sample_batches, s.global_batch, s.seed)
 
     def evaluate(plan: Plan, subset: slice, scheduler: SchedulerSettings) -> Evaluation:
-        return evaluate_plan(plan, cost, pool, batches[subset], cluster, sizes, scheduler,
+        return evaluate_plan(s.with_techniques(plan), cost, pool, batches[subset], cluster, sizes, scheduler,
                              seed=s.seed + (subset.start or 0))
 
     ranked = sorted((x for x in solved if x.result.has_solution), key=lambda x: x.result.objective_s)
-    ranked = _prescreen(ranked, s, lambda plan: quick_step_s(plan, cost, pool.take(batches[0]), cluster, sizes))
+    ranked = _prescreen(ranked, s, lambda plan: quick_step_s(s.with_techniques(plan), cost, pool.take(batches[0]),
+                                                             cluster, sizes))
     chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
     t_sim = time.perf_counter()
     baseline = search_baseline(space, vision, llm, cluster, transfer, granularity,

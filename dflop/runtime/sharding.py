@@ -27,7 +27,7 @@ sums commute), and counts each shard once in the global norm (every replica hold
 
 Not supported yet: tensor parallelism together with sharding (FSDP2 needs the TP DTensors on a
 sub-mesh of its 2-D (dp, tp) mesh; `dflop.models.tensor_parallel` builds its own 1-D TP mesh), so
-tp > 1 is refused. A module whose stage on this rank trains nothing is not sharded (no optimizer
+the plan contract refuses shard_optimizer with tp > 1 (`dflop.plan`). A module whose stage on this rank trains nothing is not sharded (no optimizer
 state to shard); dp = 1 has nothing to shard over.
 """
 
@@ -38,17 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from dflop.errors import UserError
 from dflop.runtime.topology import LLM, VISION, Topology
-
-
-def check_sharding(topo: Topology) -> None:
-    """Refuse sharding where it is not supported (tp > 1), on every rank alike."""
-    for module in (VISION, LLM):
-        lay = topo.layout(module)
-        if lay.techniques.shard_optimizer and lay.tp > 1:
-            raise UserError(f"plan.{module}.techniques.shard_optimizer: not supported with tensor parallelism "
-                            f"(plan.{module}.tp = {lay.tp}); set it false or tp to 1")
 
 
 def shard_stages(topo: Topology, full: nn.Module, stages: dict[str, nn.Module | None],
@@ -59,7 +49,6 @@ def shard_stages(topo: Topology, full: nn.Module, stages: dict[str, nn.Module | 
     full: the rank's full model, of which the stages are views: its modules get the sharded
     parameters too (FSDP replaces them only inside the stage; e.g. LLaVA-OV's ``image_newline`` is
     also registered on the inner model), so global names keep resolving by identity."""
-    check_sharding(topo)
     groups = {VISION: topo.groups.vision_dp, LLM: topo.groups.llm_dp}
     out = []
     for module, stage in stages.items():

@@ -242,3 +242,26 @@ def test_scaled_batch_keeps_the_baseline_runnable_on_more_gpus():
     assert B % (scaled.layout.m * scaled.layout.dp_l) == 0 and "4 samples per microbatch" in notes[0]
     assert scaled_global_batch(PlanFile(plan, 16), cluster, None, []) == round(16 * 64 / 6)
     assert scaled_global_batch(pf, cluster, 100, []) == 100 and scaled_global_batch(pf, None, None, []) == 16
+
+
+def test_forced_techniques_are_written_and_priced_for_the_plan_and_the_baseline(inputs, tmp_path, tiny_shape):
+    """planner.shard_optimizer: true shards both modules of the chosen plan and the baseline, and
+    their predicted memory is what the cost model says a sharded rank holds (less than unsharded);
+    a forced recompute mode the fitted model cannot price is a one-line error naming the mode."""
+    plain = yaml.safe_load(_plan_text(inputs, tmp_path / "plain", tiny_shape))
+    sharded = yaml.safe_load(_plan_text(inputs, tmp_path / "sharded", tiny_shape, planner={"shard_optimizer": True}))
+    for doc in (sharded, sharded["baseline"]):
+        assert doc["vision"]["shard_optimizer"] is True and doc["llm"]["shard_optimizer"] is True
+    # memory does not bind here and sharding prices the same traffic, so the same layout wins
+    assert (plain["llm"], plain["placement"], plain["microbatches"]) == (
+        {**sharded["llm"], "shard_optimizer": False}, sharded["placement"], sharded["microbatches"])
+    assert plain["llm"]["dp"] > 1
+    assert max(sharded["predicted"]["memory_bytes"]["llm"]) < max(plain["predicted"]["memory_bytes"]["llm"])
+    with pytest.raises(UserError, match="no full-recompute costs"):
+        _optimize(inputs, tmp_path / "full", tiny_shape, planner={"recompute": "full"})
+
+
+def _plan_text(inputs, out, shape, **sections) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    _optimize(inputs, out, shape, **sections)
+    return (out / "plan.yaml").read_text()

@@ -24,8 +24,6 @@ from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan, Techniques, plan_from_dict
 from dflop.planner.cluster import Cluster
 from dflop.planner.pricing import Pricing
-from dflop.runtime.sharding import check_sharding
-from dflop.runtime.topology import Topology
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sharding.py"
 
@@ -65,11 +63,10 @@ def test_tensor_parallel_sharding_is_refused_naming_the_key():
     raw = {"vision": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
            "llm": {"tp": 2, "pp": 1, "dp": 2, "layers_per_stage": [2], "shard_optimizer": True},
            "placement": "disjoint", "microbatches": 2, "global_batch_size": 8, "world_size": 5}
-    topo = Topology(plan_from_dict(raw).plan, 0, 5)
-    with pytest.raises(UserError, match=r"plan\.llm\.techniques\.shard_optimizer.*tp"):
-        check_sharding(topo)
+    with pytest.raises(UserError, match=r"p\.yaml: llm\.shard_optimizer: not supported with tensor parallelism yet"):
+        plan_from_dict(raw, "p.yaml")
     raw["llm"]["tp"], raw["world_size"] = 1, 3
-    check_sharding(Topology(plan_from_dict(raw).plan, 0, 3))
+    assert plan_from_dict(raw).plan.llm.techniques.shard_optimizer
 
 
 @pytest.mark.distributed
