@@ -288,7 +288,7 @@ def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) ->
         (over,) = sync.agree(time.perf_counter() - began > settings.time_budget_s)
         return bool(over)
 
-    _warm_up(curves, sync, timer, recompute=settings.recompute_share > 0)
+    _warm_up(curves, sync, timer)
     bar = tqdm(total=0, desc=f"profile TP={common['tp']}", unit="shape", disable=not progress, leave=False)
     for round_ in range(settings.max_refine_rounds + 1):
         shapes = [_Shape.at(bench, axis, fixed, curve, x)
@@ -453,19 +453,18 @@ def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: 
         timed_runs += [run(forward) for _ in range(timed)]
 
 
-def _warm_up(curves, sync: _RankSync, timer: Timer, *, recompute: bool) -> None:
+def _warm_up(curves, sync: _RankSync, timer: Timer) -> None:
     """Run every curve's largest shape once, untimed, before anything is measured.
 
     Without this the coarse round, which runs first and grows the process's heap (and, on GPU,
     the caching allocator's pool) shape by shape, measured up to 1.5x slower than later rounds
     at the same shapes (tiny vision layer, CPU: 1.22 ms at 8 tiles in round 0, 0.77 ms at 9 in
     round 2), a drift no number of per-shape warm-ups removes and the fit then reads as a bend.
-    A layer module's recompute modes run here too (their backward allocates the recomputed forward).
+    Recompute modes are not warmed up: a layer's recomputed forward holds what its mode-none forward
+    holds, so mode none's run grows the heap as far.
     """
     for bench, axis, fixed, curve in curves:
-        largest = _Shape.at(bench, axis, fixed, curve, max(curve.coarse))
-        for mode in ("none", *(bench.recompute_modes if recompute else ())):
-            _run_shape(largest, 1, 0, sync, timer, mode)
+        _run_shape(_Shape.at(bench, axis, fixed, curve, max(curve.coarse)), 1, 0, sync, timer)
 
 
 def _scatter(values: list[float]) -> float:
