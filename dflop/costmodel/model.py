@@ -201,7 +201,8 @@ class CostModel:
         bwd, act = RECOMPUTE_TARGETS[recompute]
         if bwd not in m.coef or act not in m.coef:
             raise UserError(f"cost model ({self.provenance.device}) has no {recompute}-recompute costs for {name}; "
-                            "a fitted profile prices recompute none only (use the analytic cost model)")
+                            "its profile predates the profiler's recompute columns (re-run `dflop profile-model`, "
+                            "or use the analytic cost model)")
         return replace(m, coef={**m.coef, "bwd_ms": m.coef[bwd], "act_bytes": m.coef[act]})
 
     def _vision_parts(self, n_layers: int, first: bool, last: bool, tp: int,
