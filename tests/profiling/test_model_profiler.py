@@ -268,3 +268,38 @@ def test_spent_time_budget_stops_refinement_after_the_coarse_round(tmp_path, cap
     assert set(table["round"]) == {0}
     assert "time budget of 0 s spent; refinement stopped before round 1" in caplog.text
     assert (table.groupby(["module", "batch", "seq_len"]).size() >= 2).all()  # coarse shapes are complete
+
+
+def test_recompute_modes_run_after_each_pass_of_mode_none():
+    """A layer bench's modes get one timed run in pass 0 (which counts its bytes) and the rest of
+    their runs (a quarter of mode none's, at least 2) in later passes, each right after the shape's
+    mode-none runs, and leave the bench in mode none."""
+    from dflop.models.tensor_parallel import TPGroup
+    from dflop.profiling._timing import Timer
+    from dflop.profiling.model_modules import ModuleBench
+    from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape
+
+    calls, state = [], {"mode": "none"}
+    layer = torch.nn.Linear(4, 4)
+
+    def recompute(mode):
+        state["mode"] = mode
+        return forward
+
+    def forward(x):
+        calls.append(state["mode"][0])
+        return layer(x).sum()
+
+    bench = ModuleBench("vision_layer", layer, lambda b, s: (torch.randn(b, s, 4, requires_grad=True),), forward,
+                        recompute)
+    shape = _Shape(bench, None, 1, 1, 8)
+    settings = ProfileSettings(repeats=3, warmup=1, min_measure_ms=0.0, max_repeats=8, recompute_share=0.25)
+    cpu = torch.device("cpu")
+    _measure_round([shape], settings, _RankSync(TPGroup(0, 1), cpu), Timer(cpu))
+    assert "".join(calls) == "nnsf" + "nsf" + "n"  # 3 runs of none; 2 of each mode
+    assert state["mode"] == "none"
+    assert [len(shape.recompute_timed[m]) for m in ("selective", "full")] == [2, 2]
+    assert shape.act_bytes == 8 * 4 * 4 and shape.recompute_act_bytes == {"selective": 128, "full": 128}
+    row = shape.recompute_columns(1)
+    assert row["bwd_ms:full"] == shape.recompute_timed["full"][1]["bwd_ms"] and row["act_bytes:full"] == 128
+    assert math.isnan(shape.recompute_columns(2)["bwd_ms:selective"])  # mode none's third run has no partner
