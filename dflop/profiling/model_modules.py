@@ -13,8 +13,9 @@ tensor-parallel shard), with inputs for one shape.
 
 The modules are the ones the pipeline stages run (`dflop.models.llm_parts`, transformers layers),
 so the profile times the training code. Rotary cos/sin are inputs of `llm_layer` because a stage
-computes them once for all its layers. The layer modules (`RECOMPUTE_MODULES`) also run as a stage
-with recompute selective / full runs them (`dflop.models.recompute`; `ModuleBench.recomputing`).
+computes them once for all its layers. vision_layer and llm_layer, the layers a stage recomputes,
+also run as a stage with recompute selective / full runs them (`dflop.models.recompute`;
+`ModuleBench.recomputing`).
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ TILE_MODULES = ("vision_embed", "vision_layer", "projector")
 TOKEN_MODULES = ("llm_embed", "llm_layer", "llm_attention", "llm_head")
 MODULES = TILE_MODULES + TOKEN_MODULES
 LAYER_MODULES = frozenset({"vision_layer", "llm_layer", "llm_attention"})
-#: Modules a stage's recompute mode changes (the layers it checkpoints), with the modes measured.
-RECOMPUTE_MODULES = ("vision_layer", "llm_layer")
+#: Recompute modes measured besides none, for the benches that have ``recompute``.
 RECOMPUTE_MODES = tuple(mode for mode in plan.RECOMPUTE_MODES if mode != "none")
 #: Share of the tokens that are image placeholders in the `llm_embed` input.
 IMAGE_TOKEN_SHARE = 0.5
@@ -58,7 +58,7 @@ class ModuleBench:
 
     module: holds the measured parameters (none for llm_attention).
     make_inputs: float inputs that get gradients are leaves with ``requires_grad``.
-    recompute: for `RECOMPUTE_MODULES`, ``recompute(mode)`` switches the module to a recompute
+    recompute: for vision_layer and llm_layer, ``recompute(mode)`` switches the module to a recompute
         mode (none | selective | full) and returns the forward a stage in that mode runs.
     """
 
