@@ -1,7 +1,10 @@
 """`dflop fit`: fit the cost models on a model profile, report held-out error, save JSON.
 
 One non-negative linear regressor per (module, tp, target) on relative error, target in
-fwd_ms / bwd_ms / act_bytes, features from `dflop.costmodel.features`. The held-out error of
+fwd_ms / bwd_ms / act_bytes, plus the recompute targets ``bwd_ms:<mode>`` / ``act_bytes:<mode>``
+of a module whose every profiled shape has them (the profiler measures them for the layer
+modules; an older profile lacks them and its model then prices recompute none only), features
+from `dflop.costmodel.features`. The held-out error of
 each is measured by leaving one profiled shape out at a time (`dflop.costmodel.validation`) and
 written to ``validation.parquet``:
 
@@ -23,7 +26,7 @@ import pandas as pd
 
 from dflop.costmodel.features import module_features, profile_features
 from dflop.costmodel.jsonio import save_cost_model
-from dflop.costmodel.model import TARGETS, CostModel, ModuleCosts, Provenance
+from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, CostModel, ModuleCosts, Provenance
 from dflop.costmodel.profile_table import ProfileSummary, read_profile
 from dflop.costmodel.regressor import NonNegativeLinearRegression
 from dflop.costmodel.validation import leave_one_shape_out
@@ -68,7 +71,7 @@ def fit_profile(
                         module, tp, len(shapes), len(features), ", ".join(features))
         X = profile_features(features, shapes["batch"].to_numpy(), shapes["seq_len"].to_numpy())
         coef = {}
-        for target in TARGETS:
+        for target in TARGETS + _measured_optional_targets(shapes, module, tp):
             y = shapes[target].to_numpy(dtype=np.float64)
             coef[target] = tuple(float(c) for c in NonNegativeLinearRegression().fit(X, y).coef_)
             held_out = leave_one_shape_out(X, y, NonNegativeLinearRegression)
@@ -101,12 +104,28 @@ def fit_profile(
     return CostModel(modules, provenance), validation
 
 
+def _measured_optional_targets(shapes: pd.DataFrame, module: str, tp) -> tuple[str, ...]:
+    """The optional targets every shape of this (module, tp) has; a partly measured one is left out
+    (with a warning), since a fit on some shapes would extrapolate silently."""
+    present = []
+    for target in OPTIONAL_TARGETS:
+        if target not in shapes.columns:
+            continue
+        measured = shapes[target].notna()
+        if measured.all():
+            present.append(target)
+        elif measured.any():
+            log.warning("%s at tp=%s: %s measured on %d of %d shapes; not fitted", module, tp, target,
+                        int(measured.sum()), len(shapes))
+    return tuple(present)
+
+
 def format_validation(validation: pd.DataFrame) -> str:
     """A fixed-width table of held-out errors (percent) for logs and benchmarks."""
-    lines = [f"{'module':<14} {'tp':>3} {'target':<10} {'shapes':>6} {'median%':>8} {'p90%':>8} {'max%':>8}"]
+    lines = [f"{'module':<14} {'tp':>3} {'target':<19} {'shapes':>6} {'median%':>8} {'p90%':>8} {'max%':>8}"]
     for r in validation.itertuples(index=False):
         lines.append(
-            f"{r.module:<14} {r.tp:>3} {r.target:<10} {r.n_test_shapes:>6} "
+            f"{r.module:<14} {r.tp:>3} {r.target:<19} {r.n_test_shapes:>6} "
             f"{r.mape_median:>8.2f} {r.mape_p90:>8.2f} {r.mape_max:>8.2f}"
         )
     return "\n".join(lines)

@@ -33,14 +33,13 @@ from pathlib import Path
 import jsonschema
 
 from dflop.costmodel.features import FEATURE_NAMES, MODULE_FEATURES, allowed_features
-from dflop.costmodel.model import RECOMPUTE_TARGETS, TARGETS, CostModel, ModuleCosts, Provenance
+from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, CostModel, ModuleCosts, Provenance
 from dflop.errors import UserError
 from dflop.io import write_text_atomic
 
 FORMAT_NAME = "dflop-costmodel"
 FORMAT_VERSION = 1
 
-_OPTIONAL_TARGETS = tuple(t for targets in RECOMPUTE_TARGETS.values() for t in targets)  # layer modules, when priced
 UNITS = {"fwd_ms": "milliseconds", "bwd_ms": "milliseconds", "act_bytes": "bytes", "param_bytes": "bytes"}
 
 _coefficients = {"type": "array", "items": {"type": "number", "minimum": 0}}
@@ -80,7 +79,7 @@ SCHEMA = {
                     "coef": {
                         "type": "object",
                         "required": list(TARGETS),
-                        "properties": {t: _coefficients for t in TARGETS + _OPTIONAL_TARGETS},
+                        "properties": {t: _coefficients for t in TARGETS + OPTIONAL_TARGETS},
                         "additionalProperties": False,
                     },
                     "param_bytes": {"type": "number", "minimum": 0},
@@ -112,7 +111,7 @@ def cost_model_to_dict(model: CostModel) -> dict:
                 "module": m.module,
                 "tp": m.tp,
                 "features": list(m.features),
-                "coef": {t: [float(c) for c in m.coef[t]] for t in TARGETS + _OPTIONAL_TARGETS if t in m.coef},
+                "coef": {t: [float(c) for c in m.coef[t]] for t in TARGETS + OPTIONAL_TARGETS if t in m.coef},
                 "param_bytes": float(m.param_bytes),
                 "n_shapes": m.n_shapes,
                 "profiled_batch": [int(v) for v in m.profiled_batch],
@@ -144,7 +143,7 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
                 f"{source}: modules/{i} ({entry['module']}) has features {list(features)}, "
                 f"expected {' or '.join(str(list(e)) for e in expected)}"
             )
-        for target in (t for t in TARGETS + _OPTIONAL_TARGETS if t in entry["coef"]):
+        for target in (t for t in TARGETS + OPTIONAL_TARGETS if t in entry["coef"]):
             if len(entry["coef"][target]) != len(features):
                 raise UserError(
                     f"{source}: modules/{i}/coef/{target} has {len(entry['coef'][target])} "
@@ -154,7 +153,7 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
             module=entry["module"],
             tp=int(entry["tp"]),
             features=features,
-            coef={t: tuple(float(c) for c in entry["coef"][t]) for t in TARGETS + _OPTIONAL_TARGETS
+            coef={t: tuple(float(c) for c in entry["coef"][t]) for t in TARGETS + OPTIONAL_TARGETS
                   if t in entry["coef"]},
             param_bytes=float(entry["param_bytes"]),
             n_shapes=int(entry.get("n_shapes", 0)),

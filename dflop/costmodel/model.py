@@ -14,7 +14,8 @@ at the given tensor-parallel degree.
 Memory of a stage = training state (`dflop.costmodel.memory`) + in-flight microbatches x the
 bytes saved for backward. A stage's ``recompute`` mode (none | selective | full) picks its layers'
 ``bwd_ms:<mode>`` / ``act_bytes:<mode>`` coefficients (`RECOMPUTE_TARGETS`; the analytic model has
-them, `dflop.costmodel.activations` gives the bytes). Not modelled: transient workspace (the CUDA
+them, `dflop.costmodel.activations` gives the bytes; a model fitted on a profile that measured the
+modes has them too). Not modelled: transient workspace (the CUDA
 allocator peak the profiler records is not used; recomputation adds one layer's activations of one
 microbatch while that layer's backward runs), so keep a margin in the memory limit; and tied input/output embeddings are
 counted on both the first and the last LLM stage, as pipelines replicate them, which counts the
@@ -41,8 +42,9 @@ from dflop.errors import UserError
 TARGETS = ("fwd_ms", "bwd_ms", "act_bytes")
 #: Optional targets of layer modules under activation recomputation (plan key ``recompute``): the
 #: backward including the recomputed forward, and the bytes kept for backward. Absent: that mode
-#: cannot be priced by this model (the profiler measures mode none only).
+#: cannot be priced by this model (a profile from before the profiler measured the modes).
 RECOMPUTE_TARGETS = {mode: (f"bwd_ms:{mode}", f"act_bytes:{mode}") for mode in ("selective", "full")}
+OPTIONAL_TARGETS = tuple(t for targets in RECOMPUTE_TARGETS.values() for t in targets)
 _LAYER_MODULES = ("vision_layer", "llm_layer")
 
 
@@ -199,7 +201,8 @@ class CostModel:
         bwd, act = RECOMPUTE_TARGETS[recompute]
         if bwd not in m.coef or act not in m.coef:
             raise UserError(f"cost model ({self.provenance.device}) has no {recompute}-recompute costs for {name}; "
-                            "a fitted profile prices recompute none only (use the analytic cost model)")
+                            "its profile predates the profiler's recompute columns (re-run `dflop profile-model`, "
+                            "or use the analytic cost model)")
         return replace(m, coef={**m.coef, "bwd_ms": m.coef[bwd], "act_bytes": m.coef[act]})
 
     def _vision_parts(self, n_layers: int, first: bool, last: bool, tp: int,

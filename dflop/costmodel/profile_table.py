@@ -2,8 +2,10 @@
 
 The profile (DESIGN.md §4) has one row per measurement: ``module, tp, batch, seq_len, n_layers,
 fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes, device, dtype, repeat`` (extra columns are
-ignored). Layer modules may be profiled as a stack of ``n_layers`` layers; costs are divided by
-``n_layers`` here so every fitted layer cost is per layer.
+ignored), and optionally the layer modules' recompute targets ``bwd_ms:<mode>`` /
+``act_bytes:<mode>`` (`OPTIONAL_TARGETS`; NaN where not measured: other modules, and repeats past
+the mode's fewer runs). Layer modules may be profiled as a stack of ``n_layers`` layers; costs are
+divided by ``n_layers`` here so every fitted layer cost is per layer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from dflop.costmodel.features import LAYER_MODULES, MODULE_FEATURES, ShapeKind
-from dflop.costmodel.model import TARGETS
+from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS
 from dflop.errors import UserError
 from dflop.io import read_parquet
 
@@ -33,7 +35,9 @@ class ProfileSummary:
     """Per-shape medians of a profile and where it came from.
 
     shapes: one row per (module, tp, batch, seq_len) with columns module, tp, batch, seq_len,
-        fwd_ms, bwd_ms, act_bytes, param_bytes (per layer for layer modules), n_repeats.
+        fwd_ms, bwd_ms, act_bytes, param_bytes (per layer for layer modules), n_repeats, and the
+        `OPTIONAL_TARGETS` the profile has (median of the measured repeats; NaN for a shape
+        without any).
     """
 
     shapes: pd.DataFrame
@@ -66,17 +70,18 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     table = table[table["module"].isin(list(MODULE_FEATURES))]
     if table.empty:
         raise UserError(f"{source}: no known modules; expected some of {', '.join(MODULE_FEATURES)}")
-    _check_values(table, source)
+    optional = [c for c in OPTIONAL_TARGETS if c in table.columns]
+    _check_values(table, source, optional)
 
     per_layer = table.copy()
     stacked = per_layer["module"].isin(list(LAYER_MODULES))
-    for column in (*TARGETS, "param_bytes"):
+    for column in (*TARGETS, *optional, "param_bytes"):
         per_layer[column] = per_layer[column].astype(np.float64)
         per_layer.loc[stacked, column] = per_layer.loc[stacked, column] / per_layer.loc[stacked, "n_layers"]
 
     keys = ["module", "tp", "batch", "seq_len"]
     grouped = per_layer.groupby(keys, sort=True)
-    shapes = grouped[[*TARGETS, "param_bytes"]].median()
+    shapes = grouped[[*TARGETS, *optional, "param_bytes"]].median()  # skips NaN
     shapes["n_repeats"] = grouped.size()
     shapes = shapes.reset_index()
     for column in ("tp", "batch", "seq_len"):
@@ -94,12 +99,15 @@ def _single_value(table: pd.DataFrame, column: str, source: str) -> str:
     return values[0]
 
 
-def _check_values(table: pd.DataFrame, source: str) -> None:
-    numeric = ["tp", "batch", "seq_len", "n_layers", *TARGETS, "param_bytes"]
+def _check_values(table: pd.DataFrame, source: str, optional: list[str]) -> None:
+    """Required numbers finite and in range; optional targets may be missing (NaN), not infinite or negative."""
+    numeric = ["tp", "batch", "seq_len", "n_layers", *TARGETS, "param_bytes", *optional]
     for column in numeric:
         values = pd.to_numeric(table[column], errors="coerce").to_numpy(dtype=np.float64)
         minimum = 1 if column in ("tp", "batch", "seq_len", "n_layers") else 0
         bad = ~np.isfinite(values) | (values < minimum)
+        if column in optional:
+            bad &= ~np.isnan(values)
         if column == "n_layers":
             bad &= table["module"].isin(list(LAYER_MODULES)).to_numpy()
         if bad.any():

@@ -3,7 +3,9 @@
 A synthetic profile has exactly the columns of `model_profile.parquet` (DESIGN.md §4); its times
 are ``coef @ features`` of the shape with multiplicative log-normal noise per repeat, and its
 activation bytes are exact (the real profiler counts saved tensors exactly too). Tests fit it and
-compare the recovered coefficients and predictions with the closed form.
+compare the recovered coefficients and predictions with the closed form. With ``recompute=True``
+the layer modules also get the recompute columns ``bwd_ms:<mode>`` / ``act_bytes:<mode>``, as the
+profiler writes them (NaN for the other modules and for repeats past ``recompute_repeats``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from dflop.costmodel.features import LAYER_MODULES, MODULE_FEATURES, ShapeKind, profile_features
-from dflop.costmodel.model import TARGETS
+from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS
 
 
 def _default_coef() -> dict[str, dict[str, tuple[float, ...]]]:
@@ -36,15 +38,27 @@ def _default_coef() -> dict[str, dict[str, tuple[float, ...]]]:
     }
 
 
+def _default_recompute_coef() -> dict[str, dict[str, tuple[float, ...]]]:
+    """Layer modules under recompute: backward plus (part of) the forward again, fewer bytes kept."""
+    return {
+        "vision_layer": {"bwd_ms:selective": (0.70, 0.10), "act_bytes:selective": (2.39e7, 0.0),
+                         "bwd_ms:full": (0.90, 0.18), "act_bytes:full": (1.1e6, 0.0)},
+        "llm_layer": {"bwd_ms:selective": (3.1e-3, 0.0, 7e-7, 0.22), "act_bytes:selective": (3.39e4, 0.0, 0.0, 0.0),
+                      "bwd_ms:full": (4.4e-3, 3e-6, 7e-7, 0.35), "act_bytes:full": (1.8e3, 0.0, 0.0, 0.0)},
+    }
+
+
 @dataclass(frozen=True)
 class SyntheticCosts:
-    """Closed-form costs per module: coef[module][target] aligned with MODULE_FEATURES[module].
+    """Closed-form costs per module: coef[module][target] aligned with MODULE_FEATURES[module];
+    recompute_coef[module][target] likewise for the recompute targets of layer modules.
 
     At tensor-parallel degree tp every coefficient but ``const`` is divided by tp (ideal scaling);
     param_bytes (per layer for layer modules) is divided by tp as well.
     """
 
     coef: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=_default_coef)
+    recompute_coef: Mapping[str, Mapping[str, tuple[float, ...]]] = field(default_factory=_default_recompute_coef)
     param_bytes: Mapping[str, float] = field(default_factory=lambda: {
         "vision_embed": 1.2e6, "vision_layer": 2.8e7, "projector": 1.6e7,
         "llm_embed": 1.4e8, "llm_head": 1.4e8, "llm_layer": 5.8e7, "llm_attention": 1.2e7,
@@ -52,7 +66,8 @@ class SyntheticCosts:
 
     def coefficients(self, module: str, target: str, tp: int = 1) -> np.ndarray:
         """[n_features] the closed-form coefficients of `module` at `tp` (ms or bytes per unit)."""
-        coef = np.asarray(self.coef[module][target], dtype=np.float64)
+        table = self.recompute_coef if target in OPTIONAL_TARGETS else self.coef
+        coef = np.asarray(table[module][target], dtype=np.float64)
         features = MODULE_FEATURES[module][1]
         scale = np.array([1.0 if f == "const" else 1.0 / tp for f in features])
         return coef * scale
@@ -74,11 +89,15 @@ def synthetic_profile(
     device: str = "synthetic",
     dtype: str = "float32",
     preset: str = "synthetic",
+    recompute: bool = False,
+    recompute_repeats: int | None = None,
 ) -> pd.DataFrame:
     """A model profile (one row per repeat) generated from `costs`.
 
     noise: standard deviation of the log-normal multiplicative noise on times (0.02 ≈ 2%).
     Layer modules are profiled as a stack of `n_layers` layers (times and bytes multiplied).
+    recompute: add the recompute columns (module docstring); recompute_repeats: how many of a
+    shape's repeats have a ``bwd_ms:<mode>`` (default all).
     """
     costs = costs or SyntheticCosts()
     rng = np.random.default_rng(seed)
@@ -93,11 +112,19 @@ def synthetic_profile(
             batch, seq = grid[:, 0], grid[:, 1]
         X = profile_features(features, batch, seq)
         stack = n_layers if module in LAYER_MODULES else 1
+        optional = tuple(costs.recompute_coef.get(module, {})) if recompute else ()
         for tp in tp_degrees:
-            exact = {t: X @ costs.coefficients(module, t, tp) * stack for t in TARGETS}
+            exact = {t: X @ costs.coefficients(module, t, tp) * stack for t in TARGETS + optional}
             for r in range(repeats):
                 jitter = {t: np.exp(rng.normal(0.0, noise, len(batch))) if noise else 1.0
                           for t in ("fwd_ms", "bwd_ms")}
+                columns = {}
+                for t in (OPTIONAL_TARGETS if recompute else ()):
+                    timed = t.startswith("bwd_ms")
+                    if t not in optional or (timed and recompute_repeats is not None and r >= recompute_repeats):
+                        columns[t] = np.nan
+                    else:
+                        columns[t] = exact[t] * (np.exp(rng.normal(0.0, noise, len(batch))) if noise and timed else 1.0)
                 frames.append(pd.DataFrame({
                     "module": module, "tp": tp, "batch": batch, "seq_len": seq, "n_layers": stack,
                     "fwd_ms": exact["fwd_ms"] * jitter["fwd_ms"],
@@ -105,6 +132,6 @@ def synthetic_profile(
                     "act_bytes": exact["act_bytes"],
                     "param_bytes": costs.param_bytes[module] * stack / tp,
                     "peak_bytes": np.nan, "device": device, "dtype": dtype, "repeat": r,
-                    "preset": preset,
+                    "preset": preset, **columns,
                 }))
     return pd.concat(frames, ignore_index=True)

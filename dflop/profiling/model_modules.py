@@ -13,22 +13,26 @@ tensor-parallel shard), with inputs for one shape.
 
 The modules are the ones the pipeline stages run (`dflop.models.llm_parts`, transformers layers),
 so the profile times the training code. Rotary cos/sin are inputs of `llm_layer` because a stage
-computes them once for all its layers.
+computes them once for all its layers. vision_layer and llm_layer, the layers a stage recomputes,
+also run as a stage with recompute selective / full runs them (`dflop.models.recompute`;
+`ModuleBench.recomputing`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 from transformers import PreTrainedConfig
 
+from dflop import plan
 from dflop.models.architectures import Architecture, new_llm_layer, new_llm_norm, new_rotary_embedding
 from dflop.models.llm_parts import CausalLMHead, TokenEmbedding, run_decoder_layers
 from dflop.models.packing import PackedSequence, packed_attention_forward
+from dflop.models.recompute import checkpointed_call, set_core_recompute
 from dflop.models.tensor_parallel import (
     TPGroup,
     VocabParallelCausalLMHead,
@@ -42,6 +46,8 @@ TILE_MODULES = ("vision_embed", "vision_layer", "projector")
 TOKEN_MODULES = ("llm_embed", "llm_layer", "llm_attention", "llm_head")
 MODULES = TILE_MODULES + TOKEN_MODULES
 LAYER_MODULES = frozenset({"vision_layer", "llm_layer", "llm_attention"})
+#: Recompute modes measured besides none, for the benches that have ``recompute``.
+RECOMPUTE_MODES = tuple(mode for mode in plan.RECOMPUTE_MODES if mode != "none")
 #: Share of the tokens that are image placeholders in the `llm_embed` input.
 IMAGE_TOKEN_SHARE = 0.5
 
@@ -52,12 +58,32 @@ class ModuleBench:
 
     module: holds the measured parameters (none for llm_attention).
     make_inputs: float inputs that get gradients are leaves with ``requires_grad``.
+    recompute: for vision_layer and llm_layer, ``recompute(mode)`` switches the module to a recompute
+        mode (none | selective | full) and returns the forward a stage in that mode runs.
     """
 
     name: str
     module: nn.Module
     make_inputs: Callable[[int, int], tuple]
     forward: Callable[..., torch.Tensor]
+    recompute: Callable[[str], Callable[..., torch.Tensor]] | None = None
+
+    @property
+    def recompute_modes(self) -> tuple[str, ...]:
+        """The recompute modes measured besides none (none for modules a stage never recomputes)."""
+        return RECOMPUTE_MODES if self.recompute is not None else ()
+
+    @contextlib.contextmanager
+    def recomputing(self, mode: str) -> Iterator[Callable[..., torch.Tensor]]:
+        """The forward under recompute `mode` for the block (forward and backward); mode none after."""
+        if mode == "none":
+            yield self.forward
+            return
+        forward = self.recompute(mode)
+        try:
+            yield forward
+        finally:
+            self.recompute("none")
 
     @property
     def n_layers(self) -> int:
@@ -119,8 +145,17 @@ class _BenchFactory:
     def vision_layer(self) -> ModuleBench:
         layer = shard_vision_layer(self.arch.new_vision_layer(self.config), self.tp)
         width = self.vision_cfg.hidden_size
-        return ModuleBench("vision_layer", layer, lambda batch, seq: (self._randn(batch, seq, width),),
-                           lambda hidden: self.arch.run_vision_layer(layer, hidden))
+        run = self.arch.run_vision_layer
+
+        def recompute(mode):  # as `dflop.models.stages.VisionStage` runs its layers
+            set_core_recompute(layer, mode == "selective")
+            return (lambda hidden: checkpointed_call(run, layer, hidden)) if mode == "full" else forward
+
+        def forward(hidden):
+            return run(layer, hidden)
+
+        return ModuleBench("vision_layer", layer, lambda batch, seq: (self._randn(batch, seq, width),), forward,
+                           recompute)
 
     def projector(self) -> ModuleBench:
         module = self.arch.new_projector(self.config)
@@ -157,8 +192,14 @@ class _BenchFactory:
                 cos_sin = rotary(hidden, packed.position_ids.unsqueeze(0))
             return hidden, packed, cos_sin
 
+        def recompute(mode):  # as `dflop.models.stages.LLMStage` runs its layers
+            set_core_recompute(layer, mode == "selective")
+            return lambda hidden, packed, cos_sin: run_decoder_layers([layer], hidden, packed, cos_sin,
+                                                                      checkpoint_layers=mode == "full")
+
         return ModuleBench("llm_layer", layer, inputs,
-                           lambda hidden, packed, cos_sin: run_decoder_layers([layer], hidden, packed, cos_sin))
+                           lambda hidden, packed, cos_sin: run_decoder_layers([layer], hidden, packed, cos_sin),
+                           recompute)
 
     def llm_attention(self) -> ModuleBench:
         cfg = self.text_cfg

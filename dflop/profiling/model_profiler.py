@@ -5,7 +5,10 @@ One row per measured repeat:
     module, tp, batch, seq_len, n_layers, fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes,
     device, dtype, repeat
 plus grad_bytes, optim_bytes (Adam), preset, threads and round (0 = coarse grid, k = k-th
-refinement). Modules and shapes are described in `dflop.profiling.model_modules`. Per rank:
+refinement), and for the layer modules a stage may recompute (vision_layer, llm_layer)
+``bwd_ms:<mode>`` and ``act_bytes:<mode>`` for recompute selective and full (NaN for the other
+modules; `_measure_round` says how many of a shape's rows have a ``bwd_ms:<mode>``). Modules and
+shapes are described in `dflop.profiling.model_modules`. Per rank:
 param/grad/optim bytes are exact from the module, act_bytes is exact (tensors saved for
 backward, `_memory.saved_tensor_bytes`), peak_bytes is the CUDA allocator peak during forward +
 backward above what was allocated before it (NaN on CPU). Times are milliseconds: CUDA events on
@@ -44,6 +47,7 @@ from tqdm import tqdm
 from transformers import PreTrainedConfig
 
 from dflop.config import ProfileSection
+from dflop.costmodel.model import RECOMPUTE_TARGETS
 from dflop.cpu_memory import reuse_large_cpu_allocations
 from dflop.errors import UserError
 from dflop.io import atomic_path
@@ -55,12 +59,13 @@ from dflop.models.tensor_parallel import TPGroup
 from dflop.profiling._memory import adam_state_bytes, grad_bytes, param_bytes, saved_tensor_bytes
 from dflop.profiling._timing import Timer
 from dflop.profiling.model_grid import AdaptiveCurve, geometric_points
-from dflop.profiling.model_modules import MODULES, TILE_MODULES, ModuleBench, build_benches
+from dflop.profiling.model_modules import MODULES, RECOMPUTE_MODES, TILE_MODULES, ModuleBench, build_benches
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
-           "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "preset", "threads", "round")
+           "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "preset", "threads", "round",
+           *(column for mode in RECOMPUTE_MODES for column in RECOMPUTE_TARGETS[mode]))
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class ProfileSettings:
         `repeats` is less than this gets more runs, up to max_repeats, so the median of a light
         module is not at the mercy of one or two disturbed runs; a shape whose first run alone is
         less than this is also warmed up again before each pass (`_measure_round`).
+    recompute_share: timed runs of each recompute mode (selective, full) of a layer module's shape,
+        as a share of its mode-none runs (at least min(2, those)); 0 measures mode none only.
     """
 
     max_tiles: int = 16
@@ -94,6 +101,7 @@ class ProfileSettings:
     abs_tol_ms: float = 0.05
     max_refine_rounds: int = 3
     batch_ratio: int = 4
+    recompute_share: float = 0.25
 
     def check(self) -> None:
         if self.max_tiles < 1:
@@ -105,6 +113,8 @@ class ProfileSettings:
         if self.max_repeats < self.repeats or self.min_measure_ms < 0:
             raise UserError(f"profile.max_repeats ({self.max_repeats}) must be >= repeats ({self.repeats}) and "
                             f"min_measure_ms >= 0, got {self.min_measure_ms}")
+        if not 0 <= self.recompute_share <= 1:
+            raise UserError(f"profile recompute_share must be in [0, 1], got {self.recompute_share}")
         if self.time_budget_s <= 0:
             raise UserError(f"profile.time_budget_s must be > 0, got {self.time_budget_s}")
 
@@ -295,7 +305,8 @@ def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) ->
             totals = [r["fwd_ms"] + r["bwd_ms"] for r in shape.timed]
             shape.curve.record(shape.x, *sync.agree(statistics.median(totals), _scatter(totals)))
             rows.extend(dict(r, **common, **shape.sizes, act_bytes=shape.act_bytes, repeat=k, module=shape.bench.name,
-                             batch=shape.batch, seq_len=shape.seq_len, n_layers=shape.bench.n_layers, round=round_)
+                             batch=shape.batch, seq_len=shape.seq_len, n_layers=shape.bench.n_layers, round=round_,
+                             **shape.recompute_columns(k))
                         for k, r in enumerate(shape.timed))
             bar.update()
     bar.close()
@@ -314,6 +325,17 @@ class _Shape:
     timed: list[dict] = field(default_factory=list)
     act_bytes: int | None = None
     sizes: dict = field(default_factory=dict)
+    recompute_timed: dict[str, list[dict]] = field(default_factory=dict)  # mode -> its timed runs
+    recompute_act_bytes: dict[str, int] = field(default_factory=dict)
+
+    def recompute_columns(self, k: int) -> dict:
+        """``bwd_ms:<mode>`` of the mode's k-th timed run (NaN past its last) and ``act_bytes:<mode>``."""
+        columns = {}
+        for mode, runs in self.recompute_timed.items():
+            bwd, act = RECOMPUTE_TARGETS[mode]
+            columns[bwd] = runs[k]["bwd_ms"] if k < len(runs) else math.nan
+            columns[act] = self.recompute_act_bytes[mode]
+        return columns
 
     @classmethod
     def at(cls, bench: ModuleBench, axis: str, fixed: int, curve: AdaptiveCurve, x: int) -> "_Shape":
@@ -341,23 +363,41 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
     and more showed no cold-run cost (within +-3 %), and re-warming them would double their time.
     `stop_early()` is asked between passes; when it says so, every shape keeps the runs it has
     (at least one).
+
+    A layer module's recompute modes run right after the shape's mode-none runs of each pass (so
+    on warm caches, no untimed runs of their own): one timed run in pass 0, which also counts the
+    mode's activation bytes (the hooks slow the forward only, and only the backward is kept), and
+    `recompute_share` of the shape's run count in all (at least min(2, count)), spread over the
+    passes like the others. Cost on the tiny preset's coarse grid (CPU, 70 shapes): the modes'
+    timed runs took 1.7 s next to 3.6 s of mode none's over all modules (llm_layer: 1.4 next to
+    1.6 s; its heavy shapes have 5 runs, so their 2 per mode dominate), the process 9.2 s of CPU
+    instead of 7.1 s.
     """
     later_passes = max(settings.repeats - 1, 1)  # one repeat: the extra runs go back to back
-    wanted, rewarm = [], []
+    wanted, rewarm, wanted_modes = [], [], []
     for shape in shapes:
         _run_shape(shape, max(settings.warmup, 1), 1, sync, timer)
         pace = shape.timed[0]["fwd_ms"] + shape.timed[0]["bwd_ms"]
         count = max(settings.repeats, math.ceil(settings.min_measure_ms / max(pace, 1e-6)))
         count, light = sync.agree(float(min(count, settings.max_repeats)), float(pace < settings.min_measure_ms))
+        modes = shape.bench.recompute_modes if settings.recompute_share > 0 else ()
+        for mode in modes:
+            _run_shape(shape, 0, 1, sync, timer, mode)
         wanted.append(int(count))
         rewarm.append(int(light))
+        wanted_modes.append({mode: min(int(count), max(2, math.ceil(settings.recompute_share * count)))
+                             for mode in modes})
     for pass_ in range(later_passes):
         if stop_early is not None and stop_early():
             return
-        for shape, count, untimed in zip(shapes, wanted, rewarm):
+        for shape, count, untimed, modes in zip(shapes, wanted, rewarm, wanted_modes):
             share = _share(count - 1, later_passes, pass_)
             if share:
                 _run_shape(shape, untimed, share, sync, timer)
+            for mode, mode_count in modes.items():
+                share = _share(mode_count - 1, later_passes, pass_)
+                if share:
+                    _run_shape(shape, 0, share, sync, timer, mode)
 
 
 def _share(total: int, parts: int, index: int) -> int:
@@ -365,10 +405,11 @@ def _share(total: int, parts: int, index: int) -> int:
     return total // parts + (1 if index < total % parts else 0)
 
 
-def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: Timer) -> None:
+def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: Timer,
+               mode: str = "none") -> None:
     """`untimed` then `timed` forward + backward runs of one shape on fresh (seeded, identical on
-    every rank and every pass) inputs; the first untimed run ever, under saved-tensor hooks, gives
-    the exact activation bytes."""
+    every rank and every pass) inputs, as a stage with recompute `mode` runs them; the first run
+    of a mode ever, under saved-tensor hooks, gives its exact activation bytes."""
     bench = shape.bench
     torch.manual_seed(shape.batch * 1_000_003 + shape.seq_len)  # same inputs on every rank
     inputs = bench.make_inputs(shape.batch, shape.seq_len)
@@ -378,8 +419,18 @@ def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: 
         shape.sizes = dict(param_bytes=param_bytes(bench.module), grad_bytes=grad_bytes(bench.module),
                            optim_bytes=adam_state_bytes(bench.module))
     cuda = timer.cuda
+    timed_runs = shape.timed if mode == "none" else shape.recompute_timed.setdefault(mode, [])
 
-    def run() -> dict:
+    def counted_bytes() -> int | None:
+        return shape.act_bytes if mode == "none" else shape.recompute_act_bytes.get(mode)
+
+    def keep_bytes(n: int) -> None:
+        if mode == "none":
+            shape.act_bytes = n
+        else:
+            shape.recompute_act_bytes[mode] = n
+
+    def run(forward) -> dict:
         for t in params + leaves:
             t.grad = None
         sync.barrier()
@@ -387,21 +438,22 @@ def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: 
         if cuda:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        if shape.act_bytes is None:
+        if counted_bytes() is None:
             with saved_tensor_bytes(exclude=params) as saved:
-                out, fwd_ms = timer(lambda: bench.forward(*inputs))
-            shape.act_bytes = saved.bytes
+                out, fwd_ms = timer(lambda: forward(*inputs))
+            keep_bytes(saved.bytes)
         else:
-            out, fwd_ms = timer(lambda: bench.forward(*inputs))
+            out, fwd_ms = timer(lambda: forward(*inputs))
         seed = None if out.dim() == 0 else torch.randn_like(out)
         sync.barrier()
         _, bwd_ms = timer(functools.partial(out.backward, seed))
         peak = float(torch.cuda.max_memory_allocated() - base) if cuda else float("nan")
         return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, peak_bytes=peak)
 
-    for _ in range(untimed):
-        run()
-    shape.timed += [run() for _ in range(timed)]
+    with bench.recomputing(mode) as forward:
+        for _ in range(untimed):
+            run(forward)
+        timed_runs += [run(forward) for _ in range(timed)]
 
 
 def _warm_up(curves, sync: _RankSync, timer: Timer) -> None:
@@ -411,6 +463,8 @@ def _warm_up(curves, sync: _RankSync, timer: Timer) -> None:
     the caching allocator's pool) shape by shape, measured up to 1.5x slower than later rounds
     at the same shapes (tiny vision layer, CPU: 1.22 ms at 8 tiles in round 0, 0.77 ms at 9 in
     round 2), a drift no number of per-shape warm-ups removes and the fit then reads as a bend.
+    Recompute modes are not warmed up: a layer's recomputed forward holds what its mode-none forward
+    holds, so mode none's run grows the heap as far.
     """
     for bench, axis, fixed, curve in curves:
         _run_shape(_Shape.at(bench, axis, fixed, curve, max(curve.coarse)), 1, 0, sync, timer)

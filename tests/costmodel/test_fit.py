@@ -8,6 +8,7 @@ import pytest
 
 from dflop.costmodel.fit import VALIDATION_COLUMNS, fit, fit_profile
 from dflop.costmodel.features import MODULE_FEATURES
+from dflop.costmodel.jsonio import load_cost_model, save_cost_model
 from dflop.costmodel.model import TARGETS
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import SyntheticCosts, synthetic_profile
@@ -69,3 +70,63 @@ def test_missing_module_in_profile_is_reported_by_name_when_asked_for(tmp_path):
         model.llm_stage_time([100], n_layers=2, first=False, last=False, tp=4)
     with pytest.raises(UserError, match=r"^no profile for vision_layer; profiled modules: llm_embed, llm_head, llm_layer$"):
         model.vision_stage_time([1], n_layers=2, first=False, last=False, tp=1)
+
+
+RECOMPUTE = ("bwd_ms:selective", "act_bytes:selective", "bwd_ms:full", "act_bytes:full")
+
+
+@pytest.mark.parametrize("n_layers", [1, 3])
+def test_recompute_columns_give_back_their_closed_form_coefficients(n_layers, tmp_path):
+    """A profile with the recompute columns (timed on 1 of 3 repeats, as the profiler times a mode
+    fewer times) fits `bwd_ms:<mode>` / `act_bytes:<mode>` of the layer modules; the fitted model
+    prices the modes as the closed form does, also after a JSON round trip."""
+    costs = SyntheticCosts()
+    profile = synthetic_profile(costs, tp_degrees=(1, 2), n_layers=n_layers, repeats=3, recompute=True,
+                                recompute_repeats=1)
+    model, validation = fit_profile(summarize_profile(profile))
+    for (module, tp), fitted in model.modules.items():
+        if module not in ("vision_layer", "llm_layer"):
+            assert set(fitted.coef) == set(TARGETS), module
+            continue
+        assert set(fitted.coef) == set(TARGETS) | set(RECOMPUTE), module
+        for target in RECOMPUTE:
+            true = costs.coefficients(module, target, tp)
+            np.testing.assert_allclose(fitted.coefficients(target), true, rtol=1e-6, atol=1e-9 * true.max(),
+                                       err_msg=f"{module} tp={tp} {target}")
+    fitted_targets = validation.groupby("module")["target"].apply(set)
+    assert fitted_targets["llm_layer"] == set(TARGETS) | set(RECOMPUTE)
+    assert fitted_targets["llm_head"] == set(TARGETS)
+
+    # Prediction for an unprofiled bin (7 samples of 300 tokens, 2 layers) against the closed form.
+    x = np.array([7 * 300, 7 * 300**1.5, 7 * 300**2, 1.0])
+    save_cost_model(model, tmp_path / "costmodel.json")
+    loaded = load_cost_model(tmp_path / "costmodel.json")
+    for mode in ("selective", "full"):
+        kw = dict(n_layers=2, first=False, last=False, tp=1, recompute=mode)
+        time = loaded.llm_stage_time([300] * 7, **kw)
+        assert time.bwd_s * 1e3 == pytest.approx(2 * x @ costs.coefficients("llm_layer", f"bwd_ms:{mode}"), rel=1e-6)
+        assert time.fwd_s == model.llm_stage_time([300] * 7, **kw).fwd_s  # the forward is mode none's
+        memory = loaded.llm_stage_memory([300] * 7, in_flight=1, **kw)
+        assert memory.activation_bytes == pytest.approx(2 * 7 * 300 * costs.coefficients("llm_layer", f"act_bytes:{mode}")[0])
+        assert loaded.vision_stage_time([3, 5], **kw) == model.vision_stage_time([3, 5], **kw)
+
+
+def test_a_profile_without_recompute_columns_still_fits_and_prices_mode_none_only(tmp_path):
+    """Profiles written before the profiler measured the modes load and fit as before."""
+    profile_path = tmp_path / "model_profile.parquet"
+    synthetic_profile(noise=0.02).to_parquet(profile_path)
+    fit(profile_path, tmp_path / "costmodel.json", tmp_path / "validation.parquet")
+    data = json.loads((tmp_path / "costmodel.json").read_text())
+    assert all(set(m["coef"]) == set(TARGETS) for m in data["modules"])
+    model = load_cost_model(tmp_path / "costmodel.json")
+    assert model.llm_stage_time([100], n_layers=2, first=False, last=False, tp=1).bwd_s > 0
+    with pytest.raises(UserError, match="has no full-recompute costs for llm_layer"):
+        model.llm_stage_time([100], n_layers=2, first=False, last=False, tp=1, recompute="full")
+
+
+def test_a_recompute_target_missing_on_some_shapes_is_not_fitted(caplog):
+    profile = synthetic_profile(modules=("llm_layer",), recompute=True)
+    profile.loc[profile["seq_len"] == 4096, "bwd_ms:full"] = np.nan
+    model, _ = fit_profile(summarize_profile(profile))
+    assert set(model.module("llm_layer", 1).coef) == set(TARGETS) | set(RECOMPUTE) - {"bwd_ms:full"}
+    assert "bwd_ms:full measured on 15 of 18 shapes; not fitted" in caplog.text

@@ -50,3 +50,21 @@ def test_unknown_modules_are_ignored_with_a_warning(caplog):
     shapes = summarize_profile(profile).shapes
     assert set(shapes["module"]) == {"llm_head"}
     assert "llm_mlp" in caplog.text
+
+
+def test_recompute_columns_take_the_median_of_the_measured_repeats_per_layer():
+    """The profiler times a recompute mode fewer times than mode none: the rest of the rows are NaN."""
+    profile = synthetic_profile(modules=("llm_layer", "llm_head"), llm_batches=(2,), llm_seq_lens=(64,), n_layers=2,
+                                repeats=3, recompute=True)
+    layer = profile["module"] == "llm_layer"
+    profile.loc[layer, "bwd_ms:full"] = [12.0, 6.0, np.nan]  # median 9 ms of 2 layers
+    shapes = summarize_profile(profile).shapes.set_index("module")
+    assert shapes.loc["llm_layer", "bwd_ms:full"] == pytest.approx(4.5)
+    assert np.isnan(shapes.loc["llm_head", "bwd_ms:full"])
+
+
+def test_bad_recompute_value_names_the_row():
+    profile = synthetic_profile(modules=("llm_layer",), recompute=True)
+    profile.loc[3, "act_bytes:selective"] = -1.0
+    with pytest.raises(UserError, match=r"act_bytes:selective=-1.0 must be a finite number >= 0 \(row module=llm_layer"):
+        summarize_profile(profile)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
+from dflop.costmodel import activations
 from dflop.errors import UserError
 from dflop.models.builder import model_config
 from dflop.models.info import model_info
@@ -50,6 +52,16 @@ def test_table_has_the_contract_columns_and_one_row_per_repeat(profiled):
     assert set(table["dtype"]) == {"float32"} and set(table["tp"]) == {1}
     layers = table["module"].isin(["vision_layer", "llm_layer", "llm_attention"])
     assert (table.loc[layers, "n_layers"] == 1).all() and (table.loc[~layers, "n_layers"] == 0).all()
+    # Recompute columns: the layer modules a stage checkpoints have them, the others NaN; each mode
+    # is timed min(count, max(2, ceil(0.25 count))) = 2 times here (2 to 4 runs of mode none).
+    recomputed = table["module"].isin(["vision_layer", "llm_layer"])
+    for column in ("bwd_ms:selective", "act_bytes:selective", "bwd_ms:full", "act_bytes:full"):
+        assert table.loc[~recomputed, column].isna().all() and table.loc[recomputed, column].notna().any(), column
+    for shape, runs in table[recomputed].groupby(["module", "batch", "seq_len"]):
+        for mode in ("selective", "full"):
+            assert sorted(runs.loc[runs[f"bwd_ms:{mode}"].notna(), "repeat"]) == [0, 1], (shape, mode)
+            assert (runs[f"bwd_ms:{mode}"].dropna() > 0).all()
+            assert runs[f"act_bytes:{mode}"].nunique() == 1
 
 
 def test_shape_grid_covers_tiles_and_packed_lengths(profiled):
@@ -94,6 +106,72 @@ def test_activation_bytes_scale_exactly_with_tokens(profiled):
         per_unit = rows["act_bytes"] / (rows["batch"] * rows["seq_len"])
         assert per_unit.nunique() == 1, module
         assert per_unit.iloc[0] > 0
+
+
+def test_recompute_activation_bytes_match_the_closed_form(profiled):
+    """Reference: `dflop.costmodel.activations`, read off the transformers layers' code (widths,
+    heads and dtype of the config only): what one layer of a stage in each mode keeps, plus what
+    its stage keeps once (rotary cos/sin; position ids and cu_seqlens as checkpoint inputs)."""
+    (arch, vision, llm), _, table = profiled
+    config = model_config(arch, vision, llm)
+    columns = {"none": "act_bytes", "selective": "act_bytes:selective", "full": "act_bytes:full"}
+    shapes = table[table["repeat"] == 0]
+    for mode, column in columns.items():
+        for r in shapes[shapes.module == "vision_layer"].itertuples():
+            expected = activations.vision_stage_layer_bytes(config, r.batch, 1, mode, "float32")
+            assert shapes.loc[r.Index, column] == pytest.approx(expected, rel=1e-9), (mode, r.batch)
+        for r in shapes[shapes.module == "llm_layer"].itertuples():
+            expected = activations.llm_stage_layer_bytes(config.text_config, [r.seq_len] * r.batch, 1, mode, "float32")
+            assert shapes.loc[r.Index, column] == pytest.approx(expected, rel=1e-9), (mode, r.batch, r.seq_len)
+
+
+def test_recompute_backward_is_longer_at_every_shape(profiled):
+    """Recomputation reruns (part of) the forward in backward, so at every profiled shape both
+    modes' backward is longer than mode none's (on these tiny shapes by more than half a forward:
+    the rerun, plus checkpoint's per-call work)."""
+    _, _, table = profiled
+    for module in ("vision_layer", "llm_layer"):
+        medians = table[table.module == module].groupby(["batch", "seq_len"]).median(numeric_only=True)
+        assert (medians["bwd_ms:selective"] > medians["bwd_ms"]).all(), module
+        assert (medians["bwd_ms:full"] - medians["bwd_ms"] > 0.5 * medians["fwd_ms"]).all(), module
+
+
+def test_full_recompute_backward_costs_about_one_forward_more():
+    """Full recomputation reruns the layer's forward in backward, less the MLP down projection that
+    early-stopping checkpoint skips: between a small and a large shape, the extra backward of mode
+    full grows by about what the forward grows by (the difference cancels checkpoint's per-call
+    overhead, which dominates tiny shapes). Loose bounds: CPU timing noise."""
+    from dflop.models.architectures import architecture
+    from dflop.models.tensor_parallel import TPGroup
+    from dflop.profiling._timing import Timer
+    from dflop.profiling.model_modules import build_benches
+    from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny")
+        arch = architecture("llava_ov")
+        vision, llm = build_benches(arch, config, modules=("vision_layer", "llm_layer"), tp=TPGroup(0, 1),
+                                    device=torch.device("cpu"), dtype=torch.float32)
+        tile = arch.layer_tokens_per_tile(config)
+        pairs = {"vision_layer": [_Shape(vision, None, n, n, tile) for n in (32, 128)],
+                 "llm_layer": [_Shape(llm, None, n, 1, n) for n in (512, 2048)]}
+        settings = ProfileSettings(repeats=5, warmup=1, min_measure_ms=0.0, max_repeats=5, recompute_share=1.0)
+        cpu = torch.device("cpu")
+        _measure_round([s for pair in pairs.values() for s in pair], settings, _RankSync(TPGroup(0, 1), cpu), Timer(cpu))
+    finally:
+        torch.set_num_threads(threads)
+    for module, (small, large) in pairs.items():
+        def median(shape, mode, key):
+            runs = shape.timed if mode == "none" else shape.recompute_timed[mode]
+            return float(np.median([r[key] for r in runs]))
+
+        assert len(large.recompute_timed["full"]) == 5
+        extra = [median(s, "full", "bwd_ms") - median(s, "none", "bwd_ms") for s in (small, large)]
+        forward = [median(s, "none", "fwd_ms") for s in (small, large)]
+        ratio = (extra[1] - extra[0]) / (forward[1] - forward[0])
+        assert 0.5 < ratio < 1.6, (module, ratio, extra, forward)
 
 
 def test_summary_names_every_module(profiled):
@@ -190,3 +268,38 @@ def test_spent_time_budget_stops_refinement_after_the_coarse_round(tmp_path, cap
     assert set(table["round"]) == {0}
     assert "time budget of 0 s spent; refinement stopped before round 1" in caplog.text
     assert (table.groupby(["module", "batch", "seq_len"]).size() >= 2).all()  # coarse shapes are complete
+
+
+def test_recompute_modes_run_after_each_pass_of_mode_none():
+    """A layer bench's modes get one timed run in pass 0 (which counts its bytes) and the rest of
+    their runs (a quarter of mode none's, at least 2) in later passes, each right after the shape's
+    mode-none runs, and leave the bench in mode none."""
+    from dflop.models.tensor_parallel import TPGroup
+    from dflop.profiling._timing import Timer
+    from dflop.profiling.model_modules import ModuleBench
+    from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape
+
+    calls, state = [], {"mode": "none"}
+    layer = torch.nn.Linear(4, 4)
+
+    def recompute(mode):
+        state["mode"] = mode
+        return forward
+
+    def forward(x):
+        calls.append(state["mode"][0])
+        return layer(x).sum()
+
+    bench = ModuleBench("vision_layer", layer, lambda b, s: (torch.randn(b, s, 4, requires_grad=True),), forward,
+                        recompute)
+    shape = _Shape(bench, None, 1, 1, 8)
+    settings = ProfileSettings(repeats=3, warmup=1, min_measure_ms=0.0, max_repeats=8, recompute_share=0.25)
+    cpu = torch.device("cpu")
+    _measure_round([shape], settings, _RankSync(TPGroup(0, 1), cpu), Timer(cpu))
+    assert "".join(calls) == "nnsf" + "nsf" + "n"  # 3 runs of none; 2 of each mode
+    assert state["mode"] == "none"
+    assert [len(shape.recompute_timed[m]) for m in ("selective", "full")] == [2, 2]
+    assert shape.act_bytes == 8 * 4 * 4 and shape.recompute_act_bytes == {"selective": 128, "full": 128}
+    row = shape.recompute_columns(1)
+    assert row["bwd_ms:full"] == shape.recompute_timed["full"][1]["bwd_ms"] and row["act_bytes:full"] == 128
+    assert math.isnan(shape.recompute_columns(2)["bwd_ms:selective"])  # mode none's third run has no partner

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dflop.costmodel import activations
+from dflop.models.builder import model_config
 from dflop.models.info import model_info
 from profiling_testlib import profile
 
@@ -46,3 +48,16 @@ def test_tp2_profile_under_torchrun_holds_half_of_each_split_module(tmp_path):
     head = table[table.module == "llm_head"].groupby(["tp", "batch", "seq_len"])["act_bytes"].first()
     largest = head.loc[1].index.intersection(head.loc[2].index).max()
     assert head.loc[2][largest] < 0.6 * head.loc[1][largest]
+    # Each rank's bytes kept under recompute (and without): the closed form at tp=2 (split heads and MLP,
+    # replicated norms, residuals and a fully recomputed layer's input).
+    config = model_config(arch, vision, llm)
+    for r in tp2[(tp2.module == "vision_layer") & (tp2.repeat == 0)].itertuples():
+        for mode, column in (("none", "act_bytes"), ("selective", "act_bytes:selective"), ("full", "act_bytes:full")):
+            assert tp2.loc[r.Index, column] == activations.vision_stage_layer_bytes(config, r.batch, 1, mode, "float32",
+                                                                                     tp=2), (mode, r.batch)
+    for r in tp2[(tp2.module == "llm_layer") & (tp2.repeat == 0)].itertuples():
+        for mode, column in (("none", "act_bytes"), ("selective", "act_bytes:selective"), ("full", "act_bytes:full")):
+            expected = activations.llm_stage_layer_bytes(config.text_config, [r.seq_len] * r.batch, 1, mode, "float32",
+                                                         tp=2)
+            assert tp2.loc[r.Index, column] == expected, (mode, r.batch, r.seq_len)
+    assert tp2.loc[tp2.module == "llm_layer", "bwd_ms:full"].notna().any()
