@@ -2,10 +2,10 @@
 against the cost model's `training_state_bytes`.
 
     python benchmarks/bench_sharding.py [--preset small] [--steps 2] [--warmup 1] [--batch 4]
-        [--microbatches 2] [--out-dir results/bench/sharding]
+        [--microbatches 2] [--tp 1] [--out-dir results/bench/sharding]
 
-Two data-parallel replicas (colocated: each rank runs the vision tower and the whole LLM; gloo, one
-torch thread per rank) of the `bench_costmodel.py` preset on the demo data, float32. Every rank
+Two data-parallel replicas (colocated: each rank runs the vision tower and the whole LLM, or its
+1/tp shard with ``--tp``; gloo, one torch thread per rank) of the `bench_costmodel.py` preset on the demo data, float32. Every rank
 holds two trainers with the same seed, plan and global batches, ``shard_optimizer`` off and on
 (both modules), and runs them in turn on each batch. Measured per rank, after the warm-up (AdamW
 state exists): the bytes of the distinct storages of parameters (the stages' registered ones, and
@@ -56,6 +56,7 @@ def worker(spec_path: str) -> int:
 
     from dflop.config import Config
     from dflop.costmodel.memory import training_state_bytes
+    from dflop.models.tensor_parallel import local_tensor
     from dflop.plan import plan_from_dict
     from dflop.runtime.loading import pool_samples
     from dflop.runtime.process_group import init_distributed
@@ -79,6 +80,8 @@ def worker(spec_path: str) -> int:
         trainers[name] = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed),
                                  device=device)
     dp = spec["plan"]["llm"]["dp"]
+    # this rank's parameters as unsharded (a TP shard's local part): what the prediction multiplies
+    n_params = sum(local_tensor(t).numel() for t in trainers["unsharded"].rank_params.tensors.values())
     rows = []
     for step in range(n_steps):
         for name in VARIANTS[step % 2:] + VARIANTS[:step % 2]:
@@ -100,7 +103,6 @@ def worker(spec_path: str) -> int:
             dist.barrier()
             step_s = time.perf_counter() - t0
             trainer.sharding.reduce = reduce
-            n_params = sum(t.numel() for t in trainer.rank_params.tensors.values())
             shard_over = dp if name == "sharded" else 1
             row = {"variant": name, "step": step, "warmup": step < spec["warmup"], "rank": dist.get_rank(),
                    "n_params": n_params, "step_s": step_s, "loss": stats["loss"],
@@ -114,8 +116,8 @@ def worker(spec_path: str) -> int:
     diff = 0.0
     plain = {n: t for n, t in trainers["unsharded"].rank_params.tensors.items()}
     for name, tensor in trainers["sharded"].rank_params.tensors.items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        diff = max(diff, (full.detach() - plain[name].detach()).abs().max().item())
+        full, ref = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (tensor, plain[name]))
+        diff = max(diff, (full.detach() - ref.detach()).abs().max().item())
     diffs = [None] * dist.get_world_size()
     dist.all_gather_object(diffs, diff)
     if dist.get_rank() == 0:
@@ -157,6 +159,7 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallelism of both modules (world 2 tp)")
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench/sharding"))
     args = parser.parse_args()
     if args.worker:
@@ -168,6 +171,8 @@ def main() -> int:
     manifest, shapes, _ = prepare(out, args.samples, args.preset, None, analytic=True)
     info = model_info(*PRESETS[args.preset])
     plan = plan_dict("colocated-dp2", info.vision_layers, [info.llm_layers], args.microbatches, args.batch)
+    plan["vision"]["tp"] = plan["llm"]["tp"] = args.tp
+    plan["world_size"] *= args.tp
     spec = {"config": {"run": {"seed": args.seed}, "model": {**model_section(args.preset), "dtype": "float32"},
                        "data": {"datasets": [{"name": "demo", "path": str(manifest)}]},
                        "train": {"global_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0},
@@ -178,7 +183,7 @@ def main() -> int:
     started = time.perf_counter()
     launch_workers(Path(__file__), out / "spec.json", plan["world_size"])
     result = json.loads((out / "state.json").read_text())
-    print(f"{args.preset} model, 2 colocated data-parallel replicas, batch {args.batch}, {args.microbatches} "
+    print(f"{args.preset} model, 2 colocated data-parallel replicas of tp {args.tp}, batch {args.batch}, {args.microbatches} "
           f"microbatches; {args.steps} measured steps after {args.warmup} warm-up, "
           f"{time.perf_counter() - started:.0f} s")
     print(summarize(result))

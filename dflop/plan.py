@@ -16,7 +16,7 @@ wrote (predictions, solver, cluster, inputs) as the raw mapping. Keys the traine
 Each module may also name its memory techniques (all off when absent, as in plans written before
 they existed): ``recompute`` (one of none|selective|full per stage: activation recomputation),
 ``shard_optimizer`` (optimizer state and gradients sharded over the module's data-parallel
-replicas; not with tp > 1 yet) and ``sequence_parallel`` (the residual stream sharded along the
+replicas, also with tp > 1) and ``sequence_parallel`` (the residual stream sharded along the
 sequence between tensor-parallel regions; needs tp > 1; the LLM only)::
 
     vision: {tp: 1, pp: 1, dp: 2, layers_per_stage: [2], recompute: [selective], shard_optimizer: true}
@@ -248,8 +248,6 @@ class Plan:
                 raise ValueError(f"{name} recompute {list(tech.recompute)} needs one mode per stage ({pp})")
             elif tech.sequence_parallel and tp == 1:
                 raise ValueError(f"{name} sequence parallelism needs tensor parallelism (tp > 1)")
-            elif tech.shard_optimizer and tp > 1:
-                raise ValueError(f"{name} optimizer sharding is not supported with tensor parallelism (tp {tp})")
 
     def with_techniques(self, vision: Techniques, llm: Techniques) -> "Plan":
         """The same plan with these memory techniques."""
@@ -257,12 +255,12 @@ class Plan:
 
     def with_forced_techniques(self, recompute: str = "none", shard_optimizer: bool = False,
                                sequence_parallel: bool = False) -> "Plan":
-        """One recompute mode on every stage; optimizer sharding on each module without tensor
-        parallelism (not supported with it yet); sequence parallelism on the LLM where it has
-        tensor parallelism (the trainer has no SP for the vision tower)."""
+        """One recompute mode on every stage; optimizer sharding on each module; sequence
+        parallelism on the LLM where it has tensor parallelism (the trainer has no SP for the
+        vision tower)."""
         lay = self.layout
-        return self.with_techniques(Techniques((recompute,) * lay.pp_v, shard_optimizer and lay.tp_v == 1),
-                                    Techniques((recompute,) * lay.pp_l, shard_optimizer and lay.tp_l == 1,
+        return self.with_techniques(Techniques((recompute,) * lay.pp_v, shard_optimizer),
+                                    Techniques((recompute,) * lay.pp_l, shard_optimizer,
                                                sequence_parallel and lay.tp_l > 1))
 
     @classmethod
@@ -432,9 +430,6 @@ def _techniques(raw: Mapping, where: str, pp: int, tp: int) -> Techniques:
             raise UserError(f"{where}.{key}: expected true or false, got {flags[key]!r}")
     if flags["sequence_parallel"] and tp == 1:
         raise UserError(f"{where}.sequence_parallel: needs tensor parallelism (tp > 1), but tp is 1")
-    if flags["shard_optimizer"] and tp > 1:  # `dflop.runtime.sharding`: FSDP2 over our 1-D TP mesh, not yet
-        raise UserError(f"{where}.shard_optimizer: not supported with tensor parallelism yet (tp is {tp}); "
-                        f"set it to false or tp to 1")
     return Techniques(tuple(recompute), **flags)
 
 

@@ -53,24 +53,44 @@ from dflop.errors import UserError
 from dflop.models.packing import IGNORE_INDEX, PackedSequence
 from dflop.models.stages import LLMStage, VisionStage
 
-# (id(group), device type) -> (group, mesh); holding the group keeps its id from being reused
-_MESHES: dict[tuple[int, str], tuple[object, DeviceMesh]] = {}
+# (id of the group(s), device type) -> (group(s), mesh); holding the groups keeps their ids from being reused
+_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
+DP_DIM, TP_DIM = "dp", "tp"  # dimension names of a (dp, tp) mesh (`TPGroup.dp_tp_mesh`)
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's place in a tensor-parallel group (``group=None``: the default process group)."""
+    """This rank's place in a tensor-parallel group (``group=None``: the default process group).
+
+    dp_group, grid: set where FSDP2 also shards the module over its data-parallel replicas
+    (`dflop.runtime.sharding`): the replicas' group and the stage's global ranks [replica][tp rank].
+    FSDP2 composes with TP only when the TP DTensors live on the "tp" dimension of the same 2-D
+    mesh whose "dp" dimension it shards over (as torchtitan builds it), so TP then uses that."""
 
     rank: int
     size: int
     group: object = None
+    dp_group: object = None
+    grid: tuple[tuple[int, ...], ...] = ()
 
     def mesh(self, device_type: str) -> DeviceMesh:
-        """The 1-D device mesh over this group that the DTensor placements refer to (one per group)."""
+        """The 1-D device mesh over this group that the DTensor placements refer to (one per group):
+        the "tp" dimension of `dp_tp_mesh` where the module is also sharded over its replicas."""
+        if self.dp_group is not None:
+            return self.dp_tp_mesh(device_type)[TP_DIM]
         group = self.group if self.group is not None else dist.group.WORLD
         key = (id(group), device_type)
         if key not in _MESHES:
             _MESHES[key] = (group, DeviceMesh.from_group(group, device_type))
+        return _MESHES[key][1]
+
+    def dp_tp_mesh(self, device_type: str) -> DeviceMesh:
+        """The 2-D (dp, tp) mesh over the stage's ranks, made from the existing groups (one per pair)."""
+        key = (id(self.dp_group), id(self.group), device_type)
+        if key not in _MESHES:
+            mesh = DeviceMesh.from_group([self.dp_group, self.group], device_type, mesh=torch.tensor(self.grid),
+                                         mesh_dim_names=(DP_DIM, TP_DIM))
+            _MESHES[key] = ((self.dp_group, self.group), mesh)
         return _MESHES[key][1]
 
 
@@ -84,8 +104,12 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def is_tp_shard(tensor: torch.Tensor) -> bool:
-    """Whether a DTensor holds only a slice of its global tensor on this rank."""
-    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+    """Whether a DTensor holds only a slice of its global tensor on this rank along tensor
+    parallelism (an unnamed TP mesh or the "tp" dimension; FSDP2's data-parallel shard is not one)."""
+    if not isinstance(tensor, DTensor):
+        return False
+    names = tensor.device_mesh.mesh_dim_names
+    return any(p.is_shard() for i, p in enumerate(tensor.placements) if names is None or names[i] == TP_DIM)
 
 
 def _mesh_for(module: nn.Module, tp: TPGroup) -> DeviceMesh:

@@ -3,8 +3,9 @@
 ``plan.<module>.techniques.shard_optimizer``: the stage of that module on this rank (a whole
 `VisionStage` / `LLMStage`, one FSDP parameter group) goes through ``fully_shard`` over the
 module's data-parallel group (`Topology.groups.vision_dp` / ``llm_dp``, as a 1-D DeviceMesh made
-from the existing group: the stages' ranks are subsets of the world). Each replica then holds
-1/dp of the parameters, of their gradients and (AdamW builds it from them) of the optimizer state.
+from the existing group: the stages' ranks are subsets of the world; with tp > 1 see below). Each
+replica then holds 1/dp of the parameters, of their gradients and (AdamW builds it from them) of the
+optimizer state.
 
 Inside a step (`StepSharding`), as torch.distributed.pipelining drives FSDP under a schedule:
 
@@ -25,9 +26,13 @@ Inside a step (`StepSharding`), as torch.distributed.pipelining drives FSDP unde
 shard over the ``tied_embedding`` group (both LLM stages shard it alike over the same dp size, and
 sums commute), and counts each shard once in the global norm (every replica holds a different one).
 
-Not supported yet: tensor parallelism together with sharding (FSDP2 needs the TP DTensors on a
-sub-mesh of its 2-D (dp, tp) mesh; `dflop.models.tensor_parallel` builds its own 1-D TP mesh), so
-the plan contract refuses shard_optimizer with tp > 1 (`dflop.plan`). A module whose stage on this rank trains nothing is not sharded (no optimizer
+With tensor parallelism (tp > 1) FSDP2 needs the TP DTensors on the "tp" dimension of the 2-D mesh
+whose "dp" dimension it shards over (torchtitan's composition): `Topology` then hands the module's
+`TPGroup` the stage's (dp, tp) rank grid, TP is applied on that mesh's "tp" first, FSDP2 here on
+its "dp". Parameters become DTensors on the (dp, tp) mesh (each rank holds a (replica, tp rank)
+block); FSDP2 redistributes a gradient to the parameter's TP placement before its reduce-scatter,
+which also sums sequence parallelism's partial norm gradients over tp (its hooks sit on the
+pre-FSDP parameters). A module whose stage on this rank trains nothing is not sharded (no optimizer
 state to shard); dp = 1 has nothing to shard over.
 """
 
@@ -38,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from dflop.models.tensor_parallel import DP_DIM
 from dflop.runtime.topology import LLM, VISION, Topology
 
 
@@ -56,7 +62,11 @@ def shard_stages(topo: Topology, full: nn.Module, stages: dict[str, nn.Module | 
             continue
         if not any(p.requires_grad for p in stage.parameters()):
             continue
-        mesh = DeviceMesh.from_group(groups[module], device_type, mesh_dim_names=(f"{module}_dp",))
+        tp = topo.vision_tp if module == VISION else topo.llm_tp
+        if tp.dp_group is not None:  # tensor-parallel: shard over "dp" of the mesh whose "tp" TP uses
+            mesh = tp.dp_tp_mesh(device_type)[DP_DIM]
+        else:
+            mesh = DeviceMesh.from_group(groups[module], device_type, mesh_dim_names=(f"{module}_dp",))
         before = dict(stage.named_parameters(remove_duplicate=False))
         sharded = fully_shard(stage, mesh=mesh, reshard_after_forward=False)
         _rebind(full, before, dict(stage.named_parameters(remove_duplicate=False)))

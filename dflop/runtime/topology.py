@@ -131,13 +131,20 @@ class Topology:
 
     @property
     def vision_tp(self) -> TPGroup:
-        role = self.vision_role
-        return TPGroup(role.tp_rank, role.tp, self.groups.vision_tp)
+        return self._tp_group(self.vision_role, self.groups.vision_tp, self.groups.vision_dp)
 
     @property
     def llm_tp(self) -> TPGroup:
-        role = self.llm_role
-        return TPGroup(role.tp_rank, role.tp, self.groups.llm_tp)
+        return self._tp_group(self.llm_role, self.groups.llm_tp, self.groups.llm_dp)
+
+    def _tp_group(self, role: StageRole, tp_group, dp_group) -> TPGroup:
+        """A module sharded over its replicas (``shard_optimizer``, dp > 1) with tp > 1 gets the
+        stage's (dp, tp) rank grid: its TP then lives on a 2-D mesh FSDP2 can shard over."""
+        if not (self.layout(role.module).techniques.shard_optimizer and role.tp > 1 and dp_group is not None):
+            return TPGroup(role.tp_rank, role.tp, tp_group)
+        grid = tuple(tuple(self.rank_of(role.module, role.stage, r, t) for t in range(role.tp))
+                     for r in range(role.n_replicas))
+        return TPGroup(role.tp_rank, role.tp, tp_group, dp_group, grid)
 
     # -- peers for point-to-point ------------------------------------------------------------
 

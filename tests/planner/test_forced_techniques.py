@@ -38,9 +38,10 @@ def test_a_forced_recompute_mode_applies_to_every_stage_of_both_modules(mode):
     assert plan.llm_techniques == Techniques((mode, mode), shard_optimizer=True)
 
 
-def test_sharding_is_not_forced_where_tensor_parallelism_rules_it_out():
-    plan = _settings(shard_optimizer=True).with_techniques(_plan(tp_v=1, tp_l=2))
-    assert plan.vision_techniques.shard_optimizer and not plan.llm_techniques.shard_optimizer
+def test_sharding_is_forced_also_with_tensor_parallelism():
+    plan = _settings(shard_optimizer=True, sequence_parallel=True).with_techniques(_plan(tp_v=1, tp_l=2))
+    assert plan.vision_techniques.shard_optimizer and plan.llm_techniques.shard_optimizer
+    assert plan.llm_techniques.sequence_parallel
 
 
 def test_sequence_parallel_only_for_the_llm_and_where_there_is_tensor_parallelism():

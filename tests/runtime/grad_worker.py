@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dflop.config import Config
 from dflop.models.recompute import attention_module
-from dflop.models.tensor_parallel import is_tp_shard, local_tensor
+from dflop.models.tensor_parallel import local_tensor
 from dflop.plan import plan_from_dict
 from dflop.runtime.agreement import rank0_result
 from dflop.shapes import read_shapes
@@ -62,7 +63,7 @@ def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> No
     for param, info in trainer.param_infos.items():
         key = f"{info.name}@{len(grads)}"
         grads[key] = local_tensor(param.grad).detach().contiguous().clone()
-        if is_tp_shard(param):  # a DTensor: TP (vocabulary/row/column) or data-parallel (FSDP) shard
+        if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):  # TP and/or FSDP shard
             shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             shards[key] = {"offset": list(offset), "shape": list(shape)}
     save_file(grads, out / f"grads_rank{trainer.rank}.safetensors")

@@ -6,7 +6,8 @@ equal those of transformers' own model run on each sample in a single process (`
 within float32 tolerance. Layouts cover world sizes 1-4: colocated, disjoint vision + LLM pipeline,
 vision and LLM data parallelism, tensor parallelism (vocabulary-parallel embedding and loss, tied
 embeddings across and within ranks), a frozen vision tower, InternVL; both scheduler policies, the
-baseline's padding variant, GPipe, shuffled microbatch orders, and activation recomputation.
+baseline's padding variant, GPipe, shuffled microbatch orders, activation recomputation, sequence
+parallelism and sharded optimizer state (also with tensor parallelism).
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ CASES = {
         # recomputation inside the sharded stages
         case("colocated-llm-pp2-dp2-tied-sharded-recompute", "llava_ov",
              plan((1, 1, 2, [2]), (1, 2, 2, [1, 1]), "colocated", m=4, shard=True,
-                  recompute=(["selective"], ["full", "none"])))],
+                  recompute=(["selective"], ["full", "none"]))),
+        # shard_optimizer with tensor parallelism: FSDP2 over "dp" of a 2-D (dp, tp) mesh whose "tp"
+        # holds the TP DTensors; the vocabulary-parallel embedding tied to the head, both sharded twice;
+        # sequence parallelism's partial norm gradients summed over tp before FSDP2's reduce-scatter
+        case("colocated-tp2-dp2-sharded-sp", "llava_ov", plan((2, 1, 2, [2]), (2, 1, 2, [2]), "colocated", m=2,
+                                                              shard=True, sequence_parallel=True), shuffle_seed=7)],
 }
 
 

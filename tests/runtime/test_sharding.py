@@ -1,5 +1,6 @@
 """shard_optimizer (FSDP2, ZeRO-2): the cost model's state bytes and the step pricing in closed form,
-the refusal of tensor parallelism, and the state bytes a rank really holds against the cost model.
+the (dp, tp) rank grid a sharded tensor-parallel stage gets, and the state bytes a rank really holds
+against the cost model.
 
 The gradients and steps themselves are checked elsewhere: test_pipeline_equivalence.py (every
 gradient vs transformers' single-process model) and test_trainer_loop.py (4 steps and a resume vs
@@ -21,9 +22,11 @@ from dflop.costmodel.analytic import analytic_cost_model
 from dflop.costmodel.memory import training_state_bytes
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
+from dflop.models.tensor_parallel import TPGroup
 from dflop.plan import Layout, Plan, Techniques, plan_from_dict
 from dflop.planner.cluster import Cluster
 from dflop.planner.pricing import Pricing
+from dflop.runtime.topology import Topology
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sharding.py"
 
@@ -59,14 +62,20 @@ def test_sharded_stage_priced_as_all_gather_plus_reduce_scatter():
     np.testing.assert_allclose(sharded.allreduce_s, plain.allreduce_s)
 
 
-def test_tensor_parallel_sharding_is_refused_naming_the_key():
-    raw = {"vision": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
-           "llm": {"tp": 2, "pp": 1, "dp": 2, "layers_per_stage": [2], "shard_optimizer": True},
-           "placement": "disjoint", "microbatches": 2, "global_batch_size": 8, "world_size": 5}
-    with pytest.raises(UserError, match=r"p\.yaml: llm\.shard_optimizer: not supported with tensor parallelism yet"):
-        plan_from_dict(raw, "p.yaml")
-    raw["llm"]["tp"], raw["world_size"] = 1, 3
-    assert plan_from_dict(raw).plan.llm.techniques.shard_optimizer
+def test_a_sharded_tensor_parallel_stage_gets_its_dp_by_tp_rank_grid():
+    """With tp > 1 a sharded module's TP group carries the stage's ranks [replica][tp rank] (the
+    2-D mesh FSDP2 shards over); an unsharded one keeps the plain 1-D group."""
+    raw = {"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
+           "llm": {"tp": 2, "pp": 2, "dp": 2, "layers_per_stage": [1, 1], "shard_optimizer": True,
+                   "sequence_parallel": True},
+           "placement": "disjoint", "microbatches": 2, "global_batch_size": 8, "world_size": 10}
+    plan = plan_from_dict(raw, "p.yaml").plan
+    topo = Topology(plan, 9, 10)  # LLM stage 1, replica 1, tp rank 1: ranks 2 + (1 * 2 + r) * 2 + t
+    topo.groups.llm_tp, topo.groups.llm_dp = "tp group", "dp group"  # stand-ins: no process groups here
+    assert topo.llm_tp == TPGroup(1, 2, "tp group", "dp group", ((6, 7), (8, 9)))
+    unsharded = Topology(plan.with_techniques(plan.vision_techniques, Techniques(("none", "none"))), 9, 10)
+    unsharded.groups.llm_tp, unsharded.groups.llm_dp = "tp group", "dp group"
+    assert unsharded.llm_tp == TPGroup(1, 2, "tp group")
 
 
 @pytest.mark.distributed

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -67,37 +68,45 @@ def test_killed_run_resumes_to_the_same_parameters_and_metrics(tmp_path, demo_sh
     assert moved > len(init) // 2, "training must change the weights"
 
 
-COLOCATED_DP2 = ("vision: {{tp: 1, pp: 1, dp: 2, layers_per_stage: [2]{shard}}}\n"
-                 "llm: {{tp: 1, pp: 1, dp: 2, layers_per_stage: [2]{shard}}}\n"
-                 "placement: colocated\nmicrobatches: 2\nglobal_batch_size: 4\nworld_size: 2\n")
+COLOCATED_DP2 = ("vision: {{tp: {tp}, pp: 1, dp: 2, layers_per_stage: [2]{shard}}}\n"
+                 "llm: {{tp: {tp}, pp: 1, dp: 2, layers_per_stage: [2]{shard}}}\n"
+                 "placement: colocated\nmicrobatches: 2\nglobal_batch_size: 4\nworld_size: {world}\n")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_sharded_optimizer_trains_as_the_unsharded_one_and_resumes(tmp_path, demo_shapes, runtime_demo):
-    """shard_optimizer (FSDP2 over dp = 2, both modules on one rank): 4 AdamW steps with clipping give
-    the losses and final weights of the unsharded run (the reference, proven against transformers);
-    a run killed after step 3 and re-run from the sharded checkpoint of step 2 ends the same."""
-    (tmp_path / "sharded.yaml").write_text(COLOCATED_DP2.format(shard=", shard_optimizer: true"))
-    (tmp_path / "plain.yaml").write_text(COLOCATED_DP2.format(shard=""))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sharded_optimizer_trains_as_the_unsharded_one_and_resumes(tp, tmp_path, demo_shapes, runtime_demo):
+    """shard_optimizer (FSDP2 over dp = 2, both modules on one rank; with tp = 2 over "dp" of a 2-D
+    (dp, tp) mesh): 4 AdamW steps with clipping give the losses and final weights of the unsharded run
+    (the reference, proven against transformers); a run killed after step 3 and re-run from the
+    sharded checkpoint of step 2 ends the same."""
+    world = 2 * tp
+    (tmp_path / "sharded.yaml").write_text(COLOCATED_DP2.format(tp=tp, world=world, shard=", shard_optimizer: true"))
+    (tmp_path / "plain.yaml").write_text(COLOCATED_DP2.format(tp=tp, world=world, shard=""))
     config = config_dict("llava_ov", runtime_demo, train={"global_batch_size": 4, "steps": 4, "checkpoint_every": 2,
                                                           "warmup_steps": 1, "lr": 1e-3, "grad_clip": 0.5})
     spec = {"config": config, "plan": str(tmp_path / "sharded.yaml"), "shapes": str(demo_shapes["llava_ov"]),
             "full": str(tmp_path / "full"), "resumed": str(tmp_path / "resumed"), "stop_after": 3,
             "reference_plan": str(tmp_path / "plain.yaml"), "reference": str(tmp_path / "reference")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(WORKER), str(tmp_path / "spec.json")], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(world), str(WORKER), str(tmp_path / "spec.json")], capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
     losses = {run: torch.tensor(pd.read_parquet(tmp_path / run / "metrics.parquet")["loss"].to_numpy())
               for run in ("full", "resumed", "reference")}
     torch.testing.assert_close(losses["full"], losses["reference"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(losses["resumed"], losses["full"], rtol=1e-5, atol=1e-6)
+    norms = {run: pd.read_parquet(tmp_path / run / "metrics.parquet")["grad_norm"].to_numpy() for run in losses}
+    assert (norms["reference"] > 0.5).all()  # every step clips: a miscounted shard would change the weights
+    np.testing.assert_allclose(norms["full"], norms["reference"], rtol=1e-5)
     finals = {run: load_file(tmp_path / run / "final" / "model.safetensors") for run in losses}
-    # The sharded run's checkpoint holds each replica's half of the AdamW state (the plain one, one copy).
+    # The sharded run's checkpoint holds each replica's half of the AdamW state (the plain one, one
+    # copy), of each TP rank's rows of this column-parallel weight.
     key = "optimizer.state.model.language_model.layers.0.mlp.up_proj.weight.exp_avg"
-    for run, halves in (("full", 2), ("reference", 1)):
+    for run, halves in (("full", 2 * tp), ("reference", tp)):
         meta = SafeFileSystemReader(tmp_path / run / "checkpoints" / "step_000004").read_metadata()
         chunks = meta.state_dict_metadata[key].chunks
         assert len(chunks) == halves and sum(c.sizes[0] for c in chunks) == meta.state_dict_metadata[key].size[0]
