@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_costmodel import PRESETS  # noqa: E402
-from bench_trainer import launch_workers, model_section, plan_dict, prepare  # noqa: E402
+from bench_trainer import model_section, plan_dict, prepare, run_colocated_variants, worker_inputs  # noqa: E402
 
 VARIANTS = ("unsharded", "sharded")
 
@@ -51,24 +51,16 @@ def held_state(trainer) -> int:
 
 def worker(spec_path: str) -> int:
     """One rank: two trainers (shard_optimizer off / on), run in turn on the same batches."""
-    import torch
     import torch.distributed as dist
 
-    from dflop.config import Config
     from dflop.costmodel.memory import training_state_bytes
     from dflop.models.tensor_parallel import local_tensor
     from dflop.plan import plan_from_dict
     from dflop.runtime.loading import pool_samples
-    from dflop.runtime.process_group import init_distributed
     from dflop.runtime.settings import TrainSettings
     from dflop.runtime.trainer import Trainer
-    from dflop.shapes import read_shapes
 
-    torch.set_num_threads(1)
-    spec = json.loads(Path(spec_path).read_text())
-    device = init_distributed("cpu")
-    cfg = Config.from_dict(spec["config"])
-    pool = read_shapes(spec["shapes"])
+    spec, device, cfg, pool = worker_inputs(spec_path)
     n_steps = spec["warmup"] + spec["steps"]
     settings = TrainSettings.from_config(cfg, steps=n_steps)
     trainers = {}
@@ -173,16 +165,9 @@ def main() -> int:
     plan = plan_dict("colocated-dp2", info.vision_layers, [info.llm_layers], args.microbatches, args.batch)
     plan["vision"]["tp"] = plan["llm"]["tp"] = args.tp
     plan["world_size"] *= args.tp
-    spec = {"config": {"run": {"seed": args.seed}, "model": {**model_section(args.preset), "dtype": "float32"},
-                       "data": {"datasets": [{"name": "demo", "path": str(manifest)}]},
-                       "train": {"global_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0},
-                       "scheduler": {"prefetch": 2}},
-            "shapes": str(shapes), "plan": plan, "steps": args.steps, "warmup": args.warmup,
-            "result": str(out / "state.json")}
-    (out / "spec.json").write_text(json.dumps(spec, indent=1))
     started = time.perf_counter()
-    launch_workers(Path(__file__), out / "spec.json", plan["world_size"])
-    result = json.loads((out / "state.json").read_text())
+    result = run_colocated_variants(Path(__file__), out, args, manifest, shapes, plan,
+                                    {**model_section(args.preset), "dtype": "float32"})
     print(f"{args.preset} model, 2 colocated data-parallel replicas of tp {args.tp}, batch {args.batch}, {args.microbatches} "
           f"microbatches; {args.steps} measured steps after {args.warmup} warm-up, "
           f"{time.perf_counter() - started:.0f} s")

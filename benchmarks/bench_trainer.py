@@ -139,25 +139,47 @@ def launch_workers(script: Path, spec: Path, world: int) -> None:
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def worker(spec_path: str) -> int:
-    """One rank: three trainers, run in turn on the same batches."""
+def run_colocated_variants(script: Path, out: Path, args, manifest, shapes, plan: dict, model: dict) -> dict:
+    """Write the spec of a two-variant worker benchmark (`args`: seed, batch, steps, warmup), run
+    `script`'s workers on `plan`'s world size and return what rank 0 wrote (``result.json``)."""
+    spec = {"config": {"run": {"seed": args.seed}, "model": model,
+                       "data": {"datasets": [{"name": "demo", "path": str(manifest)}]},
+                       "train": {"global_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0},
+                       "scheduler": {"prefetch": 2}},
+            "shapes": str(shapes), "plan": plan, "steps": args.steps, "warmup": args.warmup,
+            "result": str(out / "result.json")}
+    (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    launch_workers(script, out / "spec.json", plan["world_size"])
+    return json.loads((out / "result.json").read_text())
+
+
+def worker_inputs(spec_path: str):
+    """What every benchmark worker starts from: (spec, device, config, shapes pool), with the
+    process group initialised and one torch thread per rank."""
     import torch
-    import torch.distributed as dist
 
     from dflop.config import Config
-    from dflop.costmodel.jsonio import load_cost_model
-    from dflop.plan import plan_from_dict
-    from dflop.runtime.loading import pool_samples
     from dflop.runtime.process_group import init_distributed
-    from dflop.runtime.settings import TrainSettings
-    from dflop.runtime.trainer import Trainer
     from dflop.shapes import read_shapes
 
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
     device = init_distributed("cpu")
-    cfg = Config.from_dict(spec["config"])
-    pool = read_shapes(spec["shapes"])
+    return spec, device, Config.from_dict(spec["config"]), read_shapes(spec["shapes"])
+
+
+def worker(spec_path: str) -> int:
+    """One rank: three trainers, run in turn on the same batches."""
+    import torch
+    import torch.distributed as dist
+
+    from dflop.costmodel.jsonio import load_cost_model
+    from dflop.plan import plan_from_dict
+    from dflop.runtime.loading import pool_samples
+    from dflop.runtime.settings import TrainSettings
+    from dflop.runtime.trainer import Trainer
+
+    spec, device, cfg, pool = worker_inputs(spec_path)
     cost = load_cost_model(spec["costmodel"]) if spec["costmodel"] is not None else None
     trainers = {}
     for name in VARIANTS:

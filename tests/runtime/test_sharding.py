@@ -86,7 +86,7 @@ def test_held_state_bytes_match_the_cost_model(tmp_path):
     result = subprocess.run([sys.executable, str(BENCH), "--preset", "tiny", "--steps", "1", "--samples", "60",
                              "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [r for r in json.loads((tmp_path / "state.json").read_text())["rows"] if not r["warmup"]]
+    rows = [r for r in json.loads((tmp_path / "result.json").read_text())["rows"] if not r["warmup"]]
     assert {r["variant"] for r in rows} == {"sharded", "unsharded"} and len(rows) == 4
     for r in rows:
         assert r["peak_bytes"] == pytest.approx(r["predicted_peak"], rel=0.05), r
