@@ -88,3 +88,21 @@ def test_trainer_and_planner_predict_the_same_step(fitted, layout, costs):
         assert ev.mean_s == pytest.approx(np.mean(planner_steps), rel=1e-12)
     finally:
         planner.close()
+
+
+def test_the_trainers_stand_in_prices_sequence_parallel_activations():
+    """Without a cost model the trainer prices a sequence-parallel LLM with the SP saving of the
+    analytic model (`sequence_parallel_saving` per token per layer), nothing else changed."""
+    from dflop.costmodel.analytic import sequence_parallel_saving
+
+    cfg = Config.from_dict({"model": MODEL})
+    model = ModelHandle.resolve(cfg.model)
+    cluster = Cluster.from_section(cfg.cluster)
+    plan = Plan.uniform(Layout("colocated", 2, 1, 1, 2, 1, 1, 2), model.n_vision_layers, model.n_llm_layers)
+    batch = Pool.from_shapes(llava_ov_mix(8, seed=2))
+    off = training_pricing(plan, model, None, cluster).batch(batch).costs
+    on = training_pricing(plan.with_forced_techniques(sequence_parallel=True), model, None, cluster).batch(batch).costs
+    nbytes = 2 if model.spec.dtype == "bfloat16" else 4
+    saving = sequence_parallel_saving(model.info.llm_hidden, 2, nbytes) * model.n_llm_layers * batch.seq_len
+    np.testing.assert_allclose(off.llm_act_bytes[0] - on.llm_act_bytes[0], saving, rtol=1e-9)
+    np.testing.assert_array_equal(off.llm_fwd, on.llm_fwd)

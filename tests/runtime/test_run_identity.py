@@ -126,6 +126,20 @@ def test_the_layout_and_the_data_define_the_run():
     assert pool_identity(_pool().copy()) == pool_identity(_pool())
 
 
+def test_memory_techniques_that_keep_the_maths_keep_the_run():
+    """Recomputation and sequence parallelism trade memory for time (same maths): a run that turns
+    them on resumes. A sharded optimizer changes what the checkpoint holds: another run. A plan
+    with every technique off fingerprints as a plan written before the keys existed, so such
+    checkpoints still resume."""
+    recompute = {**PLAN, "llm": {**PLAN["llm"], "recompute": ["full"]},
+                 "vision": {**PLAN["vision"], "recompute": ["selective"]}}
+    assert _fp(plan=recompute).differences(_fp()) == []
+    sharded = {**PLAN, "llm": {**PLAN["llm"], "shard_optimizer": True}}
+    assert _fp(plan=sharded).differences(_fp()) == ["plan"]
+    layout = _fp().fields["plan"]
+    assert set(layout["llm"]) == {"tp", "pp", "dp", "layers_per_stage"} == set(layout["vision"])
+
+
 def test_a_fingerprint_read_back_from_json_is_the_same_run():
     fp = _fp(_settings({"model": {"arch": "internvl", "vision": "internvit-tiny"}}))
     back = RunFingerprint.from_json(json.loads(json.dumps(fp.to_json())))
