@@ -37,13 +37,13 @@ from dflop.costmodel.features import (
 )
 from dflop.costmodel.memory import training_state_bytes
 from dflop.errors import UserError
+from dflop.models.recompute import RECOMPUTE_TARGETS
 
 #: Fitted targets and their units; times are converted to seconds on prediction.
 TARGETS = ("fwd_ms", "bwd_ms", "act_bytes")
 #: Optional targets of layer modules under activation recomputation (plan key ``recompute``): the
 #: backward including the recomputed forward, and the bytes kept for backward. Absent: that mode
 #: cannot be priced by this model (a profile from before the profiler measured the modes).
-RECOMPUTE_TARGETS = {mode: (f"bwd_ms:{mode}", f"act_bytes:{mode}") for mode in ("selective", "full")}
 OPTIONAL_TARGETS = tuple(t for targets in RECOMPUTE_TARGETS.values() for t in targets)
 _LAYER_MODULES = ("vision_layer", "llm_layer")
 

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from transformers import PreTrainedConfig
 
 from dflop.config import ProfileSection
-from dflop.costmodel.model import RECOMPUTE_TARGETS
+from dflop.models.recompute import RECOMPUTE_TARGETS
 from dflop.cpu_memory import reuse_large_cpu_allocations
 from dflop.errors import UserError
 from dflop.io import atomic_path
