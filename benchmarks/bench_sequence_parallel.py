@@ -9,7 +9,7 @@ norm + LM head + vocabulary-parallel loss), shards it for TP=2 with and without
 ignored token) forward under saved-tensor hooks (`dflop.profiling._memory.saved_tensor_bytes`,
 parameters excluded), then backward. Printed per rank: bytes saved for backward by the decoder
 layers alone and by the whole stage, and the analytic cost model's prediction for the layers
-(``analytic_cost_model(..., sequence_parallel=...)``: act_bytes per token x tokens x layers).
+(the analytic layer's act_bytes per token less `activations.sequence_parallel_saving` with SP, x tokens x layers).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def worker(preset: str, lengths: list[int]) -> None:
     import torch
     import torch.distributed as dist
 
-    from dflop.costmodel.analytic import analytic_cost_model
+    from dflop.costmodel.activations import sequence_parallel_saving
+from dflop.costmodel.analytic import analytic_cost_model
     from dflop.models.builder import build_model
     from dflop.models.llm_parts import run_decoder_layers
     from dflop.models.packing import PackedSequence
@@ -61,8 +62,9 @@ def worker(preset: str, lengths: list[int]) -> None:
         with saved_tensor_bytes(exclude=params) as layers:
             out = run_decoder_layers(stage.layers, hidden, padded, cos_sin)
         out.sum().backward()
-        cost = analytic_cost_model(model.config, tp_degrees=(tp.size,), sequence_parallel=sp)
-        per_token = cost.module("llm_layer", tp.size).coefficients("act_bytes")[0]
+        cost = analytic_cost_model(model.config, tp_degrees=(tp.size,))
+        saving = sequence_parallel_saving(text.hidden_size, tp.size, 2) if sp else 0.0
+        per_token = cost.module("llm_layer", tp.size).coefficients("act_bytes")[0] - saving
         rows.append((sp, layers.bytes, per_token * tokens * len(stage.layers), whole.bytes, loss.item()))
     gathered = [None] * tp.size
     dist.all_gather_object(gathered, rows)

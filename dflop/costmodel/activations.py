@@ -56,6 +56,24 @@ def layer_input_bytes_per_token(hidden_size: int, dtype: str) -> float:
     return float(DTYPE_BYTES[canonical_dtype(dtype)] * hidden_size)
 
 
+def sequence_parallel_saving(hidden: int, tp: int, nbytes: int, mode: str = "none") -> float:
+    """Activation bytes per token per decoder layer that sequence parallelism saves at TP degree `tp`.
+
+    Modes none and selective: what SP shards along the sequence is what the two RMSNorms save for
+    backward: per token the float32 copy of the input (4 h), the normalised input before the weight
+    (`nbytes` h) and the float32 reciprocal RMS (4), now for T/tp tokens per rank. Not saved less:
+    the all-gathered norm output that the column-parallel projections keep (DTensor does not
+    re-gather it in backward as Megatron does), and the residual additions, which keep nothing.
+    Mode full: the layer's checkpointed input is the rank's sequence shard, ``nbytes h`` per token
+    for T/tp tokens."""
+    if tp <= 1:
+        return 0.0
+    if _mode(mode) == "full":
+        return nbytes * hidden * (1 - 1 / tp)
+    per_norm = (4 + nbytes) * hidden + 4
+    return 2 * per_norm * (1 - 1 / tp)
+
+
 def core_saving_per_token(num_heads: int, tp: int = 1) -> float:
     """What selective recomputation drops per token with a flash-style kernel whose output the
     output projection keeps anyway: the float32 log-sum-exp."""

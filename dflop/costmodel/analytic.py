@@ -20,8 +20,8 @@ shapes and a stated achieved throughput:
 - activation bytes kept for the backward (bf16, flash attention, no recomputation, no sequence
   parallelism), per token per layer: ``2 * (4 h + (6 h + 3 I) / t)`` (norm inputs and residuals
   replicated; q, k, v, attention output, MLP gate/up/activation split by TP; I = MLP width);
-  with ``sequence_parallel`` (LLM layers, t > 1) minus ``(1 - 1/t)`` of what the two RMSNorms
-  save, as each rank then normalises only its T/t tokens (`sequence_parallel_saving`);
+  sequence parallelism (LLM layers, t > 1) is priced per plan by the cost model
+  (`dflop.costmodel.activations.sequence_parallel_saving`);
   LM head: fp32 logits ``4 V / t`` per token;
 - activation recomputation (``recompute``, per stage): ``full`` keeps the layer input ``b h`` per
   token and its backward runs the layer's forward again (FLOPs, TP all-reduces, overhead) up to
@@ -52,29 +52,17 @@ from dflop.models.info import info_of
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def sequence_parallel_saving(hidden: int, tp: int, nbytes: int) -> float:
-    """Activation bytes per token per decoder layer that sequence parallelism saves at TP degree `tp`.
-
-    What SP shards along the sequence is what the two RMSNorms save for backward: per token the
-    float32 copy of the input (4 h), the normalised input before the weight (`nbytes` h) and the
-    float32 reciprocal RMS (4), now for T/tp tokens per rank. Not saved less: the all-gathered
-    norm output that the column-parallel projections keep (DTensor does not re-gather it in
-    backward as Megatron does), and the residual additions, which keep nothing."""
-    per_norm = (4 + nbytes) * hidden + 4
-    return 2 * per_norm * (1 - 1 / tp)
-
-
 def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), achieved_tflops: float = 400.0,
                         tp_gbps: float = 300.0, hbm_gbps: float = 2000.0, op_overhead_ms: float = 0.03,
-                        dtype: str = "bfloat16", preset: str | None = None,
-                        sequence_parallel: bool = False) -> CostModel:
+                        dtype: str = "bfloat16", preset: str | None = None) -> CostModel:
     """The FLOP-count `CostModel` of the model `config` describes (module docstring) at every TP
     degree in `tp_degrees`.
 
     achieved_tflops: sustained dense TFLOP/s per GPU; tp_gbps: TP all-reduce bandwidth (GB/s);
     hbm_gbps: memory bandwidth for the embedding lookup; op_overhead_ms: fixed milliseconds per
     layer (or part) per microbatch, forward and backward; preset: the ``arch/vision/llm`` name
-    recorded as its provenance; sequence_parallel: LLM layers at TP > 1 run sequence-parallel.
+    recorded as its provenance. Sequence parallelism is priced per plan
+    (`CostModel.llm_stage_terms(..., sequence_parallel_hidden=)`), not baked in here.
     """
     info = info_of(config)
     arch = architecture_of(config)
@@ -89,9 +77,8 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
         def allreduce_ms(bytes_per_unit: float) -> float:
             return 0.0 if t == 1 else 2 * (t - 1) / t * bytes_per_unit / (tp_gbps * 1e9) * 1e3
 
-        def act_layer(h: int, inter: int, sp: bool = False) -> float:
-            base = nbytes * (4 * h + (6 * h + 3 * inter) / t)
-            return base - sequence_parallel_saving(h, t, nbytes) if sp else base
+        def act_layer(h: int, inter: int) -> float:
+            return nbytes * (4 * h + (6 * h + 3 * inter) / t)
 
         parts = {
             # (forward FLOPs per unit, forward TP comm ms per unit, activation bytes per unit, params)
@@ -104,7 +91,7 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
                           {"tiles": nbytes * T * (hv + hl) / t}, info.projector_params),
             "llm_embed": ({}, 0.0, {"tokens": nbytes * hl}, info.llm_embed_params),
             "llm_layer": ({"tokens": 2 * info.llm_layer_params / t, "sq_tokens": 2 * hl / t},
-                          2 * allreduce_ms(nbytes * hl), {"tokens": act_layer(hl, llm_mlp, sequence_parallel)},
+                          2 * allreduce_ms(nbytes * hl), {"tokens": act_layer(hl, llm_mlp)},
                           info.llm_layer_params),
             "llm_head": ({"tokens": 2 * hl * V / t}, allreduce_ms(4), {"tokens": nbytes * hl + 4 * V / t},
                          info.llm_head_params),

@@ -43,6 +43,7 @@ def batch_costs(
     llm_recompute: Sequence[str] | None = None,
     vision_shard_over: int = 1,
     llm_shard_over: int = 1,
+    llm_sequence_parallel_hidden: int = 0,
 ) -> BatchCosts:
     """Per-sample costs of n samples on every stage of a layout.
 
@@ -55,7 +56,9 @@ def batch_costs(
         (`dflop.plan.in_flight_1f1b`);
     vision_recompute / llm_recompute: each stage's recompute mode (None: none everywhere);
     vision_shard_over / llm_shard_over: data-parallel replicas each module's optimizer state is
-        sharded over (1: not sharded; `dflop.plan.Techniques`).
+        sharded over (1: not sharded; `dflop.plan.Techniques`);
+    llm_sequence_parallel_hidden: the LLM's hidden size when it runs sequence-parallel, else 0
+        (`CostModel.llm_stage_terms`).
 
     Each stage's memory limit in the result is
     ``(mem_limit_bytes - training state) / in_flight - per-microbatch activation constant``: the
@@ -94,7 +97,8 @@ def batch_costs(
     ]
     llm = [
         model.llm_stage_terms(lens, n_layers=layers, first=j == 0, last=j == pp_l - 1, tp=tp_l,
-                              recompute=llm_modes[j], shard_over=llm_shard_over)
+                              recompute=llm_modes[j], shard_over=llm_shard_over,
+                              sequence_parallel_hidden=llm_sequence_parallel_hidden)
         for j, layers in enumerate(llm_layers_per_stage)
     ]
     if colocated:

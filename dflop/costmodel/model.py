@@ -35,7 +35,8 @@ from dflop.costmodel.features import (
     const_features,
     sample_features,
 )
-from dflop.costmodel.memory import training_state_bytes
+from dflop.costmodel import activations
+from dflop.costmodel.memory import canonical_dtype, training_state_bytes
 from dflop.errors import UserError
 from dflop.models.recompute import RECOMPUTE_TARGETS
 
@@ -327,11 +328,20 @@ class CostModel:
 
     def llm_stage_terms(
         self, seq_lens: Sequence[int], *, n_layers: int, first: bool, last: bool, tp: int,
-        recompute: str = "none", shard_over: int = 1,
+        recompute: str = "none", shard_over: int = 1, sequence_parallel_hidden: int = 0,
     ) -> StageTerms:
-        """Per-sample and per-bin parts of an LLM stage (shard_over as `vision_stage_terms`)."""
+        """Per-sample and per-bin parts of an LLM stage (shard_over as `vision_stage_terms`).
+
+        sequence_parallel_hidden: the LLM's hidden size when its layers run sequence-parallel (0:
+        they do not); each layer then keeps `activations.sequence_parallel_saving` fewer bytes per
+        token at tp > 1. A closed form, not a fitted target: profiles measure layers without SP."""
         lens = _sizes(seq_lens, "seq_lens", minimum=1)
-        return self._stage_terms(self._llm_parts(n_layers, first, last, tp, recompute), lens, shard_over)
+        terms = self._stage_terms(self._llm_parts(n_layers, first, last, tp, recompute), lens, shard_over)
+        if sequence_parallel_hidden and tp > 1 and n_layers:
+            nbytes = activations.DTYPE_BYTES[canonical_dtype(self.provenance.dtype)]
+            saving = activations.sequence_parallel_saving(int(sequence_parallel_hidden), int(tp), nbytes, recompute)
+            terms = replace(terms, act_bytes=terms.act_bytes - n_layers * saving * lens)
+        return terms
 
     def _stage_terms(self, parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray,
                      shard_over: int = 1) -> StageTerms:

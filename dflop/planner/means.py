@@ -62,11 +62,12 @@ class TransferSizes:
 
     llm_token_bytes: float
     vision_tile_bytes: float
+    llm_hidden: int = 0  # what sequence parallelism's saving is priced from (`CostModel.llm_stage_terms`)
 
     @classmethod
     def for_model(cls, *, llm_hidden: int, vision_hidden: int, vision_tokens_per_tile: int, dtype: str):
         nbytes = _DTYPE_BYTES[canonical_dtype(dtype)]
-        return cls(float(llm_hidden * nbytes), float(vision_tokens_per_tile * vision_hidden * nbytes))
+        return cls(float(llm_hidden * nbytes), float(vision_tokens_per_tile * vision_hidden * nbytes), int(llm_hidden))
 
 
 @dataclass(frozen=True)

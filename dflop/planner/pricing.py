@@ -18,6 +18,7 @@ import numpy as np
 
 from dflop.costmodel.model import CostModel
 from dflop.costmodel.types import BatchCosts
+from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
@@ -81,6 +82,15 @@ class Pricing:
                 parts.append(self.cluster.allreduce_s(grads[sl], dp, intra))
         return np.r_[parts[0], parts[1]]
 
+    @property
+    def sp_hidden(self) -> int:
+        """The LLM hidden size SP's activation saving is priced from, 0 when the plan has no LLM SP."""
+        if not self.plan.llm_techniques.sequence_parallel:
+            return 0
+        if not self.sizes.llm_hidden:
+            raise UserError("pricing a sequence-parallel plan needs the LLM hidden size (TransferSizes.for_model)")
+        return self.sizes.llm_hidden
+
     @cached_property
     def _links(self):
         lay = self.plan.layout
@@ -97,7 +107,8 @@ class Pricing:
                            in_flight_per_stage=lay.in_flight(), colocated=lay.colocated,
                            vision_recompute=vision.recompute, llm_recompute=llm.recompute,
                            vision_shard_over=lay.dp_v if vision.shard_optimizer else 1,
-                           llm_shard_over=lay.dp_l if llm.shard_optimizer else 1)
+                           llm_shard_over=lay.dp_l if llm.shard_optimizer else 1,
+                           llm_sequence_parallel_hidden=self.sp_hidden)
         llm_fwd, llm_bwd = base.llm_fwd.copy(), base.llm_bwd.copy()
         vis_fwd, vis_bwd = base.vision_fwd.copy(), base.vision_bwd.copy()
         hop = batch.seq_len * sizes.llm_token_bytes / float(link.llm_hop_bps)

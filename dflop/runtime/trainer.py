@@ -58,8 +58,7 @@ def training_pricing(plan: Plan, model: ModelHandle, cost: CostModel | None, clu
     planned for, so the trainer's predictions are the planner's: `plan_cluster`)."""
     if cost is None:
         cost = analytic_cost_model(model.config, tp_degrees=sorted({plan.layout.tp_v, plan.layout.tp_l}),
-                                   dtype=model.spec.dtype, preset=model.spec.preset,
-                                   sequence_parallel=plan.llm_techniques.sequence_parallel)
+                                   dtype=model.spec.dtype, preset=model.spec.preset)
     return Pricing.of(plan, cost, model, cluster)
 
 

@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from dflop.costmodel.analytic import analytic_cost_model, sequence_parallel_saving
+from dflop.costmodel.activations import sequence_parallel_saving
+from dflop.costmodel.analytic import analytic_cost_model
 from dflop.models.builder import model_config
 
 WORKER = Path(__file__).with_name("sp_memory_worker.py")
@@ -29,8 +31,10 @@ def test_sequence_parallel_saving_matches_measured_saved_bytes():
         measured = (int(without) - int(with_sp)) / int(tokens)  # per token per layer, this rank
         assert measured > 0
         assert sequence_parallel_saving(hidden, 2, nbytes) == pytest.approx(measured, rel=0.05), dtype
-    # the cost model charges exactly that much less per token for an LLM layer at TP 2 (none at TP 1)
-    act = {sp: {t: analytic_cost_model(config, tp_degrees=(1, 2), sequence_parallel=sp).module("llm_layer", t)
-                .coefficients("act_bytes")[0] for t in (1, 2)} for sp in (False, True)}
-    assert act[False][1] == act[True][1]
-    assert act[False][2] - act[True][2] == pytest.approx(sequence_parallel_saving(hidden, 2, 2))
+    # the cost model charges exactly that much less per token and layer at TP 2 (nothing at TP 1)
+    cost = analytic_cost_model(config, tp_degrees=(1, 2))
+    lens = [5, 11]
+    for t, expected in ((1, 0.0), (2, sequence_parallel_saving(hidden, 2, 2))):
+        act = {sp: cost.llm_stage_terms(lens, n_layers=3, first=False, last=False, tp=t,
+                                        sequence_parallel_hidden=hidden if sp else 0).act_bytes for sp in (False, True)}
+        np.testing.assert_allclose(act[False] - act[True], expected * 3 * np.array(lens), rtol=1e-12)

@@ -91,9 +91,10 @@ def test_trainer_and_planner_predict_the_same_step(fitted, layout, costs):
 
 
 def test_the_trainers_stand_in_prices_sequence_parallel_activations():
-    """Without a cost model the trainer prices a sequence-parallel LLM with the SP saving of the
-    analytic model (`sequence_parallel_saving` per token per layer), nothing else changed."""
-    from dflop.costmodel.analytic import sequence_parallel_saving
+    """Without a cost model the trainer prices a sequence-parallel LLM with the SP saving
+    (`sequence_parallel_saving` per token per layer, the closed form the SP memory test measures),
+    nothing else changed."""
+    from dflop.costmodel.activations import sequence_parallel_saving
 
     cfg = Config.from_dict({"model": MODEL})
     model = ModelHandle.resolve(cfg.model)
