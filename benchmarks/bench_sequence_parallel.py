@@ -29,7 +29,7 @@ def worker(preset: str, lengths: list[int]) -> None:
     import torch.distributed as dist
 
     from dflop.costmodel.activations import sequence_parallel_saving
-from dflop.costmodel.analytic import analytic_cost_model
+    from dflop.costmodel.analytic import analytic_cost_model
     from dflop.models.builder import build_model
     from dflop.models.llm_parts import run_decoder_layers
     from dflop.models.packing import PackedSequence
