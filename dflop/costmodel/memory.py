@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from dflop.errors import UserError
 
 _DTYPE_ALIASES = {
@@ -83,3 +85,14 @@ def training_state_bytes(dtype: str, shard_over: int = 1) -> TrainingStateBytes:
         return full
     return TrainingStateBytes(param=full.param * (1 + 1 / shard_over), grad=full.grad,
                               optimizer=full.optimizer / shard_over)
+
+
+def sharded_state_scale(dtype: str, shard_over):
+    """Training state held at a step's peak with sharding over `shard_over` replicas, as a fraction of
+    the unsharded state (the same for every parameter; broadcasts over arrays of `shard_over`):
+    ``(p (1 + 1/dp) + g + o / dp) / (p + g + o)``; 1 at dp = 1 (`training_state_bytes`)."""
+    full = _STATE_BYTES[canonical_dtype(dtype)]
+    dp = np.asarray(shard_over, dtype=np.float64)
+    if np.any(dp < 1):
+        raise UserError(f"shard_over must be at least 1, got {shard_over}")
+    return np.where(dp > 1, (full.param * (1 + 1 / dp) + full.grad + full.optimizer / dp) / full.total, 1.0)

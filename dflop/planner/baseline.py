@@ -19,9 +19,10 @@ from dflop.plan import Layout, Plan
 from dflop.planner.candidates import evaluation_columns, plan_columns
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation
-from dflop.planner.means import Granularity, ModuleMeans
+from dflop.planner.means import Granularity
 from dflop.planner.screen import SearchSpace
-from dflop.planner.stages import StageModel, TransferMeans, build_stage_model
+from dflop.planner.stages import StageModel, TransferMeans
+from dflop.planner.technique_choice import TechniqueMeans
 
 
 @dataclass(frozen=True)
@@ -64,23 +65,31 @@ def baseline_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout]
     return layouts, rejected
 
 
-def search_baseline(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, ModuleMeans],
-                    cluster: Cluster, transfer: TransferMeans, granularity: Granularity, evaluate, *,
-                    simulate: int = 4) -> BaselineResult:
-    """The best data-blind layout; `evaluate(plan) -> Evaluation` runs the sampled batches."""
+def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster, transfer: TransferMeans,
+                    granularity: Granularity, evaluate, *, simulate: int = 4) -> BaselineResult:
+    """The best data-blind layout; `evaluate(plan) -> Evaluation` runs the sampled batches.
+
+    Each layout uses the memory techniques its uniform split needs, chosen as for the data-aware
+    plans (`technique_choice.settle`: the fastest recompute mode per stage that fits, sharding and
+    SP only where needed), so the baseline is tuned with the same techniques available."""
     layouts, rows = baseline_layouts(space, cluster)
     scored = []
     for lay in layouts:
-        sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster,
-                               global_batch=space.global_batch, transfer=transfer, granularity=granularity)
         split = np.r_[[space.llm_layers // lay.pp_l] * lay.pp_l]
-        plan = sm.plan(split)
-        if not sm.fits(split):
-            s = int(np.argmax(sm.memory_at(split) - sm.memory_bytes))
-            rows.append(_row("rejected", "memory", f"uniform split needs {sm.memory_at(split)[s] / 1e9:.3g} GB on "
-                             f"llm stage {s}", plan=plan))
+        settled = means.fit(lay, split, cluster=cluster, global_batch=space.global_batch, transfer=transfer,
+                            granularity=granularity)
+        if settled is None:
+            sm = means.stage_model(lay, means.leanest(lay), cluster=cluster, global_batch=space.global_batch,
+                                   transfer=transfer, granularity=granularity)
+            lean = sm.lean
+            need = np.maximum(lean.mem_mean_fixed + lean.mem_mean_layer * split,
+                              lean.mem_max_fixed + lean.mem_max_layer * split)
+            s = int(np.argmax(need - sm.memory_bytes))
+            rows.append(_row("rejected", "memory", f"uniform split needs {need[s] / 1e9:.3g} GB on llm stage {s} "
+                             f"with every memory technique", plan=sm.plan(split)))
             continue
-        scored.append((sm.objective_s(split), sm, plan))
+        sm, modes = settled
+        scored.append((sm.objective_s(split, modes), sm, sm.plan(split, modes)))
     scored.sort(key=lambda x: x[0])
     best: tuple[Evaluation, StageModel] | None = None
     best_row = -1

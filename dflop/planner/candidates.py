@@ -15,7 +15,9 @@ One row per (columns in this order; missing values are null):
   divisibility, memory, bound, prescreen, racing, milp_<status>; ``detail``: the same in words;
 - ``n_layouts``; ``bound_s`` (lower bound of the mean-shape step); ``mean_shape_step_s`` (MILP
   objective: the 1F1B step under mean shapes); ``milp_status``; ``milp_solve_s``;
-- ``vision_layers``, ``llm_layers``: layers per stage;
+- ``vision_layers``, ``llm_layers``: layers per stage; ``vision_recompute``, ``llm_recompute``: the
+  recompute mode of each stage; ``shard_vision``, ``shard_llm``: optimizer state sharded over the
+  module's replicas; ``sequence_parallel`` (the LLM's);
 - ``step_mean_s``, ``step_p50_s``, ``step_p90_s``, ``utilisation``, ``peak_memory_gb`` (over the
   sampled batches), ``batches`` (how many were simulated).
 """
@@ -32,13 +34,16 @@ from dflop.plan import Plan
 from dflop.planner.expected import Evaluation
 
 STRING_COLUMNS = ("kind", "level", "placement", "status", "reason", "detail", "milp_status")
+BOOL_COLUMNS = ("shard_vision", "shard_llm", "sequence_parallel")
 INT_COLUMNS = ("tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m", "world_size", "n_layouts", "batches")
 FLOAT_COLUMNS = ("bound_s", "mean_shape_step_s", "milp_solve_s", "step_mean_s", "step_p50_s", "step_p90_s",
                  "utilisation", "peak_memory_gb")
 LIST_COLUMNS = ("vision_layers", "llm_layers")
+MODE_COLUMNS = ("vision_recompute", "llm_recompute")
 COLUMNS = ("kind", "level", "placement", "tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m", "world_size",
            "status", "reason", "detail", "n_layouts", "bound_s", "mean_shape_step_s", "milp_status", "milp_solve_s",
-           "vision_layers", "llm_layers", "step_mean_s", "step_p50_s", "step_p90_s", "utilisation",
+           "vision_layers", "llm_layers", "vision_recompute", "llm_recompute", "shard_vision", "shard_llm",
+           "sequence_parallel", "step_mean_s", "step_p50_s", "step_p90_s", "utilisation",
            "peak_memory_gb", "batches")
 
 
@@ -47,7 +52,11 @@ def plan_columns(plan: Plan) -> dict:
     lay = plan.layout
     return {"placement": lay.placement, "tp_v": lay.tp_v, "pp_v": lay.pp_v, "dp_v": lay.dp_v, "tp_l": lay.tp_l,
             "pp_l": lay.pp_l, "dp_l": lay.dp_l, "m": lay.m, "world_size": lay.world_size,
-            "vision_layers": list(plan.vision_layers), "llm_layers": list(plan.llm_layers)}
+            "vision_layers": list(plan.vision_layers), "llm_layers": list(plan.llm_layers),
+            "vision_recompute": list(plan.vision_techniques.recompute),
+            "llm_recompute": list(plan.llm_techniques.recompute),
+            "shard_vision": plan.vision_techniques.shard_optimizer, "shard_llm": plan.llm_techniques.shard_optimizer,
+            "sequence_parallel": plan.llm_techniques.sequence_parallel}
 
 
 def evaluation_columns(ev: Evaluation) -> dict:
@@ -100,8 +109,12 @@ def candidates_frame(rows: list[dict], groups: pd.DataFrame | None = None) -> pd
         df[col] = pd.to_numeric(df[col], errors="coerce").astype("Int64")
     for col in FLOAT_COLUMNS:
         df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
+    for col in BOOL_COLUMNS:
+        df[col] = df[col].astype("boolean")
     for col in LIST_COLUMNS:
         df[col] = [list(map(int, v)) if isinstance(v, (list, tuple, np.ndarray)) else None for v in df[col]]
+    for col in MODE_COLUMNS:
+        df[col] = [list(map(str, v)) if isinstance(v, (list, tuple, np.ndarray)) else None for v in df[col]]
     return df
 
 

@@ -16,6 +16,8 @@ import pandas as pd
 
 from dflop.costmodel.memory import canonical_dtype
 from dflop.costmodel.model import CostModel, StageTerms
+from dflop.errors import UserError
+from dflop.plan import RECOMPUTE_MODES
 from dflop.shapes import usable
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -129,31 +131,62 @@ def _values(p: PartMeans) -> tuple[float, ...]:
 @dataclass(frozen=True)
 class ModuleMeans:
     """A module (vision tower or LLM) at one TP degree: one layer, the first-stage extras
-    (vision embeddings / token embeddings) and the last-stage extras (projector / norm, head, loss)."""
+    (vision embeddings / token embeddings) and the last-stage extras (projector / norm, head, loss).
+
+    layers: one layer under each recompute mode the search may use, cheapest in time first
+    (none, selective, full); sequence_parallel: whether these LLM layers run sequence-parallel
+    (their activations are priced so).
+    """
 
     module: str
     tp: int
     n_layers: int
-    layer: PartMeans
+    layers: dict
     first: PartMeans
     last: PartMeans
+    sequence_parallel: bool = False
 
-    def whole(self) -> PartMeans:
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return tuple(self.layers)
+
+    @property
+    def layer(self) -> PartMeans:
+        """The layer in the cheapest mode (the fastest; what time bounds use)."""
+        return self.layers[self.modes[0]]
+
+    def whole(self, mode: str | None = None) -> PartMeans:
         """The whole module on one stage (what the colocated first LLM stage carries)."""
-        return self.layer.scaled(self.n_layers) + self.first + self.last
+        return self.layers[mode or self.modes[0]].scaled(self.n_layers) + self.first + self.last
 
 
-def module_means(cost: CostModel, module: str, tp: int, pool: Pool, n_layers: int) -> ModuleMeans:
-    """`ModuleMeans` of "vision" or "llm" at `tp` over the pool's samples."""
+def module_means(cost: CostModel, module: str, tp: int, pool: Pool, n_layers: int, *,
+                 modes: tuple[str, ...] = ("none",), sequence_parallel_hidden: int = 0) -> ModuleMeans:
+    """`ModuleMeans` of "vision" or "llm" at `tp` over the pool's samples, with its layer under each
+    of `modes` the cost model can price (a profile from before the profiler measured the recompute
+    modes prices none: the others are left out, or the one-line error when none is left) and, for
+    the LLM, sequence-parallel when `sequence_parallel_hidden` > 0 and tp > 1."""
     if module == "vision":
-        sizes, terms = pool.n_tiles, cost.vision_stage_terms
+        sizes, terms, extra = pool.n_tiles, cost.vision_stage_terms, {}
     elif module == "llm":
         sizes, terms = pool.seq_len, cost.llm_stage_terms
+        extra = {"sequence_parallel_hidden": sequence_parallel_hidden} if sequence_parallel_hidden and tp > 1 else {}
     else:
         raise ValueError(f"module must be 'vision' or 'llm', got {module!r}")
-    part = lambda n, first, last: PartMeans.from_terms(terms(sizes, n_layers=n, first=first, last=last, tp=tp))
-    return ModuleMeans(module, int(tp), int(n_layers), layer=part(1, False, False), first=part(0, True, False),
-                       last=part(0, False, True))
+
+    def part(n, first, last, mode="none"):
+        return PartMeans.from_terms(terms(sizes, n_layers=n, first=first, last=last, tp=tp, recompute=mode, **extra))
+
+    layers, error = {}, None
+    for mode in (m for m in RECOMPUTE_MODES if m in modes):
+        try:
+            layers[mode] = part(1, False, False, mode)
+        except UserError as exc:
+            error = exc
+    if not layers:
+        raise error or UserError(f"no recompute mode to price among {list(modes)}")
+    return ModuleMeans(module, int(tp), int(n_layers), layers, first=part(0, True, False), last=part(0, False, True),
+                       sequence_parallel=bool(extra))
 
 
 @dataclass(frozen=True)

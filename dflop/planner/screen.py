@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from dflop.costmodel.memory import sharded_state_scale
 from dflop.plan import Layout
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Granularity, ModuleMeans, PartMeans
@@ -94,20 +95,48 @@ class _Side:
         return _Side(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
 
 
+@dataclass(frozen=True)
+class MemoryFloor:
+    """The least memory any setting of the memory techniques leaves a stage (`technique_choice`):
+    the modules' layers in their leanest recompute mode (the LLM's sequence-parallel where it may
+    be), the training state sharded over the replicas where sharding may be used. A layout no
+    setting fits is rejected here; the others are fitted exactly by the MILP.
+
+    vision / llm: {tp: ModuleMeans} whose `layer` is the leanest; shard: whether sharding may be used.
+    """
+
+    vision: dict
+    llm: dict
+    dtype: str = "float32"
+    shard: bool = False
+
+    def state_scale(self, dp):
+        dp = np.asarray(dp, dtype=np.float64)
+        return sharded_state_scale(self.dtype, dp) if self.shard else np.ones_like(dp)
+
+    @classmethod
+    def none(cls, vision: dict, llm: dict) -> "MemoryFloor":
+        """No techniques: the means as they are."""
+        return cls(vision, llm)
+
+
 def module_fits(means: ModuleMeans, n_layers: int, memory: float, *, nu, heaviest_share, pp, in_flight,
-                extra: PartMeans | None = None, return_caps: bool = False):
+                extra: PartMeans | None = None, return_caps: bool = False, state_scale=1.0):
     """[rows] whether some split of `n_layers` layers (>= 1 per stage) fits in `memory` bytes.
 
     nu, heaviest_share, pp: [rows]; in_flight: [rows, P] microbatches stage k holds (P >= pp.max());
     extra: a part the first stage also holds in full, on `nu` samples (the colocated vision tower).
-    Same memory model as `dflop.planner.stages.stage_coeffs`, on a [rows, stages] grid. With
-    return_caps, also the [rows, P] most layers each stage holds (0 past the last stage).
+    Same memory model as `dflop.planner.stages.stage_coeffs`, on a [rows, stages] grid; the layer
+    is `means.layer` (pass lean means for the least memory); state_scale: [rows] or scalar
+    fraction of the training state held (optimizer sharding). With return_caps, also the [rows, P]
+    most layers each stage holds (0 past the last stage).
     """
     nu, share = np.asarray(nu, dtype=np.float64)[:, None], np.asarray(heaviest_share, dtype=np.float64)[:, None]
     pp = np.asarray(pp)[:, None]
     k = np.arange(in_flight.shape[1])[None, :]
     first, last, valid = (k == 0), (k == pp - 1), (k < pp)
     F, H, Ly = means.first, means.last, means.layer
+    scale = np.asarray(state_scale, dtype=np.float64).reshape(-1, 1) if np.ndim(state_scale) else float(state_scale)
     static = first * F.static_bytes + last * H.static_bytes
     act_mean = first * F.act_mean(nu) + last * H.act_mean(nu)
     act_max = first * F.act_heaviest(share) + last * H.act_heaviest(share)
@@ -116,8 +145,9 @@ def module_fits(means: ModuleMeans, n_layers: int, memory: float, *, nu, heavies
         act_mean = act_mean + first * extra.act_mean(nu)
         act_max = act_max + first * extra.act_heaviest(1.0)
     f = in_flight
-    caps = np.minimum(_cap(memory - static - f * act_mean, Ly.static_bytes + f * Ly.act_mean(nu)),
-                      _cap(memory - static - f * act_max, Ly.static_bytes + f * Ly.act_heaviest(share)))
+    static, layer_static = scale * static, scale * Ly.static_bytes
+    caps = np.minimum(_cap(memory - static - f * act_mean, layer_static + f * Ly.act_mean(nu)),
+                      _cap(memory - static - f * act_max, layer_static + f * Ly.act_heaviest(share)))
     caps = np.where(valid, np.clip(caps, 0, n_layers), 0)
     ok = (caps.sum(axis=1) >= n_layers) & np.where(valid, caps >= 1, True).all(axis=1)
     return (ok, caps) if return_caps else ok
@@ -153,7 +183,7 @@ def _cap(room, per_layer):
 
 
 def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int, ModuleMeans], cluster: Cluster,
-              colocated: bool, granularity: Granularity) -> _Side:
+              colocated: bool, granularity: Granularity, floor: MemoryFloor) -> _Side:
     """Every LLM side (tp_l, pp_l, dp_l, m) of one placement, with its times and memory feasibility.
 
     Sorted by (tp_l, pp_l, m, dp_l) so that a group's layouts are contiguous.
@@ -198,9 +228,10 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
     for t in np.unique(tp):
         rows = np.flatnonzero(tp == t)
         in_flight = np.minimum(m[rows, None], pp[rows, None] - np.arange(int(pp[rows].max()))[None, :])
-        ok, caps = module_fits(llm[int(t)], space.llm_layers, cluster.gpu_memory_bytes, nu=nu[rows],
+        ok, caps = module_fits(floor.llm[int(t)], space.llm_layers, cluster.gpu_memory_bytes, nu=nu[rows],
                                heaviest_share=np.ones(len(rows)), pp=pp[rows], in_flight=in_flight,
-                               extra=vision[int(t)].whole() if colocated else None, return_caps=True)
+                               extra=floor.vision[int(t)].whole() if colocated else None, return_caps=True,
+                               state_scale=floor.state_scale(dp[rows]))
         fits[rows] = ok
         sel = rows[ok]
         if len(sel):
@@ -254,15 +285,20 @@ def _concat(parts: list[dict], columns) -> pd.DataFrame:
 
 
 def screen(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, ModuleMeans], cluster: Cluster,
-           transfer: TransferMeans, *, keep: int = 256, granularity: Granularity = Granularity.none()) -> ScreenResult:
-    """Memory feasibility and MILP lower bound of every layout; the best `keep` feasible ones."""
+           transfer: TransferMeans, *, keep: int = 256, granularity: Granularity = Granularity.none(),
+           floor: MemoryFloor | None = None) -> ScreenResult:
+    """Memory feasibility and MILP lower bound of every layout; the best `keep` feasible ones.
+
+    vision / llm: the means times are bounded with; floor: the least memory of each module (default:
+    the same means, no memory techniques)."""
+    floor = floor or MemoryFloor.none(vision, llm)
     B, W, lat = space.global_batch, cluster.world_size, cluster.p2p_latency_s
     kept: list[dict] = []
     groups: list[dict] = []
     n_layouts = n_feasible = 0
 
     if "colocated" in space.placements and space.colocated_tp:
-        side = _llm_side(space, llm, vision, cluster, colocated=True, granularity=granularity)
+        side = _llm_side(space, llm, vision, cluster, colocated=True, granularity=granularity, floor=floor)
         link = links(cluster, colocated=True, tp_v=side.tp, pp_v=1, dp_v=side.dp, tp_l=side.tp, pp_l=side.pp,
                      dp_l=side.dp)
         hops = 2 * (side.pp - 1) * side.nu * transfer.llm_hop_bytes / link.llm_hop_bps
@@ -276,13 +312,13 @@ def screen(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, Mo
             kept.append(_best_rows(True, side.tp, 1, side.dp, side, side.fits, bound, keep))
 
     if "disjoint" in space.placements and space.vision_tp:
-        full = _llm_side(space, llm, vision, cluster, colocated=False, granularity=granularity)
+        full = _llm_side(space, llm, vision, cluster, colocated=False, granularity=granularity, floor=floor)
         tiles_per_mb = B / full.m * space.mean_tiles
         dp_v_cap = np.maximum(1, np.floor(tiles_per_mb)).astype(np.int64)
         m_index = np.searchsorted(np.array(space.microbatches), full.m)
         for tv in space.vision_tp:
             vm = vision[tv]
-            table = _VisionTable(space, vm, tv, W, cluster.gpu_memory_bytes)
+            table = _VisionTable(space, floor.vision[tv], tv, W, cluster.gpu_memory_bytes, floor)
             for pv in range(1, space.vision_layers + 1):
                 free = W - full.tp * full.pp * full.dp
                 dp_v_all = cluster.largest_launchable_vision_dp(np.minimum(free // (tv * pv), dp_v_cap), tv * pv,
@@ -329,7 +365,7 @@ class _VisionTable:
     still fits (0: none), found by bisection over a. Built once per vision TP degree.
     """
 
-    def __init__(self, space: SearchSpace, vm: ModuleMeans, tp: int, world: int, memory: float):
+    def __init__(self, space: SearchSpace, vm: ModuleMeans, tp: int, world: int, memory: float, floor: MemoryFloor):
         self.a_max = {}
         ms = np.array(space.microbatches)
         for pv in range(1, space.vision_layers + 1):
@@ -342,7 +378,7 @@ class _VisionTable:
             def fits(a):
                 in_flight = np.minimum(m[:, None], pv + a[:, None] - np.arange(pv)[None, :])
                 return module_fits(vm, space.vision_layers, memory, nu=nu, heaviest_share=1.0 / dp,
-                                   pp=np.full(len(dp), pv), in_flight=in_flight)
+                                   pp=np.full(len(dp), pv), in_flight=in_flight, state_scale=floor.state_scale(dp))
 
             lo, hi = np.zeros(len(dp), dtype=np.int64), m.copy()  # invariant: fits(lo) or lo == 0; answer in [lo, hi]
             ok_hi = fits(hi)

@@ -37,11 +37,12 @@ from dflop.planner.baseline import BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches
-from dflop.planner.means import Granularity, ModuleMeans, Pool, TransferSizes, module_means
+from dflop.planner.means import Granularity, Pool, TransferSizes
 from dflop.planner.milp import SplitResult, solve_split
 from dflop.planner.screen import ScreenResult, SearchSpace, layout_of, screen
 from dflop.planner.space import ModelShape, build_space
-from dflop.planner.stages import StageModel, TransferMeans, build_stage_model, min_peak_split, split_bound_s
+from dflop.planner.stages import StageModel, TransferMeans, min_peak_split, split_bound_s
+from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
 
 
 @dataclass(frozen=True)
@@ -69,20 +70,19 @@ class SearchSettings:
     max_milps: int | None = None
     baseline_simulate: int = 4
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
-    recompute: str = "none"           # memory techniques every simulated plan (and the baseline) uses:
-    shard_optimizer: bool = False     # the config's planner.* forced values (`from_section`); the
-    sequence_parallel: bool = False   # planner does not choose them yet
+    recompute: str = "auto"                 # memory techniques (`dflop.planner.technique_choice`):
+    shard_optimizer: str | bool = "auto"    # auto = the planner chooses (for its plans and the
+    sequence_parallel: str | bool = "auto"  # baselines alike), otherwise forced on or off
 
     @staticmethod
     def techniques_of(planner: PlannerSection) -> dict:
-        """The forced techniques of the config's planner section; ``auto`` means off until the
-        planner chooses techniques itself."""
-        return {"recompute": "none" if planner.recompute == "auto" else planner.recompute,
-                "shard_optimizer": planner.shard_optimizer is True,
-                "sequence_parallel": planner.sequence_parallel is True}
+        """The memory-technique keys of the config's planner section."""
+        return {"recompute": planner.recompute, "shard_optimizer": planner.shard_optimizer,
+                "sequence_parallel": planner.sequence_parallel}
 
-    def with_techniques(self, plan: Plan) -> Plan:
-        return plan.with_forced_techniques(self.recompute, self.shard_optimizer, self.sequence_parallel)
+    @property
+    def technique_space(self) -> TechniqueSpace:
+        return TechniqueSpace.of(self.recompute, self.shard_optimizer, self.sequence_parallel)
 
     @property
     def n_prescreen(self) -> int:
@@ -96,6 +96,7 @@ class SearchSettings:
             raise UserError(f"planner.time_limit_s must be > 0, got {self.time_limit_s!r}")
         if not self.rel_gap >= 0:
             raise UserError(f"planner.rel_gap must be >= 0, got {self.rel_gap!r}")
+        self.technique_space  # noqa: B018 (validates the technique keys)
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class _Solved:
 
     @property
     def plan(self) -> Plan:
-        return self.stage_model.plan(self.result.split)
+        return self.stage_model.plan(self.result.split, self.result.modes)
 
 
 def bin_granularity(cost: CostModel, pool: Pool, space: SearchSpace) -> Granularity:
@@ -137,12 +138,11 @@ def bin_granularity(cost: CostModel, pool: Pool, space: SearchSpace) -> Granular
     return Granularity.of(terms.fwd_s + terms.bwd_s, space.global_batch, space.microbatches)
 
 
-def prepare_means(cost: CostModel, shape: ModelShape, pool: Pool, space: SearchSpace):
-    """ModuleMeans per admissible TP degree: ({tp: vision}, {tp: llm})."""
+def prepare_means(cost: CostModel, shape: ModelShape, pool: Pool, space: SearchSpace,
+                  techniques: TechniqueSpace = TechniqueSpace.of("none", False, False)) -> TechniqueMeans:
+    """Module means per admissible TP degree and technique setting (`TechniqueMeans`)."""
     vision_tps = sorted(set(space.vision_tp) | set(space.shared_tp))
-    vision = {t: module_means(cost, "vision", t, pool, shape.vision_layers) for t in vision_tps}
-    llm = {t: module_means(cost, "llm", t, pool, shape.llm_layers) for t in space.llm_tp}
-    return vision, llm
+    return TechniqueMeans.of(cost, pool, shape, vision_tps, space.llm_tp, techniques)
 
 
 def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
@@ -152,18 +152,19 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     s = settings
     space, rejected = build_space(shape, cost, cluster, placements=s.placements, microbatches=s.microbatches,
                                   global_batch=s.global_batch, mean_tiles=float(pool.n_tiles.mean()))
-    vision, llm = prepare_means(cost, shape, pool, space)
+    means = prepare_means(cost, shape, pool, space, s.technique_space)
+    vision, llm = means.for_times()
     sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
                                     vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
     transfer = TransferMeans.of(pool, sizes)
     granularity = bin_granularity(cost, pool, space)
     keep = s.keep or max(2048, 8 * s.n_prescreen)
-    screened = screen(space, vision, llm, cluster, transfer, keep=keep, granularity=granularity)
+    screened = screen(space, vision, llm, cluster, transfer, keep=keep, granularity=granularity, floor=means.floor())
     t_screen = time.perf_counter()
     if screened.n_feasible == 0:
-        raise UserError(closest_fit_message(space, screened, vision, llm, cluster, transfer))
+        raise UserError(closest_fit_message(space, screened, means, cluster, transfer))
 
-    solved, proven = _solve_layouts(screened, space, vision, llm, cluster, transfer, s, granularity)
+    solved, proven = _solve_layouts(screened, space, means, cluster, transfer, s, granularity)
     t_milp = time.perf_counter()
     if not any(x.result.has_solution for x in solved):
         statuses = sorted({x.result.status for x in solved})
@@ -172,15 +173,14 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     batches = sample_batches(len(pool), s.sample_batches, s.global_batch, s.seed)
 
     def evaluate(plan: Plan, subset: slice, scheduler: SchedulerSettings) -> Evaluation:
-        return evaluate_plan(s.with_techniques(plan), cost, pool, batches[subset], cluster, sizes, scheduler,
+        return evaluate_plan(plan, cost, pool, batches[subset], cluster, sizes, scheduler,
                              seed=s.seed + (subset.start or 0))
 
     ranked = sorted((x for x in solved if x.result.has_solution), key=lambda x: x.result.objective_s)
-    ranked = _prescreen(ranked, s, lambda plan: quick_step_s(s.with_techniques(plan), cost, pool.take(batches[0]),
-                                                             cluster, sizes))
+    ranked = _prescreen(ranked, s, lambda plan: quick_step_s(plan, cost, pool.take(batches[0]), cluster, sizes))
     chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
     t_sim = time.perf_counter()
-    baseline = search_baseline(space, vision, llm, cluster, transfer, granularity,
+    baseline = search_baseline(space, means, cluster, transfer, granularity,
                                lambda plan: evaluate(plan, slice(0, None), replace(s.scheduler, policy="megatron")),
                                simulate=s.baseline_simulate)
     t_base = time.perf_counter()
@@ -203,13 +203,15 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     return SearchResult(chosen.evaluation, chosen.stage_model, chosen.result, baseline, candidates, stats, sizes)
 
 
-def _solve_layouts(screened: ScreenResult, space: SearchSpace, vision, llm, cluster, transfer,
+def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueMeans, cluster, transfer,
                    s: SearchSettings, granularity: Granularity) -> tuple[list[_Solved], bool]:
     """MILPs in bound order until the top_k by objective are certain (or max_milps).
 
     The kept layouts are re-ranked by the tighter `split_bound_s`; a layout whose modules have one
-    stage each has a single split, computed directly (milp status "single_split").
+    stage each has a single split, computed directly (milp status "single_split"). Each layout is
+    solved with its leanest technique setting and then settled (`technique_choice.settle`).
     """
+    kw = dict(cluster=cluster, global_batch=space.global_batch, transfer=transfer, granularity=granularity)
     max_milps = s.max_milps or max(64, 4 * s.n_prescreen)
     want = s.n_prescreen
     rows = list(screened.layouts.itertuples(index=False))
@@ -224,8 +226,7 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, vision, llm, clus
             if sm is not None:
                 return bound, sm
             lay = layout_of(rows[i])
-            sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster,
-                                   global_batch=space.global_batch, transfer=transfer, granularity=granularity)
+            sm = means.stage_model(lay, means.leanest(lay), **kw)
             heapq.heappush(heap, (max(split_bound_s(sm), bound), i, sm))
         return None
 
@@ -249,11 +250,18 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, vision, llm, clus
             break
         if single:
             split = np.array([sm.llm_layers] if lay.colocated else [sm.vision_layers, sm.llm_layers])
-            objective = sm.objective_s(split)
-            res = SplitResult("single_split", split, objective, objective, 0.0)
+            res = SplitResult("single_split", split, None, None, 0.0)
         else:
             res = solve_split(sm, time_limit_s=s.time_limit_s, rel_gap=s.rel_gap)
             n_calls += 1
+        settled = means.fit(lay, res.split, **kw) if res.has_solution else None
+        if settled is not None:
+            sm, modes = settled
+            objective = sm.objective_s(res.split, modes)
+            res = replace(res, modes=tuple(modes), objective_s=objective,
+                          bound_s=objective if single else res.bound_s)
+        elif res.has_solution:  # a single split that fits in no mode
+            res = SplitResult("infeasible", None, None, None, res.solve_s)
         item = _Solved(lay, bound, sm, res)
         if res.has_solution:
             objectives.append(res.objective_s)
@@ -344,13 +352,13 @@ def _counts(values) -> dict:
     return out
 
 
-def closest_fit_message(space: SearchSpace, screened: ScreenResult, vision: dict[int, ModuleMeans],
-                        llm: dict[int, ModuleMeans], cluster: Cluster, transfer: TransferMeans,
-                        max_groups: int = 2000) -> str:
+def closest_fit_message(space: SearchSpace, screened: ScreenResult, means: TechniqueMeans, cluster: Cluster,
+                        transfer: TransferMeans, max_groups: int = 2000) -> str:
     """One line naming the layout that misses GPU memory by the least, and by how much.
 
     Checks the most memory-friendly layouts of each group (largest and smallest LLM dp) exactly
-    (`min_peak_split`), most GPUs per model replica first, at most `max_groups` groups.
+    (`min_peak_split`, every memory technique the space allows on), most GPUs per model replica
+    first, at most `max_groups` groups.
     """
     W, B, M = cluster.world_size, space.global_batch, cluster.gpu_memory_bytes
     g = screened.groups
@@ -360,16 +368,26 @@ def closest_fit_message(space: SearchSpace, screened: ScreenResult, vision: dict
     best = None
     for r in g.iloc[order[:max_groups]].itertuples(index=False):
         for lay in _representatives(r, W, B, space):
-            sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster, global_batch=B,
-                                   transfer=transfer)
+            sm = means.stage_model(lay, means.leanest(lay), cluster=cluster, global_batch=B, transfer=transfer)
             split, mem = min_peak_split(sm)
             s = int(np.argmax(mem))
             if best is None or mem[s] < best[0]:
                 best = (float(mem[s]), sm.plan(split), s)
     need, plan, s = best
-    return (f"no plan fits in {M / 1e9:.3g} GB per GPU: the closest, {plan.layout.describe()}, needs "
+    lean = _leanest_label(means)
+    return (f"no plan fits in {M / 1e9:.3g} GB per GPU{lean}: the closest, {plan.layout.describe()}, needs "
             f"{need / 1e9:.3g} GB on {plan.stage_name(s)} ({(need - M) / 1e9:.3g} GB short); use more GPUs or "
             f"GPU memory, more microbatches, or a smaller global batch")
+
+
+def _leanest_label(means: TechniqueMeans) -> str:
+    """What the closest fit already used, e.g. " even with full recompute, sharded optimizer, SP"."""
+    space, floor = means.space, means.floor()
+    lean = sorted({m for mm in (*floor.vision.values(), *floor.llm.values()) for m in mm.modes} - {"none"})
+    used = [f"{'/'.join(lean)} recompute"] if lean else []
+    used += ["sharded optimizer"] if space.can_shard else []
+    used += ["sequence parallelism"] if space.can_sp else []
+    return f" even with {', '.join(used)}" if used else ""
 
 
 def _representatives(r, W: int, B: int, space: SearchSpace) -> list[Layout]:

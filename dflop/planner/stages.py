@@ -28,7 +28,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from dflop.plan import Layout, Plan
+from dflop.costmodel.memory import sharded_state_scale
+from dflop.plan import Layout, Plan, Techniques
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Granularity, ModuleMeans, PartMeans, Pool, TransferSizes
 
@@ -66,7 +67,8 @@ class StageCoeffs:
 
 
 def stage_coeffs(means: ModuleMeans, *, nu, heaviest_share, first, last, in_flight,
-                 extra: PartMeans | None = None, extra_nu=None, extra_on=True, time_nu=None) -> StageCoeffs:
+                 extra: PartMeans | None = None, extra_nu=None, extra_on=True, time_nu=None,
+                 mode: str | None = None, state_scale=1.0) -> StageCoeffs:
     """Coefficients of stages of one module.
 
     nu: samples per microbatch on one replica of the stage (mean); heaviest_share: share of the
@@ -75,11 +77,13 @@ def stage_coeffs(means: ModuleMeans, *, nu, heaviest_share, first, last, in_flig
     extra: a part the stages where `extra_on` is true also run in full (the vision tower on
     colocated LLM stage 0), on `extra_nu` samples. time_nu: samples per microbatch for times, if
     different from `nu` (see `dflop.planner.means.Granularity`); memory always uses `nu`.
+    mode: the layers' recompute mode (default: the cheapest the means price); state_scale: the
+    training state held, as a fraction of the unsharded one (`sharded_state_scale`).
     """
     first = np.asarray(first, dtype=np.float64)
     last = np.asarray(last, dtype=np.float64)
     tnu = nu if time_nu is None else time_nu
-    layer = _PartAt.of(means.layer, nu, heaviest_share, tnu)
+    layer = _PartAt.of(means.layers[mode or means.modes[0]], nu, heaviest_share, tnu)
     fixed = _PartAt.of(means.first, nu, heaviest_share, tnu).scaled(first) + \
         _PartAt.of(means.last, nu, heaviest_share, tnu).scaled(last)
     if extra is not None:
@@ -87,10 +91,10 @@ def stage_coeffs(means: ModuleMeans, *, nu, heaviest_share, first, last, in_flig
     return StageCoeffs(
         time_fixed=fixed.time, time_layer=layer.time,
         bwd_fixed=fixed.bwd, bwd_layer=layer.bwd,
-        mem_mean_fixed=fixed.static + in_flight * fixed.act_mean,
-        mem_mean_layer=layer.static + in_flight * layer.act_mean,
-        mem_max_fixed=fixed.static + in_flight * fixed.act_heaviest,
-        mem_max_layer=layer.static + in_flight * layer.act_heaviest,
+        mem_mean_fixed=state_scale * fixed.static + in_flight * fixed.act_mean,
+        mem_mean_layer=state_scale * layer.static + in_flight * layer.act_mean,
+        mem_max_fixed=state_scale * fixed.static + in_flight * fixed.act_heaviest,
+        mem_max_layer=state_scale * layer.static + in_flight * layer.act_heaviest,
         grad_fixed=fixed.grad, grad_layer=layer.grad,
     )
 
@@ -162,61 +166,112 @@ class TransferMeans:
 class StageModel:
     """Linear per-stage costs of one layout (stages in pipeline order, vision first).
 
-    is_vision: [P]; coeffs: arrays [P]; ar_fixed / ar_layer: [P] all-reduce seconds
+    is_vision: [P]; by_mode: {recompute mode: coefficients [P] with every stage in that mode},
+    modes cheapest in time first (a colocated LLM stage 0 runs the vision tower in its own mode
+    too: a stage is recomputed as a whole); ar_fixed / ar_layer: [P] all-reduce seconds
     (``fixed + per_layer * n``); vision_layers / llm_layers: layers of each module (the colocated
-    vision tower is inside LLM stage 0's fixed terms); memory_bytes: the per-GPU limit.
+    vision tower is inside LLM stage 0's fixed terms); memory_bytes: the per-GPU limit;
+    shard: (vision, llm) whether the coefficients hold the optimizer state sharded over the
+    module's replicas; sequence_parallel: whether the LLM layers run sequence-parallel.
+
+    A split is ``n`` ([P] layers) and ``modes`` ([P] mode names, None: the cheapest everywhere).
     """
 
     layout: Layout
     is_vision: np.ndarray
-    coeffs: StageCoeffs
+    by_mode: dict
     ar_fixed: np.ndarray
     ar_layer: np.ndarray
     vision_layers: int
     llm_layers: int
     latency_s: float
     memory_bytes: float
+    shard: tuple = (False, False)
+    sequence_parallel: bool = False
 
     @property
     def n_stages(self) -> int:
         return len(self.is_vision)
 
-    def stage_time_s(self, n) -> np.ndarray:
-        """[P] forward + backward seconds per microbatch of each stage holding n[s] layers."""
-        return self.coeffs.time_fixed + self.coeffs.time_layer * np.asarray(n)
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return tuple(self.by_mode)
 
-    def memory_at(self, n) -> np.ndarray:
+    def coeffs_of(self, modes=None) -> StageCoeffs:
+        """Coefficients with stage s in ``modes[s]`` (None: every stage in the cheapest mode)."""
+        if modes is None:
+            return self.by_mode[self.modes[0]]
+        if len(set(modes)) == 1:
+            return self.by_mode[modes[0]]
+        idx = np.arange(self.n_stages)
+        return StageCoeffs(**{f.name: np.array([getattr(self.by_mode[m], f.name)[s] for s, m in zip(idx, modes)])
+                              for f in fields(StageCoeffs)})
+
+    @property
+    def coeffs(self) -> StageCoeffs:
+        return self.coeffs_of(None)
+
+    @property
+    def lean(self) -> StageCoeffs:
+        """Per coefficient the smallest over the modes: memory no choice of modes goes below."""
+        return StageCoeffs(**{f.name: np.min([getattr(c, f.name) for c in self.by_mode.values()], axis=0)
+                              for f in fields(StageCoeffs)})
+
+    def stage_time_s(self, n, modes=None) -> np.ndarray:
+        """[P] forward + backward seconds per microbatch of each stage holding n[s] layers."""
+        c = self.coeffs_of(modes)
+        return c.time_fixed + c.time_layer * np.asarray(n)
+
+    def memory_at(self, n, modes=None) -> np.ndarray:
         """[P] peak bytes per rank (the larger of the mean and heaviest-sample microbatches)."""
-        n = np.asarray(n)
-        return np.maximum(self.coeffs.mem_mean_fixed + self.coeffs.mem_mean_layer * n,
-                          self.coeffs.mem_max_fixed + self.coeffs.mem_max_layer * n)
+        n, c = np.asarray(n), self.coeffs_of(modes)
+        return np.maximum(c.mem_mean_fixed + c.mem_mean_layer * n, c.mem_max_fixed + c.mem_max_layer * n)
 
     def allreduce_at(self, n) -> np.ndarray:
         return self.ar_fixed + self.ar_layer * np.asarray(n)
 
-    def objective_s(self, n) -> float:
+    def objective_s(self, n, modes=None) -> float:
         """Mean-shape step seconds of the split n (module docstring)."""
-        n = np.asarray(n)
-        t = self.stage_time_s(n)
-        bwd = self.coeffs.bwd_fixed + self.coeffs.bwd_layer * n
+        n, c = np.asarray(n), self.coeffs_of(modes)
+        t = c.time_fixed + c.time_layer * n
+        bwd = c.bwd_fixed + c.bwd_layer * n
         ahead = np.concatenate([[0.0], np.cumsum(bwd)[:-1]])
         tail = max(0.0, float(np.max(self.allreduce_at(n) - ahead)))
         m, p = self.layout.m, self.n_stages
         return float((m - 1) * t.max() + t.sum() + tail + 2 * (p - 1) * self.latency_s)
 
-    def fits(self, n) -> bool:
-        return bool(np.all(self.memory_at(n) <= self.memory_bytes))
+    def fits(self, n, modes=None) -> bool:
+        return bool(np.all(self.memory_at(n, modes) <= self.memory_bytes))
 
     def max_layers(self) -> np.ndarray:
-        """[P] most layers each stage can hold in memory."""
-        return self.coeffs.max_layers(self.memory_bytes)
+        """[P] most layers each stage can hold in memory in its leanest mode."""
+        return self.lean.max_layers(self.memory_bytes)
 
-    def plan(self, n) -> Plan:
-        """The `Plan` of split n ([P] layers per stage)."""
+    def cheapest_fitting_modes(self, n) -> list[str] | None:
+        """[P] per stage the fastest mode in which it fits with n[s] layers (stages are independent
+        once the split is fixed); None when some stage fits in no mode."""
+        fit = {m: self.memory_at(n, [m] * self.n_stages) <= self.memory_bytes for m in self.modes}
+        out = []
+        for s in range(self.n_stages):
+            mode = next((m for m in self.modes if fit[m][s]), None)
+            if mode is None:
+                return None
+            out.append(mode)
+        return out
+
+    def plan(self, n, modes=None) -> Plan:
+        """The `Plan` of split n ([P] layers per stage) with its memory techniques."""
         n = [int(x) for x in n]
-        pp_v = self.layout.n_vision_stages
-        vision = (self.vision_layers,) if self.layout.colocated else tuple(n[:pp_v])
-        return Plan(self.layout, vision, tuple(n[pp_v:]))
+        modes = list(modes) if modes is not None else [self.modes[0]] * self.n_stages
+        lay = self.layout
+        pp_v = lay.n_vision_stages
+        if lay.colocated:  # the vision tower runs in LLM stage 0's mode; its state shards with the LLM's
+            vision = Techniques((modes[0],), self.shard[1])
+        else:
+            vision = Techniques(tuple(modes[:pp_v]), self.shard[0])
+        llm = Techniques(tuple(modes[pp_v:]), self.shard[1], self.sequence_parallel)
+        return Plan(lay, (self.vision_layers,) if lay.colocated else tuple(n[:pp_v]), tuple(n[pp_v:]),
+                    vision_techniques=vision, llm_techniques=llm)
 
     def split_of(self, plan: Plan) -> np.ndarray:
         """[P] layers per stage of a plan (inverse of `plan`)."""
@@ -226,49 +281,74 @@ class StageModel:
 
 def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, cluster: Cluster,
                       global_batch: int, transfer: TransferMeans,
-                      granularity: Granularity = Granularity.none()) -> StageModel:
-    """The `StageModel` of a layout, from the module means at its TP degrees.
+                      granularity: Granularity = Granularity.none(), shard: tuple = (False, False),
+                      dtype: str = "float32") -> StageModel:
+    """The `StageModel` of a layout, from the module means at its TP degrees (the LLM's priced
+    sequence-parallel or not), with each module's optimizer state sharded over its replicas where
+    `shard` (vision, llm) says so (`dtype`: the training dtype, for the state's bytes).
 
     granularity: effective samples per LLM bin for times (default: the mean, nu).
     """
-    lay, m, B = layout, layout.m, global_batch
+    lay, B = layout, global_batch
+    shard = (bool(shard[1]), bool(shard[1])) if lay.colocated else (bool(shard[0]), bool(shard[1]))
+    modes = tuple(md for md in llm.modes if md in vision.modes)
+    by_mode = {md: _stage_coeffs(lay, vision, llm, cluster, B, transfer, granularity, shard, dtype, md)
+               for md in modes}
+    if not by_mode:
+        raise ValueError(f"vision modes {vision.modes} and llm modes {llm.modes} share none")
+    link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
+                 tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
+    c = by_mode[modes[0]]
+    n_v = lay.n_vision_stages
+
+    def allreduce(grad_fixed, grad_layer, dp, intra):
+        # a sharded module reduce-scatters its gradients and all-gathers its parameters instead:
+        # the same bytes when parameters and gradients share a dtype (`Pricing.allreduce_s`)
+        fixed = cluster.allreduce_s(grad_fixed, dp, intra)
+        return fixed, cluster.allreduce_s(grad_layer, dp, intra) - cluster.allreduce_s(0.0, dp, intra)
+
+    ar = []
+    if n_v:
+        ar.append(allreduce(c.grad_fixed[:n_v], c.grad_layer[:n_v], lay.dp_v, link.vision_allreduce_intra))
+    ar.append(allreduce(c.grad_fixed[n_v:], c.grad_layer[n_v:], lay.dp_l, link.llm_allreduce_intra))
+    return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(lay.pp_l, dtype=bool)],
+                      by_mode=by_mode, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64),
+                      ar_layer=np.concatenate([np.broadcast_to(a[1], np.shape(a[0])) for a in ar]).astype(np.float64),
+                      vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=cluster.p2p_latency_s,
+                      memory_bytes=cluster.gpu_memory_bytes, shard=shard,
+                      sequence_parallel=llm.sequence_parallel)
+
+
+def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, cluster: Cluster, B: int,
+                  transfer: TransferMeans, granularity: Granularity, shard: tuple, dtype: str,
+                  mode: str) -> StageCoeffs:
+    """[P] coefficients of every stage of `lay` with all its layers in recompute `mode`."""
+    m = lay.m
     link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
                  tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
     in_flight = np.asarray(lay.in_flight(), dtype=np.float64)
     n_v, pp_l = lay.n_vision_stages, lay.pp_l
-    parts, ar = [], []
-
-    def allreduce(c: StageCoeffs, dp, intra):
-        fixed = cluster.allreduce_s(c.grad_fixed, dp, intra)
-        return fixed, cluster.allreduce_s(c.grad_layer, dp, intra) - cluster.allreduce_s(0.0, dp, intra)
-
+    parts = []
     if n_v:
         nu_v = B / (m * lay.dp_v)
         k = np.arange(n_v)
         c = stage_coeffs(vision, nu=np.full(n_v, nu_v), heaviest_share=1.0 / lay.dp_v, first=k == 0,
-                         last=k == n_v - 1, in_flight=in_flight[:n_v])
+                         last=k == n_v - 1, in_flight=in_flight[:n_v], mode=mode,
+                         state_scale=float(sharded_state_scale(dtype, lay.dp_v)) if shard[0] else 1.0)
         hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
         out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
-        c = c.plus_time(fwd_s=np.where(k > 0, hop, 0.0), bwd_s=np.where(k < n_v - 1, hop, out))
-        parts.append(c)
-        ar.append(allreduce(c, lay.dp_v, link.vision_allreduce_intra))
+        parts.append(c.plus_time(fwd_s=np.where(k > 0, hop, 0.0), bwd_s=np.where(k < n_v - 1, hop, out)))
     nu_l = B / (m * lay.dp_l)
     j = np.arange(pp_l)
     c = stage_coeffs(llm, nu=np.full(pp_l, nu_l), heaviest_share=1.0, first=j == 0, last=j == pp_l - 1,
-                     in_flight=in_flight[n_v:], extra=vision.whole() if lay.colocated else None, extra_nu=nu_l,
-                     extra_on=j == 0, time_nu=np.full(pp_l, float(granularity.nu_time(nu_l, m))))  # colocated: the whole vision tower rides on LLM stage 0
+                     in_flight=in_flight[n_v:], extra=vision.whole(mode) if lay.colocated else None, extra_nu=nu_l,
+                     extra_on=j == 0, time_nu=np.full(pp_l, float(granularity.nu_time(nu_l, m))), mode=mode,
+                     state_scale=float(sharded_state_scale(dtype, lay.dp_l)) if shard[1] else 1.0)  # colocated: the whole vision tower rides on LLM stage 0
     hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
     features = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
-    c = c.plus_time(fwd_s=np.where(j > 0, hop, features), bwd_s=np.where(j < pp_l - 1, hop, 0.0))
-    parts.append(c)
-    ar.append(allreduce(c, lay.dp_l, link.llm_allreduce_intra))
-    stacked = StageCoeffs(**{f.name: np.concatenate([np.broadcast_to(getattr(p, f.name), (len(p.time_layer),))
-                                                      for p in parts]).astype(np.float64) for f in fields(StageCoeffs)})
-    return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(pp_l, dtype=bool)],
-                      coeffs=stacked, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64),
-                      ar_layer=np.concatenate([np.broadcast_to(a[1], np.shape(a[0])) for a in ar]).astype(np.float64),
-                      vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=cluster.p2p_latency_s,
-                      memory_bytes=cluster.gpu_memory_bytes)
+    parts.append(c.plus_time(fwd_s=np.where(j > 0, hop, features), bwd_s=np.where(j < pp_l - 1, hop, 0.0)))
+    return StageCoeffs(**{f.name: np.concatenate([np.broadcast_to(getattr(p, f.name), (len(p.time_layer),))
+                                                  for p in parts]).astype(np.float64) for f in fields(StageCoeffs)})
 
 
 def min_peak_split(sm: StageModel) -> tuple[np.ndarray, np.ndarray]:
@@ -276,17 +356,22 @@ def min_peak_split(sm: StageModel) -> tuple[np.ndarray, np.ndarray]:
 
     Each stage's memory grows with its layers, so giving every next layer to the stage whose
     memory after taking it is smallest minimises the maximum (per module, >= 1 layer per stage).
-    Used to explain how far a layout is from fitting.
+    Used to explain how far a layout is from fitting, so every stage is in its leanest mode.
     """
+    lean = sm.lean
+
+    def memory_at(n):
+        return np.maximum(lean.mem_mean_fixed + lean.mem_mean_layer * n, lean.mem_max_fixed + lean.mem_max_layer * n)
+
     n = np.ones(sm.n_stages, dtype=np.int64)
     for is_vision, total in ((True, sm.vision_layers), (False, sm.llm_layers)):
         stages = np.flatnonzero(sm.is_vision == is_vision)
         if len(stages) == 0:
             continue
         for _ in range(total - len(stages)):
-            after = sm.memory_at(n + 1)[stages]
+            after = memory_at(n + 1)[stages]
             n[stages[int(np.argmin(after))]] += 1
-    return n, sm.memory_at(n)
+    return n, memory_at(n)
 
 
 def split_bound_s(sm: StageModel) -> float:
@@ -297,6 +382,7 @@ def split_bound_s(sm: StageModel) -> float:
     after taking it among those with room left (water-filling, exact for min-max of increasing
     functions under upper bounds); the sum of stage times does not depend on the split, and the
     all-reduce tail is at least 0. Equal to the MILP optimum whenever that split has no tail.
+    With recompute modes: memory caps of the leanest mode, times of the fastest (still a bound).
     """
     caps = sm.max_layers()
     if np.any(caps < 1):

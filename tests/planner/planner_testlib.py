@@ -53,11 +53,14 @@ def toy_shapes(n=400, seed=0) -> pd.DataFrame:
     })
 
 
-def random_stage_model(rng, *, pp_v, pp_l, vision_layers, llm_layers, m, memory=1.0, dp=1, latency=0.0):
+def random_stage_model(rng, *, pp_v, pp_l, vision_layers, llm_layers, m, memory=1.0, dp=1, latency=0.0,
+                       modes=("none",)):
     """A StageModel with random per-stage coefficients (pp_v = 0: colocated), for solver tests.
 
     Per-layer time is shared by the stages of a module (as in real layouts); fixed times, memory
-    and all-reduce terms vary per stage. Memory in units of `memory` (the GPU limit).
+    and all-reduce terms vary per stage. Memory in units of `memory` (the GPU limit). Each extra
+    recompute mode (selective, full) makes layers slower and lighter by random factors (full more
+    so), and a colocated stage 0's fixed terms too (its vision tower is recomputed with it).
     """
     from dflop.plan import Layout
     from dflop.planner.stages import StageCoeffs, StageModel
@@ -78,7 +81,23 @@ def random_stage_model(rng, *, pp_v, pp_l, vision_layers, llm_layers, m, memory=
                          grad_fixed=rng.uniform(0, 1, P), grad_layer=rng.uniform(0, 1, P))
     ar_fixed = rng.uniform(0.0, 3.0, P) if dp > 1 else np.zeros(P)
     ar_layer = rng.uniform(0.0, 0.5, P) if dp > 1 else np.zeros(P)
-    return StageModel(layout, is_vision, coeffs, ar_fixed, ar_layer, vision_layers, llm_layers, latency, memory)
+    by_mode = {"none": coeffs}
+    slower = {"selective": (0.05, 0.15), "full": (0.25, 0.45)}
+    lighter = {"selective": (0.75, 0.95), "full": (0.2, 0.4)}
+    for mode in modes:
+        if mode == "none":
+            continue
+        extra, keep = rng.uniform(*slower[mode]), rng.uniform(*lighter[mode])
+        fixed_on = np.r_[colocated, np.zeros(P - 1, bool)]  # the colocated vision tower rides on stage 0
+        t_fixed = np.where(fixed_on, fixed * (1 + extra), fixed)
+        by_mode[mode] = StageCoeffs(
+            time_fixed=t_fixed, time_layer=per_layer * (1 + extra), bwd_fixed=bwd_share * fixed + (t_fixed - fixed),
+            bwd_layer=bwd_share * per_layer + per_layer * extra,
+            mem_mean_fixed=np.where(fixed_on, mem_fixed[0] * keep, mem_fixed[0]), mem_mean_layer=mem_layer[0] * keep,
+            mem_max_fixed=np.where(fixed_on, mem_fixed[1] * keep, mem_fixed[1]), mem_max_layer=mem_layer[1] * keep,
+            grad_fixed=coeffs.grad_fixed, grad_layer=coeffs.grad_layer)
+    by_mode = {mode: by_mode[mode] for mode in ("none", "selective", "full") if mode in by_mode}
+    return StageModel(layout, is_vision, by_mode, ar_fixed, ar_layer, vision_layers, llm_layers, latency, memory)
 
 
 def all_splits(sm):

@@ -35,7 +35,8 @@ def _setup(memory, world, per_node):
                       inter_node_bytes_per_s=2e9)
     space, _ = build_space(SHAPE, cost, cluster, placements=("colocated",), microbatches=(1, 2, 4), global_batch=B,
                            mean_tiles=float(pool.n_tiles.mean()))
-    vision, llm = prepare_means(cost, SHAPE, pool, space)
+    means = prepare_means(cost, SHAPE, pool, space)
+    vision, llm = means.for_times()
     sizes = TransferSizes.for_model(llm_hidden=256, vision_hidden=128, vision_tokens_per_tile=64, dtype="float32")
     transfer = TransferMeans.of(pool, sizes)
     batches = sample_batches(len(pool), K, B, seed=0)
@@ -43,15 +44,15 @@ def _setup(memory, world, per_node):
     def evaluate(plan):
         return evaluate_plan(plan, cost, pool, batches, cluster, sizes, SchedulerSettings(policy="megatron"))
 
-    return space, vision, llm, cluster, transfer, bin_granularity(cost, pool, space), evaluate
+    return space, means, vision, llm, cluster, transfer, bin_granularity(cost, pool, space), evaluate
 
 
 @pytest.mark.parametrize("memory,world,per_node", CASES)
 def test_baseline_is_the_fastest_data_blind_layout_that_fits(memory, world, per_node):
-    space, vision, llm, cluster, transfer, granularity, evaluate = _setup(memory, world, per_node)
+    space, means, vision, llm, cluster, transfer, granularity, evaluate = _setup(memory, world, per_node)
     layouts, _ = baseline_layouts(space, cluster)
     # Brute force: the uniform split of every layout, simulated when it fits.
-    means = {}
+    steps = {}
     for lay in layouts:
         plan = Plan(lay, (LV,), (LL // lay.pp_l,) * lay.pp_l)
         sm = build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster, global_batch=B,
@@ -59,12 +60,12 @@ def test_baseline_is_the_fastest_data_blind_layout_that_fits(memory, world, per_
         if sm.fits(sm.split_of(plan)):
             ev = evaluate(plan)
             if ev.ok:
-                means[plan] = ev.mean_s
-    assert len(set(means.values())) >= 2, "the instance must offer a choice between layouts"
-    result = search_baseline(space, vision, llm, cluster, transfer, granularity, evaluate, simulate=len(layouts))
-    assert result.evaluation.plan in means
-    assert result.evaluation.mean_s == pytest.approx(min(means.values()), rel=1e-12)
-    assert result.evaluation.mean_s < max(means.values())
+                steps[plan] = ev.mean_s
+    assert len(set(steps.values())) >= 2, "the instance must offer a choice between layouts"
+    result = search_baseline(space, means, cluster, transfer, granularity, evaluate, simulate=len(layouts))
+    assert result.evaluation.plan in steps
+    assert result.evaluation.mean_s == pytest.approx(min(steps.values()), rel=1e-12)
+    assert result.evaluation.mean_s < max(steps.values())
     chosen = [r for r in result.rows if r["status"] == "chosen"]
     assert len(chosen) == 1 and chosen[0]["pp_l"] == result.evaluation.plan.layout.pp_l
 
@@ -73,8 +74,8 @@ def test_baseline_is_the_fastest_data_blind_layout_that_fits(memory, world, per_
 def test_pruned_baseline_is_the_fastest_layout_it_simulated(memory, world, per_node):
     """With `simulate` pruning the choice is the fastest of the layouts actually simulated, and
     every layout it simulated ranks among the best by the mean-shape step."""
-    space, vision, llm, cluster, transfer, granularity, evaluate = _setup(memory, world, per_node)
-    result = search_baseline(space, vision, llm, cluster, transfer, granularity, evaluate, simulate=2)
+    space, means, vision, llm, cluster, transfer, granularity, evaluate = _setup(memory, world, per_node)
+    result = search_baseline(space, means, cluster, transfer, granularity, evaluate, simulate=2)
     ran = [r for r in result.rows if r["status"] in ("simulated", "chosen")]
     assert len(ran) >= 1
     best = min(ran, key=lambda r: r["step_mean_s"])

@@ -1,6 +1,6 @@
-"""The config's planner section forces memory techniques into every plan the planner simulates and
-writes (the chosen one and the data-blind baseline); `auto` means off until the planner chooses
-them (next issue), and the predictions price them."""
+"""The config's planner section: `auto` lets the planner choose the memory techniques, a value forces
+one on (where it applies) or off for the chosen plan and the baselines alike; the predictions
+price the techniques a plan names."""
 
 from __future__ import annotations
 
@@ -11,43 +11,37 @@ from dflop.config import Config
 from dflop.costmodel.analytic import analytic_cost_model
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
-from dflop.plan import Layout, Plan, Techniques
+from dflop.plan import Layout, Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool
 from dflop.planner.pricing import Pricing
 from dflop.planner.search import SearchSettings
+from dflop.planner.technique_choice import TechniqueSpace
 from synthetic_mix import llava_ov_mix
 
 
-def _plan(tp_v: int = 1, tp_l: int = 2) -> Plan:
-    return Plan(Layout("disjoint", tp_v, 2, 1, tp_l, 2, 1, 4), (1, 1), (1, 1))
+def _space(**keys) -> TechniqueSpace:
+    return SearchSettings(**SearchSettings.techniques_of(Config.from_dict({"planner": keys}).planner)).technique_space
 
 
-def _settings(**keys) -> SearchSettings:
-    return SearchSettings(**SearchSettings.techniques_of(Config.from_dict({"planner": keys}).planner))
-
-
-def test_auto_means_off():
-    assert _settings().with_techniques(_plan()) == _plan()
+def test_auto_lets_the_planner_choose_everything():
+    space = _space()
+    assert space.modes == ("none", "selective", "full")
+    assert space.leanest(dp_v=2, dp_l=2, tp_l=2) == (True, True, True)
+    assert space.may_switch_off() == (True, True)
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
-def test_a_forced_recompute_mode_applies_to_every_stage_of_both_modules(mode):
-    plan = _settings(recompute=mode, shard_optimizer=True).with_techniques(_plan(tp_l=1))
-    assert plan.vision_techniques == Techniques((mode, mode), shard_optimizer=True)
-    assert plan.llm_techniques == Techniques((mode, mode), shard_optimizer=True)
+def test_a_forced_recompute_mode_is_the_only_one_searched(mode):
+    assert _space(recompute=mode).modes == (mode,)
 
 
-def test_sharding_is_forced_also_with_tensor_parallelism():
-    plan = _settings(shard_optimizer=True, sequence_parallel=True).with_techniques(_plan(tp_v=1, tp_l=2))
-    assert plan.vision_techniques.shard_optimizer and plan.llm_techniques.shard_optimizer
-    assert plan.llm_techniques.sequence_parallel
-
-
-def test_sequence_parallel_only_for_the_llm_and_where_there_is_tensor_parallelism():
-    plan = _settings(sequence_parallel=True).with_techniques(_plan(tp_v=2, tp_l=2))
-    assert plan.llm_techniques.sequence_parallel and not plan.vision_techniques.sequence_parallel
-    assert not _settings(sequence_parallel=True).with_techniques(_plan(tp_l=1)).llm_techniques.sequence_parallel
+def test_forced_on_techniques_stay_on_where_they_apply_and_forced_off_never_appear():
+    on = _space(shard_optimizer=True, sequence_parallel=True)
+    assert on.leanest(dp_v=2, dp_l=4, tp_l=2) == (True, True, True) and on.may_switch_off() == (False, False)
+    assert on.leanest(dp_v=1, dp_l=1, tp_l=1) == (False, False, False)  # no replicas to shard over, no TP
+    off = _space(shard_optimizer=False, sequence_parallel=False)
+    assert off.leanest(dp_v=2, dp_l=4, tp_l=2) == (False, False, False)
 
 
 def test_config_refuses_unknown_values():

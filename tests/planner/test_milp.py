@@ -88,7 +88,7 @@ def heaviest_bound_instance(case, seed):
     per_layer = (1.0 - fixed) / (caps + 0.5)        # n layers fit iff n <= cap
     coeffs = replace(sm.coeffs, mem_max_fixed=fixed, mem_max_layer=per_layer, mem_mean_fixed=fixed,
                      mem_mean_layer=0.5 * per_layer)
-    return replace(sm, coeffs=coeffs, memory_bytes=1.0)
+    return replace(sm, by_mode={"none": coeffs}, memory_bytes=1.0)
 
 
 # (case, seed) where the bound binds: no memory-free optimum fits (asserted in the test)

@@ -96,7 +96,7 @@ def test_objective_bounds_the_simulated_1f1b_step():
         assert sim <= sm.objective_s(split) * (1 + 1e-12)
         assert sm.objective_s(split) <= (m + P - 1) * t.max() + 2 * (P - 1) * 0.01 + 1e-12
     flat = random_stage_model(rng, pp_v=0, pp_l=3, vision_layers=1, llm_layers=3, m=5)
-    flat = replace(flat, coeffs=replace(flat.coeffs, time_fixed=np.zeros(3), bwd_fixed=np.zeros(3)))
+    flat = replace(flat, by_mode={"none": replace(flat.coeffs, time_fixed=np.zeros(3), bwd_fixed=np.zeros(3))})
     assert flat.objective_s([1, 1, 1]) == pytest.approx((5 + 3 - 1) * flat.stage_time_s([1, 1, 1])[0], rel=1e-12)
 
 

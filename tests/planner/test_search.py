@@ -29,7 +29,8 @@ def brute_force(cost, pool, cluster, settings):
     """Simulate every split of every layout on the same batches; the lowest mean step (ties: fewer GPUs)."""
     space, _ = build_space(SHAPE, cost, cluster, placements=settings.placements, microbatches=settings.microbatches,
                            global_batch=B, mean_tiles=float(pool.n_tiles.mean()))
-    vision, llm = prepare_means(cost, SHAPE, pool, space)
+    means = prepare_means(cost, SHAPE, pool, space)
+    vision, llm = means.for_times()
     sizes = TransferSizes.for_model(llm_hidden=256, vision_hidden=128, vision_tokens_per_tile=64, dtype="float32")
     transfer = TransferMeans.of(pool, sizes)
     batches = sample_batches(len(pool), K, B, settings.seed)
@@ -98,15 +99,20 @@ def test_every_simulated_plan_respects_the_constraints(pool, memory, world, per_
 
 
 def test_nothing_fits_names_the_smallest_shortfall(pool):
-    """The message's numbers are the minimum over every layout and split of the largest stage memory."""
+    """The message's numbers are the minimum over every layout and split of the largest stage memory
+    (memory techniques off; with them on, the message says it used them)."""
     cost = toy_cost_model()
     cluster = Cluster(nodes=1, gpus_per_node=2, gpu_memory_bytes=0.5e9)
-    settings = SearchSettings(global_batch=B, microbatches=(1, 2, 4))
+    with pytest.raises(UserError, match="0.5 GB per GPU even with sharded optimizer, sequence parallelism:"):
+        search(cost, SHAPE, pool, cluster, SearchSettings(global_batch=B, microbatches=(1, 2, 4)))
+    settings = SearchSettings(global_batch=B, microbatches=(1, 2, 4), recompute="none", shard_optimizer=False,
+                              sequence_parallel=False)
     with pytest.raises(UserError) as err:
         search(cost, SHAPE, pool, cluster, settings)
     space, _ = build_space(SHAPE, cost, cluster, placements=settings.placements, microbatches=settings.microbatches,
                            global_batch=B, mean_tiles=float(pool.n_tiles.mean()))
-    vision, llm = prepare_means(cost, SHAPE, pool, space)
+    means = prepare_means(cost, SHAPE, pool, space)
+    vision, llm = means.for_times()
     transfer = TransferMeans.of(pool, TransferSizes(256 * 4, 64 * 128 * 4))
     need = min(build_stage_model(lay, vision[lay.tp_v], llm[lay.tp_l], cluster=cluster, global_batch=B,
                                  transfer=transfer).memory_at(split).max()

@@ -1,0 +1,184 @@
+"""The planner's choice of memory techniques against brute force on small instances.
+
+- The MILP picks per stage a recompute mode and a layer count: its optimum must equal the best
+  of every (split, mode per stage) that fits, written out in full.
+- `settle` picks, for a fixed split, each stage's mode and the module-level sharding / sequence
+  parallelism: its step must be the best over every setting and mode assignment that fits, and
+  every technique it leaves on must be needed (without it nothing as fast fits).
+- The whole search on a real (analytic) cost model: where no plan fits without techniques, the
+  chosen plan names techniques under which its predicted per-stage memory fits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dflop.costmodel.analytic import analytic_cost_model
+from dflop.errors import UserError
+from dflop.models.builder import model_config
+from dflop.models.info import model_info
+from dflop.plan import Layout
+from dflop.planner.cluster import GB, Cluster
+from dflop.planner.means import Pool, TransferSizes
+from dflop.planner.milp import solve_split
+from dflop.planner.search import SearchSettings, search
+from dflop.planner.space import ModelShape
+from dflop.planner.stages import TransferMeans
+from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
+from planner_testlib import all_splits, random_stage_model
+from synthetic_mix import llava_ov_mix
+
+MODES = ("none", "selective", "full")
+# (pp_v, pp_l, vision layers, llm layers, m, dp), seed, memory as a fraction of the least any split
+# needs without recomputation (below 1: some stage must recompute)
+CASES = [((0, 2, 0, 6, 4, 1), 0, 0.9), ((1, 2, 2, 6, 4, 1), 1, 0.8), ((2, 2, 4, 6, 8, 2), 2, 0.8),
+         ((0, 3, 0, 8, 4, 1), 3, 0.9), ((1, 3, 3, 7, 2, 2), 4, 0.85), ((0, 4, 0, 8, 8, 1), 5, 0.95),
+         ((1, 2, 2, 6, 4, 1), 6, 1.2)]
+
+
+def _instance(case, seed, memory):
+    pp_v, pp_l, lv, ll, m, dp = case
+    sm = random_stage_model(np.random.default_rng(seed), pp_v=pp_v, pp_l=pp_l, vision_layers=max(lv, 1),
+                            llm_layers=ll, m=m, dp=dp, modes=MODES)
+    need = min(sm.memory_at(n, ["none"] * sm.n_stages).max() for n in all_splits(sm))
+    return replace(sm, memory_bytes=memory * need)
+
+
+def _brute_force(sm):
+    best, best_key = np.inf, None
+    for n in all_splits(sm):
+        for modes in itertools.product(sm.modes, repeat=sm.n_stages):
+            if sm.fits(n, modes):
+                obj = sm.objective_s(n, modes)
+                if obj < best:
+                    best, best_key = obj, (tuple(n), modes)
+    return best, best_key
+
+
+@pytest.mark.parametrize("case,seed,memory", CASES)
+def test_milp_modes_and_split_equal_brute_force(case, seed, memory):
+    sm = _instance(case, seed, memory)
+    best, key = _brute_force(sm)
+    res = solve_split(sm, rel_gap=0.0)
+    if not np.isfinite(best):
+        assert not res.has_solution
+        return
+    assert res.status == "optimal"
+    assert sm.fits(res.split, res.modes)
+    assert res.objective_s == pytest.approx(best, rel=1e-9)
+
+
+def test_the_instances_exercise_per_stage_choices():
+    """Across the cases the optimum recomputes some stages and not others (what makes the per-stage
+    choice worth a MILP), and somewhere needs recomputation at all."""
+    mixed = needs = 0
+    for case, seed, memory in CASES:
+        _, key = _brute_force(_instance(case, seed, memory))
+        if key is not None:
+            used = set(key[1])
+            needs += used != {"none"}
+            mixed += len(used) > 1
+    assert needs >= 3 and mixed >= 2
+
+
+# ---- settle: techniques for a fixed split, on the analytic cost model of the small preset ----
+
+ARCH = ("llava_ov", "siglip-small", "qwen2.5-small")
+
+
+@pytest.fixture(scope="module")
+def small():
+    cost = analytic_cost_model(model_config(*ARCH), tp_degrees=(1, 2), dtype="float32")
+    shape = ModelShape.from_info(model_info(*ARCH))
+    pool = Pool.from_shapes(llava_ov_mix(300, seed=0))
+    return cost, shape, pool
+
+
+def _means(small, space=TechniqueSpace()):
+    cost, shape, pool = small
+    return TechniqueMeans.of(cost, pool, shape, (1, 2), (1, 2), space)
+
+
+LAYOUTS = [Layout("disjoint", 1, 2, 2, 2, 2, 2, 4), Layout("colocated", 2, 1, 2, 2, 2, 2, 4),
+           Layout("disjoint", 2, 1, 2, 2, 3, 1, 8)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("memory_gb", [0.6, 1.0, 1.6])
+def test_settle_is_the_fastest_setting_and_keeps_only_needed_techniques(small, layout, memory_gb):
+    cost, shape, pool = small
+    means = _means(small)
+    sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
+                                    vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype="float32")
+    kw = dict(cluster=Cluster(nodes=1, gpus_per_node=8, gpu_memory_bytes=memory_gb * GB), global_batch=16,
+              transfer=TransferMeans.of(pool, sizes))
+    n_v = 0 if layout.colocated else shape.vision_layers
+    split = np.r_[np.full(layout.n_vision_stages, n_v // max(layout.n_vision_stages, 1)),
+                  np.full(layout.pp_l, shape.llm_layers // layout.pp_l)]
+    split[layout.n_vision_stages - 1 if layout.n_vision_stages else 0] += (n_v % max(layout.n_vision_stages, 1))
+    split[-1] += shape.llm_layers % layout.pp_l
+    # brute force: every setting of (shard vision, shard llm, SP) where it applies x every mode per stage
+    options = [(False, True) if layout.dp_v > 1 else (False,), (False, True) if layout.dp_l > 1 else (False,),
+               (False, True) if layout.tp_l > 1 else (False,)]
+    fitting = {}
+    for setting in itertools.product(*options):
+        sm = means.stage_model(layout, setting, **kw)
+        for modes in itertools.product(sm.modes, repeat=sm.n_stages):
+            if sm.fits(split, modes):
+                fitting[(setting, modes)] = sm.objective_s(split, modes)
+    settled = means.fit(layout, split, **kw)
+    if not fitting:
+        assert settled is None
+        return
+    sm, modes = settled
+    best = min(fitting.values())
+    assert sm.fits(split, modes)
+    assert sm.objective_s(split, modes) == pytest.approx(best, rel=1e-12)
+    setting = (sm.shard[0] and not layout.colocated, sm.shard[1], sm.sequence_parallel)
+    for i, on in enumerate(setting):
+        if on:  # switching it off, nothing as fast fits
+            off = tuple(False if j == i else v for j, v in enumerate(setting))
+            assert not any(obj <= best * (1 + 1e-12) for (s, _), obj in fitting.items() if s == off)
+
+
+def test_settle_returns_none_when_no_mode_fits(small):
+    cost, shape, pool = small
+    sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
+                                    vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype="float32")
+    kw = dict(cluster=Cluster(nodes=1, gpus_per_node=8, gpu_memory_bytes=0.01 * GB), global_batch=16,
+              transfer=TransferMeans.of(pool, sizes))
+    lay = LAYOUTS[0]
+    assert _means(small).fit(lay, np.r_[3, 3, 4, 4], **kw) is None
+
+
+# ---- the search ----
+
+def test_where_nothing_fits_without_techniques_the_plan_names_the_ones_that_make_it_fit(small):
+    cost, shape, pool = small
+    cluster = Cluster(nodes=1, gpus_per_node=4, gpu_memory_bytes=1.0 * GB)
+    common = dict(global_batch=16, microbatches=(1, 2, 4, 8), top_k=4, sample_batches=2)
+    with pytest.raises(UserError, match="no plan fits"):
+        search(cost, shape, pool, cluster,
+               SearchSettings(recompute="none", shard_optimizer=False, sequence_parallel=False, **common))
+    result = search(cost, shape, pool, cluster, SearchSettings(**common))
+    plan = result.chosen.plan
+    used = set(plan.vision_techniques.recompute + plan.llm_techniques.recompute) - {"none"}
+    assert used or plan.llm_techniques.shard_optimizer or plan.llm_techniques.sequence_parallel
+    # the simulated batches priced with those techniques fit on every stage
+    assert result.chosen.ok and np.all(result.chosen.memory_bytes <= cluster.gpu_memory_bytes)
+    # and the data-blind baselines were tuned with techniques too (they fit as well)
+    assert result.baseline.evaluation is not None and np.all(result.baseline.evaluation.memory_bytes
+                                                              <= cluster.gpu_memory_bytes)
+
+
+def test_forced_recompute_is_what_every_plan_uses(small):
+    cost, shape, pool = small
+    cluster = Cluster(nodes=1, gpus_per_node=4, gpu_memory_bytes=8.0 * GB)
+    result = search(cost, shape, pool, cluster, SearchSettings(global_batch=16, microbatches=(1, 2, 4), top_k=2,
+                                                               sample_batches=1, recompute="selective"))
+    for plan in (result.chosen.plan, result.baseline.evaluation.plan):
+        assert set(plan.vision_techniques.recompute + plan.llm_techniques.recompute) == {"selective"}
