@@ -477,6 +477,8 @@ def plan_from_dict(raw: Any, source: str = "plan.yaml") -> PlanFile:
     baseline = None
     if raw.get("baseline"):
         baseline, _ = _plan(raw["baseline"], source, "baseline.")
+    if raw.get("padded_baseline"):  # optional (newer files); checked, read from `doc` where needed
+        _plan(raw["padded_baseline"], source, "padded_baseline.")
     return PlanFile(plan, batch, baseline, dict(raw), source)
 
 

@@ -71,6 +71,15 @@ def test_the_baseline_section_is_read_as_a_plan():
         plan_from_dict(raw(baseline={**baseline, "world_size": 5}), "p.yaml")
 
 
+def test_the_padded_baseline_section_is_optional_and_checked():
+    """Files written before the HF/LLaVA padded baseline read as before; a written one is checked."""
+    padded = raw(placement="colocated", vision={"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
+                 llm={"tp": 1, "pp": 2, "dp": 2, "layers_per_stage": [1, 1]}, world_size=4, policy="padded")
+    assert plan_from_dict(raw(padded_baseline=padded)).plan == plan_from_dict(raw()).plan
+    with pytest.raises(UserError, match=r"p\.yaml: padded_baseline\.world_size is 5 but the layout needs 4"):
+        plan_from_dict(raw(padded_baseline={**padded, "world_size": 5}), "p.yaml")
+
+
 @pytest.mark.parametrize("changes,message", [
     (dict(world_size=4), r"world_size is 4 but the layout needs 6 ranks \(vision tp\*pp\*dp \+ llm"),
     (dict(placement="mixed"), "placement: expected disjoint or colocated, got 'mixed'"),

@@ -7,6 +7,11 @@ allows, and the largest such divisor of the global batch), and microbatches of a
 count (``global_batch % (m * dp) == 0``) cut from the batch in order. Among those layouts the baseline is the best one by the same simulation over the same
 sampled batches (the mean-shape step picks which `simulate` of them are simulated), so the
 reported speedup is what data awareness buys over a tuned data-blind layout, not over a bad one.
+
+Two data-blind trainers are searched over the same layouts (`BASELINE_POLICIES`): "megatron"
+packs each microbatch's samples into one sequence; "padded" is the HF/LLaVA trainer, which pads
+them to the microbatch's longest sample (`dflop.planner.expected.padded_pool`). Their
+candidates.parquet rows are kinds "baseline" and "baseline_padded".
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from dflop.planner.means import Granularity
 from dflop.planner.screen import SearchSpace
 from dflop.planner.stages import StageModel, TransferMeans
 from dflop.planner.technique_choice import TechniqueMeans
+
+BASELINE_POLICIES = ("megatron", "padded")
+ROW_KIND = {"megatron": "baseline", "padded": "baseline_padded"}
 
 
 @dataclass(frozen=True)
@@ -66,12 +74,17 @@ def baseline_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout]
 
 
 def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster, transfer: TransferMeans,
-                    granularity: Granularity, evaluate, *, simulate: int = 4) -> BaselineResult:
-    """The best data-blind layout; `evaluate(plan) -> Evaluation` runs the sampled batches.
+                    granularity: Granularity, evaluate, *, simulate: int = 4, policy: str = "megatron") -> BaselineResult:
+    """The best data-blind layout for `policy` (one of `BASELINE_POLICIES`); `evaluate(plan) ->
+    Evaluation` runs the sampled batches under that policy. Layouts are ranked for simulation by
+    the packed mean-shape step (there is no padded one), so with few `simulate` the padded search
+    may miss a layout that padding favours (more microbatches, less padding).
 
     Each layout uses the memory techniques its uniform split needs, chosen as for the data-aware
     plans (`technique_choice.settle`: the fastest recompute mode per stage that fits, sharding and
     SP only where needed), so the baseline is tuned with the same techniques available."""
+    if policy not in ROW_KIND:
+        raise ValueError(f"policy must be one of {BASELINE_POLICIES}, got {policy!r}")
     layouts, rows = baseline_layouts(space, cluster)
     scored = []
     for lay in layouts:
@@ -99,10 +112,14 @@ def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster,
                              plan=plan, milp_objective_s=objective))
             continue
         ev = evaluate(plan)
+        if ev.policy != policy:
+            raise ValueError(f"evaluate simulated policy {ev.policy!r}, the baseline searched is {policy!r}")
         rows.append(_row("simulated" if ev.ok else "rejected", "" if ev.ok else "memory", ev.failure or "",
                          plan=plan, milp_objective_s=objective, evaluation=ev))
         if ev.ok and (best is None or ev.mean_s < best[0].mean_s):
             best, best_row = (ev, sm), len(rows) - 1
+    for row in rows:
+        row["kind"] = ROW_KIND[policy]
     if best is None:
         return BaselineResult(None, None, rows)
     rows[best_row]["status"] = "chosen"

@@ -2,7 +2,8 @@
 
 One row per (columns in this order; missing values are null):
 
-- ``kind``: "plan" (the data-aware search) or "baseline" (the data-blind layouts);
+- ``kind``: "plan" (the data-aware search), "baseline" (the data-blind layouts, Megatron-style
+  packed) or "baseline_padded" (the same layouts run as the HF/LLaVA trainer, padded);
 - ``level``: "degree" (a TP degree or m rejected for every layout), "group" (all layouts of one
   placement, tp_v, pp_v, tp_l, pp_l, m, i.e. all their dp splits: ``n_layouts`` of them, with
   the dp split of the best feasible one; groups some of whose layouts reached the MILP appear as

@@ -4,7 +4,8 @@ Each global batch (B samples drawn from the data) is priced on the plan by the o
 (`dflop.planner.pricing`: the cost model's per-sample stage costs plus transfers); the online scheduler
 (`dflop.scheduler.partition.partition`) splits the batch into m microbatches x dp_l bins under the
 per-stage memory limits and simulates the exact 1F1B step with the per-stage gradient
-all-reduces. The step time of the plan is the distribution of those simulated steps — variance and
+all-reduces. Policy "padded" is the HF/LLaVA trainer: Megatron's fixed-count bins, but every
+sample of an LLM bin padded to the bin's longest sequence (`padded_pool`), priced by the same path. The step time of the plan is the distribution of those simulated steps — variance and
 DP stragglers included — not the mean-shape formula.
 
 Utilisation of a step: busy GPU-seconds (the cost model's compute of every op, times the TP ranks
@@ -24,6 +25,7 @@ from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.pricing import PlanCosts, Pricing
+from dflop.scheduler import baselines
 from dflop.scheduler.evaluate import simulate_times, stage_times
 from dflop.scheduler.greedy import MemoryGuardError
 from dflop.scheduler.partition import Partition, partition
@@ -34,7 +36,8 @@ from dflop.sim import SimResult
 class SchedulerSettings:
     """How the online scheduler partitions each sampled batch (see `partition`).
 
-    policy: "dflop" (the portfolio) or "megatron" (data-blind, fixed-count contiguous microbatches);
+    policy: "dflop" (the portfolio), "megatron" (data-blind, fixed-count contiguous microbatches,
+    packed sequences) or "padded" (the same microbatches, padded to their longest sample: `padded_pool`);
     budget_s: wall seconds its exact ILP may use per batch; ilp: "auto", "always" or "never".
     The default leaves the ILP out: its wall-clock budget makes results depend on machine load, and
     the same inputs must give the same plan. Online the ILP can only improve on the greedy members,
@@ -126,7 +129,7 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
     for b, index in enumerate(batches):
         batch = pool.take(index)
         try:
-            pc = pricing.batch(batch)
+            pc = price(pricing, batch, scheduler.policy)
             part = run_partition(pc, pricing, scheduler, seed=seed + b)
         except MemoryGuardError as exc:
             return _failed(plan, scheduler, f"memory: sampled batch {b}: {_name_sample(str(exc), batch)}", t0)
@@ -141,11 +144,34 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
     return Evaluation(plan, scheduler.policy, np.array(steps), peak, np.array(util), None, time.perf_counter() - t0)
 
 
-def run_partition(pc: PlanCosts, pricing: Pricing, scheduler: SchedulerSettings, *, seed: int = 0) -> Partition:
-    """The online scheduler's partition of one priced batch (the step it simulates is the prediction)."""
+def padded_pool(batch: Pool, m: int, dp_l: int) -> Pool:
+    """`batch` as the HF/LLaVA trainer runs it: Megatron's fixed-count bins in batch order
+    (`dflop.scheduler.baselines.megatron`), each sample's seq_len raised to its bin's longest (pad
+    tokens cost time and activation memory like real ones, attention per sample, so a bin of k
+    samples costs k samples of the longest). Tiles are not padded: the vision tower batches tiles."""
+    bin_of = baselines.megatron(len(batch), m, dp_l)
+    longest = np.zeros(m * dp_l, dtype=batch.seq_len.dtype)
+    np.maximum.at(longest, bin_of, batch.seq_len)
+    return replace(batch, seq_len=longest[bin_of])
+
+
+def price(pricing: Pricing, batch: Pool, policy: str) -> PlanCosts:
+    """`batch` priced for `policy`: padded to its bins for "padded" (utilisation still counts only
+    the real tokens' compute: padding keeps the GPU busy but is waste), as it is otherwise."""
+    if policy != "padded":
+        return pricing.batch(batch)
     lay = pricing.plan.layout
+    padded = pricing.batch(padded_pool(batch, lay.m, lay.dp_l))
+    return replace(padded, busy_gpu_s=pricing.batch(batch).busy_gpu_s)
+
+
+def run_partition(pc: PlanCosts, pricing: Pricing, scheduler: SchedulerSettings, *, seed: int = 0) -> Partition:
+    """The online scheduler's partition of one priced batch (the step it simulates is the prediction);
+    "padded" runs Megatron's bins on the padded costs (`price`)."""
+    lay = pricing.plan.layout
+    policy = "megatron" if scheduler.policy == "padded" else scheduler.policy
     return partition(pc.costs, lay.m, lay.dp_l, lay.vision_replicas, budget_s=scheduler.budget_s,
-                     seed=seed, policy=scheduler.policy, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s,
+                     seed=seed, policy=policy, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s,
                      ilp=scheduler.ilp)
 
 
@@ -164,7 +190,7 @@ def simulate_batch(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, s
                    scheduler: SchedulerSettings = SchedulerSettings(), *, seed: int = 0) -> tuple[Partition, SimResult]:
     """The partition of one batch and its exact 1F1B timeline (for the Gantt chart)."""
     pricing = Pricing(plan, cost, cluster, sizes)
-    pc = pricing.batch(batch)
+    pc = price(pricing, batch, scheduler.policy)
     part = run_partition(pc, pricing, scheduler, seed=seed)
     lay = plan.layout
     times = stage_times(pc.costs, part.microbatch, part.replica, lay.m, lay.dp_l, lay.vision_replicas)

@@ -1,8 +1,9 @@
 """`dflop optimize`: shapes.parquet + costmodel.json + cluster -> plan.yaml + candidates.parquet.
 
 Reads the inputs, runs `dflop.planner.search.search`, writes both outputs atomically and prints a
-summary (chosen plan, predicted step and speedup over the data-blind baseline, utilisation, solver
-times). Every bad input is a one-line `UserError` naming the file or key.
+summary (chosen plan, predicted step and speedup over the data-blind baselines, Megatron-style
+packed and HF/LLaVA padded, utilisation, solver times). Every bad input is a one-line `UserError`
+naming the file or key.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dflop.planner.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings
 from dflop.planner.inputs import check_cost_model_matches
 from dflop.planner.means import Pool
-from dflop.planner.planfile import plan_document
+from dflop.planner.planfile import BASELINE_LABELS, plan_document
 from dflop.planner.search import SearchResult, SearchSettings, search
 from dflop.planner.space import ModelShape
 from dflop.shapes import read_shapes
@@ -55,6 +56,7 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
         baseline=base.evaluation,
         baseline_mean_shape_s=base.stage_model.objective_s(base.stage_model.split_of(base.evaluation.plan))
         if base.evaluation is not None else None,
+        padded_baseline=result.padded_baseline.evaluation if result.padded_baseline is not None else None,
         global_batch=global_batch_size, cluster=cluster,
         solver={"name": "highs (pyomo)", "status": result.milp.status, "time_s": result.stats["milp_s"],
                 "milps": result.stats["milps"], "statuses": result.stats["milp_statuses"],
@@ -84,14 +86,18 @@ def summary(result: SearchResult, cluster: Cluster, global_batch: int, plan_path
              f"{ev.p90_s:.4g} p90 over {len(ev.step_s)} sampled batches, utilisation {100 * ev.mean_utilisation:.1f}%",
              "           memory per stage (GB): " + ", ".join(
                  f"{ev.plan.stage_name(s)} {m / 1e9:.3g}" for s, m in enumerate(ev.memory_bytes))]
-    b = result.baseline.evaluation
-    if b is not None:
-        lines += [f"  baseline {b.plan.describe()} (data-blind: uniform split, fixed-count microbatches)",
-                  f"           step {b.mean_s:.4g} s mean / {b.p90_s:.4g} p90, utilisation "
-                  f"{100 * b.mean_utilisation:.1f}%",
-                  f"  predicted speedup over the baseline: {b.mean_s / ev.mean_s:.2f}x"]
-    else:
-        lines.append("  baseline: no data-blind layout fits (see candidates.parquet, kind == 'baseline')")
+    bases = [(result.baseline, "baseline", "megatron")]
+    if result.padded_baseline is not None:
+        bases.append((result.padded_baseline, "baseline_padded", "padded"))
+    for base, kind, policy in bases:
+        b, label = base.evaluation, BASELINE_LABELS[policy]
+        if b is not None:
+            lines += [f"  baseline {b.plan.describe()} ({label}: uniform split, fixed-count microbatches)",
+                      f"           step {b.mean_s:.4g} s mean / {b.p90_s:.4g} p90, utilisation "
+                      f"{100 * b.mean_utilisation:.1f}%",
+                      f"  predicted speedup over the baseline: {b.mean_s / ev.mean_s:.2f}x vs {label}"]
+        else:
+            lines.append(f"  baseline: no {label} layout fits (see candidates.parquet, kind == '{kind}')")
     lines.append(f"  search: {st['layouts']} layouts ({st['feasible']} fit in memory), {st['milps']} MILPs "
                  f"{dict(st['milp_statuses'])} in {st['milp_s']:.2f} s solver time, {st['simulated']} plans "
                  f"simulated; top-k {'proven' if st['top_k_proven'] else 'NOT proven (raise planner.top_k)'}")

@@ -16,8 +16,13 @@ Top-level keys::
     predicted: {step_s: {mean, p50, p90}, mean_shape_step_s, utilisation, samples_per_s,
                 memory_bytes: {vision: [per stage], llm: [per stage]}, memory_limit_bytes}
     baseline: {placement, world_size, global_batch_size, microbatches, vision, llm, micro_batch_size,
-               policy, predicted} or null (itself a complete plan mapping)
+               policy, label, predicted} or null (itself a complete plan mapping): the Megatron-style
+               packed data-blind trainer
     speedup: baseline mean step / plan mean step (null without a baseline)
+    padded_baseline: the same record for the HF/LLaVA trainer (microbatches padded to their longest
+               sample, policy "padded"; its predicted.mean_shape_step_s is null: the mean-shape step
+               packs), or null; absent from files written before it existed
+    speedup_padded: padded_baseline mean step / plan mean step (null without one)
     solver: {name, status, time_s, milps, statuses, top_k_proven, layouts, feasible, wall_s}
     evaluation: {sample_batches, seed, racing, scheduler: {policy, budget_s, ilp}}
     cluster: the cluster section it was planned for (config units)
@@ -57,26 +62,30 @@ def predicted_section(ev: Evaluation, *, global_batch: int, memory_limit_bytes: 
     }
 
 
+BASELINE_LABELS = {"megatron": "Megatron-style packed data-blind", "padded": "HF/LLaVA padded"}
+
+
 def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Evaluation | None,
                   baseline_mean_shape_s: float | None, global_batch: int, cluster: Cluster, solver: dict,
-                  evaluation: dict, model: dict, inputs: dict) -> dict:
+                  evaluation: dict, model: dict, inputs: dict, padded_baseline: Evaluation | None = None) -> dict:
     """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted."""
     plan = chosen.plan
     doc: dict[str, Any] = {"version": 1, **plan.to_dict(global_batch), "rank_order": RANK_ORDER,
                            "predicted": predicted_section(chosen, global_batch=global_batch,
                                                           memory_limit_bytes=cluster.gpu_memory_bytes,
                                                           mean_shape_step_s=mean_shape_step_s),
-                           "baseline": None, "speedup": None}
-    if baseline is not None:
-        b = baseline.plan.layout
-        doc["baseline"] = {
-            **baseline.plan.to_dict(global_batch), "micro_batch_size": global_batch // b.n_bins,
-            "policy": baseline.policy,
-            "predicted": predicted_section(baseline, global_batch=global_batch,
-                                           memory_limit_bytes=cluster.gpu_memory_bytes,
-                                           mean_shape_step_s=baseline_mean_shape_s),
+                           "baseline": None, "speedup": None, "padded_baseline": None, "speedup_padded": None}
+    for key, speedup, ev, mean_shape_s in (("baseline", "speedup", baseline, baseline_mean_shape_s),
+                                           ("padded_baseline", "speedup_padded", padded_baseline, None)):
+        if ev is None:
+            continue
+        doc[key] = {
+            **ev.plan.to_dict(global_batch), "micro_batch_size": global_batch // ev.plan.layout.n_bins,
+            "policy": ev.policy, "label": BASELINE_LABELS[ev.policy],
+            "predicted": predicted_section(ev, global_batch=global_batch, memory_limit_bytes=cluster.gpu_memory_bytes,
+                                           mean_shape_step_s=mean_shape_s),
         }
-        doc["speedup"] = baseline.mean_s / chosen.mean_s
+        doc[speedup] = ev.mean_s / chosen.mean_s
     doc.update({"solver": solver, "evaluation": evaluation, "cluster": cluster.to_config(), "model": model,
                 "inputs": inputs})
     return _plain(doc)

@@ -16,7 +16,7 @@
    on 1 batch, the better half on 2, ... until the last ones have all K (same batches for all, so
    the comparison is paired); this approximates simulating everything on K batches at a fraction of
    the cost on large clusters.
-6. The data-blind baseline (`dflop.planner.baseline`) on the same batches.
+6. The data-blind baselines (`dflop.planner.baseline`: Megatron packed, HF/LLaVA padded) on the same batches.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dflop.config import PlannerSection
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.plan import Layout, Plan
-from dflop.planner.baseline import BaselineResult, search_baseline
+from dflop.planner.baseline import BASELINE_POLICIES, BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches
@@ -114,6 +114,7 @@ class SearchResult:
     candidates: pd.DataFrame
     stats: dict
     sizes: TransferSizes
+    padded_baseline: BaselineResult | None = None   # the HF/LLaVA padded trainer (`baseline` packs)
 
 
 @dataclass
@@ -180,12 +181,13 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     ranked = _prescreen(ranked, s, lambda plan: quick_step_s(plan, cost, pool.take(batches[0]), cluster, sizes))
     chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
     t_sim = time.perf_counter()
-    baseline = search_baseline(space, means, cluster, transfer, granularity,
-                               lambda plan: evaluate(plan, slice(0, None), replace(s.scheduler, policy="megatron")),
-                               simulate=s.baseline_simulate)
+    baseline, padded = (search_baseline(space, means, cluster, transfer, granularity,
+                                        lambda plan, p=p: evaluate(plan, slice(0, None),
+                                                                   replace(s.scheduler, policy=p)),
+                                        simulate=s.baseline_simulate, policy=p) for p in BASELINE_POLICIES)
     t_base = time.perf_counter()
 
-    rows = list(rejected) + [_layout_row(x) for x in solved] + baseline.rows
+    rows = list(rejected) + [_layout_row(x) for x in solved] + baseline.rows + padded.rows
     solved_groups = {_group_key(x.layout) for x in solved}
     groups = screened.groups
     if len(groups):
@@ -200,7 +202,8 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
         "screen_s": t_screen - t0, "milp_wall_s": t_milp - t_screen, "simulate_s": t_sim - t_milp,
         "baseline_s": t_base - t_sim, "wall_s": time.perf_counter() - t0,
     }
-    return SearchResult(chosen.evaluation, chosen.stage_model, chosen.result, baseline, candidates, stats, sizes)
+    return SearchResult(chosen.evaluation, chosen.stage_model, chosen.result, baseline, candidates, stats, sizes,
+                        padded_baseline=padded)
 
 
 def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueMeans, cluster, transfer,

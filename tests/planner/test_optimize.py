@@ -81,8 +81,15 @@ def test_demo_default_writes_a_valid_plan(inputs, tmp_path, tiny_shape, capsys):
     assert plan.plan == result.chosen.plan
     cand = pd.read_parquet(tmp_path / "candidates.parquet")
     assert tuple(cand.columns) == COLUMNS
-    assert (cand["status"] == "chosen").sum() == 2
-    assert "predicted speedup over the baseline" in capsys.readouterr().out
+    chosen = cand[cand["status"] == "chosen"]
+    assert sorted(chosen["kind"]) == ["baseline", "baseline_padded", "plan"]
+    padded = doc["padded_baseline"]
+    assert padded["policy"] == "padded" and padded["label"] == "HF/LLaVA padded"
+    assert doc["speedup_padded"] == pytest.approx(padded["predicted"]["step_s"]["mean"] / pred["step_s"]["mean"])
+    assert padded["predicted"]["step_s"]["mean"] == pytest.approx(
+        float(chosen.loc[chosen["kind"] == "baseline_padded", "step_mean_s"].iloc[0]), rel=1e-12)
+    out = capsys.readouterr().out
+    assert "x vs Megatron-style packed data-blind" in out and "x vs HF/LLaVA padded" in out
 
 
 def test_one_gpu_cluster_gives_a_world_size_one_plan(inputs, tmp_path, tiny_shape):
