@@ -20,6 +20,7 @@ from dflop.planner.means import Pool
 from dflop.planner.planfile import plan_document
 from dflop.planner.search import SearchResult, SearchSettings, search
 from dflop.planner.space import ModelShape
+from dflop.planner.techniques import technique_costs, techniques_record
 from dflop.shapes import read_shapes
 from dflop.costmodel.jsonio import load_cost_model
 
@@ -66,6 +67,8 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
         model={"arch": model.spec.arch, "vision": model.spec.vision, "llm": model.spec.llm,
                "weights": model.spec.weights, "dtype": cost.provenance.dtype},
         inputs={"shapes": str(shapes_path), "costmodel": str(costmodel_path)},
+        techniques=techniques_record(technique_costs(result.chosen.plan, cost, pool, cluster, result.sizes,
+                                                     global_batch=global_batch_size)),
     )
     write_plan(doc, plan_path)
     write_candidates(result.candidates, candidates_path)

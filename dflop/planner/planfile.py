@@ -15,6 +15,11 @@ Top-level keys::
     rank_order: how ranks map to (module, stage, replica, tp rank) (as dflop.runtime.topology)
     predicted: {step_s: {mean, p50, p90}, mean_shape_step_s, utilisation, samples_per_s,
                 memory_bytes: {vision: [per stage], llm: [per stage]}, memory_limit_bytes}
+    techniques: [per pipeline stage: {stage, name, module, layers, recompute, shard_optimizer,
+                 sequence_parallel, recompute_extra_s, activation_saved_bytes, state_saved_bytes,
+                 sp_saved_bytes, shard_comm_extra_s, peak_bytes}] what the plan's memory techniques
+                 cost and save at the mean microbatch (`dflop.planner.techniques`); informative
+                 only (the trainer reads vision/llm), absent in plans written before it existed
     baseline: {placement, world_size, global_batch_size, microbatches, vision, llm, micro_batch_size,
                policy, predicted} or null (itself a complete plan mapping)
     speedup: baseline mean step / plan mean step (null without a baseline)
@@ -59,14 +64,17 @@ def predicted_section(ev: Evaluation, *, global_batch: int, memory_limit_bytes: 
 
 def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Evaluation | None,
                   baseline_mean_shape_s: float | None, global_batch: int, cluster: Cluster, solver: dict,
-                  evaluation: dict, model: dict, inputs: dict) -> dict:
-    """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted."""
+                  evaluation: dict, model: dict, inputs: dict, techniques: list[dict] | None = None) -> dict:
+    """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted;
+    techniques: the chosen plan's `dflop.planner.techniques.techniques_record` (None: left out)."""
     plan = chosen.plan
     doc: dict[str, Any] = {"version": 1, **plan.to_dict(global_batch), "rank_order": RANK_ORDER,
                            "predicted": predicted_section(chosen, global_batch=global_batch,
                                                           memory_limit_bytes=cluster.gpu_memory_bytes,
-                                                          mean_shape_step_s=mean_shape_step_s),
-                           "baseline": None, "speedup": None}
+                                                          mean_shape_step_s=mean_shape_step_s)}
+    if techniques is not None:
+        doc["techniques"] = techniques
+    doc.update({"baseline": None, "speedup": None})
     if baseline is not None:
         b = baseline.plan.layout
         doc["baseline"] = {

@@ -119,18 +119,19 @@ def _shard_comm_extra_s(plan: Plan, cost: CostModel, cluster: Cluster, sizes: Tr
 
 def techniques_record(table: pd.DataFrame) -> list[dict]:
     """plan.yaml's ``techniques`` record: one compact mapping per row of `technique_costs`
-    (bytes as integers, seconds as floats; an unpriced saving is null)."""
+    (bytes as integers, seconds to 6 significant digits; an unpriced saving is null)."""
+    seconds = lambda x: float(f"{x:.6g}")
     out = []
     for row in table.itertuples(index=False):
         sp_saved = None if np.isnan(row.sp_saved_bytes) else int(round(row.sp_saved_bytes))
         out.append({"stage": int(row.stage), "name": row.name, "module": row.module, "layers": int(row.layers),
                     "recompute": row.recompute, "shard_optimizer": bool(row.shard_optimizer),
                     "sequence_parallel": bool(row.sequence_parallel),
-                    "recompute_extra_s": float(row.recompute_extra_s),
+                    "recompute_extra_s": seconds(row.recompute_extra_s),
                     "activation_saved_bytes": int(round(row.activation_saved_bytes)),
                     "state_saved_bytes": int(round(row.state_saved_bytes)),
                     "sp_saved_bytes": sp_saved,
-                    "shard_comm_extra_s": float(row.shard_comm_extra_s),
+                    "shard_comm_extra_s": seconds(row.shard_comm_extra_s),
                     "peak_bytes": int(round(row.peak_bytes))})
     return out
 
