@@ -74,7 +74,7 @@ def technique_costs(plan: Plan, cost: CostModel, pool: Pool, cluster: Cluster, s
                                     last=j == lay.pp_l - 1, tp=lay.tp_l, recompute=mode,
                                     shard_over=lay.dp_l if shard else 1, **extra)
 
-    parts = []  # (stage, module, layers, terms, techniques, mode, nu)
+    parts = []  # (pipeline stage, module, layers, its terms, index in the module, techniques, mode, nu)
     for k in range(lay.pp_v):
         stage = k if not lay.colocated else 0
         parts.append((stage, "vision", plan.vision_layers[k], vision_terms, k, vision, vision.recompute[k], nu_v))
