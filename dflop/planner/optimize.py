@@ -21,6 +21,7 @@ from dflop.planner.means import Pool
 from dflop.planner.planfile import BASELINE_LABELS, plan_document
 from dflop.planner.search import SearchResult, SearchSettings, search
 from dflop.planner.space import ModelShape
+from dflop.planner.techniques import technique_costs, techniques_record
 from dflop.shapes import read_shapes
 from dflop.costmodel.jsonio import load_cost_model
 
@@ -54,7 +55,8 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
     doc = plan_document(
         chosen=result.chosen, mean_shape_step_s=result.milp.objective_s,
         baseline=base.evaluation,
-        baseline_mean_shape_s=base.stage_model.objective_s(base.stage_model.split_of(base.evaluation.plan))
+        baseline_mean_shape_s=base.stage_model.objective_s(base.stage_model.split_of(base.evaluation.plan),
+                                                           base.stage_model.modes_of(base.evaluation.plan))
         if base.evaluation is not None else None,
         padded_baseline=result.padded_baseline.evaluation if result.padded_baseline is not None else None,
         global_batch=global_batch_size, cluster=cluster,
@@ -68,6 +70,8 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
         model={"arch": model.spec.arch, "vision": model.spec.vision, "llm": model.spec.llm,
                "weights": model.spec.weights, "dtype": cost.provenance.dtype},
         inputs={"shapes": str(shapes_path), "costmodel": str(costmodel_path)},
+        techniques=techniques_record(technique_costs(result.chosen.plan, cost, pool, cluster, result.sizes,
+                                                     global_batch=global_batch_size)),
     )
     write_plan(doc, plan_path)
     write_candidates(result.candidates, candidates_path)

@@ -15,6 +15,11 @@ Top-level keys::
     rank_order: how ranks map to (module, stage, replica, tp rank) (as dflop.runtime.topology)
     predicted: {step_s: {mean, p50, p90}, mean_shape_step_s, utilisation, samples_per_s,
                 memory_bytes: {vision: [per stage], llm: [per stage]}, memory_limit_bytes}
+    techniques: [per pipeline stage: {stage, name, module, layers, recompute, shard_optimizer,
+                 sequence_parallel, recompute_extra_s, activation_saved_bytes, state_saved_bytes,
+                 sp_saved_bytes, shard_comm_extra_s, peak_bytes}] what the plan's memory techniques
+                 cost and save at the mean microbatch (`dflop.planner.techniques`); informative
+                 only (the trainer reads vision/llm), absent in plans written before it existed
     baseline: {placement, world_size, global_batch_size, microbatches, vision, llm, micro_batch_size,
                policy, label, predicted} or null (itself a complete plan mapping): the Megatron-style
                packed data-blind trainer
@@ -67,14 +72,18 @@ BASELINE_LABELS = {"megatron": "Megatron-style packed data-blind", "padded": "HF
 
 def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Evaluation | None,
                   baseline_mean_shape_s: float | None, global_batch: int, cluster: Cluster, solver: dict,
-                  evaluation: dict, model: dict, inputs: dict, padded_baseline: Evaluation | None = None) -> dict:
-    """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted."""
+                  evaluation: dict, model: dict, inputs: dict, padded_baseline: Evaluation | None = None,
+                  techniques: list[dict] | None = None) -> dict:
+    """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted;
+    techniques: the chosen plan's `dflop.planner.techniques.techniques_record` (None: left out)."""
     plan = chosen.plan
     doc: dict[str, Any] = {"version": 1, **plan.to_dict(global_batch), "rank_order": RANK_ORDER,
                            "predicted": predicted_section(chosen, global_batch=global_batch,
                                                           memory_limit_bytes=cluster.gpu_memory_bytes,
-                                                          mean_shape_step_s=mean_shape_step_s),
-                           "baseline": None, "speedup": None, "padded_baseline": None, "speedup_padded": None}
+                                                          mean_shape_step_s=mean_shape_step_s)}
+    if techniques is not None:
+        doc["techniques"] = techniques
+    doc.update({"baseline": None, "speedup": None, "padded_baseline": None, "speedup_padded": None})
     for key, speedup, ev, mean_shape_s in (("baseline", "speedup", baseline, baseline_mean_shape_s),
                                            ("padded_baseline", "speedup_padded", padded_baseline, None)):
         if ev is None:

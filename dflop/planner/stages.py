@@ -278,6 +278,11 @@ class StageModel:
         vision = () if self.layout.colocated else plan.vision_layers
         return np.array(vision + plan.llm_layers)
 
+    def modes_of(self, plan: Plan) -> list[str]:
+        """[P] recompute mode per stage of a plan (inverse of `plan`)."""
+        vision = () if self.layout.colocated else plan.vision_techniques.recompute
+        return list(vision + plan.llm_techniques.recompute)
+
 
 def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, cluster: Cluster,
                       global_batch: int, transfer: TransferMeans,

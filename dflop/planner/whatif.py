@@ -3,7 +3,8 @@
 Users ask this before buying GPU hours: how fast would this plan run on other data, or on N GPUs?
 The plan (and its data-blind baseline) is simulated over sampled global batches exactly as the
 optimizer did (`dflop.planner.expected`), with the cost model and cluster recorded in plan.yaml
-unless overridden, and a Gantt chart of a median batch is drawn.
+unless overridden, and a Gantt chart of a median batch is drawn. The summary ends with what the
+plan's memory techniques cost and save per stage (`dflop.planner.techniques`), or says none is on.
 
 With ``gpus=N`` the plan keeps its TP and PP degrees, layer split and microbatch count and scales
 data parallelism to fit N GPUs: colocated ``dp = N // (tp * pp)``; disjoint keeps the vision/LLM
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
@@ -32,6 +34,7 @@ from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.inputs import check_cost_model_matches
 from dflop.planner.planfile import check_plan_runs
 from dflop.planner.space import ModelShape
+from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.shapes import read_shapes
 from dflop.sim import plot_gantt
 from dflop.costmodel.jsonio import load_cost_model
@@ -39,13 +42,15 @@ from dflop.costmodel.jsonio import load_cost_model
 
 @dataclass(frozen=True)
 class WhatIf:
-    """The re-evaluated plan and baseline (None when it cannot be scaled), and the chart written."""
+    """The re-evaluated plan and baseline (None when it cannot be scaled), the chart written, and
+    the plan's memory techniques with their costs per stage (`technique_costs`)."""
 
     plan: Evaluation
     baseline: Evaluation | None
     cluster: Cluster
     gantt_png: Path | None
     notes: tuple[str, ...]
+    techniques: pd.DataFrame | None = None
 
 
 @dataclass(frozen=True)
@@ -202,7 +207,8 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
         _, timeline = simulate_batch(plan, cost, pool.take(batches[median]), cluster, sizes, scheduler, seed=seed + median)
         png = plot_gantt(timeline, out_png, title=f"{plan.layout.describe()}: step {timeline.step_s:.4g} s "
                          f"(median of {len(ev.step_s)} sampled batches), idle {100 * timeline.idle_fraction():.1f}%")
-    result = WhatIf(ev, base, cluster, png, tuple(notes))
+    techniques = technique_costs(plan, cost, pool, cluster, sizes, global_batch=B)
+    result = WhatIf(ev, base, cluster, png, tuple(notes), techniques)
     if verbose:
         print(whatif_summary(result, B, shapes_path))
     return result
@@ -251,6 +257,8 @@ def whatif_summary(w: WhatIf, global_batch: int, shapes_path) -> str:
     if w.baseline is not None:
         lines += [f"  baseline {w.baseline.plan.describe()}: step {w.baseline.mean_s:.4g} s mean",
                   f"  predicted speedup over the baseline: {w.baseline.mean_s / ev.mean_s:.2f}x"]
+    if w.techniques is not None:
+        lines += ["  " + line for line in format_techniques(w.techniques).splitlines()]
     if w.gantt_png is not None:
         lines.append(f"  Gantt chart: {w.gantt_png}")
     return "\n".join(lines)

@@ -9,7 +9,9 @@ step times drawn here reproduce plan.yaml's ``predicted`` numbers. Figures:
 - comparison: predicted step time over the sampled batches (bar: mean; dots: each batch; dotted:
   p90), predicted peak memory per stage against the GPU memory limit, and the compute load of
   every device (pipeline stage x data-parallel replica) in the plan's median batch, against the
-  step time (dashed), so the gap above a bar is that device's idle time;
+  step time (dashed), so the gap above a bar is that device's idle time; below them the plan's
+  memory techniques per stage and what each costs and saves (the table `dflop simulate` prints,
+  `dflop.planner.techniques`), or "memory techniques: none";
 - one Gantt chart per layout for that same median batch (`dflop.sim.plot_gantt`).
 """
 
@@ -20,10 +22,12 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 
 from dflop.errors import UserError
 from dflop.plan import Plan
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
+from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.planner.whatif import load_plan_context
 from dflop.report.style import BASELINE_COLOUR, PLAN_COLOUR, save_figure
 from dflop.sim import SimResult, plot_gantt
@@ -57,7 +61,8 @@ class PlanComparison:
     """The plan and (when plan.yaml has one) its baseline, simulated on the same batches.
 
     median_batch: index (0..K-1) of the sampled batch whose plan step is the median;
-    memory_limit_bytes: GPU memory per rank the planner allowed.
+    memory_limit_bytes: GPU memory per rank the planner allowed; techniques: the plan's memory
+    techniques and their costs per stage (`technique_costs`).
     """
 
     plan: LayoutStep
@@ -65,6 +70,7 @@ class PlanComparison:
     median_batch: int
     memory_limit_bytes: float
     global_batch: int
+    techniques: pd.DataFrame | None = None
 
 
 def compare_plan(plan_path: str | Path, *, shapes: str | Path | None = None,
@@ -93,14 +99,20 @@ def compare_plan(plan_path: str | Path, *, shapes: str | Path | None = None,
     baseline = None
     if pf.baseline is not None:
         baseline, _ = simulate("data-blind baseline", pf.baseline, replace(scheduler, policy="megatron"), median)
-    return PlanComparison(chosen, baseline, median, cluster.gpu_memory_bytes, pf.global_batch_size)
+    techniques = technique_costs(pf.plan, cost, pool, cluster, sizes, global_batch=pf.global_batch_size)
+    return PlanComparison(chosen, baseline, median, cluster.gpu_memory_bytes, pf.global_batch_size, techniques)
 
 
 def draw_plan_comparison(cmp: PlanComparison) -> plt.Figure:
     """Step time, memory per stage and load per stage of the plan vs the baseline (module docstring)."""
     layouts = [s for s in (cmp.plan, cmp.baseline) if s is not None]
     colours = [PLAN_COLOUR, BASELINE_COLOUR]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9), layout="constrained")
+    table = format_techniques(cmp.techniques).splitlines() if cmp.techniques is not None else []
+    table_in = 0.25 * (len(table) + 1)
+    fig = plt.figure(figsize=(13, 9 + table_in), layout="constrained")
+    heights = [4.5, 4.5] + ([table_in] if table else [])  # the technique table below the plots
+    grid = fig.add_gridspec(len(heights), 2, height_ratios=heights)
+    axes = np.array([[fig.add_subplot(grid[i, j]) for j in range(2)] for i in range(2)])
     _draw_step_times(axes[0, 0], layouts, colours, cmp)
     _draw_memory(axes[0, 1], layouts, colours, cmp.memory_limit_bytes)
     load_axes = [axes[1, 0], axes[1, 1]]
@@ -112,6 +124,11 @@ def draw_plan_comparison(cmp: PlanComparison) -> plt.Figure:
         axes[1, 1].text(0.5, 0.5, "plan.yaml has no data-blind baseline", ha="center", va="center")
     speedup = f", predicted speedup {cmp.baseline.evaluation.mean_s / cmp.plan.evaluation.mean_s:.2f}x" \
         if cmp.baseline is not None else ""
+    if table:
+        text_ax = fig.add_subplot(grid[2, :])
+        text_ax.axis("off")
+        text_ax.text(0.0, 1.0, "\n".join(table), family="monospace", fontsize=9, va="top", ha="left",
+                     transform=text_ax.transAxes)
     fig.suptitle(f"Chosen plan vs data-blind baseline (global batch {cmp.global_batch}{speedup})", fontsize=13)
     return fig
 

@@ -127,3 +127,28 @@ def test_bad_plans_are_one_line_errors(planned, tmp_path):
         compare_plan(tmp_path / "bad.yaml", shapes=planned / "shapes.parquet", costmodel=planned / "costmodel.json")
     with pytest.raises(UserError, match=r"missing\.yaml: no such file \(run `dflop optimize` first"):
         compare_plan(tmp_path / "missing.yaml")
+
+
+def test_the_comparison_shows_the_plan_technique_table(planned, comparison):
+    """The figure carries the same per-stage technique table `dflop simulate` prints: "none" for
+    this plan, and every row of a sharded plan's table (one per stage) when techniques are on."""
+    from dataclasses import replace
+
+    from dflop.planner.techniques import format_techniques, technique_costs
+    from dflop.planner.whatif import load_plan_context
+
+    def texts(cmp):
+        fig = draw_plan_comparison(cmp)
+        out = [t.get_text() for ax in fig.axes for t in ax.texts]
+        plt.close(fig)
+        return out
+
+    assert "memory techniques: none" in texts(comparison)
+    ctx = load_plan_context(planned / "plan.yaml")
+    sharded = comparison.plan.plan.with_forced_techniques(shard_optimizer=True)
+    table = technique_costs(sharded, ctx.cost, ctx.pool, ctx.cluster, ctx.sizes, global_batch=32)
+    shown = [t for t in texts(replace(comparison, techniques=table)) if t.startswith("memory techniques")]
+    assert len(shown) == 1 and shown[0] == format_techniques(table)
+    rows = shown[0].splitlines()[2:]
+    assert [r.split("  ")[0] for r in rows] == [sharded.stage_name(s) for s in range(sharded.layout.n_stages)]
+    assert all(" yes " in r for r in rows)

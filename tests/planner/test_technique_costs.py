@@ -1,0 +1,140 @@
+"""`technique_costs`: what a plan's memory techniques cost and save per stage, against the closed
+forms of the analytic cost model (`dflop.costmodel.analytic`: full recompute reruns a layer's
+forward except the MLP down projection, and keeps only the layer input) and of the training state
+(`dflop.costmodel.memory`), computed here from the model's shapes, not from the code under test."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dflop.config import Config
+from dflop.costmodel.analytic import analytic_cost_model
+from dflop.models.handle import ModelHandle
+from dflop.plan import Layout, Plan, Techniques
+from dflop.planner.cluster import Cluster
+from dflop.planner.means import Pool
+from dflop.planner.pricing import Pricing
+from dflop.planner.techniques import _sp_priced, format_techniques, technique_costs
+from synthetic_mix import llava_ov_mix
+
+B = 16
+F = 400e12 / 1e3  # the analytic model's default FLOPs per millisecond
+OVERHEAD_MS = 0.03  # its default op overhead per layer per microbatch
+NBYTES = 4  # float32
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = ModelHandle.resolve(Config.from_dict({"model": {"arch": "llava_ov", "vision": "siglip-tiny",
+                                                            "llm": "qwen2.5-tiny"}}).model)
+    cost = analytic_cost_model(model.config, tp_degrees=[1, 2], dtype="float32")
+    cluster = Cluster.from_section(Config.from_dict({}).cluster)
+    pool = Pool.from_shapes(llava_ov_mix(64, seed=1))
+    return model, cost, cluster, pool
+
+
+def _table(setup, plan):
+    model, cost, cluster, pool = setup
+    return technique_costs(plan, cost, pool, cluster, Pricing.of(plan, cost, model, cluster).sizes, global_batch=B)
+
+
+def _llm_layer(model):
+    """(extra backward ms per token, per squared token, per layer per microbatch; bytes saved per token)."""
+    info, text = model.info, model.config.get_text_config()
+    h, inter = info.llm_hidden, text.intermediate_size
+    extra_tok = 2 * info.llm_layer_params / F - 2 * h * inter / F  # rerun forward, less the down projection
+    return extra_tok, 2 * h / F, OVERHEAD_MS, NBYTES * (4 * h + 6 * h + 3 * inter) - NBYTES * h
+
+
+def _vision_layer(model):
+    """(extra backward ms per tile, per layer per microbatch; bytes saved per tile)."""
+    info, vc = model.info, model.config.vision_config
+    T, h, inter = info.vision_tokens_per_tile, info.vision_hidden, vc.intermediate_size
+    extra = (2 * info.vision_layer_params * T + 4 * T * T * h) / F - 2 * h * inter * T / F
+    return extra, OVERHEAD_MS, T * (NBYTES * (4 * h + 6 * h + 3 * inter) - NBYTES * h)
+
+
+def test_full_recompute_and_sharding_costs_follow_the_closed_forms(setup):
+    model, cost, cluster, pool = setup
+    info = model.info
+    lay = Layout("disjoint", 1, 1, 2, 1, 2, 2, 2)  # in flight [2, 2, 1]; 16 / (2 * 2) = 4 samples a microbatch
+    plan = Plan.uniform(lay, info.vision_layers, info.llm_layers).with_forced_techniques("full", shard_optimizer=True)
+    t = _table(setup, plan)
+    assert list(t["name"]) == ["vision stage 0", "llm stage 0", "llm stage 1"]
+    nu, s = 4.0, pool.seq_len.astype(float)
+    tok, sq, const, saved_tok = _llm_layer(model)
+    for row, n, f in ((1, plan.llm_layers[0], 2), (2, plan.llm_layers[1], 1)):
+        extra_s = n * (const + nu * (tok * s.mean() + sq * (s * s).mean())) / 1e3
+        assert t["recompute_extra_s"][row] == pytest.approx(extra_s, rel=1e-9)
+        assert t["activation_saved_bytes"][row] == pytest.approx(f * n * nu * s.mean() * saved_tok, rel=1e-9)
+    v_extra, v_const, v_saved = _vision_layer(model)
+    tiles, n_v = pool.n_tiles.astype(float).mean(), info.vision_layers
+    assert t["recompute_extra_s"][0] == pytest.approx(n_v * (v_const + nu * tiles * v_extra) / 1e3, rel=1e-9)
+    assert t["activation_saved_bytes"][0] == pytest.approx(2 * n_v * nu * tiles * v_saved, rel=1e-9)
+    # sharded over dp 2 in float32 (4 + 4 + 8 bytes a parameter): a rank holds 4 * 1.5 + 4 + 8 / 2
+    saved_per_param = 16 - (4 * 1.5 + 4 + 8 / 2)
+    params = [info.vision_embed_params + n_v * info.vision_layer_params + info.projector_params,
+              info.llm_embed_params + plan.llm_layers[0] * info.llm_layer_params,
+              plan.llm_layers[1] * info.llm_layer_params + info.llm_head_params]
+    np.testing.assert_allclose(t["state_saved_bytes"], np.array(params) * saved_per_param, rtol=1e-9)
+    # the last stage's peak: sharded state + 1 microbatch of layer inputs and the head's activations
+    head_tok = NBYTES * info.llm_hidden + 4 * info.vocab_size
+    peak = (params[2] * (4 * 1.5 + 4 + 8 / 2)
+            + nu * s.mean() * (plan.llm_layers[1] * NBYTES * info.llm_hidden + head_tok))
+    assert t["peak_bytes"][2] == pytest.approx(peak, rel=1e-9)
+    assert (t["sp_saved_bytes"] == 0).all()  # no sequence parallelism, nothing to save
+
+
+def test_techniques_off_cost_and_save_nothing_and_say_so(setup):
+    info = setup[0].info
+    plan = Plan.uniform(Layout("disjoint", 1, 1, 2, 1, 2, 2, 2), info.vision_layers, info.llm_layers)
+    t = _table(setup, plan)
+    cols = ["recompute_extra_s", "activation_saved_bytes", "state_saved_bytes", "sp_saved_bytes", "shard_comm_extra_s"]
+    assert (t[cols] == 0).all().all()
+    assert format_techniques(t) == "memory techniques: none"
+
+
+def test_colocated_vision_tower_uses_the_vision_mode_on_llm_stage_0(setup):
+    model, cost, cluster, pool = setup
+    info = model.info
+    lay = Layout("colocated", 1, 1, 2, 1, 2, 2, 4)  # in flight [2, 1]; 16 / (4 * 2) = 2 samples a bin
+    plan = Plan.uniform(lay, info.vision_layers, info.llm_layers)
+    plan = plan.with_techniques(Techniques(("full",)), Techniques(("none", "none")))
+    t = _table(setup, plan)
+    assert list(t["stage"]) == [0, 0, 1] and list(t["module"]) == ["vision", "llm", "llm"]
+    assert list(t["recompute"]) == ["full", "none", "none"]
+    _, _, v_saved = _vision_layer(model)
+    expected = 2 * info.vision_layers * 2.0 * pool.n_tiles.mean() * v_saved
+    assert t["activation_saved_bytes"][0] == pytest.approx(expected, rel=1e-9)
+    assert t["activation_saved_bytes"][1] == 0 and t["recompute_extra_s"][1] == 0
+    # the stage's peak counts both parts: the same number on both rows
+    assert t["peak_bytes"][0] == t["peak_bytes"][1]
+    solo = technique_costs(Plan(Layout("disjoint", 1, 1, 2, 1, 2, 2, 4), plan.vision_layers, plan.llm_layers),
+                           cost, pool, cluster, Pricing.of(plan, cost, model, cluster).sizes, global_batch=B)
+    assert t["peak_bytes"][0] > solo["peak_bytes"][1]  # more than the LLM stage 0 alone
+    text = format_techniques(t)
+    assert "llm stage 0: vision" in text and text.splitlines()[0].startswith("memory techniques")
+
+
+def test_sequence_parallel_saving_is_priced_only_when_the_cost_model_can(setup):
+    model, cost, cluster, pool = setup
+    info = model.info
+    plan = Plan.uniform(Layout("disjoint", 1, 1, 2, 2, 2, 1, 2), info.vision_layers, info.llm_layers)
+    plan = plan.with_forced_techniques(sequence_parallel=True)
+    t = _table(setup, plan)
+    assert list(t["sequence_parallel"]) == [False, True, True]
+    assert t["sp_saved_bytes"][0] == 0
+    if not _sp_priced(cost):
+        assert t["sp_saved_bytes"][1:].isna().all()
+        assert "n/a" in format_techniques(t)
+    else:  # the analytic saving: (1 - 1/tp) of what the two RMSNorms keep per token
+        h = info.llm_hidden
+        per_tok = 2 * ((4 + NBYTES) * h + 4) * (1 - 1 / 2)
+        nu, s = 16 / (2 * 1), pool.seq_len.mean()
+        for row, f in ((1, 2), (2, 1)):
+            expected = f * plan.llm_layers[row - 1] * nu * s * per_tok
+            assert t["sp_saved_bytes"][row] == pytest.approx(expected, rel=1e-9)
+    assert not math.isnan(t["peak_bytes"][1])
