@@ -74,7 +74,8 @@ def baseline_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout]
 
 
 def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster, transfer: TransferMeans,
-                    granularity: Granularity, evaluate, *, simulate: int = 4, policy: str = "megatron") -> BaselineResult:
+                    granularity: Granularity, evaluate, *, simulate: int = 4, policy: str = "megatron",
+                    also: tuple[Layout, ...] = ()) -> BaselineResult:
     """The best data-blind layout for `policy` (one of `BASELINE_POLICIES`); `evaluate(plan) ->
     Evaluation` runs the sampled batches under that policy. Layouts are ranked for simulation by
     the packed mean-shape step (there is no padded one), so with few `simulate` the padded search
@@ -82,7 +83,9 @@ def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster,
 
     Each layout uses the memory techniques its uniform split needs, chosen as for the data-aware
     plans (`technique_choice.settle`: the fastest recompute mode per stage that fits, sharding and
-    SP only where needed), so the baseline is tuned with the same techniques available."""
+    SP only where needed), so the baseline is tuned with the same techniques available. Layouts in
+    `also` are simulated whatever their rank (the other baseline's choice: neither baseline may lose
+    to a layout only the other one simulated)."""
     if policy not in ROW_KIND:
         raise ValueError(f"policy must be one of {BASELINE_POLICIES}, got {policy!r}")
     layouts, rows = baseline_layouts(space, cluster)
@@ -107,7 +110,7 @@ def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster,
     best: tuple[Evaluation, StageModel] | None = None
     best_row = -1
     for rank, (objective, sm, plan) in enumerate(scored):
-        if rank >= simulate and best is not None:
+        if rank >= simulate and best is not None and plan.layout not in also:
             rows.append(_row("pruned", "bound", "not among the best data-blind layouts by the mean-shape step",
                              plan=plan, milp_objective_s=objective))
             continue

@@ -33,7 +33,7 @@ from dflop.config import PlannerSection
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.plan import Layout, Plan
-from dflop.planner.baseline import BASELINE_POLICIES, BaselineResult, search_baseline
+from dflop.planner.baseline import BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches
@@ -181,10 +181,14 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     ranked = _prescreen(ranked, s, lambda plan: quick_step_s(plan, cost, pool.take(batches[0]), cluster, sizes))
     chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
     t_sim = time.perf_counter()
-    baseline, padded = (search_baseline(space, means, cluster, transfer, granularity,
-                                        lambda plan, p=p: evaluate(plan, slice(0, None),
-                                                                   replace(s.scheduler, policy=p)),
-                                        simulate=s.baseline_simulate, policy=p) for p in BASELINE_POLICIES)
+    def baseline_for(policy: str, also=()) -> BaselineResult:
+        return search_baseline(space, means, cluster, transfer, granularity,
+                               lambda plan: evaluate(plan, slice(0, None), replace(s.scheduler, policy=policy)),
+                               simulate=s.baseline_simulate, policy=policy, also=also)
+
+    # the padded trainer first: the packed one also simulates its layout (packing it can only help)
+    padded = baseline_for("padded")
+    baseline = baseline_for("megatron", also=(padded.evaluation.plan.layout,) if padded.evaluation else ())
     t_base = time.perf_counter()
 
     rows = list(rejected) + [_layout_row(x) for x in solved] + baseline.rows + padded.rows

@@ -9,7 +9,7 @@ fastest that fits.
 import numpy as np
 import pytest
 
-from dflop.plan import Plan
+from dflop.plan import Layout, Plan
 from dflop.planner.baseline import baseline_layouts, search_baseline
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings, evaluate_plan, sample_batches
@@ -85,3 +85,20 @@ def test_pruned_baseline_is_the_fastest_layout_it_simulated(memory, world, per_n
     tried = [r["mean_shape_step_s"] for r in result.rows if "mean_shape_step_s" in r and r["status"] != "pruned"]
     assert not pruned or max(tried) <= min(pruned) * (1 + 1e-12)
     assert np.isfinite(result.evaluation.mean_s)
+
+
+@pytest.mark.parametrize("memory,world,per_node", CASES[:1])
+def test_a_layout_named_in_also_is_simulated_whatever_its_rank(memory, world, per_node):
+    """search() passes the padded baseline's layout here so the packed baseline also simulates it:
+    the worst-ranked layout, named in `also`, must be simulated even with simulate=1."""
+    space, means, vision, llm, cluster, transfer, granularity, evaluate = _setup(memory, world, per_node)
+    plain = search_baseline(space, means, cluster, transfer, granularity, evaluate, simulate=1)
+    pruned = [r for r in plain.rows if r["status"] == "pruned"]
+    assert pruned, "the instance must prune some layout"
+    last = pruned[-1]
+    layout = Layout("colocated", last["tp_v"], last["pp_v"], last["dp_v"], last["tp_l"], last["pp_l"], last["dp_l"],
+                    last["m"])
+    result = search_baseline(space, means, cluster, transfer, granularity, evaluate, simulate=1, also=(layout,))
+    ran = [r for r in result.rows if r["status"] in ("simulated", "chosen")]
+    assert any((r["pp_l"], r["dp_l"], r["m"], r["tp_l"]) == (layout.pp_l, layout.dp_l, layout.m, layout.tp_l)
+               for r in ran)

@@ -103,3 +103,4 @@ def test_search_reports_both_baselines(sampled):
         assert ev.plan.llm_layers == (LL // lay.pp_l,) * lay.pp_l and 8 % (lay.m * lay.dp_l) == 0
     # both searches simulate the same best-ranked layouts, and padding slows each of them
     assert padded.mean_s >= packed.mean_s
+
