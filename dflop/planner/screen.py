@@ -5,7 +5,9 @@ and its objective could beat the plans already found. Both questions have cheap 
 over whole arrays of layouts:
 
 - Memory: each stage's constraints only bound its own layer count, ``n_s <= cap_s``, so a split
-  exists iff every ``cap_s >= 1`` and ``sum_s min(cap_s, L) >= L`` per module.
+  exists iff every ``cap_s >= 1`` and ``sum_s min(cap_s, L) >= L`` per module. The caps are those
+  of the leanest memory-technique setting (`MemoryFloor`): a layout is dropped only when no
+  setting fits; the MILP then chooses the techniques.
 - Lower bound on the MILP objective: ``sum_s t_s`` does not depend on the split (layers move
   between stages, their time does not change) and ``max_s t_s`` is at least the module's total over
   its stages and at least one layer plus the heavier extras, so
