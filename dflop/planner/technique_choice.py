@@ -92,20 +92,6 @@ def settle(build, leanest: tuple[bool, bool, bool], n, space: TechniqueSpace) ->
     return sm, modes
 
 
-def techniques_summary(sm: StageModel, modes) -> str:
-    """A short label of the techniques a split uses (for logs and candidates.parquet)."""
-    used = [f"{m}@{i}" for i, m in enumerate(modes) if m != "none"]
-    parts = [f"recompute {' '.join(used)}"] if used else []
-    if sm.shard[0] and not sm.layout.colocated:
-        parts.append("shard vision")
-    if sm.shard[1]:
-        parts.append("shard llm")
-    if sm.sequence_parallel:
-        parts.append("sp")
-    return ", ".join(parts) or "none"
-
-
-
 @dataclass(frozen=True)
 class TechniqueMeans:
     """The module means the search prices layouts with, per TP degree and technique setting.
