@@ -97,9 +97,7 @@ def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster,
         if settled is None:
             sm = means.stage_model(lay, means.leanest(lay), cluster=cluster, global_batch=space.global_batch,
                                    transfer=transfer, granularity=granularity)
-            lean = sm.lean
-            need = np.maximum(lean.mem_mean_fixed + lean.mem_mean_layer * split,
-                              lean.mem_max_fixed + lean.mem_max_layer * split)
+            need = sm.lean_memory_at(split)
             s = int(np.argmax(need - sm.memory_bytes))
             rows.append(_row("rejected", "memory", f"uniform split needs {need[s] / 1e9:.3g} GB on llm stage {s} "
                              f"with every memory technique", plan=sm.plan(split)))

@@ -243,6 +243,11 @@ class StageModel:
     def fits(self, n, modes=None) -> bool:
         return bool(np.all(self.memory_at(n, modes) <= self.memory_bytes))
 
+    def lean_memory_at(self, n) -> np.ndarray:
+        """[P] `memory_at` with every coefficient at its leanest over the modes (a floor)."""
+        n, c = np.asarray(n), self.lean
+        return np.maximum(c.mem_mean_fixed + c.mem_mean_layer * n, c.mem_max_fixed + c.mem_max_layer * n)
+
     def max_layers(self) -> np.ndarray:
         """[P] most layers each stage can hold in memory in its leanest mode."""
         return self.lean.max_layers(self.memory_bytes)
@@ -297,12 +302,11 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
     lay, B = layout, global_batch
     shard = (bool(shard[1]), bool(shard[1])) if lay.colocated else (bool(shard[0]), bool(shard[1]))
     modes = tuple(md for md in llm.modes if md in vision.modes)
-    by_mode = {md: _stage_coeffs(lay, vision, llm, cluster, B, transfer, granularity, shard, dtype, md)
-               for md in modes}
-    if not by_mode:
+    if not modes:
         raise ValueError(f"vision modes {vision.modes} and llm modes {llm.modes} share none")
     link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
                  tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
+    by_mode = {md: _stage_coeffs(lay, vision, llm, link, B, transfer, granularity, shard, dtype, md) for md in modes}
     c = by_mode[modes[0]]
     n_v = lay.n_vision_stages
 
@@ -324,13 +328,11 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
                       sequence_parallel=llm.sequence_parallel)
 
 
-def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, cluster: Cluster, B: int,
+def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Links, B: int,
                   transfer: TransferMeans, granularity: Granularity, shard: tuple, dtype: str,
                   mode: str) -> StageCoeffs:
     """[P] coefficients of every stage of `lay` with all its layers in recompute `mode`."""
     m = lay.m
-    link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
-                 tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
     in_flight = np.asarray(lay.in_flight(), dtype=np.float64)
     n_v, pp_l = lay.n_vision_stages, lay.pp_l
     parts = []
@@ -363,20 +365,15 @@ def min_peak_split(sm: StageModel) -> tuple[np.ndarray, np.ndarray]:
     memory after taking it is smallest minimises the maximum (per module, >= 1 layer per stage).
     Used to explain how far a layout is from fitting, so every stage is in its leanest mode.
     """
-    lean = sm.lean
-
-    def memory_at(n):
-        return np.maximum(lean.mem_mean_fixed + lean.mem_mean_layer * n, lean.mem_max_fixed + lean.mem_max_layer * n)
-
     n = np.ones(sm.n_stages, dtype=np.int64)
     for is_vision, total in ((True, sm.vision_layers), (False, sm.llm_layers)):
         stages = np.flatnonzero(sm.is_vision == is_vision)
         if len(stages) == 0:
             continue
         for _ in range(total - len(stages)):
-            after = memory_at(n + 1)[stages]
+            after = sm.lean_memory_at(n + 1)[stages]
             n[stages[int(np.argmin(after))]] += 1
-    return n, memory_at(n)
+    return n, sm.lean_memory_at(n)
 
 
 def split_bound_s(sm: StageModel) -> float:

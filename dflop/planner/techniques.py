@@ -20,14 +20,11 @@ the stage-level columns (``peak_bytes``, ``shard_comm_extra_s``) repeat on both.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 
-from dflop.costmodel.activations import DTYPE_BYTES
-from dflop.costmodel.memory import canonical_dtype
 from dflop.costmodel.model import CostModel
 from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
@@ -40,14 +37,8 @@ COLUMNS = ("stage", "name", "module", "layers", "recompute", "shard_optimizer", 
 """stage: pipeline stage index; recompute_extra_s: backward seconds per microbatch the recompute
 mode adds; activation_saved_bytes: in-flight microbatches x activation bytes it saves;
 state_saved_bytes: training-state bytes a rank does not hold with the optimizer sharded;
-sp_saved_bytes: activation bytes sequence parallelism saves (NaN where the cost model cannot price
-it); shard_comm_extra_s: seconds per step sharded synchronisation costs over the all-reduce;
+sp_saved_bytes: activation bytes sequence parallelism saves; shard_comm_extra_s: seconds per step sharded synchronisation costs over the all-reduce;
 peak_bytes: the stage's 1F1B peak per rank at the mean microbatch, with its techniques."""
-
-
-def _sp_priced(cost: CostModel) -> bool:
-    """Whether the cost model can price sequence parallelism (an argument the LLM stage terms take)."""
-    return "sequence_parallel_hidden" in inspect.signature(cost.llm_stage_terms).parameters
 
 
 def technique_costs(plan: Plan, cost: CostModel, pool: Pool, cluster: Cluster, sizes: TransferSizes, *,
@@ -59,8 +50,6 @@ def technique_costs(plan: Plan, cost: CostModel, pool: Pool, cluster: Cluster, s
     vision, llm = plan.vision_techniques, plan.llm_techniques
     nu_l = global_batch / (lay.m * lay.dp_l)
     nu_v = nu_l if lay.colocated else global_batch / (lay.m * lay.dp_v)
-    hidden = sizes.llm_token_bytes / DTYPE_BYTES[canonical_dtype(cost.provenance.dtype)]
-    sp_priced = _sp_priced(cost)
 
     def vision_terms(k: int, mode: str, shard: bool, sp: bool):
         del sp  # the trainer has no SP for the vision tower
@@ -69,10 +58,10 @@ def technique_costs(plan: Plan, cost: CostModel, pool: Pool, cluster: Cluster, s
                                        shard_over=lay.dp_v if shard else 1)
 
     def llm_terms(j: int, mode: str, shard: bool, sp: bool):
-        extra = {"sequence_parallel_hidden": int(round(hidden))} if sp else {}
         return cost.llm_stage_terms(pool.seq_len, n_layers=plan.llm_layers[j], first=j == 0,
                                     last=j == lay.pp_l - 1, tp=lay.tp_l, recompute=mode,
-                                    shard_over=lay.dp_l if shard else 1, **extra)
+                                    shard_over=lay.dp_l if shard else 1,
+                                    sequence_parallel_hidden=sizes.llm_hidden if sp else 0)
 
     parts = []  # (pipeline stage, module, layers, its terms, index in the module, techniques, mode, nu)
     for k in range(lay.pp_v):
@@ -86,15 +75,10 @@ def technique_costs(plan: Plan, cost: CostModel, pool: Pool, cluster: Cluster, s
     for stage, module, layers, terms, index, tech, mode, nu in parts:
         sp = tech.sequence_parallel
         at = lambda **change: PartMeans.from_terms(terms(index, **{"mode": mode, "shard": tech.shard_optimizer,
-                                                                   "sp": sp and sp_priced, **change}))
+                                                                   "sp": sp, **change}))
         planned, no_rc, no_shard = at(), at(mode="none"), at(shard=False)
         f = in_flight[stage]
-        if not sp:
-            sp_saved = 0.0
-        elif sp_priced:
-            sp_saved = f * (at(sp=False).act_mean(nu) - planned.act_mean(nu))
-        else:
-            sp_saved = float("nan")  # the cost model has no sequence-parallel pricing to ask
+        sp_saved = f * (at(sp=False).act_mean(nu) - planned.act_mean(nu)) if sp else 0.0
         rows.append({
             "stage": stage, "name": plan.stage_name(stage), "module": module, "layers": int(layers),
             "recompute": mode, "shard_optimizer": tech.shard_optimizer, "sequence_parallel": sp,
@@ -119,18 +103,17 @@ def _shard_comm_extra_s(plan: Plan, cost: CostModel, cluster: Cluster, sizes: Tr
 
 def techniques_record(table: pd.DataFrame) -> list[dict]:
     """plan.yaml's ``techniques`` record: one compact mapping per row of `technique_costs`
-    (bytes as integers, seconds to 6 significant digits; an unpriced saving is null)."""
+    (bytes as integers, seconds to 6 significant digits)."""
     seconds = lambda x: float(f"{x:.6g}")
     out = []
     for row in table.itertuples(index=False):
-        sp_saved = None if np.isnan(row.sp_saved_bytes) else int(round(row.sp_saved_bytes))
         out.append({"stage": int(row.stage), "name": row.name, "module": row.module, "layers": int(row.layers),
                     "recompute": row.recompute, "shard_optimizer": bool(row.shard_optimizer),
                     "sequence_parallel": bool(row.sequence_parallel),
                     "recompute_extra_s": seconds(row.recompute_extra_s),
                     "activation_saved_bytes": int(round(row.activation_saved_bytes)),
                     "state_saved_bytes": int(round(row.state_saved_bytes)),
-                    "sp_saved_bytes": sp_saved,
+                    "sp_saved_bytes": int(round(row.sp_saved_bytes)),
                     "shard_comm_extra_s": seconds(row.shard_comm_extra_s),
                     "peak_bytes": int(round(row.peak_bytes))})
     return out
@@ -142,7 +125,7 @@ def format_techniques(table: pd.DataFrame) -> str:
     on = (table["recompute"] != "none") | table["shard_optimizer"] | table["sequence_parallel"]
     if not on.any():
         return "memory techniques: none"
-    gb = lambda x: "n/a" if np.isnan(x) else f"{x / 1e9:.3g}"
+    gb = lambda x: f"{x / 1e9:.3g}"
     shared = table["stage"].duplicated(keep=False)  # colocated LLM stage 0: vision tower and LLM rows
     header = ("stage", "recompute", "shard opt", "seq par", "+bwd ms/mb", "act saved GB", "state saved GB",
               "SP saved GB", "peak GB")

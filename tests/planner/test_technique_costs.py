@@ -17,7 +17,7 @@ from dflop.plan import Layout, Plan, Techniques
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool
 from dflop.planner.pricing import Pricing
-from dflop.planner.techniques import _sp_priced, format_techniques, technique_costs
+from dflop.planner.techniques import format_techniques, technique_costs
 from synthetic_mix import llava_ov_mix
 
 B = 16
@@ -119,7 +119,7 @@ def test_colocated_vision_tower_uses_the_vision_mode_on_llm_stage_0(setup):
     assert "llm stage 0: vision" in text and text.splitlines()[0].startswith("memory techniques")
 
 
-def test_sequence_parallel_saving_is_priced_only_when_the_cost_model_can(setup):
+def test_sequence_parallel_saving_is_the_closed_form(setup):
     model, cost, cluster, pool = setup
     info = model.info
     plan = Plan.uniform(Layout("disjoint", 1, 1, 2, 2, 2, 1, 2), info.vision_layers, info.llm_layers)
@@ -127,14 +127,11 @@ def test_sequence_parallel_saving_is_priced_only_when_the_cost_model_can(setup):
     t = _table(setup, plan)
     assert list(t["sequence_parallel"]) == [False, True, True]
     assert t["sp_saved_bytes"][0] == 0
-    if not _sp_priced(cost):
-        assert t["sp_saved_bytes"][1:].isna().all()
-        assert "n/a" in format_techniques(t)
-    else:  # the analytic saving: (1 - 1/tp) of what the two RMSNorms keep per token
-        h = info.llm_hidden
-        per_tok = 2 * ((4 + NBYTES) * h + 4) * (1 - 1 / 2)
-        nu, s = 16 / (2 * 1), pool.seq_len.mean()
-        for row, f in ((1, 2), (2, 1)):
-            expected = f * plan.llm_layers[row - 1] * nu * s * per_tok
-            assert t["sp_saved_bytes"][row] == pytest.approx(expected, rel=1e-9)
+    # (1 - 1/tp) of what the two RMSNorms keep per token
+    h = info.llm_hidden
+    per_tok = 2 * ((4 + NBYTES) * h + 4) * (1 - 1 / 2)
+    nu, s = 16 / (2 * 1), pool.seq_len.mean()
+    for row, f in ((1, 2), (2, 1)):
+        expected = f * plan.llm_layers[row - 1] * nu * s * per_tok
+        assert t["sp_saved_bytes"][row] == pytest.approx(expected, rel=1e-9)
     assert not math.isnan(t["peak_bytes"][1])
