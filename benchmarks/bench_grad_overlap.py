@@ -15,7 +15,6 @@ two variants are compared (they must agree: the same sums, only started earlier)
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -23,8 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_costmodel import PRESETS  # noqa: E402
-from bench_trainer import model_section, plan_dict, prepare, run_colocated_variants, worker_inputs  # noqa: E402
+from bench_trainer import colocated_variants_parser, run_colocated_dp2, worker_inputs  # noqa: E402
 
 VARIANTS = ("after-pipeline", "overlapped")
 
@@ -104,32 +102,11 @@ def summarize(result: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--samples", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=Path("results/bench/grad_overlap"))
+    parser = colocated_variants_parser(__doc__.splitlines()[0], steps=4, out_dir="results/bench/grad_overlap")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker)
-    out = args.out_dir.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    from dflop.models.info import model_info
-
-    manifest, shapes, _ = prepare(out, args.samples, args.preset, None, analytic=True)
-    info = model_info(*PRESETS[args.preset])
-    plan = plan_dict("colocated-dp2", info.vision_layers, [info.llm_layers], args.microbatches, args.batch)
-    started = time.perf_counter()
-    result = run_colocated_variants(Path(__file__), out, args, manifest, shapes, plan, model_section(args.preset))
-    print(f"{args.preset} model, 2 colocated data-parallel replicas, batch {args.batch}, {args.microbatches} "
-          f"microbatches; {args.steps} measured steps after {args.warmup} warm-up, "
-          f"{time.perf_counter() - started:.0f} s")
-    print(summarize(result))
+    print(summarize(run_colocated_dp2(Path(__file__), args)))
     return 0
 
 

@@ -153,6 +153,43 @@ def run_colocated_variants(script: Path, out: Path, args, manifest, shapes, plan
     return json.loads((out / "result.json").read_text())
 
 
+def colocated_variants_parser(description: str, *, steps: int, out_dir: str) -> argparse.ArgumentParser:
+    """The options of a two-variant worker benchmark on 2 colocated data-parallel replicas of a preset
+    (`run_colocated_dp2`)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=Path(out_dir))
+    return parser
+
+
+def run_colocated_dp2(script: Path, args, *, tp: int = 1, dtype: str | None = None) -> dict:
+    """Demo data and a plan of 2 colocated data-parallel replicas of `tp` ranks for `args.preset`,
+    then `run_colocated_variants`; prints what ran and how long it took."""
+    from dflop.models.info import model_info
+
+    out = args.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    manifest, shapes, _ = prepare(out, args.samples, args.preset, None, analytic=True)
+    info = model_info(*PRESETS[args.preset])
+    plan = plan_dict("colocated-dp2", info.vision_layers, [info.llm_layers], args.microbatches, args.batch)
+    plan["vision"]["tp"] = plan["llm"]["tp"] = tp
+    plan["world_size"] *= tp
+    model = {**model_section(args.preset), **({"dtype": dtype} if dtype else {})}
+    started = time.perf_counter()
+    result = run_colocated_variants(script, out, args, manifest, shapes, plan, model)
+    print(f"{args.preset} model, 2 colocated data-parallel replicas{f' of tp {tp}' if tp > 1 else ''}, batch "
+          f"{args.batch}, {args.microbatches} microbatches; {args.steps} measured steps after {args.warmup} warm-up, "
+          f"{time.perf_counter() - started:.0f} s")
+    return result
+
+
 def worker_inputs(spec_path: str):
     """What every benchmark worker starts from: (spec, device, config, shapes pool), with the
     process group initialised and one torch thread per rank."""
