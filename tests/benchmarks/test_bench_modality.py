@@ -1,7 +1,5 @@
 """benchmarks/bench_scheduler_modality.py: the per-modality work shares and the with/without run."""
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,15 +8,13 @@ from dflop.costmodel.types import BatchCosts
 from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 from synthetic_mix import llava_ov_mix
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_scheduler_modality.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_scheduler_modality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import bench_scheduler_modality  # benchmarks/ is on sys.path (tests/conftest.py)
+
+    return bench_scheduler_modality
 
 
 def test_modality_shares_add_up_by_modality(bench):

@@ -4,9 +4,7 @@ References are independent of the code under test: token counts from model_info'
 by hand (LLaVA-OV video pooling) or from dflop.data.vision_tokens' processor-checked rules (InternVL).
 """
 
-import importlib.util
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +14,6 @@ from dflop.errors import UserError
 from dflop.models.info import model_info
 from synthetic_mix import for_architecture, heavy_mix, llava_ov_mix
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_planner.py"
 LLAVA = ("llava_ov", "siglip-so400m", "llama3-8b")
 INTERNVL = ("internvl", "internvit-6b", "qwen2.5-72b")
 
@@ -73,10 +70,9 @@ def test_for_architecture_refuses_what_it_cannot_recount():
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_planner_paper", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import bench_planner  # benchmarks/ is on sys.path (tests/conftest.py)
+
+    return bench_planner
 
 
 def test_paper_shapes_file_errors_in_one_line(bench, tmp_path, monkeypatch):
