@@ -1,13 +1,11 @@
 """benchmarks/bench_scheduler_modality.py: the per-modality work shares and the with/without run."""
 
-
 import numpy as np
 import pytest
 
 from dflop.costmodel.types import BatchCosts
 from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 from synthetic_mix import llava_ov_mix
-
 
 
 @pytest.fixture(scope="module")
