@@ -1,8 +1,9 @@
 """torchrun worker for test_sequence_parallel_memory.py: bytes saved for backward by one
 tensor-parallel (TP=2) decoder layer of the tiny Qwen2, with and without sequence parallelism.
 
-Rank 0 prints one line per dtype: ``SAVED <dtype> <tokens> <bytes without SP> <bytes with SP>``
-(this rank's bytes, parameters excluded; T tokens in one packed sample).
+Rank 0 prints one line per dtype and recompute mode: ``SAVED <dtype> <mode> <tokens> <bytes without
+SP> <bytes with SP>`` (this rank's bytes, parameters excluded; T tokens in one packed sample; mode
+none or full, the layer run under activation checkpointing).
 """
 
 from __future__ import annotations
@@ -29,20 +30,21 @@ def main() -> None:
     cfg = model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny").text_config
     packed = PackedSequence.from_lengths([TOKENS])
     for dtype in (torch.bfloat16, torch.float32):
-        torch.manual_seed(0)
-        layer, rotary = new_llm_layer(cfg).to(dtype), new_rotary_embedding(cfg)
-        saved = []
-        for sp in (False, True):
-            sharded = shard_llm_layer(copy.deepcopy(layer), tp, sequence_parallel=sp)
-            rows = TOKENS // tp.size if sp else TOKENS
-            x = torch.randn(1, rows, cfg.hidden_size, dtype=dtype, requires_grad=True)
-            cos_sin = tuple(t.to(dtype) for t in rotary(x, packed.position_ids[None]))
-            with saved_tensor_bytes(exclude=sharded.parameters()) as result:
-                out = run_decoder_layers([sharded], x, packed, cos_sin)
-            out.sum().backward()
-            saved.append(result.bytes)
-        if tp.rank == 0:
-            print(f"SAVED {str(dtype).removeprefix('torch.')} {TOKENS} {saved[0]} {saved[1]}", flush=True)
+        for mode in ("none", "full"):
+            torch.manual_seed(0)
+            layer, rotary = new_llm_layer(cfg).to(dtype), new_rotary_embedding(cfg)
+            saved = []
+            for sp in (False, True):
+                sharded = shard_llm_layer(copy.deepcopy(layer), tp, sequence_parallel=sp)
+                rows = TOKENS // tp.size if sp else TOKENS
+                x = torch.randn(1, rows, cfg.hidden_size, dtype=dtype, requires_grad=True)
+                cos_sin = tuple(t.to(dtype) for t in rotary(x, packed.position_ids[None]))
+                with saved_tensor_bytes(exclude=sharded.parameters()) as result:
+                    out = run_decoder_layers([sharded], x, packed, cos_sin, checkpoint_layers=mode == "full")
+                out.sum().backward()
+                saved.append(result.bytes)
+            if tp.rank == 0:
+                print(f"SAVED {str(dtype).removeprefix('torch.')} {mode} {TOKENS} {saved[0]} {saved[1]}", flush=True)
     dist.destroy_process_group()
 
 

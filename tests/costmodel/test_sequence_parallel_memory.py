@@ -23,14 +23,15 @@ def test_sequence_parallel_saving_matches_measured_saved_bytes():
                              str(WORKER)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("SAVED ")]
-    assert [line[0] for line in lines] == ["bfloat16", "float32"]
+    assert [line[:2] for line in lines] == [["bfloat16", "none"], ["bfloat16", "full"], ["float32", "none"],
+                                            ["float32", "full"]]
     config = model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny")
     hidden = config.text_config.hidden_size
-    for dtype, tokens, without, with_sp in lines:
+    for dtype, mode, tokens, without, with_sp in lines:
         nbytes = {"bfloat16": 2, "float32": 4}[dtype]
         measured = (int(without) - int(with_sp)) / int(tokens)  # per token per layer, this rank
         assert measured > 0
-        assert sequence_parallel_saving(hidden, 2, nbytes) == pytest.approx(measured, rel=0.05), dtype
+        assert sequence_parallel_saving(hidden, 2, nbytes, mode) == pytest.approx(measured, rel=0.05), (dtype, mode)
     # the cost model charges exactly that much less per token and layer at TP 2 (nothing at TP 1)
     cost = analytic_cost_model(config, tp_degrees=(1, 2))
     lens = [5, 11]
