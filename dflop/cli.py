@@ -77,7 +77,8 @@ def cmd_profile_model(args: argparse.Namespace) -> None:
     from dflop.profiling.model_profiler import profile_model
 
     cfg = _config(args)
-    profile_model(ModelHandle.resolve(cfg.model), cfg.profile, args.out, seed=cfg.seed)
+    profile_model(ModelHandle.resolve(cfg.model), cfg.profile, args.out, seed=cfg.seed,
+                  co_runners=cfg.profile.co_runners_on(cfg.cluster))
 
 
 def cmd_fit(args: argparse.Namespace) -> None:

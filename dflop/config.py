@@ -232,6 +232,14 @@ class ProfileSection:
     min_measure_ms: float
     max_repeats: int
     time_budget_s: float
+    co_runners: int | None
+
+    def co_runners_on(self, cluster: "ClusterSection") -> int:
+        """Ranks that profile together: the configured number, else the ranks training puts on one
+        node when they share its CPU (one per GPU on CUDA, where each has its own device)."""
+        if self.co_runners is not None:
+            return self.co_runners
+        return cluster.gpus_per_node if self.device == "cpu" else 1
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ for each tensor-parallel degree -> ``model_profile.parquet`` (DESIGN.md §4).
 One row per measured repeat:
     module, tp, batch, seq_len, n_layers, fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes,
     device, dtype, repeat
-plus grad_bytes, optim_bytes (Adam), preset, threads and round (0 = coarse grid, k = k-th
+plus grad_bytes, optim_bytes (Adam), preset, threads, co_runners and round (0 = coarse grid, k = k-th
 refinement), and for the layer modules a stage may recompute (vision_layer, llm_layer)
 ``bwd_ms:<mode>`` and ``act_bytes:<mode>`` for recompute selective and full (NaN for the other
 modules; `_measure_round` says how many of a shape's rows have a ``bwd_ms:<mode>``). Modules and
@@ -22,6 +22,13 @@ once untimed, so the process's memory is warmed up before anything is timed.
 TP degree 1 runs in this process; TP > 1 runs in ``tp`` worker processes launched with torchrun
 (`dflop.profiling.model_tp_worker`; gloo and one thread per rank on CPU, NCCL on GPU); rank 0
 times after a barrier and all ranks follow rank 0's grid decisions.
+
+``co_runners``: ranks that share the machine while it is measured. The trainer runs one rank per
+"GPU" of a node; on CPU those ranks share the node's cores and memory bandwidth, and a module
+measured alone ran ~1.9x faster than the same module while a second rank computes (tiny preset, 2
+ranks on the 2-core CI machine; DEVELOPERS.md). So with ``co_runners`` = k > tp, k // tp groups of
+``tp`` ranks run the same sweep in lockstep (one barrier per shape for the whole world) and rank 0's
+timings are kept: the profile is what a training rank sees. On GPU each rank has its own device: 1.
 """
 
 from __future__ import annotations
@@ -64,7 +71,8 @@ from dflop.profiling.model_modules import MODULES, RECOMPUTE_MODES, TILE_MODULES
 log = logging.getLogger(__name__)
 
 COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
-           "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "preset", "threads", "round",
+           "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "preset", "threads", "co_runners",
+           "round",
            *(column for mode in RECOMPUTE_MODES for column in RECOMPUTE_TARGETS[mode]))
 
 
@@ -120,12 +128,14 @@ class ProfileSettings:
 
 
 def profile_model(model: ModelHandle, profile: ProfileSection, out_path: str | Path, *, seed: int,
-                  min_seq_len: int = 32, cpu_threads: int = 1, progress: bool = True) -> pd.DataFrame:
+                  min_seq_len: int = 32, cpu_threads: int = 1, co_runners: int = 1,
+                  progress: bool = True) -> pd.DataFrame:
     """Profile every part of `model` for each of ``profile.tp_degrees``; write `out_path` atomically.
 
     profile: the config's ``profile`` section (device, degrees, shape grid, repeats, budget).
     min_seq_len: shortest per-sample length of the LLM grid; cpu_threads: torch threads per rank
-    on CPU. Timings do not need weights: with ``model.weights`` only the shapes are taken from it.
+    on CPU; co_runners: ranks measuring at the same time (module docstring; at least ``tp`` run for
+    each TP degree). Timings do not need weights: with ``model.weights`` only the shapes are taken from it.
     TP degrees that do not divide a module's heads/width skip that module (logged).
     Returns the table that was written.
     """
@@ -137,7 +147,8 @@ def profile_model(model: ModelHandle, profile: ProfileSection, out_path: str | P
     resolve_dtype(spec.dtype)
     _check_device(profile.device, tp_degrees)
     job = dict(arch=spec.arch, vision=spec.vision, llm=spec.llm, weights_dir=spec.weights, device=profile.device,
-               dtype=spec.dtype, settings=asdict(settings), cpu_threads=cpu_threads, seed=seed, preset=spec.preset)
+               dtype=spec.dtype, settings=asdict(settings), cpu_threads=cpu_threads, seed=seed, preset=spec.preset,
+               co_runners=max(1, int(co_runners)))
     began = time.perf_counter()
     frames = []
     for tp in sorted(set(int(t) for t in tp_degrees)):
@@ -148,9 +159,10 @@ def profile_model(model: ModelHandle, profile: ProfileSection, out_path: str | P
         skipped = [m for m in MODULES if m not in modules]
         if skipped:
             log.info("TP=%d: not profiling %s (heads or width not divisible)", tp, ", ".join(skipped))
+        world = tp * max(1, job["co_runners"] // tp)
         job_tp = dict(job, tp=tp, modules=list(modules))
-        rows = (profile_rank(job_tp, progress=progress, config=config) if tp == 1
-                else _run_tp_workers(job_tp, progress=progress))
+        rows = (profile_rank(job_tp, progress=progress, config=config) if world == 1
+                else _run_workers(job_tp, world, progress=progress))
         frames.append(pd.DataFrame(rows, columns=list(COLUMNS)))
     if not frames:
         raise UserError(f"profile.tp_degrees {list(tp_degrees)}: no degree divides the model's heads")
@@ -201,18 +213,20 @@ def _check_device(device: str, tp_degrees: Sequence[int]) -> None:
 
 
 class _RankSync:
-    """Keeps the ranks of a TP group on the same shapes: rank 0's numbers decide for everyone."""
+    """Keeps every rank of the profiling world (TP groups and their co-runners) on the same shapes:
+    world rank 0's numbers decide for everyone."""
 
-    def __init__(self, tp: TPGroup, device: torch.device):
-        self.tp, self.device = tp, device
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.size = dist.get_world_size() if dist.is_initialized() else 1
 
     def barrier(self) -> None:
-        if self.tp.size > 1:
+        if self.size > 1:
             dist.barrier()
 
     def agree(self, *values: float) -> list[float]:
         """Rank 0's `values` on every rank."""
-        if self.tp.size == 1:
+        if self.size == 1:
             return list(values)
         buf = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.broadcast(buf, src=0)
@@ -239,9 +253,11 @@ def profile_rank(job: dict, *, progress: bool, tp: TPGroup | None = None,
         benches = build_benches(spec, config, modules=job["modules"], tp=tp, device=device, dtype=dtype,
                                 seed=job["seed"])
         common = dict(tp=tp.size, device=_device_name(device), dtype=job["dtype"], preset=job["preset"],
-                      threads=torch.get_num_threads() if device.type == "cpu" else 0)
-        return _sweep(benches, spec, config, settings, _RankSync(tp, device), Timer(device), common,
-                      progress=progress and tp.rank == 0)
+                      threads=torch.get_num_threads() if device.type == "cpu" else 0,
+                      co_runners=job.get("co_runners", 1))
+        first = not dist.is_initialized() or dist.get_rank() == 0
+        return _sweep(benches, spec, config, settings, _RankSync(device), Timer(device), common,
+                      progress=progress and first)
     finally:
         torch.set_num_threads(threads)
 
@@ -478,15 +494,16 @@ def _scatter(values: list[float]) -> float:
     return q3 - q1
 
 
-# ---------------------------------------------------------------- TP > 1: torchrun workers
+# ---------------------------------------------------------------- TP > 1 or co-runners: torchrun workers
 
 
-def _run_tp_workers(job: dict, *, progress: bool) -> list[dict]:
-    """Launch `job["tp"]` ranks with torchrun; rank 0 writes its rows to a Parquet file we read back."""
+def _run_workers(job: dict, world: int, *, progress: bool) -> list[dict]:
+    """Launch `world` ranks (``world // tp`` TP groups) with torchrun; rank 0 writes its rows to a
+    Parquet file we read back."""
     with tempfile.TemporaryDirectory(prefix="dflop-profile-") as tmp:
         part = Path(tmp) / "rows.parquet"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={job['tp']}", "-m", "dflop.profiling.model_tp_worker",
+                   f"--nproc-per-node={world}", "-m", "dflop.profiling.model_tp_worker",
                    "--job", json.dumps(job), "--out", str(part)]
         if progress:
             command.append("--progress")
@@ -494,6 +511,6 @@ def _run_tp_workers(job: dict, *, progress: bool) -> list[dict]:
         # The workers' stderr (progress bar, errors) goes where ours goes.
         result = subprocess.run(command, env=env, stdout=subprocess.DEVNULL)
         if result.returncode != 0 or not part.exists():
-            raise RuntimeError(f"TP={job['tp']} profiling workers failed (exit {result.returncode}); "
+            raise RuntimeError(f"TP={job['tp']} profiling workers ({world} ranks) failed (exit {result.returncode}); "
                                "their error is printed above")
         return pd.read_parquet(part).to_dict("records")

@@ -1,9 +1,12 @@
 """torchrun entry point of the model profiler for one TP degree (one process per rank).
 
-    python -m torch.distributed.run --standalone --nproc-per-node TP \\
+    python -m torch.distributed.run --standalone --nproc-per-node WORLD \\
         -m dflop.profiling.model_tp_worker --job JSON --out rows.parquet
 
-`profile_model` builds the job and reads the rows back; rank 0 writes them.
+WORLD is a multiple of the job's TP degree: ranks ``[g * tp, (g + 1) * tp)`` form TP group g, and
+the groups beyond the first are co-runners that load the machine as training ranks would
+(`dflop.profiling.model_profiler`). `profile_model` builds the job and reads the rows back; rank 0
+writes them.
 """
 
 from __future__ import annotations
@@ -29,11 +32,14 @@ def main(argv: list[str] | None = None) -> None:
 
     dist.init_process_group("nccl" if job["device"] == "cuda" else "gloo")
     try:
-        tp = TPGroup(rank=dist.get_rank(), size=dist.get_world_size())
-        if tp.size != job["tp"]:
-            raise SystemExit(f"job is for TP={job['tp']} but {tp.size} ranks were launched")
+        rank, world, size = dist.get_rank(), dist.get_world_size(), job["tp"]
+        if world % size:
+            raise SystemExit(f"job is for TP={size} but {world} ranks were launched (not a multiple)")
+        # every rank creates every group (torch.distributed's rule), then uses its own
+        groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(world // size)]
+        tp = TPGroup(rank=rank % size, size=size, group=None if world == size else groups[rank // size])
         rows = profile_rank(job, progress=args.progress, tp=tp)
-        if tp.rank == 0:
+        if rank == 0:
             with atomic_path(args.out) as tmp:
                 pd.DataFrame(rows, columns=list(COLUMNS)).to_parquet(tmp, index=False)
         dist.barrier()

@@ -171,7 +171,7 @@ def _measure_logged_round(names: str, settings) -> tuple[list[str], list]:
         return ModuleBench(name, layer, lambda b, s: (torch.randn(b, s, 4, requires_grad=True),), forward)
 
     shapes = [_Shape(bench(n), None, 1, 1, 8) for n in names]
-    _measure_round(shapes, settings, _RankSync(TPGroup(0, 1), torch.device("cpu")), Timer(torch.device("cpu")))
+    _measure_round(shapes, settings, _RankSync(torch.device("cpu")), Timer(torch.device("cpu")))
     return calls, shapes
 
 
@@ -245,7 +245,7 @@ def test_recompute_modes_run_after_each_pass_of_mode_none():
     shape = _Shape(bench, None, 1, 1, 8)
     settings = ProfileSettings(repeats=3, warmup=1, min_measure_ms=0.0, max_repeats=8, recompute_share=0.25)
     cpu = torch.device("cpu")
-    _measure_round([shape], settings, _RankSync(TPGroup(0, 1), cpu), Timer(cpu))
+    _measure_round([shape], settings, _RankSync(cpu), Timer(cpu))
     assert "".join(calls) == "nnsf" + "nsf" + "n"  # 3 runs of none; 2 of each mode
     assert state["mode"] == "none"
     assert [len(shape.recompute_timed[m]) for m in ("selective", "full")] == [2, 2]

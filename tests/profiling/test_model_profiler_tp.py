@@ -61,3 +61,26 @@ def test_tp2_profile_under_torchrun_holds_half_of_each_split_module(tmp_path):
                                                          tp=2)
             assert tp2.loc[r.Index, column] == expected, (mode, r.batch, r.seq_len)
     assert tp2.loc[tp2.module == "llm_layer", "bwd_ms:full"].notna().any()
+
+
+@pytest.mark.distributed
+def test_co_runners_time_whole_modules_on_a_loaded_machine(tmp_path):
+    """Two co-running TP=1 ranks: rank 0's rows, each module whole (not split as TP=2 would), and the
+    bytes those of a profile taken alone."""
+    arch, vision, llm = "llava_ov", "siglip-tiny", "qwen2.5-tiny"
+    grid = dict(tp_degrees=[1], max_tiles=2, max_seq_len=64, repeats=1, warmup=0, min_measure_ms=0.0,
+                time_budget_s=2.0)
+    together = profile(arch, vision, llm, tmp_path / "together.parquet", co_runners=2, **grid)
+    alone = profile(arch, vision, llm, tmp_path / "alone.parquet", **grid)
+    assert set(together["co_runners"]) == {2} and set(alone["co_runners"]) == {1}
+    assert set(together["tp"]) == {1} and set(together["threads"]) == {1}
+    info = model_info(arch, vision, llm)
+    params = together.groupby("module")["param_bytes"].unique()
+    assert list(params["llm_layer"]) == [4 * info.llm_layer_params]
+    assert list(params["vision_layer"]) == [4 * info.vision_layer_params]
+    keys = ["module", "batch", "seq_len"]
+    bytes_together = together.groupby(keys)[["act_bytes", "param_bytes"]].first()
+    bytes_alone = alone.groupby(keys)[["act_bytes", "param_bytes"]].first()
+    shared = bytes_together.index.intersection(bytes_alone.index)
+    assert len(shared) >= 7  # every module at its first shapes at least
+    assert bytes_together.loc[shared].equals(bytes_alone.loc[shared])

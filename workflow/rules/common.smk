@@ -8,7 +8,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
-from dflop.config import ConfigError, resolve
+from dflop.config import Config, ConfigError, resolve
 from dflop.plan import read_plan
 
 try:
@@ -49,6 +49,12 @@ def dataset_files(wildcards=None):
         else:
             files.append(str(path))
     return files
+
+
+def profile_co_runners():
+    """Ranks that run the model profiler's sweep together (`ProfileSection.co_runners_on`)."""
+    typed = Config.from_dict(config)
+    return typed.profile.co_runners_on(typed.cluster)
 
 
 def plan_world_size(path):

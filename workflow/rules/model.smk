@@ -9,8 +9,9 @@ rule profile_model:
             run={"seed": config["run"]["seed"]},
             model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "dtype")},
             profile=config["profile"],
+            cluster={"gpus_per_node": config["cluster"]["gpus_per_node"]},  # co-runners on CPU
         ),
-    threads: max(config["profile"]["tp_degrees"])
+    threads: max(max(config["profile"]["tp_degrees"]), profile_co_runners())
     resources:
         # one GPU per rank of the largest TP degree profiled (torchrun on one node); none on CPU
         gres=f"gpu:{max(config['profile']['tp_degrees'])}" if config["profile"]["device"] == "cuda" else "",
