@@ -178,3 +178,19 @@ def test_simulated_table_is_the_hand_computed_1f1b_timeline():
     assert got == {(0, "F", 0): (0, 1), (0, "F", 1): (1, 2), (0, "B", 0): (4, 6), (0, "B", 1): (7, 9),
                    (1, "F", 0): (1, 2), (1, "B", 0): (2, 4), (1, "F", 1): (4, 5), (1, "B", 1): (5, 7)}
     assert set(table["stage_name"]) == {"llm0", "llm1"}
+
+
+def test_differences_match_ops_and_take_a_stage_at_its_slowest_tp_rank():
+    from dflop.runtime.spans import op_differences
+
+    simulated = simulated_ops(simulate(np.ones((2, 2)), 2 * np.ones((2, 2))))
+    measured = simulated.copy()
+    measured["rank"] = [0, 0, 0, 0, 1, 1, 1, 1][:len(measured)]
+    late = (measured["stage"] == 1) & (measured["op"] == "B") & (measured["microbatch"] == 0)
+    measured.loc[late, "end_s"] += 0.5  # stage 1's B0 took 2.5 s instead of 2
+    other_tp = measured[late].assign(tp_rank=1, end_s=measured.loc[late, "end_s"] + 0.25)  # its slower TP rank
+    diffs = op_differences(pd.concat([measured, other_tp]), simulated).set_index(["stage", "op", "microbatch"])
+    assert len(diffs) == 8
+    assert diffs.loc[(1, "B", 0), ["start_diff_s", "end_diff_s", "dur_diff_s"]].tolist() == [0.0, 0.75, 0.75]
+    others = diffs.drop(index=(1, "B", 0))
+    assert (others[["start_diff_s", "end_diff_s", "dur_diff_s"]] == 0).all().all()
