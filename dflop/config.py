@@ -296,6 +296,7 @@ class TrainSection:
     schedule: str
     loader_workers: int
     overlap_grad_sync: bool
+    trace_steps: tuple[int, int]
 
 
 @dataclass(frozen=True)

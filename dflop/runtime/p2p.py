@@ -10,6 +10,9 @@ sends cannot deadlock.
 Tags keep the channels of one pair of ranks apart on gloo: ``4 * position + 2 * direction + part``
 (direction 0 = activations forward, 1 = gradients backward; part 0 = header, 1 = data). NCCL ignores
 tags and matches a pair's messages in issue order, which is the same order here.
+
+When tracing (`spans`, `dflop.runtime.spans`), a send's span is its issue (non-blocking) and
+`wait_sends` is one more; a receive's span is the whole wait for the header and the data.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from dflop.runtime.spans import SpanRecorder
+
 MAX_DIMS = 7
 FORWARD, BACKWARD = 0, 1
+_WHAT = ("activation", "gradient")
 
 
 def _tag(position: int, direction: int, part: int) -> int:
@@ -37,6 +43,7 @@ class P2P:
         self.dtype = dtype
         self._pending: list[tuple[object, torch.Tensor]] = []
         self.bytes_sent = 0
+        self.spans = SpanRecorder()  # the trainer's recorder when it traces
 
     # -- raw messages ------------------------------------------------------------------------
 
@@ -44,6 +51,11 @@ class P2P:
         """Send the shape header, then (when not empty) the tensor, without blocking."""
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"p2p: tensors of up to {MAX_DIMS} dims, got {tensor.dim()}")
+        with self.spans.span("p2p_send", f"send {_WHAT[direction]}", position=position,
+                             nbytes=tensor.numel() * self.dtype.itemsize):
+            self._send(tensor, dst, position, direction)
+
+    def _send(self, tensor: torch.Tensor, dst: int, position: int, direction: int) -> None:
         header = torch.full((MAX_DIMS + 1,), -1, dtype=torch.int64)
         header[0] = tensor.dim()
         header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
@@ -56,6 +68,13 @@ class P2P:
 
     def recv(self, src: int, position: int, direction: int) -> torch.Tensor:
         """Receive one message sent with `send` (blocks)."""
+        with self.spans.span("p2p_recv", f"recv {_WHAT[direction]}", position=position) as span:
+            out = self._recv(src, position, direction)
+            if span is not None:
+                span["nbytes"] = out.numel() * out.element_size()
+        return out
+
+    def _recv(self, src: int, position: int, direction: int) -> torch.Tensor:
         header = torch.empty(MAX_DIMS + 1, dtype=torch.int64, device=self.device)
         dist.irecv(header, src, tag=_tag(position, direction, 0)).wait()
         header = header.cpu()
@@ -67,8 +86,9 @@ class P2P:
 
     def wait_sends(self) -> None:
         """Complete every pending send (call once per step, before buffers may be reused)."""
-        for work, _ in self._pending:
-            work.wait()
+        with self.spans.span("p2p_send", "wait sends"):
+            for work, _ in self._pending:
+                work.wait()
         self._pending.clear()
 
     # -- the four pipeline messages ----------------------------------------------------------

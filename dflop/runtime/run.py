@@ -7,6 +7,8 @@ and, after each step, on rank 0: a metrics row (metrics.parquet), the progress b
 log, and the measured stage times for the scheduler's adaptive correction; every
 ``train.checkpoint_every`` steps and at the end a checkpoint (`dflop.runtime.checkpoint`). A re-run
 resumes from the newest checkpoint when it is of the same run (`dflop.runtime.run_identity`).
+The steps of ``train.trace_steps`` are traced (`dflop.runtime.spans`): ``trace.json`` beside the
+checkpoints once the window's last step is done, published beside metrics.parquet at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dflop.runtime.loading import pool_samples
 from dflop.runtime.metrics import MetricsWriter, measured_times, metrics_row
 from dflop.runtime.process_group import init_distributed
 from dflop.runtime.run_identity import prepare_checkpoints
+from dflop.runtime.spans import publish_trace, rank_labels, write_trace
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import Trainer, plan_cluster
 from dflop.shapes import read_shapes
@@ -83,17 +86,26 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
         if start < last:
             plan_now = trainer.next_plan(start)
             pending = trainer.load(plan_now)
+        spans = trainer.spans
         for step in range(start, last):
+            spans.begin_step(step + 1)
             t0 = time.perf_counter()
-            plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending)
+            with spans.span("data", "data wait"):
+                plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending)
             data_wait = time.perf_counter() - t0
             if step + 1 < last:
-                plan_next = trainer.next_plan(step + 1)
-                pending = trainer.load(plan_next)
+                with spans.span("data", "next plan"):
+                    plan_next = trainer.next_plan(step + 1)
+                    pending = trainer.load(plan_next)
             stats = trainer.compute_gradients(plan_now, loaded)
             lr = trainer.current_lr(step)
             norm = trainer.optimizer_step()
             step_s = time.perf_counter() - t0
+            spans.end_step()
+            if spans.window and step + 1 == spans.window[-1]:
+                names, args = rank_labels(trainer.topo)
+                write_trace(spans, ckpt_dir / "trace.json", rank=trainer.rank, world=trainer.world,
+                            process_names=names, process_args=args)
             times = trainer.gather_times(stats["result"])
             if trainer.rank == 0:
                 row = metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm, lr)
@@ -111,6 +123,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                 plan_now = plan_next
         if metrics is not None and last == total:
             metrics.publish(out_dir / "metrics.parquet")
+            publish_trace(ckpt_dir / "trace.json", out_dir / "trace.json")
         if export and last == total:
             from dflop.runtime.export import export_hf
 

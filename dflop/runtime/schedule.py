@@ -34,6 +34,7 @@ from dflop.scheduler.online import StepPlan
 from dflop.models.handle import ModelHandle
 from dflop.runtime.model import RankModules
 from dflop.runtime.p2p import P2P
+from dflop.runtime.spans import SpanRecorder
 from dflop.runtime.topology import Topology
 from dflop.runtime.vision import VisionRunner
 
@@ -57,26 +58,32 @@ def op_order(schedule: str, stage: int, n_stages: int, m: int) -> list[tuple[str
 
 class StageTimer:
     """Busy seconds of this rank's forward and backward per microbatch position (compute only,
-    not waiting for messages). On CUDA, events are read once at the end of the step."""
+    not waiting for messages). On CUDA, events are read once at the end of the step. Each
+    measurement is also a forward / backward span of `spans` (when it records: `dflop.runtime.spans`)."""
 
-    def __init__(self, m: int, device: torch.device):
+    def __init__(self, m: int, device: torch.device, spans: SpanRecorder | None = None):
         self.cuda = device.type == "cuda"
         self.fwd = np.zeros(m)
         self.bwd = np.zeros(m)
+        self.spans = spans if spans is not None else SpanRecorder()
         self._events: list[tuple[str, int, object, object]] = []
 
     @contextlib.contextmanager
-    def measure(self, kind: str, position: int):
+    def measure(self, kind: str, position: int, name: str | None = None):
+        category = "forward" if kind == "F" else "backward"
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
             self._events.append((kind, position, start, end))
+            self.spans.add(category, name or category, start, end, position=position)
             return
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         yield
-        (self.fwd if kind == "F" else self.bwd)[position] += time.perf_counter() - t0
+        t1 = time.perf_counter_ns()
+        (self.fwd if kind == "F" else self.bwd)[position] += (t1 - t0) / 1e9
+        self.spans.add(category, name or category, t0, t1, position=position)
 
     def finish(self) -> None:
         if self._events:
@@ -113,12 +120,15 @@ class PipelineExecutor:
     pad_to_longest: baseline variant padding every sample of a bin to the bin's longest sample
         (as batch padding would): pad tokens follow each sample, get no loss, and change no result.
     autocast_dtype: bf16 autocast on CUDA (None: compute in the parameters' dtype).
+    spans: where forward / backward spans go when tracing (`dflop.runtime.spans`; None: nowhere).
     """
 
     def __init__(self, topo: Topology, modules: RankModules, model: ModelHandle, p2p: P2P, *, image_token_id: int,
                  video_token_id: int, schedule: str = "1f1b", pad_to_longest: bool = False,
-                 autocast_dtype: torch.dtype | None = None, device: torch.device = torch.device("cpu")):
+                 autocast_dtype: torch.dtype | None = None, device: torch.device = torch.device("cpu"),
+                 spans: SpanRecorder | None = None):
         self.topo, self.modules, self.model, self.p2p = topo, modules, model, p2p
+        self.spans = spans if spans is not None else SpanRecorder()
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         self.schedule, self.pad_to_longest = schedule, pad_to_longest
         self.autocast_dtype, self.device = autocast_dtype, device
@@ -136,7 +146,7 @@ class PipelineExecutor:
         gradient sync starts all-reduces from there on, as gradients become final)."""
         m = plan.n_microbatches
         self._plan, self._inputs, self._saved = plan, inputs, {}
-        self._timer = StageTimer(m, self.device)
+        self._timer = StageTimer(m, self.device, self.spans)
         self._loss_sum = torch.zeros((), dtype=torch.float64)
         self._n_answer = 0
         self._tokens = 0
@@ -149,6 +159,7 @@ class PipelineExecutor:
             self._forward(position) if kind == "F" else self._backward(position)
         self.p2p.wait_sends()
         self._timer.finish()
+        self.spans.label_microbatches(plan.microbatch_ids)
         if self._saved:
             raise RuntimeError(f"microbatches {sorted(self._saved)} ran forward but not backward")
         return StepResult(float(self._loss_sum), self._n_answer, self._timer.fwd, self._timer.bwd,
@@ -260,7 +271,8 @@ class PipelineExecutor:
             if not share:
                 return None
             pixels = self._pixels(share)
-            with self._timer.measure("F", p), torch.set_grad_enabled(self.model.vision_side_trainable), \
+            with self._timer.measure("F", p, "vision forward"), \
+                    torch.set_grad_enabled(self.model.vision_side_trainable), \
                     self._autocast():
                 return self.vision_runner(pixels, self._layouts(share))
         rows: dict[int, torch.Tensor] = {}

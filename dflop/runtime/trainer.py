@@ -12,6 +12,10 @@
    sum (a ``shard_optimizer`` module's by FSDP2's reduce-scatter, `dflop.runtime.sharding`),
    divided by the global answer-token count (the exact mean over the global batch);
 4. global-norm clipping, AdamW, LR schedule (warm-up + cosine) (`optimizer_step`).
+
+`spans` records the steps of ``train.trace_steps`` (`dflop.runtime.spans`, results/train/trace.json):
+the executor's forwards / backwards, the P2P messages, the gradient sync (``allreduce``: from the
+pipeline's end until every gradient is reduced) and the optimizer step (norm, clipping, AdamW).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dflop.runtime.optim import GradientSync, ParamInfo, build_lr_scheduler, bui
 from dflop.runtime.p2p import P2P
 from dflop.runtime.run_identity import run_fingerprint
 from dflop.runtime.schedule import PipelineExecutor
+from dflop.runtime.spans import SpanRecorder, trace_window
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.sharding import StepSharding, is_sharded_parameter
 from dflop.runtime.skipping import SkippedSamples, load_without_failures
@@ -110,12 +115,14 @@ class Trainer:
         self._setup_parameters()
         train, sched = settings.train, settings.scheduler
         autocast = torch.bfloat16 if (self.device.type == "cuda" and model.spec.dtype == "bfloat16") else None
+        self.spans = SpanRecorder(trace_window(train.trace_steps, train.steps), self.device)
         self.p2p = P2P(self.device, autocast or torch.float32)
+        self.p2p.spans = self.spans
         self.executor = PipelineExecutor(self.topo, self.modules, model, self.p2p,
                                          image_token_id=self.rules.image_token_id,
                                          video_token_id=self.rules.video_token_id, schedule=train.schedule,
                                          pad_to_longest=sched.pad_to_longest, autocast_dtype=autocast,
-                                         device=self.device)
+                                         device=self.device, spans=self.spans)
         self.pool = pool
         expected = [ExpectedShape(int(t), int(v), int(s)) for t, v, s in
                     zip(pool["n_tiles"], pool["vision_tokens"], pool["seq_len"])]
@@ -198,13 +205,15 @@ class Trainer:
         self.sharding.begin()
         result = self.executor.run(plan, inputs, before_last_backward=self.sync.arm)
         pipeline_s = time.perf_counter() - t0
-        self.sharding.reduce()  # data-parallel sum of the sharded stages' gradients (FSDP2)
-        pending = self.sync.start_all_reduce()  # the rest; runs while the world total below waits for the last stage
-        counts_here = self.topo.llm_role is not None and self.topo.llm_role.is_last and self.topo.llm_role.tp_rank == 0
-        totals = torch.tensor([result.loss_sum if counts_here else 0.0, result.n_answer if counts_here else 0],
-                              dtype=torch.float64, device=self.device)
-        dist.all_reduce(totals)
-        pending.wait()
+        with self.spans.span("allreduce", "gradient sync"):
+            self.sharding.reduce()  # data-parallel sum of the sharded stages' gradients (FSDP2)
+            pending = self.sync.start_all_reduce()  # the rest; runs while the world total below waits for the last stage
+            counts_here = (self.topo.llm_role is not None and self.topo.llm_role.is_last
+                           and self.topo.llm_role.tp_rank == 0)
+            totals = torch.tensor([result.loss_sum if counts_here else 0.0, result.n_answer if counts_here else 0],
+                                  dtype=torch.float64, device=self.device)
+            dist.all_reduce(totals)
+            pending.wait()
         loss_sum, n_answer = float(totals[0]), int(totals[1])
         if n_answer == 0:
             raise UserError(f"step {plan.step}: the global batch has no answer tokens to train on")
@@ -213,11 +222,12 @@ class Trainer:
 
     def optimizer_step(self) -> float:
         """Clip by the global norm, AdamW step, LR schedule step; returns the norm before clipping."""
-        norm = self.sync.global_norm(self.device)
-        self.sync.clip(self.settings.train.grad_clip, norm)
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.lr_scheduler.step()
+        with self.spans.span("optimizer"):
+            norm = self.sync.global_norm(self.device)
+            self.sync.clip(self.settings.train.grad_clip, norm)
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.lr_scheduler.step()
         return norm
 
     def current_lr(self, step: int) -> float:

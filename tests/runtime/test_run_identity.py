@@ -87,7 +87,7 @@ def test_each_setting_that_defines_the_run_is_named_when_it_changes(key, change)
                                     _section("scheduler.prefetch", 4), _section("train.loader_workers", 2),
                                     _section("train.overlap_grad_sync", False), _section("train.checkpoint_every", 1),
                                     _section("train.schedule", "gpipe"), _section("data.max_skip_frac", 0.5),
-                                    _section("cluster.gpu_memory_gb", 80)])
+                                    _section("cluster.gpu_memory_gb", 80), _section("train.trace_steps", [1, 2])])
 def test_speed_settings_and_the_length_keep_the_run(change):
     assert _fp(_settings(change)).differences(_fp()) == []
     assert _fp(_settings(change)).run_id == _fp().run_id

@@ -13,6 +13,7 @@ rule train:
     output:
         metrics=f"{RESULTS}/train/metrics.parquet",
         final=directory(f"{RESULTS}/train/final"),
+        trace=f"{RESULTS}/train/trace.json",  # train.trace_steps' timeline (dflop.runtime.spans)
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output.metrics),
         settings=settings_json(

@@ -1,0 +1,196 @@
+"""results/train/trace.json: the Chrome trace-event format, and spans that agree with what else
+measured the same step (metrics.parquet's busy seconds, the 1F1B op order, causality across ranks).
+
+One real 2-rank gloo run of the tiny LLaVA-OV (vision tower on rank 0, LLM on rank 1, 2
+microbatches: the data-blind policy keeps the plan's count), 2 steps, tracing step 2 only (so the window's clipping and step filter are in play).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dflop.errors import UserError
+from dflop.runtime.schedule import op_order
+from dflop.runtime.spans import simulated_ops, trace_ops, trace_window
+from dflop.sim.pipeline import simulate
+from trainer_reference import TWO_RANK_PLAN, config_dict, pick_pool
+
+# The trace-event format (Google's "Trace Event Format" document): the keys and types of the
+# event phases this trace uses; "M" metadata names the spec defines.
+X_KEYS = {"name": str, "ph": str, "ts": (int, float), "dur": (int, float), "pid": int, "tid": int}
+META_NAMES = {"process_name", "process_labels", "process_sort_index", "thread_name", "thread_sort_index"}
+STEPS = 2
+
+
+def _train_worker(rank: int, spec: dict) -> None:
+    from dflop.config import Config
+    from dflop.runtime.run import train
+
+    train(Config.from_dict(spec["config"]), plan_path=spec["plan"], shapes_path=spec["shapes"], costmodel_path=None,
+          out_dir=spec["out"], progress=False, export=False)
+
+
+@pytest.fixture(scope="module")
+def traced_run(demo_shapes, runtime_demo, tmp_path_factory):
+    """(trace dict, metrics frame) of the 2-step run; every sample has images, so every microbatch
+    runs on both ranks."""
+    from test_checkpoint_helpers import spawn
+
+    tmp = tmp_path_factory.mktemp("traced")
+    pool = pick_pool(demo_shapes["llava_ov"], tmp / "pool.parquet", {"image": 2, "multi_image": 1, "video": 1})
+    (tmp / "plan.yaml").write_text(TWO_RANK_PLAN)
+    config = config_dict("llava_ov", runtime_demo, train={"global_batch_size": 4, "steps": STEPS,
+                                                          "checkpoint_every": STEPS, "trace_steps": [2, 9]},
+                         scheduler={"policy": "baseline"})  # the plan's 2 microbatches, not the scheduler's choice
+    spec = {"config": config, "plan": str(tmp / "plan.yaml"), "shapes": pool, "out": str(tmp / "out")}
+    spawn(_train_worker, 2, tmp, spec)
+    trace = json.loads((tmp / "out" / "trace.json").read_text())
+    return trace, pd.read_parquet(tmp / "out" / "metrics.parquet")
+
+
+def _spans(trace: dict) -> list[dict]:
+    return [e for e in trace["traceEvents"] if e["ph"] == "X"]
+
+
+@pytest.mark.distributed
+def test_trace_is_valid_trace_event_json(traced_run):
+    trace, _ = traced_run
+    assert isinstance(trace, dict) and isinstance(trace["traceEvents"], list)
+    assert trace.get("displayTimeUnit", "ms") in ("ms", "ns")
+    named = {}
+    for e in trace["traceEvents"]:
+        assert e["ph"] in ("X", "M"), e
+        if e["ph"] == "M":
+            assert e["name"] in META_NAMES and isinstance(e["args"], dict), e
+            if e["name"] == "process_name":
+                named[e["pid"]] = e["args"]["name"]
+            continue
+        for key, kind in X_KEYS.items():
+            assert isinstance(e[key], kind) and not isinstance(e[key], bool), (key, e)
+        assert e["dur"] >= 0 and e["ts"] >= 0, e
+        assert isinstance(e.get("cat", ""), str) and isinstance(e.get("args", {}), dict), e
+    assert named == {0: "rank 0 (vision0)", 1: "rank 1 (llm0)"}
+
+    # Complete events on one track must nest or be disjoint (viewers drop partial overlaps).
+    tracks: dict[tuple[int, int], list[dict]] = {}
+    for e in _spans(trace):
+        tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+    for track in tracks.values():
+        track.sort(key=lambda e: (e["ts"], -e["dur"]))
+        open_ends: list[float] = []
+        for e in track:
+            while open_ends and open_ends[-1] <= e["ts"]:
+                open_ends.pop()
+            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1], f"partial overlap at {e}"
+            open_ends.append(e["ts"] + e["dur"])
+
+    # Only the window's step; every rank has every kind of span; messages say their microbatch and size.
+    spans = _spans(trace)
+    assert {e["args"]["step"] for e in spans} == {2}
+    for rank in (0, 1):
+        cats = {e["cat"] for e in spans if e["pid"] == rank}
+        assert cats == {"step", "data", "p2p_recv", "forward", "backward", "p2p_send", "allreduce", "optimizer"}
+    messages = [e for e in spans if e["cat"].startswith("p2p") and e["name"] != "wait sends"]
+    assert messages and all(e["args"]["bytes"] > 0 and "microbatch" in e["args"] for e in messages)
+
+
+@pytest.mark.distributed
+def test_spans_agree_with_metrics_schedule_and_causality(traced_run):
+    trace, metrics = traced_run
+    spans = _spans(trace)
+    row = metrics.set_index("step").loc[2]
+    m = 2
+    by_position: dict[tuple[int, str, int], dict] = {}
+    for rank, stage_name in ((0, "vision0"), (1, "llm0")):
+        ops = sorted((e for e in spans if e["pid"] == rank and e["cat"] in ("forward", "backward")),
+                     key=lambda e: e["ts"])
+        # metrics.parquet's busy seconds (the StageTimer's sums, gathered to rank 0) = the spans' durations.
+        assert sum(e["dur"] for e in ops) / 1e6 == pytest.approx(row[f"busy_s_{stage_name}"], rel=1e-6, abs=1e-9)
+        # One span per op, in the order 1F1B prescribes for this stage.
+        kinds = [("F" if e["cat"] == "forward" else "B", e["args"]["position"]) for e in ops]
+        assert kinds == op_order("1f1b", rank, 2, m)
+        for e in ops:
+            by_position[(rank, e["cat"], e["args"]["position"])] = e
+        # The same position always carries the same microbatch id; ids are a permutation of 0..m-1.
+        ids = {e["args"]["position"]: e["args"]["microbatch"] for e in ops}
+        assert sorted(ids.values()) == list(range(m))
+
+    def end(e):
+        return e["ts"] + e["dur"]
+
+    # Causality on the aligned clock: the LLM cannot start a microbatch before the tower has encoded
+    # it, nor the tower's backward before the LLM's backward has sent the feature gradients.
+    for p in range(m):
+        assert by_position[(1, "forward", p)]["ts"] >= end(by_position[(0, "forward", p)])
+        assert by_position[(0, "backward", p)]["ts"] >= end(by_position[(1, "backward", p)])
+    # What one rank sent is what the other received.
+    for direction, sender in (("activation", 0), ("gradient", 1)):
+        sent = {e["args"]["position"]: e["args"]["bytes"] for e in spans
+                if e["pid"] == sender and e["name"] == f"send {direction}"}
+        got = {e["args"]["position"]: e["args"]["bytes"] for e in spans
+               if e["pid"] == 1 - sender and e["name"] == f"recv {direction}"}
+        assert sent == got and len(sent) == m
+
+    table = trace_ops(trace, step=2)
+    assert len(table) == 2 * 2 * m
+    assert table["start_s"].min() == 0.0 and (table["end_s"] >= table["start_s"]).all()
+    assert set(zip(table["stage"], table["stage_name"])) == {(0, "vision0"), (1, "llm0")}
+    with pytest.raises(UserError, match="no forward or backward spans of step 1"):
+        trace_ops(trace, step=1)
+
+
+def test_window_is_clipped_to_the_run():
+    assert list(trace_window([3, 4], 6)) == [3, 4]
+    assert list(trace_window([3, 4], 2)) == [2]
+    assert list(trace_window([3, 9], 5)) == [3, 4, 5]
+    with pytest.raises(UserError, match="train.trace_steps"):
+        trace_window([4, 3], 6)
+
+
+def test_measured_table_merges_an_ops_spans_and_starts_at_the_first_forward():
+    """A colocated stage's forward is two spans (tower, LLM): one op, busy = their sum."""
+    ident = {"stage": 0, "stage_name": "llm0", "replica": 0, "tp_rank": 0}
+
+    def x(cat, ts, dur, mb, step=5):
+        return {"ph": "X", "cat": cat, "name": cat, "pid": 0, "tid": 1, "ts": ts, "dur": dur,
+                "args": {"step": step, "microbatch": mb, **ident}}
+
+    trace = {"traceEvents": [x("data", 0, 50, None), x("forward", 100, 10, 1), x("forward", 115, 20, 1),
+                             x("backward", 140, 30, 1), x("forward", 0, 5, 0, step=4)]}
+    trace["traceEvents"][0]["args"] = {"step": 5}
+    table = trace_ops(trace, step=5)
+    assert table[["op", "microbatch"]].values.tolist() == [["F", 1], ["B", 1]]
+    np.testing.assert_allclose(table["start_s"], [0, 40e-6])
+    np.testing.assert_allclose(table["end_s"], [35e-6, 70e-6])
+    np.testing.assert_allclose(table["busy_s"], [30e-6, 30e-6])
+
+
+def test_simulated_table_is_the_hand_computed_1f1b_timeline():
+    # Two stages, two microbatches, forward 1 s, backward 2 s, no latency (worked out by hand):
+    # stage 0: F0 [0,1] F1 [1,2] B0 [4,6] B1 [7,9]; stage 1: F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7].
+    table = simulated_ops(simulate(np.ones((2, 2)), 2 * np.ones((2, 2))))
+    got = {(r.stage, r.op, r.microbatch): (r.start_s, r.end_s) for r in table.itertuples()}
+    assert got == {(0, "F", 0): (0, 1), (0, "F", 1): (1, 2), (0, "B", 0): (4, 6), (0, "B", 1): (7, 9),
+                   (1, "F", 0): (1, 2), (1, "B", 0): (2, 4), (1, "F", 1): (4, 5), (1, "B", 1): (5, 7)}
+    assert set(table["stage_name"]) == {"llm0", "llm1"}
+
+
+def test_differences_match_ops_and_take_a_stage_at_its_slowest_tp_rank():
+    from dflop.runtime.spans import op_differences
+
+    simulated = simulated_ops(simulate(np.ones((2, 2)), 2 * np.ones((2, 2))))
+    measured = simulated.copy()
+    measured["rank"] = [0, 0, 0, 0, 1, 1, 1, 1][:len(measured)]
+    late = (measured["stage"] == 1) & (measured["op"] == "B") & (measured["microbatch"] == 0)
+    measured.loc[late, "end_s"] += 0.5  # stage 1's B0 took 2.5 s instead of 2
+    other_tp = measured[late].assign(tp_rank=1, end_s=measured.loc[late, "end_s"] + 0.25)  # its slower TP rank
+    diffs = op_differences(pd.concat([measured, other_tp]), simulated).set_index(["stage", "op", "microbatch"])
+    assert len(diffs) == 8
+    assert diffs.loc[(1, "B", 0), ["start_diff_s", "end_diff_s", "dur_diff_s"]].tolist() == [0.0, 0.75, 0.75]
+    others = diffs.drop(index=(1, "B", 0))
+    assert (others[["start_diff_s", "end_diff_s", "dur_diff_s"]] == 0).all().all()
