@@ -100,7 +100,25 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     from dflop.planner import simulate_plan
 
     simulate_plan(args.plan, gpus=args.gpus, global_batch=args.global_batch, shapes_path=args.shapes,
-                  costmodel_path=args.costmodel, out_png=args.gantt, sample_batches_k=args.batches)
+                  costmodel_path=args.costmodel, out_png=args.gantt, sample_batches_k=args.batches,
+                  measured=_measured_agreement(args.metrics, args.plan))
+
+
+def _measured_agreement(metrics: Path | None, plan: Path) -> str | None:
+    """What the run's metrics.parquet (given, or the workflow's beside the plan) says about the
+    predictions: a sentence for the what-if summary, None without a run."""
+    from dflop.io import read_parquet
+    from dflop.runtime.metrics import prediction_agreement
+
+    path = metrics if metrics is not None else plan.parent.parent / "train" / "metrics.parquet"
+    if metrics is None and not path.exists():
+        return None
+    frame = read_parquet(path, missing_hint="--metrics: a training run's metrics.parquet")
+    missing = {"step", "step_s", "predicted_step_s"} - set(frame.columns)
+    if missing:
+        raise UserError(f"{path}: not a metrics.parquet of dflop train (no column {', '.join(sorted(missing))})")
+    agreement = prediction_agreement(frame)
+    return f"{path}: " + (agreement.describe() if agreement else "no steady-state steps yet")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -177,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--costmodel", type=Path, default=None, help="other costmodel.json (default: the plan's)")
     p.add_argument("--batches", type=int, default=None, help="global batches to sample (default: the plan's)")
     p.add_argument("--gantt", type=Path, default=None, help="write a Gantt chart of one simulated step (PNG)")
+    p.add_argument("--metrics", type=Path, default=None,
+                   help="metrics.parquet of a training run of this plan, to state how far its predictions were "
+                        "off (default: ../train/metrics.parquet beside the plan's folder, when present)")
 
     # `dflop train` hands every argument to the launcher, which also runs inside each torchrun worker.
     train_help = "train with the plan: torchrun with the plan's world size (srun per node on Slurm)"

@@ -88,6 +88,14 @@ class Provenance:
     created: str = ""
     dflop_version: str = ""
 
+    def describe(self) -> str:
+        """Which cost model this is, for summaries: analytic, or fitted on which device and profile."""
+        if self.device.startswith("analytic"):
+            return f"analytic FLOP model ({self.device}, {self.dtype}; no profile)"
+        where = f"; profile {self.profile}" if self.profile else ""
+        when = f", fitted {self.created[:10]}" if self.created else ""
+        return f"fitted on {self.device} ({self.preset}, {self.dtype}{where}{when})"
+
 
 @dataclass(frozen=True)
 class StageTime:

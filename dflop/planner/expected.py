@@ -75,6 +75,10 @@ class Evaluation:
         return float(np.mean(self.step_s)) if self.ok else float("inf")
 
     @property
+    def p10_s(self) -> float:
+        return float(np.percentile(self.step_s, 10)) if self.ok else float("inf")
+
+    @property
     def p50_s(self) -> float:
         return float(np.percentile(self.step_s, 50)) if self.ok else float("inf")
 

@@ -42,8 +42,9 @@ from dflop.costmodel.jsonio import load_cost_model
 
 @dataclass(frozen=True)
 class WhatIf:
-    """The re-evaluated plan and baseline (None when it cannot be scaled), the chart written, and
-    the plan's memory techniques with their costs per stage (`technique_costs`)."""
+    """The re-evaluated plan and baseline (None when it cannot be scaled), the chart written, the
+    plan's memory techniques with their costs per stage (`technique_costs`), which cost model priced
+    it, and what a training run of the plan measured against its predictions (if one was given)."""
 
     plan: Evaluation
     baseline: Evaluation | None
@@ -51,6 +52,8 @@ class WhatIf:
     gantt_png: Path | None
     notes: tuple[str, ...]
     techniques: pd.DataFrame | None = None
+    cost_model: str = ""
+    measured: str | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ def scale_baseline(plan: Plan, cluster: Cluster, global_batch: int) -> Plan | No
 
 def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | None = None, shapes_path=None,
                   out_png=None, costmodel_path=None, sample_batches_k: int | None = None, seed: int | None = None,
-                  verbose: bool = True, shape: ModelShape | None = None) -> WhatIf:
+                  verbose: bool = True, shape: ModelShape | None = None, measured: str | None = None) -> WhatIf:
     """Re-evaluate plan.yaml (optionally on `gpus` GPUs and/or other shapes); draw the Gantt chart.
 
     The plan (and its baseline) is first checked against the model and its recorded cluster
@@ -157,6 +160,9 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
     given). shapes_path / costmodel_path default to the ones recorded in plan.yaml;
     sample_batches_k, seed and the scheduler settings to its evaluation settings; out_png: where to
     write the Gantt chart (None: no chart). `shape` overrides the model structure (tests).
+    measured: what a training run of this plan measured against its predictions (a sentence,
+    `dflop.runtime.metrics.PredictionAgreement.describe`), repeated in the summary: the sampled
+    p10-p90 is the spread over batches, this is how far the cost model itself was off.
     """
     ctx = load_plan_context(plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path, shape=shape)
     pf, cost, pool, cluster, sizes, scheduler = ctx.plan_file, ctx.cost, ctx.pool, ctx.cluster, ctx.sizes, ctx.scheduler
@@ -208,7 +214,8 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
         png = plot_gantt(timeline, out_png, title=f"{plan.layout.describe()}: step {timeline.step_s:.4g} s "
                          f"(median of {len(ev.step_s)} sampled batches), idle {100 * timeline.idle_fraction():.1f}%")
     techniques = technique_costs(plan, cost, pool, cluster, sizes, global_batch=B)
-    result = WhatIf(ev, base, cluster, png, tuple(notes), techniques)
+    result = WhatIf(ev, base, cluster, png, tuple(notes), techniques,
+                    cost_model=f"{ctx.costmodel_path}: {cost.provenance.describe()}", measured=measured)
     if verbose:
         print(whatif_summary(result, B, shapes_path))
     return result
@@ -249,9 +256,14 @@ def whatif_summary(w: WhatIf, global_batch: int, shapes_path) -> str:
     ev = w.plan
     lines = [f"what-if on {w.cluster.world_size} GPUs with {shapes_path} (global batch {global_batch}):"]
     lines += [f"  note: {n}" for n in w.notes]
+    if w.cost_model:
+        lines.append(f"  cost model: {w.cost_model}")
+    lines.append(f"  training run of this plan: {w.measured}" if w.measured is not None else
+                 "  training run of this plan: none given (--metrics), so how far the cost model is off is unknown")
     lines += [f"  plan     {ev.plan.describe()}",
-              f"           step {ev.mean_s:.4g} s mean / {ev.p50_s:.4g} p50 / {ev.p90_s:.4g} p90, "
-              f"{global_batch / ev.mean_s:.4g} samples/s, utilisation {100 * ev.mean_utilisation:.1f}%",
+              f"           step {ev.p10_s:.4g} / {ev.p50_s:.4g} / {ev.p90_s:.4g} s p10 / p50 / p90 over "
+              f"{len(ev.step_s)} sampled batches (mean {ev.mean_s:.4g} s), {global_batch / ev.mean_s:.4g} samples/s, "
+              f"utilisation {100 * ev.mean_utilisation:.1f}%",
               "           memory per stage (GB): " + ", ".join(
                   f"{ev.plan.stage_name(s)} {m / 1e9:.3g}" for s, m in enumerate(ev.memory_bytes))]
     if w.baseline is not None:

@@ -17,6 +17,7 @@ checkpoint's step, so the file never has lost or repeated steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -85,6 +86,50 @@ def step_flops(info: ModelInfo, n_tiles: Sequence[int], seq_len: Sequence[int], 
     llm = (2 * (info.llm_layers * info.llm_layer_params + info.llm_head_params) * seqs.sum()
            + info.llm_layers * 2 * info.llm_hidden * (seqs ** 2).sum()) * (3 if llm_trainable else 2)
     return float(vision + llm)
+
+
+# -- how far the predictions were from the measurements ------------------------------------------------
+
+#: Steps a steady-state comparison leaves out: the first ones pay warm-up (allocator growth, thread
+#: pools, first collectives, the loader's first batch) that no step model should chase.
+WARMUP_STEPS = 2
+
+
+@dataclass(frozen=True)
+class PredictionAgreement:
+    """Measured / predicted step over the steady-state steps of one run (after `WARMUP_STEPS`).
+
+    ratio_p10 / ratio_p50 / ratio_p90: of step_s / predicted_step_s per step; corrected_p50: the
+    same against ``corrected_step_s`` (the adaptive correction's prediction) where the run has it.
+    """
+
+    steps: int
+    first_step: int
+    ratio_p10: float
+    ratio_p50: float
+    ratio_p90: float
+    corrected_p50: float | None
+
+    def describe(self) -> str:
+        text = (f"measured / predicted step {self.ratio_p50:.3g} median (p10 {self.ratio_p10:.3g}, "
+                f"p90 {self.ratio_p90:.3g}) over {self.steps} steps from step {self.first_step}")
+        if self.corrected_p50 is not None:
+            text += f"; against the corrected prediction {self.corrected_p50:.3g} median"
+        return text
+
+
+def prediction_agreement(metrics: pd.DataFrame, warmup_steps: int = WARMUP_STEPS) -> PredictionAgreement | None:
+    """How the run's steady-state steps compared with their predictions; None without such steps."""
+    rows = metrics[(metrics["step"] > warmup_steps) & (metrics["predicted_step_s"] > 0)]
+    if rows.empty:
+        return None
+    ratio = (rows["step_s"] / rows["predicted_step_s"]).to_numpy()
+    corrected = None
+    if "corrected_step_s" in rows and rows["corrected_step_s"].notna().any():
+        fixed = rows[rows["corrected_step_s"] > 0]
+        corrected = float(np.median(fixed["step_s"] / fixed["corrected_step_s"])) if len(fixed) else None
+    p10, p50, p90 = np.percentile(ratio, [10, 50, 90])
+    return PredictionAgreement(len(rows), int(rows["step"].min()), float(p10), float(p50), float(p90), corrected)
 
 
 # -- one row from the gathered stage times ------------------------------------------------------------

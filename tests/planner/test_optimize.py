@@ -272,3 +272,35 @@ def _plan_text(inputs, out, shape, **sections) -> str:
     out.mkdir(parents=True, exist_ok=True)
     _optimize(inputs, out, shape, **sections)
     return (out / "plan.yaml").read_text()
+
+
+def test_simulate_states_its_spread_cost_model_and_measured_error(inputs, tmp_path, tiny_shape, capsys):
+    """The what-if names the cost model, gives p10/p50/p90 of the sampled batches, and repeats what a
+    training run measured against its predictions (the CLI's --metrics, or the workflow's run beside it)."""
+    import numpy as np
+
+    from dflop.cli import main
+
+    _optimize(inputs, tmp_path / "plan", tiny_shape)
+    plan = tmp_path / "plan" / "plan.yaml"
+    result = simulate_plan(plan, verbose=True, shape=tiny_shape, measured="run X: ratio 1.5")
+    out = capsys.readouterr().out
+    steps = np.asarray(result.plan.step_s)
+    p10, p50, p90 = np.percentile(steps, [10, 50, 90])
+    assert f"step {p10:.4g} / {p50:.4g} / {p90:.4g} s p10 / p50 / p90 over {len(steps)} sampled batches" in out
+    assert f"cost model: {inputs / 'costmodel.json'}: fitted on synthetic (llava_ov/siglip-tiny/qwen2.5-tiny" in out
+    assert "training run of this plan: run X: ratio 1.5" in out
+    # The CLI reads the run of the workflow layout (results/plan, results/train) by default.
+    from dflop.cli import _measured_agreement
+
+    assert _measured_agreement(None, plan) is None  # no run yet: nothing claimed
+    (tmp_path / "train").mkdir()
+    pd.DataFrame({"step": [1, 2, 3, 4], "step_s": [9.0, 3.0, 2.0, 4.0],
+                  "predicted_step_s": [1.0, 1.0, 1.0, 2.0]}).to_parquet(tmp_path / "train" / "metrics.parquet")
+    said = _measured_agreement(None, plan)
+    assert said.startswith(str(tmp_path / "train" / "metrics.parquet")) and "2 median" in said  # steps 3, 4: 2 and 2
+    for metrics, message in ((tmp_path / "absent.parquet", "absent.parquet: no such file"),
+                             (tmp_path / "bad.parquet", "bad.parquet: not a metrics.parquet of dflop train")):
+        pd.DataFrame({"step": [1]}).to_parquet(tmp_path / "bad.parquet")
+        assert main(["simulate", "--plan", str(plan), "--metrics", str(metrics)]) == 2
+        assert message in capsys.readouterr().err
