@@ -26,7 +26,7 @@ import pandas as pd
 
 from dflop.costmodel.features import module_features, profile_features
 from dflop.costmodel.jsonio import save_cost_model
-from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, CostModel, ModuleCosts, Provenance
+from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, BytesLine, CostModel, ModuleCosts, Provenance, StepCosts
 from dflop.costmodel.profile_table import ProfileSummary, read_profile
 from dflop.costmodel.regressor import NonNegativeLinearRegression
 from dflop.costmodel.validation import leave_one_shape_out
@@ -101,7 +101,26 @@ def fit_profile(
         dflop_version=_dflop_version(),
     )
     validation = pd.DataFrame(rows, columns=list(VALIDATION_COLUMNS))
-    return CostModel(modules, provenance), validation
+    return CostModel(modules, provenance, fit_step_costs(summary.step_costs)), validation
+
+
+def fit_step_costs(rows: pd.DataFrame | None) -> StepCosts:
+    """Lines in bytes through the optimizer and link measurements (`ProfileSummary.step_costs`),
+    non-negative and on relative error like the module fits; a kind needs two distinct sizes."""
+
+    def line(points: pd.DataFrame) -> BytesLine | None:
+        if points["bytes"].nunique() < 2:
+            return None
+        X = np.column_stack([np.ones(len(points)), points["bytes"].to_numpy(dtype=np.float64)])
+        const, per_byte = NonNegativeLinearRegression().fit(X, points["ms"].to_numpy(dtype=np.float64)).coef_
+        return BytesLine(float(const) * 1e-3, float(per_byte) * 1e-3)
+
+    if rows is None:
+        return StepCosts()
+    allreduce = {int(ranks): line(group) for ranks, group in rows[rows["kind"] == "allreduce"].groupby("ranks")}
+    return StepCosts(optimizer=line(rows[rows["kind"] == "optimizer"]),
+                     allreduce={ranks: fitted for ranks, fitted in allreduce.items() if fitted is not None},
+                     p2p=line(rows[rows["kind"] == "p2p"]))
 
 
 def _measured_optional_targets(shapes: pd.DataFrame, module: str, tp) -> tuple[str, ...]:

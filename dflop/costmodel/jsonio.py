@@ -12,8 +12,15 @@ Layout (``version`` 1)::
          "coef": {"fwd_ms": [...], "bwd_ms": [...], "act_bytes": [...]},
          "param_bytes": 3.1e6, "n_shapes": 24, "profiled_batch": [1, 8], "profiled_seq_len": [16, 2048]},
         ...
-      ]
+      ],
+      "step_costs": {"optimizer": {"const_s": ..., "per_byte_s": ...},
+                     "allreduce": [{"ranks": 2, "const_s": ..., "per_byte_s": ...}, ...],
+                     "p2p": {"const_s": ..., "per_byte_s": ...}}
     }
+
+``step_costs`` (optional; each entry optional) are the measured costs of a step outside the
+modules (`dflop.costmodel.model.StepCosts`): seconds of an operation on n bytes are
+``const_s + n * per_byte_s`` (seconds, so the file round-trips exactly).
 
 A module's prediction for a target is ``coef[target] @ features`` where the features of a set of
 samples are defined in `dflop.costmodel.features` (``tokens`` = sum of lengths, ``tokens_pow1.5``
@@ -33,7 +40,7 @@ from pathlib import Path
 import jsonschema
 
 from dflop.costmodel.features import FEATURE_NAMES, MODULE_FEATURES, allowed_features
-from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, CostModel, ModuleCosts, Provenance
+from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, BytesLine, CostModel, ModuleCosts, Provenance, StepCosts
 from dflop.errors import UserError
 from dflop.io import write_text_atomic
 
@@ -45,10 +52,26 @@ UNITS = {"fwd_ms": "milliseconds", "bwd_ms": "milliseconds", "act_bytes": "bytes
 _coefficients = {"type": "array", "items": {"type": "number", "minimum": 0}}
 _range = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
 
+_line = {"type": "object", "required": ["const_s", "per_byte_s"],
+         "properties": {"const_s": {"type": "number", "minimum": 0}, "per_byte_s": {"type": "number", "minimum": 0}},
+         "additionalProperties": False}
+
 SCHEMA = {
     "type": "object",
     "required": ["format", "version", "provenance", "modules"],
     "properties": {
+        "step_costs": {
+            "type": "object",
+            "properties": {
+                "optimizer": _line,
+                "p2p": _line,
+                "allreduce": {"type": "array", "items": {
+                    "type": "object", "required": ["ranks", "const_s", "per_byte_s"],
+                    "properties": {"ranks": {"type": "integer", "minimum": 2}, **_line["properties"]},
+                    "additionalProperties": False}},
+            },
+            "additionalProperties": False,
+        },
         "format": {"const": FORMAT_NAME},
         "version": {"const": FORMAT_VERSION},
         "units": {"type": "object"},
@@ -119,7 +142,37 @@ def cost_model_to_dict(model: CostModel) -> dict:
             }
             for m in sorted(model.modules.values(), key=lambda m: (m.module, m.tp))
         ],
+        **({"step_costs": _step_costs_to_dict(model.step_costs)} if _has_step_costs(model.step_costs) else {}),
     }
+
+
+def _has_step_costs(costs: StepCosts) -> bool:
+    return costs.optimizer is not None or costs.p2p is not None or bool(costs.allreduce)
+
+
+def _line_to_dict(line: BytesLine) -> dict:
+    return {"const_s": float(line.const_s), "per_byte_s": float(line.per_byte_s)}
+
+
+def _line_from_dict(entry: dict) -> BytesLine:
+    return BytesLine(float(entry["const_s"]), float(entry["per_byte_s"]))
+
+
+def _step_costs_to_dict(costs: StepCosts) -> dict:
+    out = {}
+    if costs.optimizer is not None:
+        out["optimizer"] = _line_to_dict(costs.optimizer)
+    if costs.allreduce:
+        out["allreduce"] = [{"ranks": ranks, **_line_to_dict(line)} for ranks, line in sorted(costs.allreduce.items())]
+    if costs.p2p is not None:
+        out["p2p"] = _line_to_dict(costs.p2p)
+    return out
+
+
+def _step_costs_from_dict(data: dict) -> StepCosts:
+    return StepCosts(optimizer=_line_from_dict(data["optimizer"]) if "optimizer" in data else None,
+                     allreduce={int(e["ranks"]): _line_from_dict(e) for e in data.get("allreduce", [])},
+                     p2p=_line_from_dict(data["p2p"]) if "p2p" in data else None)
 
 
 def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostModel:
@@ -160,7 +213,7 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
             profiled_batch=tuple(entry.get("profiled_batch", (0, 0))),
             profiled_seq_len=tuple(entry.get("profiled_seq_len", (0, 0))),
         ))
-    return CostModel(modules, Provenance(**data["provenance"]))
+    return CostModel(modules, Provenance(**data["provenance"]), _step_costs_from_dict(data.get("step_costs", {})))
 
 
 def save_cost_model(model: CostModel, path: str | Path) -> None:

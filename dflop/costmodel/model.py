@@ -76,6 +76,32 @@ class ModuleCosts:
 
 
 @dataclass(frozen=True)
+class BytesLine:
+    """Seconds of an operation on n bytes: ``const_s + n * per_byte_s`` (fitted non-negative)."""
+
+    const_s: float
+    per_byte_s: float
+
+    def __call__(self, nbytes):
+        return self.const_s + np.asarray(nbytes, dtype=np.float64) * self.per_byte_s
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured costs of a step outside the modules' forward and backward, on the profiled device
+    (`dflop.profiling.step_costs`; None where the profile did not measure them).
+
+    optimizer: one AdamW step (with the global-norm pass) over a rank's parameter bytes;
+    allreduce: per group size, one sum all-reduce of a message of n bytes;
+    p2p: one pipeline message of n bytes, sent and received.
+    """
+
+    optimizer: BytesLine | None = None
+    allreduce: dict[int, BytesLine] = field(default_factory=dict)
+    p2p: BytesLine | None = None
+
+
+@dataclass(frozen=True)
 class Provenance:
     """Where a cost model came from: the profile it was fitted on and the training dtype."""
 
@@ -170,7 +196,8 @@ class CostModel:
     `dflop.costmodel.jsonio`.
     """
 
-    def __init__(self, modules: Iterable[ModuleCosts], provenance: Provenance):
+    def __init__(self, modules: Iterable[ModuleCosts], provenance: Provenance, step_costs: StepCosts | None = None):
+        self.step_costs = step_costs if step_costs is not None else StepCosts()
         self.modules: dict[tuple[str, int], ModuleCosts] = {}
         for m in modules:
             if (m.module, m.tp) in self.modules:

@@ -38,6 +38,10 @@ class ProfileSummary:
         fwd_ms, bwd_ms, act_bytes, param_bytes (per layer for layer modules), n_repeats, and the
         `OPTIONAL_TARGETS` the profile has (median of the measured repeats; NaN for a shape
         without any).
+    step_costs: the step's costs outside the modules (`dflop.profiling.step_costs`), one row per
+        measured point: ``kind`` (optimizer | allreduce | p2p), ``ranks``, ``bytes``, ``ms``
+        (medians; optimizer: a module's parameter bytes on one rank and its AdamW step); None for
+        a profile without them.
     """
 
     shapes: pd.DataFrame
@@ -45,6 +49,7 @@ class ProfileSummary:
     dtype: str
     preset: str | None
     n_rows: int
+    step_costs: pd.DataFrame | None = None
 
 
 def read_profile(path: str | Path) -> ProfileSummary:
@@ -64,7 +69,8 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     dtype = _single_value(table, "dtype", source)
     preset = _single_value(table, "preset", source) if "preset" in table.columns else None
 
-    unknown = sorted(set(table["module"]) - set(MODULE_FEATURES))
+    step_costs = _step_costs(table, source)
+    unknown = sorted(set(table["module"]) - set(MODULE_FEATURES) - set(LINK_KINDS))
     if unknown:
         log.warning("%s: ignoring module(s) without a cost model: %s", source, ", ".join(unknown))
     table = table[table["module"].isin(list(MODULE_FEATURES))]
@@ -88,7 +94,37 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
         shapes[column] = shapes[column].astype(np.int64)
     _check_tile_size(shapes, source)
     _warn_varying_params(shapes, source)
-    return ProfileSummary(shapes=shapes, device=device, dtype=dtype, preset=preset, n_rows=len(table))
+    return ProfileSummary(shapes=shapes, device=device, dtype=dtype, preset=preset, n_rows=len(table),
+                          step_costs=step_costs)
+
+
+#: Module names of the link rows (`dflop.profiling.step_costs.LINK_MODULES`).
+LINK_KINDS = ("allreduce", "p2p")
+
+
+def _step_costs(table: pd.DataFrame, source: str) -> pd.DataFrame | None:
+    """Medians of the optimizer and link measurements (`ProfileSummary.step_costs`)."""
+    parts = []
+    if "optim_ms" in table.columns:
+        modules = table[table["module"].isin(list(MODULE_FEATURES)) & table["optim_ms"].notna()
+                        & (table["param_bytes"] > 0)]
+        optim = modules.groupby(["module", "tp"])[["param_bytes", "optim_ms"]].median().reset_index()
+        parts.append(pd.DataFrame({"kind": "optimizer", "ranks": 1, "bytes": optim["param_bytes"],
+                                   "ms": optim["optim_ms"]}))
+    if "bytes" in table.columns:
+        links = table[table["module"].isin(list(LINK_KINDS))]
+        links = links.groupby(["module", "batch", "bytes"])["fwd_ms"].median().reset_index()
+        parts.append(pd.DataFrame({"kind": links["module"], "ranks": links["batch"], "bytes": links["bytes"],
+                                   "ms": links["fwd_ms"]}))
+    rows = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    if rows.empty:
+        return None
+    bad = ~np.isfinite(rows[["ranks", "bytes", "ms"]].to_numpy(dtype=np.float64)).all(axis=1) | (rows["ms"] < 0)
+    if bad.any():
+        row = rows[bad].iloc[0]
+        raise UserError(f"{source}: {row['kind']} measurement at {row['bytes']} bytes over {row['ranks']} ranks "
+                        f"is {row['ms']} ms (must be a finite number >= 0)")
+    return rows.astype({"ranks": np.int64, "bytes": np.float64, "ms": np.float64})
 
 
 def _single_value(table: pd.DataFrame, column: str, source: str) -> str:

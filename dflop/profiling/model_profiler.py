@@ -19,6 +19,11 @@ shapes, so a seconds-long slow phase of the machine touches one repeat of many s
 every repeat of one (`_measure_round`). Before the first shape, every curve's largest shape runs
 once untimed, so the process's memory is warmed up before anything is timed.
 
+Each module's rows also carry ``optim_ms`` (its parameters' AdamW step), and a profile taken by
+several ranks has ``allreduce`` and ``p2p`` rows (``batch`` = ranks, ``bytes`` = message size,
+``fwd_ms`` = time; other columns NaN): the step's costs outside the modules,
+`dflop.profiling.step_costs`.
+
 TP degree 1 runs in this process; TP > 1 runs in ``tp`` worker processes launched with torchrun
 (`dflop.profiling.model_tp_worker`; gloo and one thread per rank on CPU, NCCL on GPU); rank 0
 times after a barrier and all ranks follow rank 0's grid decisions.
@@ -67,12 +72,13 @@ from dflop.profiling._memory import adam_state_bytes, grad_bytes, param_bytes, s
 from dflop.profiling._timing import Timer
 from dflop.profiling.model_grid import AdaptiveCurve, geometric_points
 from dflop.profiling.model_modules import MODULES, RECOMPUTE_MODES, TILE_MODULES, ModuleBench, build_benches
+from dflop.profiling.step_costs import LINK_MODULES, link_rows, optimizer_step_ms
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
            "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "preset", "threads", "co_runners",
-           "round",
+           "round", "optim_ms", "bytes",
            *(column for mode in RECOMPUTE_MODES for column in RECOMPUTE_TARGETS[mode]))
 
 
@@ -186,13 +192,18 @@ def summarize(table: pd.DataFrame) -> str:
     """One line per (module, TP): shapes measured, and median times and memory at the largest shape."""
     lines = [f"{'module':<14}{'tp':>3}{'shapes':>7}  {'largest (batch x seq_len)':<26}"
              f"{'fwd ms':>9}{'bwd ms':>9}{'act MiB':>9}{'param MiB':>10}"]
-    for (module, tp), group in table.groupby(["module", "tp"], sort=False):
+    for (module, tp), group in table[table["module"].isin(MODULES)].groupby(["module", "tp"], sort=False):
         shapes = group.groupby(["batch", "seq_len"]).median(numeric_only=True).reset_index()
         tokens = shapes["batch"] * shapes["seq_len"]
         top = shapes.loc[tokens.idxmax()]
         lines.append(f"{module:<14}{tp:>3}{len(shapes):>7}  {f'{int(top.batch)} x {int(top.seq_len)}':<26}"
                      f"{top.fwd_ms:>9.2f}{top.bwd_ms:>9.2f}{top.act_bytes / 2**20:>9.1f}"
                      f"{top.param_bytes / 2**20:>10.2f}")
+    links = table[table["module"].isin(LINK_MODULES)]
+    for (module, ranks), group in links.groupby(["module", "batch"], sort=False):
+        ms = group.groupby("bytes")["fwd_ms"].median()
+        lines.append(f"{module} over {int(ranks)} ranks: {ms.iloc[0]:.3f} ms at {int(ms.index[0]) // 1024} KiB, "
+                     f"{ms.iloc[-1]:.2f} ms at {int(ms.index[-1]) // 2**20} MiB")
     return "\n".join(lines)
 
 
@@ -256,10 +267,23 @@ def profile_rank(job: dict, *, progress: bool, tp: TPGroup | None = None,
                       threads=torch.get_num_threads() if device.type == "cpu" else 0,
                       co_runners=job.get("co_runners", 1))
         first = not dist.is_initialized() or dist.get_rank() == 0
-        return _sweep(benches, spec, config, settings, _RankSync(device), Timer(device), common,
-                      progress=progress and first)
+        sync, timer = _RankSync(device), Timer(device)
+        rows = _sweep(benches, spec, config, settings, sync, timer, common, progress=progress and first)
+        return _with_step_costs(rows, benches, sync, timer, common, device, repeats=settings.repeats)
     finally:
         torch.set_num_threads(threads)
+
+
+def _with_step_costs(rows: list[dict], benches, sync: _RankSync, timer: Timer, common: dict,
+                     device: torch.device, *, repeats: int) -> list[dict]:
+    """`rows` with each module's ``optim_ms``, and the link rows when several ranks profile
+    (`dflop.profiling.step_costs`)."""
+    optim = {bench.name: optimizer_step_ms(bench.module, timer, repeats=repeats, barrier=sync.barrier)
+             for bench in benches}
+    rows = [dict(row, optim_ms=optim[row["module"]]) for row in rows]
+    if sync.size > 1:
+        rows += link_rows(device, timer, common, repeats=repeats)
+    return rows
 
 
 def _rank_device(device: str) -> torch.device:

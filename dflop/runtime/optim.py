@@ -1,4 +1,5 @@
-"""End of a step: gradient synchronisation, the global gradient norm, AdamW and its LR schedule.
+"""End of a step: gradient synchronisation, the global gradient norm and the LR schedule (the AdamW
+itself is built by `dflop.models.optimizer.build_optimizer`, which the profiler also times).
 
 Loss normalisation. Every LLM bin backpropagates the SUM of its answer-token losses; after the
 step's gradients are summed over data-parallel replicas they are divided by the number of answer
@@ -32,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
 
 from dflop.models.tensor_parallel import local_tensor
 from dflop.runtime.model import EMBEDDING_NAME
@@ -231,21 +232,6 @@ class GradientSync:
         """Scale gradients so the global norm is at most `max_norm` (0 = no clipping)."""
         if max_norm > 0 and norm > max_norm:
             self.scale(max_norm / (norm + 1e-6))
-
-
-def build_optimizer(params: list[tuple[str, nn.Parameter]], *, lr: float, weight_decay: float,
-                    betas=(0.9, 0.95), eps: float = 1e-8, foreach: bool | None = None) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; weight decay on matrices only (not norms, biases).
-
-    DTensor (tensor-parallel) and plain parameters go in separate groups: the multi-tensor
-    (``foreach``) kernels AdamW picks on CUDA refuse a list that mixes the two."""
-    groups = []
-    for decay in (True, False):
-        for distributed in (True, False):
-            members = [p for _, p in params if (p.ndim >= 2) == decay and isinstance(p, DTensor) == distributed]
-            if members:
-                groups.append({"params": members, "weight_decay": weight_decay if decay else 0.0})
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=foreach)
 
 
 def warmup_cosine(step: int, *, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:

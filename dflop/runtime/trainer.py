@@ -43,7 +43,8 @@ from dflop.planner.pricing import Pricing
 from dflop.runtime.agreement import rank0_result
 from dflop.runtime.loading import StepLoader, feature_rows_fn, requests_for
 from dflop.runtime.model import EMBEDDING_NAME, build_rank_modules, parameter_names
-from dflop.runtime.optim import GradientSync, ParamInfo, build_lr_scheduler, build_optimizer, warmup_cosine
+from dflop.models.optimizer import build_optimizer
+from dflop.runtime.optim import GradientSync, ParamInfo, build_lr_scheduler, warmup_cosine
 from dflop.runtime.p2p import P2P
 from dflop.runtime.run_identity import run_fingerprint
 from dflop.runtime.schedule import PipelineExecutor

@@ -13,7 +13,8 @@ from dflop.models.info import model_info
 from dflop.plan import plan_from_dict, write_plan
 from dflop.runtime.launch import slurm_command, srun_environment, torchrun_command
 from dflop.runtime.metrics import MetricsWriter, step_flops
-from dflop.runtime.optim import GradientSync, ParamInfo, build_optimizer, warmup_cosine
+from dflop.models.optimizer import build_optimizer
+from dflop.runtime.optim import GradientSync, ParamInfo, warmup_cosine
 from dflop.runtime.topology import Topology
 
 

@@ -1,0 +1,134 @@
+"""Costs of a training step outside the modules' forward and backward, measured by the model
+profiler on the device, and with the ranks, it profiles with (`dflop.profiling.model_profiler`).
+
+- ``optim_ms`` (a column of every module's rows): one step of the trainer's AdamW
+  (`dflop.models.optimizer.build_optimizer`) over the module's parameters on this rank, plus the
+  squared-gradient sum the trainer's global norm takes over them (`dflop.runtime.optim`).
+- Module ``allreduce`` rows (profiling worlds of 2+ ranks only): one in-place sum all-reduce of
+  ``bytes`` float32 bytes over the first ``batch`` ranks, as the trainer's gradient buckets are
+  reduced over a data-parallel group; ``fwd_ms`` is world rank 0's time.
+- Module ``p2p`` rows (same): one pipeline message of ``bytes`` from rank 0 to rank 1 as
+  `dflop.runtime.p2p` sends it (a shape header, then the tensor), received there: half of a
+  ping-pong of two such messages, so both ends' costs count.
+
+Why measured here: on the demo's CPU ranks the step also paid the optimizer and gloo collectives
+that the module profile never saw, and the cluster's declared bandwidths are a guess for the
+machine the profile runs on. The sizes span latency-bound to bandwidth-bound messages, so a line
+``const + bytes x per_byte`` fitted to them (`dflop.costmodel.fit`) holds at either end.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflop.models.optimizer import build_optimizer
+from dflop.models.tensor_parallel import local_tensor
+from dflop.profiling._timing import Timer
+
+LINK_MODULES = ("allreduce", "p2p")
+#: Message sizes (bytes) of the link sweeps: 4 KiB to 16 MiB on CPU (gloo), to 256 MiB on CUDA.
+CPU_MAX_BYTES, CUDA_MAX_BYTES = 2**24, 2**28
+#: Header of a `dflop.runtime.p2p` message: the number of dims, then up to 8 sizes (int64).
+P2P_HEADER_ELEMENTS = 9
+
+
+def optimizer_step_ms(module: nn.Module, timer: Timer, *, repeats: int, barrier: Callable[[], None]) -> float:
+    """Median milliseconds of one AdamW step (with the global-norm pass) over `module`'s parameters;
+    0 for a module without any. The module's weights move by the steps (timing only needs shapes)."""
+    params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    for _, p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = build_optimizer(params, lr=1e-4, weight_decay=0.1)
+
+    def step() -> None:
+        total = torch.zeros((), dtype=torch.float64, device=params[0][1].device)
+        for _, p in params:
+            total += local_tensor(p.grad).double().pow(2).sum()
+        float(total)  # the trainer reads the norm on the host before clipping
+        optimizer.step()
+
+    step()  # AdamW allocates its state on the first step: not part of a training step's cost
+    times = []
+    for _ in range(max(repeats, 1)):
+        barrier()
+        times.append(timer(step)[1])
+    for _, p in params:
+        p.grad = None
+    optimizer.state.clear()
+    return float(statistics.median(times))
+
+
+def link_sizes(device: torch.device) -> list[int]:
+    """Message bytes of the link sweeps: powers of 4 from 4 KiB up to the device's maximum."""
+    top = CUDA_MAX_BYTES if device.type == "cuda" else CPU_MAX_BYTES
+    sizes, size = [], 2**12
+    while size <= top:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def link_rows(device: torch.device, timer: Timer, common: dict, *, repeats: int) -> list[dict]:
+    """Rows of the all-reduce (every group size 2..world) and P2P sweeps; collective: every rank of
+    the profiling world calls it, world rank 0's rows are the ones kept."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = {size: dist.new_group(list(range(size))) for size in range(2, world + 1)}
+    rows = []
+    for nbytes in link_sizes(device):
+        buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        for size, group in groups.items():
+            def reduce(buf=buf, group=group):
+                dist.all_reduce(buf, group=group)
+                buf.fill_(1.0)  # keep the values finite over repeats (the fill is 0.1 % of the time)
+            times = _timed(reduce if rank < size else None, timer, repeats)
+            rows += [dict(common, module="allreduce", batch=size, bytes=nbytes, fwd_ms=ms, repeat=k)
+                     for k, ms in enumerate(times)]
+        times = _timed(_ping_pong(buf, device) if rank < 2 else None, timer, repeats)
+        rows += [dict(common, module="p2p", batch=2, bytes=nbytes, fwd_ms=ms / 2, repeat=k)
+                 for k, ms in enumerate(times)]
+    return rows
+
+
+def _ping_pong(buf: torch.Tensor, device: torch.device) -> Callable[[], None]:
+    """Rank 0 sends a header and `buf` to rank 1, which sends them back."""
+    header = torch.zeros(P2P_HEADER_ELEMENTS, dtype=torch.int64, device=device)
+    peer = 1 - dist.get_rank()
+
+    def send() -> None:
+        dist.send(header, peer)
+        dist.send(buf, peer)
+
+    def recv() -> None:
+        dist.recv(header, peer)
+        dist.recv(buf, peer)
+
+    def round_trip() -> None:
+        if dist.get_rank() == 0:
+            send()
+            recv()
+        else:
+            recv()
+            send()
+
+    return round_trip
+
+
+def _timed(work: Callable[[], None] | None, timer: Timer, repeats: int) -> list[float]:
+    """`repeats` timed runs of `work` after one untimed run, every rank between the same barriers
+    (a rank with no part in the work waits at them)."""
+    times = []
+    for k in range(repeats + 1):
+        dist.barrier()
+        if work is not None:
+            _, ms = timer(work)
+            if k:
+                times.append(ms)
+    dist.barrier()
+    return times

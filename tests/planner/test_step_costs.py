@@ -1,0 +1,124 @@
+"""Measured step costs (optimizer, all-reduce, P2P): fitted lines, the JSON round trip, and how the
+one pricing path charges them, each against a hand computation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dflop.costmodel.fit import fit_step_costs
+from dflop.costmodel.jsonio import cost_model_to_dict, cost_model_from_dict, load_cost_model, save_cost_model
+from dflop.costmodel.model import BytesLine, CostModel, Provenance, StepCosts
+from dflop.costmodel.profile_table import summarize_profile
+from dflop.costmodel.synthetic import synthetic_profile
+from dflop.errors import UserError
+from dflop.plan import Layout, Plan, Techniques
+from dflop.planner.cluster import Cluster
+from dflop.planner.means import Pool, TransferSizes
+from dflop.planner.pricing import Pricing
+from planner_testlib import toy_cost_model, toy_shapes
+
+SIZES = np.array([4096.0, 65536.0, 2**20, 2**24])
+
+
+def _rows(kind, ranks, const_ms, ms_per_byte, sizes=SIZES):
+    return pd.DataFrame({"kind": kind, "ranks": ranks, "bytes": sizes, "ms": const_ms + sizes * ms_per_byte})
+
+
+def test_lines_through_exact_measurements_are_recovered():
+    rows = pd.concat([_rows("optimizer", 1, 0.4, 2e-6), _rows("allreduce", 2, 0.3, 1e-6),
+                      _rows("allreduce", 4, 0.5, 3e-6), _rows("p2p", 2, 0.2, 5e-7),
+                      _rows("allreduce", 8, 0.9, 1e-6, sizes=SIZES[:1])])  # one size: no line
+    costs = fit_step_costs(rows)
+    assert costs.optimizer.const_s == pytest.approx(0.4e-3) and costs.optimizer.per_byte_s == pytest.approx(2e-9)
+    assert sorted(costs.allreduce) == [2, 4]
+    assert costs.allreduce[4](2**20) == pytest.approx((0.5 + 2**20 * 3e-6) * 1e-3)
+    assert costs.p2p.const_s == pytest.approx(0.2e-3) and costs.p2p.per_byte_s == pytest.approx(5e-10)
+    assert fit_step_costs(None) == StepCosts()
+
+
+def test_profile_table_reads_optimizer_and_link_rows():
+    profile = synthetic_profile(patches_per_tile=16, preset="llava_ov/siglip-tiny/qwen2.5-tiny")
+    profile["optim_ms"] = 0.1 + profile["param_bytes"] * 1e-6
+    links = _rows("p2p", 2, 0.2, 1e-6).rename(columns={"kind": "module", "ranks": "batch", "ms": "fwd_ms"})
+    table = pd.concat([profile, links.assign(device=profile["device"].iloc[0], dtype=profile["dtype"].iloc[0],
+                                             preset=profile["preset"].iloc[0])], ignore_index=True)
+    summary = summarize_profile(table)
+    optimizer = summary.step_costs[summary.step_costs["kind"] == "optimizer"]
+    params = profile[profile["param_bytes"] > 0].groupby(["module", "tp"])["param_bytes"].median()
+    assert len(optimizer) == len(params)  # one point per module with parameters
+    assert np.allclose(optimizer["ms"], 0.1 + optimizer["bytes"] * 1e-6)
+    assert set(summary.shapes["module"]) == set(profile["module"])  # link rows are not modules
+    bad = table.copy()
+    bad.loc[bad.index[-1], "fwd_ms"] = -1.0
+    with pytest.raises(UserError, match="p2p measurement at 16777216.0 bytes over 2 ranks"):
+        summarize_profile(bad, source="prof.parquet")
+
+
+def test_step_costs_round_trip_exactly(tmp_path):
+    base = toy_cost_model(tp_degrees=(1,))
+    costs = StepCosts(optimizer=BytesLine(4.1e-4, 1.3e-9), allreduce={2: BytesLine(6e-4, 1.1e-9)},
+                      p2p=BytesLine(3e-5, 7e-10))
+    model = CostModel(base.modules.values(), base.provenance, costs)
+    save_cost_model(model, tmp_path / "c.json")
+    assert load_cost_model(tmp_path / "c.json").step_costs == costs
+    data = cost_model_to_dict(model)
+    data["step_costs"]["p2p"]["const_s"] = -1.0
+    with pytest.raises(UserError, match="step_costs/p2p/const_s"):
+        cost_model_from_dict(data, source="c.json")
+    assert "step_costs" not in cost_model_to_dict(base)  # an unmeasured model writes none
+
+
+def _pricing(costs: StepCosts, layout: Layout, *, device="cpu", gpus_per_node=8, shard=False, cost_device="cpu"):
+    base = toy_cost_model(tp_degrees=(1,))
+    model = CostModel(base.modules.values(), replace(base.provenance, device=cost_device), costs)
+    plan = Plan.uniform(layout, 4, 4)
+    if shard:
+        plan = plan.with_techniques(plan.vision_techniques, Techniques(("none",) * layout.pp_l, shard_optimizer=True))
+    cluster = Cluster(nodes=2, gpus_per_node=gpus_per_node, gpu_memory_bytes=80e9, intra_node_bytes_per_s=100e9,
+                      inter_node_bytes_per_s=10e9, p2p_latency_s=20e-6, device=device)
+    sizes = TransferSizes.for_model(llm_hidden=64, vision_hidden=32, vision_tokens_per_tile=16, dtype="float32")
+    return Pricing(plan, model, cluster, sizes), model
+
+
+MEASURED = StepCosts(optimizer=BytesLine(4e-4, 1e-9), allreduce={2: BytesLine(6e-4, 2e-9)}, p2p=BytesLine(3e-4, 5e-10))
+
+
+def test_pricing_charges_the_measured_sync_optimizer_and_hops_inside_a_node():
+    layout = Layout("disjoint", 1, 1, 1, 1, 2, 2, 2)  # vision on 1 rank, LLM pp 2 x dp 2: 5 ranks, one node
+    pricing, model = _pricing(MEASURED, layout)
+    plain, _ = _pricing(StepCosts(), layout)
+    # by hand from the toy modules' parameter bytes (grads in the same dtype: same bytes)
+    p = {name: model.module(name, 1).param_bytes for name in ("vision_embed", "vision_layer", "projector",
+                                                                "llm_embed", "llm_layer", "llm_head")}
+    vision = p["vision_embed"] + 4 * p["vision_layer"] + p["projector"]
+    llm = [p["llm_embed"] + 2 * p["llm_layer"], 2 * p["llm_layer"] + p["llm_head"]]
+    optimizer = [4e-4 + 1e-9 * b for b in (vision, *llm)]
+    sync = [plain.allreduce_s[0]] + [6e-4 + 2e-9 * b for b in llm]  # vision dp 1: no all-reduce, the cluster's 0
+    assert plain.allreduce_s[0] == 0.0
+    assert np.allclose(pricing.allreduce_s, np.add(sync, optimizer), rtol=1e-12)
+    assert pricing.p2p_s == 3e-4 and plain.p2p_s == 20e-6
+    batch = Pool.from_shapes(toy_shapes(16, seed=1))
+    hop = batch.seq_len * 64 * 4 * 5e-10  # LLM hidden x float32 bytes x the measured per-byte
+    got, unmeasured = pricing.batch(batch).costs, plain.batch(batch).costs
+    assert np.allclose(got.llm_fwd[1] - unmeasured.llm_fwd[1], hop - batch.seq_len * 64 * 4 / 100e9)
+
+
+def test_measured_costs_stay_where_they_were_measured():
+    layout = Layout("disjoint", 1, 1, 1, 1, 2, 2, 2)
+    plain, _ = _pricing(StepCosts(), layout, device="cuda")
+    cuda_cluster, _ = _pricing(MEASURED, layout, device="cuda")  # a CPU profile says nothing about GPUs
+    assert np.array_equal(cuda_cluster.allreduce_s, plain.allreduce_s) and cuda_cluster.p2p_s == plain.p2p_s
+    # across nodes (4 GPUs per node: the 5 ranks span two) the cluster's numbers price the hops
+    spread, _ = _pricing(MEASURED, layout, gpus_per_node=4)
+    spread_plain, _ = _pricing(StepCosts(), layout, gpus_per_node=4)
+    assert spread.p2p_s == spread_plain.p2p_s
+    # a sharded module holds 1/dp of the parameters: its optimizer step is priced on those
+    sharded, model = _pricing(MEASURED, layout, shard=True)
+    unsharded, _ = _pricing(MEASURED, layout)
+    llm_params = np.array([model.module("llm_embed", 1).param_bytes + 2 * model.module("llm_layer", 1).param_bytes,
+                           2 * model.module("llm_layer", 1).param_bytes + model.module("llm_head", 1).param_bytes])
+    assert np.allclose(unsharded.allreduce_s[1:] - sharded.allreduce_s[1:], 1e-9 * llm_params / 2)
