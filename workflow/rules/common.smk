@@ -1,5 +1,6 @@
 # Config handling shared by every rule: defaults and validation from the one schema that
 # dflop.config also uses, and the per-rule settings passed on the command line.
+import hashlib
 import json
 import os
 
@@ -27,13 +28,26 @@ ENV_FILE = "../../environment.yml"
 DEMO_DIR = config["data"]["demo"]["dir"]
 
 
-def settings_json(**sections):
-    """JSON of exactly the config values a rule depends on, for `dflop ... --settings`.
+class RuleSettings:
+    """Exactly the config values a rule depends on: `str()` is the JSON for `dflop ... --settings`,
+    `digest` one short hash per section ("data:1a2b3c4d5e6f model:...").
 
-    Rules pass it through `params:`, so Snakemake re-runs a rule when one of these values
-    changes and leaves the others alone.
+    A rule passes both as `params:` (`settings=S, settings_digest=S.digest`). Snakemake records
+    the params of builtin types, re-runs a rule when one changes and prints the old and new value
+    as the reason; it does not record other objects. So the digest drives the re-runs (a changed
+    value re-runs exactly the rules that use it) and the reason is one short line naming the
+    changed section, instead of two copies of the whole JSON.
     """
-    return json.dumps(sections, sort_keys=True, separators=(",", ":"))
+
+    def __init__(self, **sections):
+        self.json = json.dumps(sections, sort_keys=True, separators=(",", ":"))
+        self.digest = " ".join(
+            f"{name}:{hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]}"
+            for name, value in sorted(sections.items())
+        )
+
+    def __str__(self):
+        return self.json
 
 
 def dataset_files(wildcards=None):

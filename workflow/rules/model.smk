@@ -1,15 +1,19 @@
 # Model stages: the model profiler and the cost models fitted on its measurements.
 
 
+PROFILE_MODEL_SETTINGS = RuleSettings(
+    run={"seed": config["run"]["seed"]},
+    model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "dtype")},
+    profile=config["profile"],
+)
+
+
 rule profile_model:
     output:
         profile=f"{RESULTS}/profile/model_profile.parquet",
     params:
-        settings=settings_json(
-            run={"seed": config["run"]["seed"]},
-            model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "dtype")},
-            profile=config["profile"],
-        ),
+        settings=PROFILE_MODEL_SETTINGS,
+        settings_digest=PROFILE_MODEL_SETTINGS.digest,
     threads: max(config["profile"]["tp_degrees"])
     resources:
         # one GPU per rank of the largest TP degree profiled (torchrun on one node); none on CPU
