@@ -29,10 +29,10 @@ DEMO_DIR = config["data"]["demo"]["dir"]
 
 
 class RuleSettings:
-    """Exactly the config values a rule depends on: `str()` is the JSON for `dflop ... --settings`,
+    """Exactly the config values that one rule depends on. `str()` is the JSON for `dflop ... --settings`,
     `digest` one short hash per section ("data:1a2b3c4d5e6f model:...").
 
-    A rule passes both as `params:` (`settings=S, settings_digest=S.digest`). Snakemake records
+    Each rule takes both as params (`settings=S, settings_digest=S.digest`). Snakemake records
     the params of builtin types, re-runs a rule when one changes and prints the old and new value
     as the reason; it does not record other objects. So the digest drives the re-runs (a changed
     value re-runs exactly the rules that use it) and the reason is one short line naming the
