@@ -8,20 +8,25 @@ of the total (and at the end), or every `interval_s` seconds when the total is u
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from typing import IO
+from typing import IO, Iterator
 
 
 def progress(total: int | None, desc: str, unit: str, *, enabled: bool = True, initial: int = 0,
-             file: IO[str] | None = None, leave: bool = True, every: float = 0.1, interval_s: float = 60.0):
-    """A progress counter with tqdm's `update(n)` / `close()` (also a context manager)."""
+             file: IO[str] | None = None, leave: bool = True, every: float = 0.1, interval_s: float = 60.0,
+             plain: bool = True):
+    """A progress counter with tqdm's `update(n)` / `close()` (also a context manager).
+
+    plain=False: no lines at all off a terminal (for a loop that logs a line per update anyway).
+    """
     file = sys.stderr if file is None else file
     if enabled and _is_terminal(file):
         from tqdm import tqdm
 
         return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=file, leave=leave, mininterval=1.0)
-    return PlainProgress(total, desc, unit, enabled=enabled, initial=initial, file=file, every=every,
+    return PlainProgress(total, desc, unit, enabled=enabled and plain, initial=initial, file=file, every=every,
                          interval_s=interval_s)
 
 
@@ -73,3 +78,20 @@ class PlainProgress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def library_bars_off_in_logs(file: IO[str] | None = None) -> Iterator[None]:
+    """transformers' own tqdm bars (e.g. "Writing model shards" in `save_pretrained`) switched off
+    while inside, unless `file` (stderr) is a terminal."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on and not _is_terminal(sys.stderr if file is None else file):
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            hf_logging.enable_progress_bar()
+    else:
+        yield

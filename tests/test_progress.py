@@ -2,7 +2,7 @@
 
 import io
 
-from dflop.progress import PlainProgress, progress
+from dflop.progress import PlainProgress, library_bars_off_in_logs, progress
 
 
 class _Terminal(io.StringIO):
@@ -50,3 +50,22 @@ def test_disabled_writes_nothing_and_a_terminal_gets_tqdm():
         assert type(bar).__module__.startswith("tqdm")
         bar.update(3)
     assert "\r" in term.getvalue()
+
+
+def test_plain_false_is_silent_off_a_terminal_only():
+    out, term = io.StringIO(), _Terminal()
+    for file in (out, term):
+        with progress(2, "train", "step", file=file, plain=False) as bar:
+            bar.update(2)
+    assert out.getvalue() == "" and "2/2" in term.getvalue()
+
+
+def test_transformers_bars_are_off_inside_for_a_log_and_on_again_after():
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    with library_bars_off_in_logs(io.StringIO()):
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
+    with library_bars_off_in_logs(_Terminal()):
+        assert hf_logging.is_progress_bar_enabled()

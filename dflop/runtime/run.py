@@ -122,4 +122,5 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
 
 
 def _progress_bar(total: int, start: int, enabled: bool):
-    return progress_counter(total, "train", "step", enabled=enabled, initial=start)
+    # Off a terminal (logs/train.log) the step's own log line says as much: no extra lines.
+    return progress_counter(total, "train", "step", enabled=enabled, initial=start, plain=False)
