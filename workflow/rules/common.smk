@@ -3,6 +3,8 @@
 import hashlib
 import json
 import os
+import shutil
+import sys
 
 from pathlib import Path
 
@@ -20,6 +22,12 @@ config.clear()
 config.update(_resolved)
 # Snakemake's own check against the same schema (a no-op once resolve() passed).
 validate(config, "../schemas/config.schema.yaml")
+
+# The rules call `dflop`. Started as `.venv/bin/snakemake` from a shell where the venv is not
+# active, it is not on PATH; the one installed beside Snakemake's Python is then the one meant.
+_BIN = os.path.dirname(sys.executable)
+if shutil.which("dflop") is None and os.access(os.path.join(_BIN, "dflop"), os.X_OK):
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 RESULTS = config["run"]["results_dir"]
 # The software stack of every rule: the project's conda environment (create and activate it
