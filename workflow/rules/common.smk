@@ -27,7 +27,7 @@ validate(config, "../schemas/config.schema.yaml")
 # active, it is not on PATH; the one installed beside Snakemake's Python is then the one meant.
 _BIN = os.path.dirname(sys.executable)
 if shutil.which("dflop") is None and os.access(os.path.join(_BIN, "dflop"), os.X_OK):
-    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
+    os.environ.update(PATH=_BIN + os.pathsep + os.environ.get("PATH", ""))
 
 RESULTS = config["run"]["results_dir"]
 # The software stack of every rule: the project's conda environment (create and activate it
