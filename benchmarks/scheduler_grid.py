@@ -147,6 +147,24 @@ def summarise(raw: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+# What each column of `format_table` means; printed under the table and in `--help`.
+LEGEND = """\
+columns (one row per data set and grid point, over its sampled global batches):
+  dataset           where the global batches come from (the --shapes file's dataset, or llava_ov_mix)
+  n, m, dp          samples per global batch, microbatches per replica, data-parallel replicas
+  n_per_m           n / m;  items_per_bin: n / (m * dp), samples per microbatch of one replica
+  dflop, megatron, llava_group, lpt1d
+                    each policy's simulated step time / the batch's lower bound, mean over the
+                    batches (1.000 = at the bound); megatron, llava_group and lpt1d are the data-blind baselines
+                    (dflop/scheduler/baselines.py)
+  dflop_max         dflop's worst batch, step time / lower bound
+  vs_best_baseline  dflop's step time / the best baseline's on the same batch, worst batch (<= 1)
+  p50_ms, p99_ms    dflop's partitioning wall time per batch, median and 99th percentile
+  cpu_p50_ms        dflop's partitioning CPU time per batch, median
+  won_by            portfolio member that gave dflop's partition: number of batches
+  ilp               ILP statuses: number of batches (only with --ilp auto|always)"""
+
+
 def format_table(summary: pd.DataFrame) -> str:
     cols = ["dataset", "n", "m", "dp", "n_per_m", "items_per_bin", *[p for p in POLICIES if p in summary],
             "dflop_max", "vs_best_baseline", "p50_ms", "p99_ms", "cpu_p50_ms", "won_by", "ilp"]
@@ -193,6 +211,7 @@ def bench_scheduler(shapes_path: str | None = None, out_csv: str | None = None, 
         summary.to_csv(out.with_name(out.stem + "_summary.csv"), index=False)
     if verbose:
         print(format_table(summary))
+        print(LEGEND)
     return summary
 
 
@@ -243,14 +262,15 @@ def parse_grid(text: str | None) -> tuple[tuple[int, int, int], ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Every microbatch partitioning policy on sampled global batches over "
-                                             "an (n, m, dp) grid: mean simulated step / bound per policy.")
+                                             "an (n, m, dp) grid: mean simulated step / bound per policy.",
+                                 epilog=LEGEND, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", help="shapes.parquet to sample global batches from")
     ap.add_argument("--out", help="CSV of every (data set, n, m, dp, batch, policy) row")
     ap.add_argument("--batches", type=int, default=3, help="global batches per grid point and data set")
     ap.add_argument("--ilp", choices=["never", "auto", "always"], default="never",
                     help="the portfolio's exact member (opt-in, see benchmarks/README.md)")
     ap.add_argument("--budget-s", type=float, default=0.25, help="ILP time budget per partition (with --ilp)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the batch sampling and the generated mix")
     ap.add_argument("--no-mix", action="store_true", help="skip the generated LLaVA-OV-like mix")
     ap.add_argument("--grid", help="n:m:dp points, comma-separated (default: 64..4096 x 4..64 x 1..8)")
     ap.add_argument("--costmodel", help="fitted costmodel.json (its preset's model), priced by the pricing path")

@@ -137,10 +137,11 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_install_profile(args: argparse.Namespace) -> None:
-    from dflop.profiles import install_profile
+    from dflop.profiles import install_profile, profile_argument
 
     dest = install_profile(args.name, args.dest, force=args.force)
-    print(f"installed Snakemake profile {args.name!r} at {dest}; run: snakemake --profile {args.name} train")
+    print(f"installed Snakemake profile {args.name!r} at {dest}; "
+          f"run (from this directory): snakemake --profile {profile_argument(dest)} train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
 
     p = add("make-demo-data", cmd_make_demo_data, "write the seeded LLaVA-format demo dataset with real media files")
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--n-samples", type=int, default=300)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, required=True, help="directory for demo.json and the media files")
+    p.add_argument("--n-samples", type=int, default=300, help="samples to write (default: 300, data.demo.n_samples)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples and media (default: 0, data.demo.seed)")
 
     p = add("profile-data", cmd_profile_data, "compute every sample's shape (shapes.parquet) and histograms")
     _add_config_args(p)
@@ -186,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=Path, required=True, help="output candidates.parquet")
 
     p = add("simulate", cmd_simulate, "what-if: re-evaluate a plan on other data or GPU counts, draw its Gantt chart")
-    p.add_argument("--plan", type=Path, required=True)
+    p.add_argument("--plan", type=Path, required=True, help="input plan.yaml (written by dflop optimize)")
     p.add_argument("--gpus", type=_positive_int, default=None,
                    help="scale data parallelism to this many GPUs (the global batch scales with them)")
     p.add_argument("--global-batch", type=_positive_int, default=None,
@@ -208,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_arguments(p)
 
     p = add("install-profile", cmd_install_profile, "copy a Snakemake profile where `snakemake --profile NAME` finds it")
-    p.add_argument("name", choices=["slurm", "local"])
+    p.add_argument("name", choices=["slurm", "local"], help="the profile: slurm (sbatch jobs) or local (one machine)")
     p.add_argument("--dest", type=Path, default=None,
                    help="parent directory (default ~/.config/snakemake; use . for ./NAME)")
     p.add_argument("--force", action="store_true", help="overwrite an existing profile")

@@ -26,6 +26,7 @@ import pyomo.environ as pyo
 from pyomo.contrib.solver.common.factory import SolverFactory
 from pyomo.contrib.solver.common.results import TerminationCondition
 
+from dflop.highs import silence_banner
 from dflop.planner.stages import StageModel
 
 _STATUS = {
@@ -117,6 +118,7 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
     """Solve the layer split (and recompute modes) of `sm` on HiGHS (single thread, no output)."""
     t0 = time.perf_counter()
     model = build_model(sm)
+    silence_banner()
     solver = SolverFactory("highs")
     try:
         res = solver.solve(model, time_limit=float(time_limit_s), rel_gap=float(rel_gap), load_solutions=False,

@@ -29,7 +29,6 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from dflop.config import Config
 from dflop.data.media import MediaError, image_size, video_meta
@@ -40,6 +39,7 @@ from dflop.data.vision_tokens import NO_VISION, sample_vision_shape, sampled_fra
 from dflop.errors import UserError
 from dflop.io import atomic_path
 from dflop.models.presets import tower_arch_params
+from dflop.progress import progress as progress_counter
 from dflop.shapes import SHAPES_SCHEMA
 
 HISTOGRAM_FEATURES = ("n_images", "n_frames", "n_tiles", "vision_tokens", "text_tokens", "seq_len")
@@ -301,8 +301,7 @@ def profile_data(
 
     with atomic_path(shapes_path) as tmp_shapes:
         writer = pq.ParquetWriter(tmp_shapes, SHAPES_SCHEMA)
-        bar = tqdm(total=_expected_total(cfg), unit="sample", desc="profile_data", disable=not progress,
-                   file=sys.stderr, mininterval=1.0)
+        bar = progress_counter(_expected_total(cfg), "profile_data", "sample", enabled=progress)
         try:
             for rows in _shape_stream(_all_samples(cfg), rules, tokenizer, workers):
                 _account(summary, rows)

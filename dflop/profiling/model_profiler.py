@@ -55,7 +55,6 @@ from typing import Sequence
 import pandas as pd
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 from transformers import PreTrainedConfig
 
 from dflop.config import ProfileSection
@@ -63,6 +62,7 @@ from dflop.models.recompute import RECOMPUTE_TARGETS
 from dflop.cpu_memory import reuse_large_cpu_allocations
 from dflop.errors import UserError
 from dflop.io import atomic_path
+from dflop.progress import progress as progress_counter
 from dflop.models.architectures import Architecture, architecture
 from dflop.models.builder import model_config, resolve_dtype
 from dflop.models.handle import ModelHandle
@@ -329,7 +329,6 @@ def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) ->
         return bool(over)
 
     _warm_up(curves, sync, timer)
-    bar = tqdm(total=0, desc=f"profile TP={common['tp']}", unit="shape", disable=not progress, leave=False)
     for round_ in range(settings.max_refine_rounds + 1):
         shapes = [_Shape.at(bench, axis, fixed, curve, x)
                   for bench, axis, fixed, curve in curves for x in curve.next_points()]
@@ -338,9 +337,12 @@ def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) ->
                 log.info("TP=%d: time budget of %.0f s spent; refinement stopped before round %d",
                          common["tp"], settings.time_budget_s, round_)
             break
-        bar.total += len(shapes)
-        bar.refresh()
-        _measure_round(shapes, settings, sync, timer, stop_early=over_budget if round_ > 0 else None)
+        # One counter per round, its total known before it starts: one tick per shape and pass
+        # (refinement picks the next round's shapes only from this round's measurements).
+        desc = f"profile TP={common['tp']} round {round_}"
+        with progress_counter(_round_passes(settings) * len(shapes), desc, "shape-pass", enabled=progress) as bar:
+            _measure_round(shapes, settings, sync, timer, stop_early=over_budget if round_ > 0 else None,
+                           tick=bar.update)
         for shape in shapes:
             totals = [r["fwd_ms"] + r["bwd_ms"] for r in shape.timed]
             shape.curve.record(shape.x, *sync.agree(statistics.median(totals), _scatter(totals)))
@@ -348,8 +350,6 @@ def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) ->
                              batch=shape.batch, seq_len=shape.seq_len, n_layers=shape.bench.n_layers, round=round_,
                              **shape.recompute_columns(k))
                         for k, r in enumerate(shape.timed))
-            bar.update()
-    bar.close()
     return rows
 
 
@@ -384,7 +384,7 @@ class _Shape:
 
 
 def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankSync, timer: Timer, *,
-                   stop_early=None) -> None:
+                   stop_early=None, tick=lambda: None) -> None:
     """Time every shape of a round in `settings.repeats` interleaved passes over all of them.
 
     The development CPUs slow down by up to 1.5x for seconds at a time (another tenant on the
@@ -402,7 +402,7 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
     one (one run per pass) had only cold runs, an offset the fit read as a bend. Shapes of 20 ms
     and more showed no cold-run cost (within +-3 %), and re-warming them would double their time.
     `stop_early()` is asked between passes; when it says so, every shape keeps the runs it has
-    (at least one).
+    (at least one). `tick()` is called once per shape and pass.
 
     A layer module's recompute modes run right after the shape's mode-none runs of each pass (so
     on warm caches, no untimed runs of their own): one timed run in pass 0, which also counts the
@@ -413,7 +413,7 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
     1.6 s; its heavy shapes have 5 runs, so their 2 per mode dominate), the process 9.2 s of CPU
     instead of 7.1 s.
     """
-    later_passes = max(settings.repeats - 1, 1)  # one repeat: the extra runs go back to back
+    later_passes = _round_passes(settings) - 1
     wanted, rewarm, wanted_modes = [], [], []
     for shape in shapes:
         _run_shape(shape, max(settings.warmup, 1), 1, sync, timer)
@@ -427,6 +427,7 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
         rewarm.append(int(light))
         wanted_modes.append({mode: min(int(count), max(2, math.ceil(settings.recompute_share * count)))
                              for mode in modes})
+        tick()
     for pass_ in range(later_passes):
         if stop_early is not None and stop_early():
             return
@@ -438,6 +439,13 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
                 share = _share(mode_count - 1, later_passes, pass_)
                 if share:
                     _run_shape(shape, 0, share, sync, timer, mode)
+            tick()
+
+
+def _round_passes(settings: ProfileSettings) -> int:
+    """Passes of `_measure_round` over its shapes: pass 0, then `repeats - 1` (at least one; with one
+    repeat, the extra runs go back to back)."""
+    return 1 + max(settings.repeats - 1, 1)
 
 
 def _share(total: int, parts: int, index: int) -> int:

@@ -25,6 +25,7 @@ from dflop.errors import UserError
 from dflop.io import replace_dir
 from dflop.models.architectures import architecture_of
 from dflop.models.builder import resolve_dtype
+from dflop.progress import library_bars_off_in_logs
 from dflop.runtime.param_names import RankParameters, canonical_names
 from dflop.runtime.process_group import barrier, collective_device, global_rank, is_distributed
 
@@ -139,5 +140,6 @@ def _write_hf_dir(out: Path, config: PreTrainedConfig, weights: dict[str, torch.
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
+    with library_bars_off_in_logs():
+        model.save_pretrained(tmp)
     replace_dir(tmp, out)

@@ -107,7 +107,10 @@ def check_before_launch(cfg, plan_path: str | Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflop train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="dflop train",
+        description="Train with the plan: starts torchrun with the plan's world size (one process per rank; on "
+                    "Slurm one torchrun agent per node, through srun) and runs the same arguments in every worker.")
     parser.add_argument("--config", type=Path, help="YAML config (default: the demo default)")
     parser.add_argument("--settings", help="JSON object laid over --config")
     parser.add_argument("--plan", type=Path, required=True, help="plan.yaml")

@@ -14,13 +14,13 @@ checkpoints once the window's last step is done, published beside metrics.parque
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from dflop.plan import read_plan
+from dflop.progress import progress as progress_counter
 from dflop.runtime.agreement import rank0_result
 from dflop.runtime.loading import pool_samples
 from dflop.runtime.metrics import MetricsWriter, measured_times, metrics_row
@@ -135,6 +135,5 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
 
 
 def _progress_bar(total: int, start: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, unit="step", desc="train", disable=not enabled, file=sys.stderr)
+    # Off a terminal (logs/train.log) the step's own log line says as much: no extra lines.
+    return progress_counter(total, "train", "step", enabled=enabled, initial=start, plain=False)

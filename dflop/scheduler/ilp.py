@@ -23,6 +23,7 @@ import highspy
 import numpy as np
 
 from dflop.costmodel.types import BatchCosts
+from dflop.highs import quiet_highs
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,7 @@ def solve_ilp(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, warm_bin_o
         return IlpResult(bin_of, obj, warm_obj, status, time.perf_counter() - t0, n_vars)
 
     try:
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = quiet_highs()
         h.setOptionValue("threads", 1)
         h.setOptionValue("random_seed", int(seed) % 2147483647)
         h.setOptionValue("mip_max_nodes", int(max_nodes))

@@ -35,6 +35,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from dflop.costmodel.types import BatchCosts
+from dflop.highs import quiet_highs
 from dflop.scheduler.evaluate import ScalarCosts
 from dflop.scheduler.greedy import MemoryGuard, MemoryGuardError, greedy_2d
 from dflop.sim import stage_op_order
@@ -277,8 +278,7 @@ def _fluid_lp(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, indepen
     lp.a_matrix_.index_ = a.indices.astype(np.int32)
     lp.a_matrix_.value_ = a.data
     try:
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = quiet_highs()
         h.setOptionValue("threads", 1)
         h.passModel(lp)
         h.run()

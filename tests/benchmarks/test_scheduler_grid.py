@@ -22,7 +22,11 @@ def test_bench_scheduler_on_a_shapes_file(tmp_path, capsys):
     raw = pd.read_csv(tmp_path / "bench.csv")
     assert len(raw) == 2 * 2 * 4 and (tmp_path / "bench_summary.csv").exists()
     assert (raw.bound_s > 0).all() and (raw.step_s > 0).all()
-    assert "llava_group" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert "llava_group" in header
+    legend = out[out.index("columns ("):]
+    assert all(column in legend for column in header)  # every printed column is explained
 
 
 def test_read_shapes_errors(tmp_path):

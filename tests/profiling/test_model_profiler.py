@@ -153,10 +153,9 @@ def test_bad_settings_are_one_line_errors(tmp_path):
     assert not (tmp_path / "p.parquet").exists()
 
 
-def _measure_logged_round(names: str, settings) -> tuple[list[str], list]:
+def _measure_logged_round(names: str, settings, ticks: bool = False) -> tuple[list[str], list]:
     """Run `_measure_round` over one tiny shape per name; returns the forward calls in order
-    (one name per run, untimed runs included) and the shapes."""
-    from dflop.models.tensor_parallel import TPGroup
+    (one name per run, untimed runs included; with `ticks`, "|" for each progress tick) and the shapes."""
     from dflop.profiling._timing import Timer
     from dflop.profiling.model_modules import ModuleBench
     from dflop.profiling.model_profiler import _measure_round, _RankSync, _Shape
@@ -171,8 +170,21 @@ def _measure_logged_round(names: str, settings) -> tuple[list[str], list]:
         return ModuleBench(name, layer, lambda b, s: (torch.randn(b, s, 4, requires_grad=True),), forward)
 
     shapes = [_Shape(bench(n), None, 1, 1, 8) for n in names]
-    _measure_round(shapes, settings, _RankSync(torch.device("cpu")), Timer(torch.device("cpu")))
+    _measure_round(shapes, settings, _RankSync(torch.device("cpu")), Timer(torch.device("cpu")),
+                   **({"tick": lambda: calls.append("|")} if ticks else {}))
     return calls, shapes
+
+
+@pytest.mark.parametrize("repeats, expected", [(3, "AA|BB|CC|" + "A|B|C|" * 2), (1, "AA|BB|CC|" + "|||")])
+def test_a_round_ticks_once_per_shape_and_pass_as_its_progress_total_says(repeats, expected):
+    """The round's progress total, shapes x passes, is known before it starts and met exactly,
+    each tick after its shape's runs of the pass (with one repeat the second pass is empty)."""
+    from dflop.profiling.model_profiler import ProfileSettings, _round_passes
+
+    settings = ProfileSettings(repeats=repeats, warmup=1, min_measure_ms=0.0, max_repeats=repeats)
+    calls, _ = _measure_logged_round("ABC", settings, ticks=True)
+    assert "".join(calls) == expected
+    assert _round_passes(settings) * 3 == expected.count("|")
 
 
 def test_a_rounds_repeats_are_interleaved_across_its_shapes():
@@ -224,7 +236,6 @@ def test_recompute_modes_run_after_each_pass_of_mode_none():
     """A layer bench's modes get one timed run in pass 0 (which counts its bytes) and the rest of
     their runs (a quarter of mode none's, at least 2) in later passes, each right after the shape's
     mode-none runs, and leave the bench in mode none."""
-    from dflop.models.tensor_parallel import TPGroup
     from dflop.profiling._timing import Timer
     from dflop.profiling.model_modules import ModuleBench
     from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape

@@ -132,6 +132,18 @@ def test_changing_a_param_reruns_only_rules_that_use_it(workdir):
     assert "profile_data" not in planned_rules(workdir, "profile_data", "--configfile", unrelated)
 
 
+def test_a_changed_value_is_a_short_reason_naming_its_section(workdir):
+    """The reason Snakemake prints compares per-section digests, not two copies of the settings."""
+    skip = _with_config(workdir, "skip_reason", lambda c: c["data"].update(max_skip_frac=0.25))
+    out = snakemake(workdir, "--dry-run", "profile_data", "--configfile", skip).stdout
+    (reason,) = [line for line in out.splitlines() if "Params have changed" in line]
+    assert len(reason) < 300 and "max_skip_frac" not in reason, reason
+    before, now = (dict(item.split(":") for item in part.split("'")[1].split())
+                   for part in reason.split("before:")[1].split("now:"))
+    assert set(before) == set(now) == {"run", "model", "data"}  # the sections profile_data reads
+    assert [name for name in before if before[name] != now[name]] == ["data"]
+
+
 def test_bad_config_is_one_line_naming_key(workdir):
     bad = _with_config(workdir, "bad", lambda c: c["data"].update(max_skip_frac=2))
     proc = snakemake(workdir, "--dry-run", "profile_data", "--configfile", bad, check=False)

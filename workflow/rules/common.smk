@@ -1,7 +1,10 @@
 # Config handling shared by every rule: defaults and validation from the one schema that
 # dflop.config also uses, and the per-rule settings passed on the command line.
+import hashlib
 import json
 import os
+import shutil
+import sys
 
 from pathlib import Path
 
@@ -20,6 +23,12 @@ config.update(_resolved)
 # Snakemake's own check against the same schema (a no-op once resolve() passed).
 validate(config, "../schemas/config.schema.yaml")
 
+# The rules call `dflop`. Started as `.venv/bin/snakemake` from a shell where the venv is not
+# active, it is not on PATH; the one installed beside Snakemake's Python is then the one meant.
+_BIN = os.path.dirname(sys.executable)
+if shutil.which("dflop") is None and os.access(os.path.join(_BIN, "dflop"), os.X_OK):
+    os.environ.update(PATH=_BIN + os.pathsep + os.environ.get("PATH", ""))
+
 RESULTS = config["run"]["results_dir"]
 # The software stack of every rule: the project's conda environment (create and activate it
 # yourself, see README; the rules run `dflop` from the active environment).
@@ -27,13 +36,26 @@ ENV_FILE = "../../environment.yml"
 DEMO_DIR = config["data"]["demo"]["dir"]
 
 
-def settings_json(**sections):
-    """JSON of exactly the config values a rule depends on, for `dflop ... --settings`.
+class RuleSettings:
+    """Exactly the config values that one rule depends on. `str()` is the JSON for `dflop ... --settings`,
+    `digest` one short hash per section ("data:1a2b3c4d5e6f model:...").
 
-    Rules pass it through `params:`, so Snakemake re-runs a rule when one of these values
-    changes and leaves the others alone.
+    Each rule takes both as params (`settings=S, settings_digest=S.digest`). Snakemake records
+    the params of builtin types, re-runs a rule when one changes and prints the old and new value
+    as the reason; it does not record other objects. So the digest drives the re-runs (a changed
+    value re-runs exactly the rules that use it) and the reason is one short line naming the
+    changed section, instead of two copies of the whole JSON.
     """
-    return json.dumps(sections, sort_keys=True, separators=(",", ":"))
+
+    def __init__(self, **sections):
+        self.json = json.dumps(sections, sort_keys=True, separators=(",", ":"))
+        self.digest = " ".join(
+            f"{name}:{hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]}"
+            for name, value in sorted(sections.items())
+        )
+
+    def __str__(self):
+        return self.json
 
 
 def dataset_files(wildcards=None):

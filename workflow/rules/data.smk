@@ -17,6 +17,13 @@ rule make_demo_data:
         " --seed {params.seed} > {log} 2>&1"
 
 
+PROFILE_DATA_SETTINGS = RuleSettings(
+    run={"seed": config["run"]["seed"]},
+    model={k: config["model"][k] for k in ("arch", "vision", "tokenizer", config["model"]["arch"])},
+    data={k: config["data"][k] for k in ("datasets", "max_skip_frac")},
+)
+
+
 rule profile_data:
     input:
         dataset_files,
@@ -24,11 +31,8 @@ rule profile_data:
         shapes=f"{RESULTS}/data/shapes.parquet",
         histograms=f"{RESULTS}/data/histograms.parquet",
     params:
-        settings=settings_json(
-            run={"seed": config["run"]["seed"]},
-            model={k: config["model"][k] for k in ("arch", "vision", "tokenizer", config["model"]["arch"])},
-            data={k: config["data"][k] for k in ("datasets", "max_skip_frac")},
-        ),
+        settings=PROFILE_DATA_SETTINGS,
+        settings_digest=PROFILE_DATA_SETTINGS.digest,
     threads: config["data"]["workers"] or 64
     log:
         "logs/profile_data.log",

@@ -1,16 +1,20 @@
 # Model stages: the model profiler and the cost models fitted on its measurements.
 
 
+PROFILE_MODEL_SETTINGS = RuleSettings(
+    run={"seed": config["run"]["seed"]},
+    model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "dtype")},
+    profile=config["profile"],
+    cluster={"gpus_per_node": config["cluster"]["gpus_per_node"]},  # the co-runners on CPU
+)
+
+
 rule profile_model:
     output:
         profile=f"{RESULTS}/profile/model_profile.parquet",
     params:
-        settings=settings_json(
-            run={"seed": config["run"]["seed"]},
-            model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "dtype")},
-            profile=config["profile"],
-            cluster={"gpus_per_node": config["cluster"]["gpus_per_node"]},  # co-runners on CPU
-        ),
+        settings=PROFILE_MODEL_SETTINGS,
+        settings_digest=PROFILE_MODEL_SETTINGS.digest,
     threads: max(max(config["profile"]["tp_degrees"]), profile_co_runners())
     resources:
         # one GPU per rank of the largest TP degree profiled (torchrun on one node); none on CPU

@@ -1,6 +1,15 @@
 # The data-aware 3D parallelism optimizer.
 
 
+OPTIMIZE_SETTINGS = RuleSettings(
+    run={"seed": config["run"]["seed"]},
+    model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights")},
+    cluster=config["cluster"],
+    planner=config["planner"],
+    train={"global_batch_size": config["train"]["global_batch_size"]},
+)
+
+
 rule optimize:
     input:
         shapes=rules.profile_data.output.shapes,
@@ -9,13 +18,8 @@ rule optimize:
         plan=f"{RESULTS}/plan/plan.yaml",
         candidates=f"{RESULTS}/plan/candidates.parquet",
     params:
-        settings=settings_json(
-            run={"seed": config["run"]["seed"]},
-            model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights")},
-            cluster=config["cluster"],
-            planner=config["planner"],
-            train={"global_batch_size": config["train"]["global_batch_size"]},
-        ),
+        settings=OPTIMIZE_SETTINGS,
+        settings_digest=OPTIMIZE_SETTINGS.digest,
     log:
         "logs/optimize.log",
     conda:

@@ -5,6 +5,16 @@
 # results/train/previous_runs/ (dflop.runtime.run_identity).
 
 
+TRAIN_SETTINGS = RuleSettings(
+    run={"seed": config["run"]["seed"]},
+    model=config["model"],
+    data={k: config["data"][k] for k in ("datasets", "max_skip_frac")},
+    cluster={k: config["cluster"][k] for k in ("device", "gpu_memory_gb")},
+    train=config["train"],
+    scheduler=config["scheduler"],
+)
+
+
 rule train:
     input:
         plan=rules.optimize.output.plan,
@@ -16,14 +26,8 @@ rule train:
         trace=f"{RESULTS}/train/trace.json",  # train.trace_steps' timeline (dflop.runtime.spans)
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output.metrics),
-        settings=settings_json(
-            run={"seed": config["run"]["seed"]},
-            model=config["model"],
-            data={k: config["data"][k] for k in ("datasets", "max_skip_frac")},
-            cluster={k: config["cluster"][k] for k in ("device", "gpu_memory_gb")},
-            train=config["train"],
-            scheduler=config["scheduler"],
-        ),
+        settings=TRAIN_SETTINGS,
+        settings_digest=TRAIN_SETTINGS.digest,
     threads: config["cluster"]["gpus_per_node"]
     resources:
         nodes=train_nodes,
