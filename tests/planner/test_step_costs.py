@@ -11,7 +11,7 @@ import pytest
 
 from dflop.costmodel.fit import fit_step_costs
 from dflop.costmodel.jsonio import cost_model_to_dict, cost_model_from_dict, load_cost_model, save_cost_model
-from dflop.costmodel.model import BytesLine, CostModel, Provenance, StepCosts
+from dflop.costmodel.model import BytesLine, CostModel, StepCosts
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
 from dflop.errors import UserError

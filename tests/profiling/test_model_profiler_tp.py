@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dflop.costmodel import activations
 from dflop.models.builder import model_config
 from dflop.models.info import model_info
+from dflop.profiling.model_modules import MODULES
+from dflop.profiling.step_costs import LINK_MODULES, link_sizes
 from profiling_testlib import profile
 
 
@@ -16,6 +19,9 @@ def test_tp2_profile_under_torchrun_holds_half_of_each_split_module(tmp_path):
     table = profile(arch, vision, llm, tmp_path / "model_profile.parquet", tp_degrees=[1, 2], max_tiles=4,
                     max_seq_len=128, repeats=2, warmup=1, time_budget_s=5.0)
     assert set(table["tp"]) == {1, 2}
+    links = table[table.module.isin(LINK_MODULES)]
+    assert set(links["tp"]) == {2} and set(links["batch"]) == {2}  # only the 2-rank run measures links
+    table = table[table.module.isin(MODULES)]
     tp2 = table[table.tp == 2]
     assert set(tp2["module"]) == set(table[table.tp == 1]["module"])
     assert set(tp2["threads"]) == {1}  # one torch thread per rank on CPU
@@ -73,6 +79,17 @@ def test_co_runners_time_whole_modules_on_a_loaded_machine(tmp_path):
     together = profile(arch, vision, llm, tmp_path / "together.parquet", co_runners=2, **grid)
     alone = profile(arch, vision, llm, tmp_path / "alone.parquet", **grid)
     assert set(together["co_runners"]) == {2} and set(alone["co_runners"]) == {1}
+    # Two ranks also measure the links, at every size of the sweep (4 KiB to 16 MiB by 4x on CPU);
+    # alone there is nothing to measure them with.
+    links = together[together.module.isin(LINK_MODULES)]
+    assert sorted(links["bytes"].unique()) == [4096 * 4**k for k in range(7)] == link_sizes(torch.device("cpu"))
+    assert set(links["batch"]) == {2} and (links["fwd_ms"] > 0).all()
+    assert not alone["module"].isin(LINK_MODULES).any()
+    together = together[together.module.isin(MODULES)].astype({"batch": int, "seq_len": int, "act_bytes": int})
+    # every module with parameters timed its optimizer step; attention has none to step
+    optim = together.groupby("module")["optim_ms"].unique()
+    assert list(optim["llm_attention"]) == [0.0]
+    assert all(len(v) == 1 and v[0] > 0 for m, v in optim.items() if m != "llm_attention")
     assert set(together["tp"]) == {1} and set(together["threads"]) == {1}
     info = model_info(arch, vision, llm)
     params = together.groupby("module")["param_bytes"].unique()
@@ -83,4 +100,4 @@ def test_co_runners_time_whole_modules_on_a_loaded_machine(tmp_path):
     bytes_alone = alone.groupby(keys)[["act_bytes", "param_bytes"]].first()
     shared = bytes_together.index.intersection(bytes_alone.index)
     assert len(shared) >= 7  # every module at its first shapes at least
-    assert bytes_together.loc[shared].equals(bytes_alone.loc[shared])
+    assert (bytes_together.loc[shared].to_numpy() == bytes_alone.loc[shared].to_numpy()).all()

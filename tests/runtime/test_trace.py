@@ -8,7 +8,6 @@ microbatches: the data-blind policy keeps the plan's count), 2 steps, tracing st
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
