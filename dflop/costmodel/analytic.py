@@ -47,8 +47,8 @@ from transformers import PreTrainedConfig
 from dflop.costmodel import activations
 from dflop.costmodel.features import MODULE_FEATURES
 from dflop.costmodel.memory import canonical_dtype
-from dflop.errors import UserError
 from dflop.costmodel.model import CostModel, ModuleCosts, Provenance
+from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.info import info_of
 
@@ -92,7 +92,8 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
         embed_tile, embed_const = activations.vision_embed_bytes(config, dtype)
         parts = {
             # (forward FLOPs per unit, forward TP comm ms per unit, activation bytes per unit, params)
-            "vision_embed": ({"tiles": 2 * info.vision_embed_params * T / t}, 0.0, {"tiles": embed_tile, "const": embed_const},
+            "vision_embed": ({"tiles": 2 * info.vision_embed_params * T / t}, 0.0,
+                             {"tiles": embed_tile, "const": embed_const},
                              info.vision_embed_params),
             "vision_layer": ({"tiles": (2 * info.vision_layer_params * T + 4 * T * T * hv) / t},
                              2 * allreduce_ms(nbytes * T * hv), {"tiles": T * vision_act},
@@ -103,7 +104,8 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
             "llm_layer": ({"tokens": 2 * info.llm_layer_params / t, "sq_tokens": 2 * hl / t},
                           2 * allreduce_ms(nbytes * hl), {"tokens": llm_act},
                           info.llm_layer_params),
-            "llm_head": ({"tokens": 2 * hl * V / t}, allreduce_ms(4), {"tokens": activations.llm_head_bytes_per_token(text, dtype, tp=t)},
+            "llm_head": ({"tokens": 2 * hl * V / t}, allreduce_ms(4),
+                         {"tokens": activations.llm_head_bytes_per_token(text, dtype, tp=t)},
                          info.llm_head_params),
         }
         for name, (flops, comm_ms, act, params) in parts.items():

@@ -115,5 +115,6 @@ def test_first_and_last_llm_stage_keep_the_embedding_and_head_closed_forms(model
         stage(ids, packed, image_features=features, shift_labels=shift, num_items_in_batch=1)
     tokens = sum(lengths)
     predicted = (activations.llm_stage_layer_bytes(text, lengths, len(stage.layers), "none", "float32")
-                 + tokens * (activations.LLM_EMBED_BYTES_PER_TOKEN + activations.llm_head_bytes_per_token(text, "float32")))
+                 + tokens * activations.LLM_EMBED_BYTES_PER_TOKEN
+                 + tokens * activations.llm_head_bytes_per_token(text, "float32"))
     assert saved.bytes == pytest.approx(predicted, abs=64)
