@@ -30,6 +30,18 @@ Vision layer (S tokens per tile incl. CLS):
              the log-sum-exp goes);  full  b h.
   InternViT with RMSNorm (InternViT-6B) and QK-norm are not modelled: `UserError`.
 
+The parts around the layers (first and last stages; S image size, P patches per tile, n LLM tokens
+per tile, V vocabulary; replicated under TP unless divided by t):
+  vision embeddings  b 3 S^2 per tile (the pixels the patch convolution keeps; SigLIP's int64
+                     position ids, 8 P, once per microbatch)
+  projector          LLaVA-OV (Linear, GELU, Linear) per tile: P (b h_v + 2 b h / t) (its input,
+                     the GELU's input and output); InternVL (drop CLS, pixel shuffle, LayerNorm,
+                     Linear, GELU, Linear): 2 b h_v P + 8 n + 2 b n h / t (norm input and output,
+                     float32 mean + rstd, the GELU's input and output)
+  token embeddings   9 per token (the int64 ids the lookup keeps, the bool image-token mask)
+  LM head + loss     3 b h + (4 - b) h + 4 + 4 V / t + 8 per token (the final RMSNorm as in the
+                     layers, the LM head's input, the float32 log-softmax, the int64 label)
+
 Measured against the hooks on the tiny and small presets (float32, CPU) by tests/costmodel.
 """
 
@@ -140,3 +152,34 @@ def vision_stage_layer_bytes(config: PreTrainedConfig, n_tiles: int, n_layers: i
     """Bytes `n_layers` vision layers keep for `n_tiles` tiles."""
     tokens = n_tiles * architecture_of(config).layer_tokens_per_tile(config)
     return n_layers * tokens * vision_layer_bytes_per_token(config, mode, dtype, tp=tp)
+
+
+def vision_embed_bytes(config: PreTrainedConfig, dtype: str) -> tuple[float, float]:
+    """(bytes per tile, bytes per microbatch) the vision embeddings keep (module docstring)."""
+    vc = config.vision_config
+    size = vc.image_size[0] if isinstance(vc.image_size, (tuple, list)) else vc.image_size
+    const = 8.0 * (size // vc.patch_size) ** 2 if architecture_of(config).vision_family == "siglip" else 0.0
+    return float(DTYPE_BYTES[canonical_dtype(dtype)] * 3 * size * size), const
+
+
+def projector_bytes_per_tile(config: PreTrainedConfig, dtype: str, *, tp: int = 1) -> float:
+    """Bytes the projector keeps per tile (module docstring); `config` is the multimodal config."""
+    b = DTYPE_BYTES[canonical_dtype(dtype)]
+    arch = architecture_of(config)
+    hv, h = config.vision_config.hidden_size, config.get_text_config().hidden_size
+    n = arch.llm_tokens_per_tile(config)
+    if arch.vision_family == "internvit":
+        patches = arch.layer_tokens_per_tile(config) - 1  # the CLS token is dropped
+        return float(2 * b * hv * patches + 8 * n + 2 * b * n * h / tp)
+    return float(arch.layer_tokens_per_tile(config) * (b * hv + 2 * b * h / tp))
+
+
+#: What the token embedding keeps per token: the int64 ids and the bool image-token mask.
+LLM_EMBED_BYTES_PER_TOKEN = 9.0
+
+
+def llm_head_bytes_per_token(text_config: PreTrainedConfig, dtype: str, *, tp: int = 1) -> float:
+    """Bytes the final norm, LM head and cross-entropy keep per token (module docstring)."""
+    b = DTYPE_BYTES[canonical_dtype(dtype)]
+    h = text_config.hidden_size
+    return float(3 * b * h + (4 - b) * h + 4 + 4 * text_config.vocab_size / tp + 8)

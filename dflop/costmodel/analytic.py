@@ -17,12 +17,14 @@ shapes and a stated achieved throughput:
   ``2 (t-1)/t * bytes / tp_gbps`` each. Sequence parallelism replaces each all-reduce by a
   reduce-scatter + an all-gather of the same total traffic (a ring all-reduce is exactly those
   two), so the term is the same with and without it;
-- activation bytes kept for the backward (bf16, flash attention, no recomputation, no sequence
-  parallelism), per token per layer: ``2 * (4 h + (6 h + 3 I) / t)`` (norm inputs and residuals
-  replicated; q, k, v, attention output, MLP gate/up/activation split by TP; I = MLP width);
-  sequence parallelism (LLM layers, t > 1) is priced per plan by the cost model
+- activation bytes kept for the backward (no recomputation, no sequence parallelism; flash
+  attention: no concatenated per-sample outputs): the closed forms of `dflop.costmodel.activations`
+  for every part (layers, embeddings, projector, LM head + loss), held against saved-tensor hooks
+  there; a vision tower they do not model (InternViT-6B: RMSNorm, QK-norm) gets the first-order
+  ``b (4 h + (6 h + 3 I) / t)`` per token per layer (I = MLP width). Not in the model: what an LLM
+  stage keeps once whatever its layer count (rotary cos/sin, `activations.llm_stage_shared_bytes`).
+  Sequence parallelism (LLM layers, t > 1) is priced per plan by the cost model
   (`dflop.costmodel.activations.sequence_parallel_saving`);
-  LM head: fp32 logits ``4 V / t`` per token;
 - activation recomputation (``recompute``, per stage): ``full`` keeps the layer input ``b h`` per
   token and its backward runs the layer's forward again (FLOPs, TP all-reduces, overhead) up to
   the last tensor backward needs: torch's checkpoint stops early, so the LLM's and SigLIP's MLP
@@ -46,6 +48,7 @@ from dflop.costmodel import activations
 from dflop.costmodel.features import MODULE_FEATURES
 from dflop.costmodel.memory import canonical_dtype
 from dflop.costmodel.model import CostModel, ModuleCosts, Provenance
+from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.info import info_of
 
@@ -77,23 +80,32 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
         def allreduce_ms(bytes_per_unit: float) -> float:
             return 0.0 if t == 1 else 2 * (t - 1) / t * bytes_per_unit / (tp_gbps * 1e9) * 1e3
 
-        def act_layer(h: int, inter: int) -> float:
-            return nbytes * (4 * h + (6 * h + 3 * inter) / t)
+        def act_layer(closed_form, h: int, inter: int) -> float:
+            try:
+                return closed_form()
+            except UserError:  # a tower the closed forms do not model (InternViT-6B): first-order estimate
+                return nbytes * (4 * h + (6 * h + 3 * inter) / t)
 
+        vision_act = act_layer(lambda: activations.vision_layer_bytes_per_token(config, "none", dtype, tp=t),
+                               hv, vision_mlp)
+        llm_act = act_layer(lambda: activations.llm_layer_bytes_per_token(text, "none", dtype, tp=t), hl, llm_mlp)
+        embed_tile, embed_const = activations.vision_embed_bytes(config, dtype)
         parts = {
             # (forward FLOPs per unit, forward TP comm ms per unit, activation bytes per unit, params)
-            "vision_embed": ({"tiles": 2 * info.vision_embed_params * T / t}, 0.0, {"tiles": nbytes * T * hv},
+            "vision_embed": ({"tiles": 2 * info.vision_embed_params * T / t}, 0.0,
+                             {"tiles": embed_tile, "const": embed_const},
                              info.vision_embed_params),
             "vision_layer": ({"tiles": (2 * info.vision_layer_params * T + 4 * T * T * hv) / t},
-                             2 * allreduce_ms(nbytes * T * hv), {"tiles": T * act_layer(hv, vision_mlp)},
+                             2 * allreduce_ms(nbytes * T * hv), {"tiles": T * vision_act},
                              info.vision_layer_params),
             "projector": ({"tiles": 2 * info.projector_params * T / t}, allreduce_ms(nbytes * T * hl),
-                          {"tiles": nbytes * T * (hv + hl) / t}, info.projector_params),
-            "llm_embed": ({}, 0.0, {"tokens": nbytes * hl}, info.llm_embed_params),
+                          {"tiles": activations.projector_bytes_per_tile(config, dtype, tp=t)}, info.projector_params),
+            "llm_embed": ({}, 0.0, {"tokens": activations.LLM_EMBED_BYTES_PER_TOKEN}, info.llm_embed_params),
             "llm_layer": ({"tokens": 2 * info.llm_layer_params / t, "sq_tokens": 2 * hl / t},
-                          2 * allreduce_ms(nbytes * hl), {"tokens": act_layer(hl, llm_mlp)},
+                          2 * allreduce_ms(nbytes * hl), {"tokens": llm_act},
                           info.llm_layer_params),
-            "llm_head": ({"tokens": 2 * hl * V / t}, allreduce_ms(4), {"tokens": nbytes * hl + 4 * V / t},
+            "llm_head": ({"tokens": 2 * hl * V / t}, allreduce_ms(4),
+                         {"tokens": activations.llm_head_bytes_per_token(text, dtype, tp=t)},
                          info.llm_head_params),
         }
         for name, (flops, comm_ms, act, params) in parts.items():

@@ -35,10 +35,7 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBy
     result = SavedBytes()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        local = local_tensor(tensor)
-        if isinstance(local, AsyncCollectiveTensor):  # a collective's output (sequence parallelism's
-            local = local.trigger_wait()  # all-gather into the LM head): its storage once it has arrived
-        storage = local.untyped_storage()
+        storage = _storage(tensor)
         ptr = storage.data_ptr()
         if ptr not in excluded:
             result._storages.setdefault(ptr, storage.nbytes())
@@ -47,6 +44,79 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedBy
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield result
     result.bytes = sum(result._storages.values())
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
+    """The storage behind a saved tensor (a DTensor: its local shard's)."""
+    local = local_tensor(tensor)
+    if isinstance(local, AsyncCollectiveTensor):  # a collective's output (sequence parallelism's
+        local = local.trigger_wait()  # all-gather into the LM head): its storage once it has arrived
+    return local.untyped_storage()
+
+
+@dataclass
+class LiveSavedBytes:
+    """Bytes of the distinct storages autograd holds for backward right now, and their peak so far
+    (`live_saved_tensor_bytes`)."""
+
+    live: int = 0
+    peak: int = 0
+    _held: dict[int, list[int]] = field(default_factory=dict)  # storage address -> [saved tensors, bytes]
+
+    def _add(self, ptr: int, nbytes: int) -> None:
+        entry = self._held.get(ptr)
+        if entry is not None:
+            entry[0] += 1
+            return
+        self._held[ptr] = [1, nbytes]
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _release(self, ptr: int) -> None:
+        entry = self._held[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._held[ptr]
+            self.live -= entry[1]
+
+
+class _Held:
+    """A saved tensor as autograd keeps it while `live_saved_tensor_bytes` is on: autograd drops
+    it when the backward that needs it has run (or the graph goes), which releases its bytes."""
+
+    __slots__ = ("tensor", "ptr", "owner")
+
+    def __init__(self, tensor: torch.Tensor, ptr: int, owner: LiveSavedBytes):
+        self.tensor, self.ptr, self.owner = tensor, ptr, owner
+
+    def __del__(self):
+        self.owner._release(self.ptr)
+
+
+@contextlib.contextmanager
+def live_saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[LiveSavedBytes]:
+    """Track the bytes of tensors saved for backward by forwards run inside the block while they are
+    held, across forwards and backwards (a pipeline's in-flight microbatches): ``peak`` is the most
+    held at once. Each storage counts once while any saved tensor uses it; storages of `exclude`
+    (the parameters) are not activations. Tensors saved inside `torch.utils.checkpoint` regions are
+    the checkpoint's business (its own hooks take precedence): only what it keeps is seen.
+    """
+    excluded = {local_tensor(t).untyped_storage().data_ptr() for t in exclude}
+    result = LiveSavedBytes()
+
+    def pack(tensor: torch.Tensor):
+        storage = _storage(tensor)
+        ptr = storage.data_ptr()
+        if ptr in excluded:
+            return tensor
+        result._add(ptr, storage.nbytes())
+        return _Held(tensor, ptr, result)
+
+    def unpack(packed):
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield result
 
 
 def param_bytes(module: nn.Module) -> int:

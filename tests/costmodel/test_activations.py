@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
 from dflop.costmodel import activations
 from dflop.models.architectures import ImageLayout, architecture_of
 from dflop.models.builder import build_model
@@ -67,3 +69,52 @@ def test_llm_saved_bytes_match_closed_form(model, lengths):
         assert measured[mode] == pytest.approx(predicted[mode], rel=0.05), mode
     assert measured["none"] - measured["selective"] == pytest.approx(predicted["none"] - predicted["selective"])
     assert measured["full"] < measured["selective"] < measured["none"]
+
+
+def _image_layout(model):
+    """Two images of a microbatch and their tiles (LLaVA-OV: AnyRes base + crops of these sizes)."""
+    config = model.config
+    sizes = torch.tensor([[56, 112], [100, 60]])
+    if architecture_of(config).vision_family == "siglip":
+        tiles = [image_size_to_num_patches(s, config.image_grid_pinpoints, config.vision_config.image_size)
+                 for s in sizes]
+    else:
+        tiles = [2, 1]
+    return ImageLayout(tuple(tiles), sizes)
+
+
+def test_first_and_last_vision_stage_keep_the_embedding_and_projector_closed_forms(model):
+    """A whole one-stage vision tower (pixels in, features out) with its layers: the layers plus the
+    embeddings' and projector's closed forms, exactly."""
+    config = model.config
+    layout = _image_layout(model)
+    size = config.vision_config.image_size
+    size = size[0] if isinstance(size, (tuple, list)) else size
+    stage = build_vision_stage(model, 0, 1)
+    with saved_tensor_bytes(model.parameters()) as saved:
+        stage(torch.randn(layout.n_tiles, 3, size, size), layout)
+    per_tile, const = activations.vision_embed_bytes(config, "float32")
+    predicted = (activations.vision_stage_layer_bytes(config, layout.n_tiles, len(stage.layers), "none", "float32")
+                 + layout.n_tiles * (per_tile + activations.projector_bytes_per_tile(config, "float32")) + const)
+    assert saved.bytes == pytest.approx(predicted, rel=1e-6)
+
+
+def test_first_and_last_llm_stage_keep_the_embedding_and_head_closed_forms(model):
+    """A one-stage LLM (ids and image features in, loss out) on a packed row: the
+    layers plus the token embedding's and the head's closed forms (4 bytes: the loss's scalar)."""
+    text = model.config.get_text_config()
+    lengths = [37, 50, 24]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (sum(lengths),), generator=generator)
+    ids[5:17] = model.config.image_token_id
+    features = torch.randn(12, text.hidden_size, requires_grad=True)
+    packed = PackedSequence.from_lengths(lengths)
+    shift = packed.shift_labels(torch.randint(0, 1000, (sum(lengths),), generator=generator))
+    stage = build_llm_stage(model, 0, 1)
+    with saved_tensor_bytes(model.parameters()) as saved:
+        stage(ids, packed, image_features=features, shift_labels=shift, num_items_in_batch=1)
+    tokens = sum(lengths)
+    predicted = (activations.llm_stage_layer_bytes(text, lengths, len(stage.layers), "none", "float32")
+                 + tokens * activations.LLM_EMBED_BYTES_PER_TOKEN
+                 + tokens * activations.llm_head_bytes_per_token(text, "float32"))
+    assert saved.bytes == pytest.approx(predicted, abs=64)
