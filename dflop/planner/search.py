@@ -261,7 +261,7 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueM
         else:
             res = solve_split(sm, time_limit_s=s.time_limit_s, rel_gap=s.rel_gap)
             n_calls += 1
-        settled = means.fit(lay, res.split, **kw) if res.has_solution else None
+        settled = means.fit(lay, res.split, leanest_model=sm, **kw) if res.has_solution else None
         if settled is not None:
             sm, modes = settled
             objective = sm.objective_s(res.split, modes)

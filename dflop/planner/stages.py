@@ -24,6 +24,7 @@ Everything here broadcasts over numpy arrays so the search can score many layout
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -289,6 +290,28 @@ class StageModel:
         return list(vision + plan.llm_techniques.recompute)
 
 
+class _ModeCoeffs(Mapping):
+    """{recompute mode: StageCoeffs}, each computed on first use: the search builds a layout's model
+    once per technique setting, and a setting tried only to see whether the split still fits
+    without it reads one or two of the modes (`technique_choice.settle`)."""
+
+    def __init__(self, modes: tuple[str, ...], compute):
+        self._modes, self._compute, self._done = tuple(modes), compute, {}
+
+    def __getitem__(self, mode: str) -> "StageCoeffs":
+        if mode not in self._modes:
+            raise KeyError(mode)
+        if mode not in self._done:
+            self._done[mode] = self._compute(mode)
+        return self._done[mode]
+
+    def __iter__(self):
+        return iter(self._modes)
+
+    def __len__(self) -> int:
+        return len(self._modes)
+
+
 def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, cluster: Cluster,
                       global_batch: int, transfer: TransferMeans,
                       granularity: Granularity = Granularity.none(), shard: tuple = (False, False),
@@ -306,7 +329,8 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
         raise ValueError(f"vision modes {vision.modes} and llm modes {llm.modes} share none")
     link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
                  tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
-    by_mode = {md: _stage_coeffs(lay, vision, llm, link, B, transfer, granularity, shard, dtype, md) for md in modes}
+    by_mode = _ModeCoeffs(modes, lambda md: _stage_coeffs(lay, vision, llm, link, B, transfer, granularity, shard,
+                                                          dtype, md))
     c = by_mode[modes[0]]
     n_v = lay.n_vision_stages
 

@@ -67,16 +67,18 @@ class TechniqueSpace:
         return self.shard_optimizer == AUTO, self.sequence_parallel == AUTO
 
 
-def settle(build, leanest: tuple[bool, bool, bool], n, space: TechniqueSpace) -> tuple[StageModel, list[str]] | None:
+def settle(build, leanest: tuple[bool, bool, bool], n, space: TechniqueSpace,
+           leanest_model: StageModel | None = None) -> tuple[StageModel, list[str]] | None:
     """The techniques split `n` runs with: every stage's fastest mode that fits under the leanest
     setting (a stage's memory depends on its own layers and mode only, so stages choose apart;
     modes are ordered fastest first), then sharding and SP switched off wherever the split still
     fits without them.
 
-    build(shard_v, shard_l, sp) -> StageModel of the layout. Returns (StageModel of the chosen
-    setting, [P] modes), or None when some stage fits in no mode.
+    build(shard_v, shard_l, sp) -> StageModel of the layout; leanest_model: ``build(*leanest)``
+    when the caller has it already. Returns (StageModel of the chosen setting, [P] modes), or None
+    when some stage fits in no mode.
     """
-    sm = build(*leanest)
+    sm = leanest_model if leanest_model is not None else build(*leanest)
     modes = sm.cheapest_fitting_modes(n)
     if modes is None:
         return None
@@ -140,9 +142,11 @@ class TechniqueMeans:
                                  cluster=cluster, global_batch=global_batch, transfer=transfer,
                                  granularity=granularity, shard=(shard_v, shard_l), dtype=self.dtype)
 
-    def fit(self, layout: Layout, n, **kw) -> tuple[StageModel, list[str]] | None:
-        """`settle` split `n` of `layout` (keywords: `stage_model`'s)."""
-        return settle(lambda *setting: self.stage_model(layout, setting, **kw), self.leanest(layout), n, self.space)
+    def fit(self, layout: Layout, n, leanest_model: StageModel | None = None, **kw) -> tuple[StageModel, list[str]] | None:
+        """`settle` split `n` of `layout` (keywords: `stage_model`'s; leanest_model: the layout's
+        model under `leanest`, when already built)."""
+        return settle(lambda *setting: self.stage_model(layout, setting, **kw), self.leanest(layout), n, self.space,
+                      leanest_model)
 
 
 def _leanest(means: ModuleMeans) -> ModuleMeans:
