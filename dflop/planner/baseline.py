@@ -1,10 +1,14 @@
 """The data-blind baseline layout (Megatron-style), evaluated exactly like the DFLOP plan.
 
 What a data-blind stack runs: the vision tower colocated on the first LLM stage (torchtitan,
-Megatron), LLM layers split uniformly over the stages (``llm_layers % pp == 0``), as many data-
-parallel replicas as fit (the largest ``dp <= world // (tp * pp)`` that `Cluster.launchable`
-allows, and the largest such divisor of the global batch), and microbatches of a fixed sample
-count (``global_batch % (m * dp) == 0``) cut from the batch in order. Among those layouts the baseline is the best one by the same simulation over the same
+Megatron), or, as Megatron-Core's ``--encoder-pipeline-model-parallel-size 1`` and
+``--encoder-tensor-model-parallel-size`` run it, on a pipeline stage of its own before the LLM's
+with its own TP degree and one encoder per LLM replica (placement "disjoint", ``dp_v = dp_l``: the
+way to train an encoder whose heads no LLM TP degree divides, such as InternViT-6B's 25); LLM
+layers split uniformly over the stages (``llm_layers % pp == 0``), as many data-parallel replicas
+as fit (the largest ``dp`` that `Cluster.launchable` allows, and the largest such divisor of the
+global batch), and microbatches of a fixed sample count (``global_batch % (m * dp) == 0``) cut
+from the batch in order. Among those layouts the baseline is the best one by the same simulation over the same
 sampled batches (the mean-shape step picks which `simulate` of them are simulated), so the
 reported speedup is what data awareness buys over a tuned data-blind layout, not over a bad one.
 
@@ -44,6 +48,33 @@ class BaselineResult:
 
 def baseline_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout], list[dict]]:
     """Every data-blind layout, and rejection rows for (tp, pp, m) that break its divisibility rules."""
+    layouts, rejected = _colocated_layouts(space, cluster)
+    return layouts + _encoder_stage_layouts(space, cluster), rejected
+
+
+def _encoder_stage_layouts(space: SearchSpace, cluster: Cluster) -> list[Layout]:
+    """Megatron-Core's encoder pipeline stage (module docstring): per replica one vision tower of TP
+    ``tp_v`` before ``pp`` uniform LLM stages of TP ``tp_l``; the replica counts and microbatches as
+    for the colocated layouts (whose divisibility rejections stand for these too)."""
+    W, B, L = cluster.world_size, space.global_batch, space.llm_layers
+    layouts = []
+    for tv in space.vision_tp:
+        for t in space.llm_tp:
+            for pp in (p for p in range(1, L + 1) if L % p == 0):
+                per_replica = tv + t * pp
+                dps = np.arange(W // per_replica, 0, -1)
+                dps = dps[cluster.launchable(dps * per_replica, dps * tv, t)]
+                if len(dps) == 0:
+                    continue
+                dividing = dps[B % dps == 0]
+                for dp in sorted({int(dps[0]), *(int(d) for d in dividing[:1])}):
+                    layouts += [Layout("disjoint", tv, 1, dp, t, pp, dp, m) for m in space.microbatches
+                                if B % (m * dp) == 0]
+    return layouts
+
+
+def _colocated_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout], list[dict]]:
+    """The colocated data-blind layouts, and rejection rows for (tp, pp, m) that break their rules."""
     W, B, L = cluster.world_size, space.global_batch, space.llm_layers
     layouts, rejected = [], []
     for t in space.shared_tp:
@@ -91,7 +122,7 @@ def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster,
     layouts, rows = baseline_layouts(space, cluster)
     scored = []
     for lay in layouts:
-        split = np.r_[[space.llm_layers // lay.pp_l] * lay.pp_l]
+        split = np.r_[[space.vision_layers] * lay.n_vision_stages, [space.llm_layers // lay.pp_l] * lay.pp_l]
         settled = means.fit(lay, split, cluster=cluster, global_batch=space.global_batch, transfer=transfer,
                             granularity=granularity)
         if settled is None:
@@ -99,8 +130,9 @@ def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster,
                                    transfer=transfer, granularity=granularity)
             need = sm.lean_memory_at(split)
             s = int(np.argmax(need - sm.memory_bytes))
-            rows.append(_row("rejected", "memory", f"uniform split needs {need[s] / 1e9:.3g} GB on llm stage {s} "
-                             f"with every memory technique", plan=sm.plan(split)))
+            plan = sm.plan(split)
+            rows.append(_row("rejected", "memory", f"uniform split needs {need[s] / 1e9:.3g} GB on "
+                             f"{plan.stage_name(s)} with every memory technique", plan=plan))
             continue
         sm, modes = settled
         scored.append((sm.objective_s(split, modes), sm, sm.plan(split, modes)))
