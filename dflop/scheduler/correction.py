@@ -109,7 +109,7 @@ class AdaptiveCorrection:
 
     Learned state: ``factors_`` {"vision": [n_buckets + 1], "llm": [...]} (last = constant),
     ``stage_scales_`` {"vision": [pp_v], "llm": [pp_l]} (empty before the first observation),
-    ``n_obs_``, ``active`` (set by `decide`).
+    ``n_obs_``, ``active`` (set by `decide`), ``step_overhead_s_`` (`observe_step`).
     """
 
     def __init__(self, n_buckets: int, *, decay: float = 0.95, ridge: float = 1e-5, overhead_s: float = 0.0,
@@ -126,6 +126,8 @@ class AdaptiveCorrection:
         self.n_obs_ = 0
         self.active = False
         self._track_s = 0.0  # EMA of bookkeeping seconds per step
+        self.step_overhead_s_ = 0.0
+        self._overhead_w = 0.0  # decayed count of the steps behind step_overhead_s_
 
     #: Learned arrays by state-dict name -> the attribute holding {"vision": ..., "llm": ...}.
     _STATE_ARRAYS = {"gram": "_gram", "rhs": "_rhs", "factors": "factors_", "stage_scales": "stage_scales_"}
@@ -133,6 +135,7 @@ class AdaptiveCorrection:
     def state_dict(self) -> dict:
         """The learned state as plain JSON-able values (saved in training checkpoints)."""
         return {"n_buckets": self.n_buckets, "n_obs": self.n_obs_, "active": self.active, "track_s": self._track_s,
+                "step_overhead_s": self.step_overhead_s_, "overhead_weight": self._overhead_w,
                 **{f"{part}_{mod}": getattr(self, attr)[mod].tolist()
                    for part, attr in self._STATE_ARRAYS.items() for mod in ("vision", "llm")}}
 
@@ -146,7 +149,8 @@ class AdaptiveCorrection:
                 return False
             arrays = {(part, mod): np.asarray(state[f"{part}_{mod}"], dtype=np.float64)
                       for part in self._STATE_ARRAYS for mod in ("vision", "llm")}
-            scalars = int(state["n_obs"]), bool(state["active"]), float(state["track_s"])
+            scalars = (int(state["n_obs"]), bool(state["active"]), float(state["track_s"]),
+                       float(state["step_overhead_s"]), float(state["overhead_weight"]))
         except (KeyError, TypeError, ValueError):
             return False
         for mod in ("vision", "llm"):
@@ -156,7 +160,7 @@ class AdaptiveCorrection:
                 return False
         for (part, mod), value in arrays.items():
             getattr(self, self._STATE_ARRAYS[part])[mod] = value
-        self.n_obs_, self.active, self._track_s = scalars
+        self.n_obs_, self.active, self._track_s, self.step_overhead_s_, self._overhead_w = scalars
         return True
 
     def _check_buckets(self, buckets: np.ndarray, n: int) -> np.ndarray:
@@ -228,6 +232,15 @@ class AdaptiveCorrection:
                 break
         self.factors_[mod] = np.clip(factors, 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
         self.stage_scales_[mod] = scales
+
+    def observe_step(self, step_s: float, simulated_s: float) -> None:
+        """Add one step's wall seconds and its partition's 1F1B simulation with the corrected stage
+        costs: ``step_overhead_s_`` is their decayed mean difference, what the step pays outside
+        the stages' compute (optimizer, gradient sync, data wait, Python between ops) as far as
+        the cost model leaves it out. It moves no partition (it is the same for all); it completes
+        the corrected prediction of the step."""
+        self._overhead_w = self.decay * self._overhead_w + 1.0
+        self.step_overhead_s_ += (float(step_s) - float(simulated_s) - self.step_overhead_s_) / self._overhead_w
 
     def _track(self, seconds: float) -> None:
         self._track_s = seconds if self.n_obs_ <= 1 else 0.9 * self._track_s + 0.1 * seconds

@@ -217,7 +217,7 @@ class StepPlanner:
                                                      allreduce_s=self.allreduce_s))
         corrected = float("nan")
         if corr is not None and corr.n_obs_ > 0 and buckets is not None:
-            corrected = self._simulate(corr.corrected(costs, buckets), part)
+            corrected = self._simulate(corr.corrected(costs, buckets), part) + corr.step_overhead_s_
         return replace(plan, corrected_step_s=corrected, correction_active=bool(active))
 
     def replan(self, plan: StepPlan, rows: np.ndarray) -> StepPlan:
@@ -238,14 +238,21 @@ class StepPlanner:
                                        costs.vision_total())
         return replace(new, member=f"replaced:{part.member}")
 
-    def report(self, step: int, measured: MeasuredTimes, decide_every: int = 4) -> None:
-        """Measured stage times of `step`, for the adaptive correction (dflop policy only)."""
+    def report(self, step: int, measured: MeasuredTimes, decide_every: int = 2, step_s: float | None = None) -> None:
+        """Measured stage times of `step`, for the adaptive correction (dflop policy only; the
+        first step of a run is not learned from: it pays the warm-up, 20-80x a later step).
+        step_s: the step's wall seconds, for the correction's per-step overhead (`observe_step`)."""
         costs, buckets, part = self._costs.pop(step, (None, None, None))
         for old in [s for s in self._costs if s < step]:
             del self._costs[old]
         if self.correction is None or part is None:
             return
+        if step == self._first:  # warm-up (allocator, thread pools, first collectives): not the steady state
+            self.service.report(step, None, part)
+            return
         self.service.report(step, measured, part)
+        if step_s is not None and buckets is not None:
+            self.correction.observe_step(step_s, self._simulate(self.correction.corrected(costs, buckets), part))
         if self.correction.n_obs_ and self.correction.n_obs_ % decide_every == 0:
             dp_vision = self.plan.vision_replicas
             self.correction.decide(costs, buckets, self.plan.microbatches, self.plan.llm.dp, dp_vision)

@@ -107,13 +107,14 @@ class SchedulerService:
         self.wait_s.append(time.perf_counter() - t0)
         return result
 
-    def report(self, step: int, measured: MeasuredTimes, partition_used: Partition) -> None:
-        """Measured stage times of `step` (run with `partition_used`) for the adaptive correction."""
+    def report(self, step: int, measured: MeasuredTimes | None, partition_used: Partition) -> None:
+        """Measured stage times of `step` (run with `partition_used`) for the adaptive correction
+        (None: forget the step without learning from it)."""
         if self.correction is None:
             return
         with self._cond:
             costs, buckets = self._inputs.pop(step)
-        if buckets is not None:
+        if buckets is not None and measured is not None:
             self.correction.observe(costs, partition_used, buckets, measured)
 
     def close(self) -> None:

@@ -141,8 +141,9 @@ def test_state_survives_a_json_round_trip_and_continues_identically(make_costs):
         buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
         part = greedy_partition(costs, M, DP, DP)
         batches.append((costs, part, buckets, _measure(_true_costs(costs, buckets, fv, fl), part, rng, 0.02)))
-    for b in batches[:3]:
+    for k, b in enumerate(batches[:3]):
         corr.observe(*b)
+        corr.observe_step(1.0 + k, 0.5)
     corr.decide(batches[0][0], batches[0][2], M, DP, DP)
 
     resumed = AdaptiveCorrection(buckets_def.n_buckets)
@@ -150,6 +151,9 @@ def test_state_survives_a_json_round_trip_and_continues_identically(make_costs):
     assert resumed.active == corr.active and resumed.n_obs_ == 3
     corr.observe(*batches[3])  # one more step in both: the resumed one learns exactly the same
     resumed.observe(*batches[3])
+    corr.observe_step(2.0, 1.0)
+    resumed.observe_step(2.0, 1.0)
+    assert resumed.step_overhead_s_ == corr.step_overhead_s_ != 0
     for mod in ("vision", "llm"):
         np.testing.assert_array_equal(resumed.factors_[mod], corr.factors_[mod])
     assert not np.allclose(corr.factors_["llm"], 1.0)  # it did learn something
@@ -269,3 +273,11 @@ def test_corrected_partition_moves_towards_the_brute_force_optimum_under_the_dri
         assert load_tuned < load_plain
         slower += t_plain > t_tuned * 1.02
     assert slower >= 2  # the drift changes the partition by more than noise
+
+
+def test_step_overhead_is_the_decayed_mean_of_the_unexplained_seconds():
+    """Hand computation: weights decay^age over the steps seen (0.5 here)."""
+    corr = AdaptiveCorrection(2, decay=0.5)
+    for step_s, simulated in ((1.0, 0.4), (2.0, 1.0), (0.5, 0.3)):  # unexplained: 0.6, 1.0, 0.2
+        corr.observe_step(step_s, simulated)
+    assert corr.step_overhead_s_ == pytest.approx((0.25 * 0.6 + 0.5 * 1.0 + 1.0 * 0.2) / (0.25 + 0.5 + 1.0))
