@@ -7,8 +7,9 @@ rank-seconds not computing: pipeline bubble + imbalance + communication waits), 
 (scheduler solve time, off the critical path when it keeps ahead), ``sched_gap`` (its simulated
 step / lower bound, both priced as profiled), ``predicted_step_s`` (the step's partition simulated
 with the cost model as profiled: never corrected), ``corrected_step_s`` (the same partition
-simulated with the adaptive correction's learned costs, `dflop.scheduler.correction`; NaN before
-its first measured step and under the baseline policy, which has no correction),
+simulated with the adaptive correction's learned stage costs, plus its learned seconds per step
+outside the stages, `dflop.scheduler.correction`; NaN until it has learned from a step (a run's
+first step, the warm-up, is not learned from) and under the baseline policy, which has none),
 ``correction_active`` (the correction's cost-benefit gate: True when the scheduler partitioned
 this step with the corrected costs; the two predictions are reported either way), ``run_id`` (the
 run the row belongs to, `dflop.runtime.run_identity`: a run resumed with more steps keeps its id),
