@@ -5,7 +5,13 @@ tokens), ``step_s`` (wall seconds), ``samples``, ``tokens`` (real LLM tokens, no
 ``tflops`` (model TFLOP/s of the whole run: `step_flops` / step_s / 1e12), ``idle_frac`` (share of
 rank-seconds not computing: pipeline bubble + imbalance + communication waits), ``sched_ms``
 (scheduler solve time, off the critical path when it keeps ahead), ``sched_gap`` (its simulated
-step / lower bound), ``predicted_step_s`` (the cost model's simulated step), ``run_id`` (the
+step / lower bound, both priced as profiled), ``predicted_step_s`` (the step's partition simulated
+with the cost model as profiled: never corrected), ``corrected_step_s`` (the same partition
+simulated with the adaptive correction's learned stage costs, plus its learned seconds per step
+outside the stages, `dflop.scheduler.correction`; NaN until it has learned from a step (a run's
+first step, the warm-up, is not learned from) and under the baseline policy, which has none),
+``correction_active`` (the correction's cost-benefit gate: True when the scheduler partitioned
+this step with the corrected costs; the two predictions are reported either way), ``run_id`` (the
 run the row belongs to, `dflop.runtime.run_identity`: a run resumed with more steps keeps its id),
 then ``lr``, ``grad_norm``, ``data_wait_s``, ``member``, ``skipped_samples`` (samples that failed
 to load in this step and were replaced, `dflop.runtime.skipping`), and per pipeline stage
@@ -31,7 +37,7 @@ from dflop.runtime.topology import Topology
 from dflop.scheduler.correction import MeasuredTimes
 
 BASE_COLUMNS = ("step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
-                "predicted_step_s", "run_id")
+                "predicted_step_s", "corrected_step_s", "correction_active", "run_id")
 
 
 class MetricsWriter:
@@ -185,7 +191,8 @@ def metrics_row(trainer, plan: StepPlan, stats: dict, times: np.ndarray, step_s:
         "idle_frac": float(1 - times.sum() / (trainer.world * step_s)),
         "sched_ms": plan.sched_s * 1e3, "sched_gap": plan.predicted_step_s / plan.lower_bound_s
         if plan.lower_bound_s > 0 else float("nan"),
-        "predicted_step_s": plan.predicted_step_s, "lr": lr,
+        "predicted_step_s": plan.predicted_step_s, "corrected_step_s": plan.corrected_step_s,
+        "correction_active": bool(plan.correction_active), "lr": lr,
         "grad_norm": norm, "answer_tokens": stats["n_answer"], "data_wait_s": data_wait, "member": plan.member,
     }
     for label, seconds in busy.items():

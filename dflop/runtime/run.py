@@ -111,11 +111,11 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                 row = metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm, lr)
                 row["skipped_samples"] = n_skipped
                 metrics.append(row)
-                trainer.planner.report(step, measured_times(trainer.topo, times, plan_now))
+                trainer.planner.report(step, measured_times(trainer.topo, times, plan_now), step_s=step_s)
                 bar.update(1)
-                log.info("step %d/%d loss %.4f step %.3fs idle %.1f%% sched %.1fms gap %.3f pred %.3fs lr %.2e",
-                         step + 1, total, row["loss"], step_s, 100 * row["idle_frac"], row["sched_ms"],
-                         row["sched_gap"], row["predicted_step_s"], row["lr"])
+                log.info("step %d/%d loss %.4f step %.3fs idle %.1f%% sched %.1fms gap %.3f pred %.3fs corrected %.3fs "
+                         "lr %.2e", step + 1, total, row["loss"], step_s, 100 * row["idle_frac"], row["sched_ms"],
+                         row["sched_gap"], row["predicted_step_s"], row["corrected_step_s"], row["lr"])
             done = step + 1
             if done % settings.train.checkpoint_every == 0 or done == total:
                 save_checkpoint(ckpt_dir, done, trainer.train_state())

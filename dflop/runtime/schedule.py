@@ -56,13 +56,32 @@ def op_order(schedule: str, stage: int, n_stages: int, m: int) -> list[tuple[str
     return ops
 
 
+#: TEST HOOK (tests/runtime/test_drift.py): "<pipeline stage>:<k>" makes that stage's every
+#: forward and backward take k times its compute (a sleep inside the timed window; CPU only): a
+#: known drift for the adaptive correction to learn. Read once per executor; unset, it costs nothing.
+DRIFT_ENV = "DFLOP_TEST_STAGE_DRIFT"
+
+
+def injected_slowdown(stage: int) -> float:
+    """The `DRIFT_ENV` slowdown of pipeline stage `stage` (1.0: none)."""
+    import os
+
+    spec = os.environ.get(DRIFT_ENV)
+    if not spec:
+        return 1.0
+    target, _, k = spec.partition(":")
+    return float(k) if int(target) == stage else 1.0
+
+
 class StageTimer:
     """Busy seconds of this rank's forward and backward per microbatch position (compute only,
     not waiting for messages). On CUDA, events are read once at the end of the step. Each
-    measurement is also a forward / backward span of `spans` (when it records: `dflop.runtime.spans`)."""
+    measurement is also a forward / backward span of `spans` (when it records: `dflop.runtime.spans`).
+    slowdown: > 1 only under the `DRIFT_ENV` test hook."""
 
-    def __init__(self, m: int, device: torch.device, spans: SpanRecorder | None = None):
+    def __init__(self, m: int, device: torch.device, spans: SpanRecorder | None = None, slowdown: float = 1.0):
         self.cuda = device.type == "cuda"
+        self.slowdown = slowdown
         self.fwd = np.zeros(m)
         self.bwd = np.zeros(m)
         self.spans = spans if spans is not None else SpanRecorder()
@@ -81,6 +100,8 @@ class StageTimer:
             return
         t0 = time.perf_counter_ns()
         yield
+        if self.slowdown != 1.0:
+            time.sleep((self.slowdown - 1) * (time.perf_counter_ns() - t0) / 1e9)
         t1 = time.perf_counter_ns()
         (self.fwd if kind == "F" else self.bwd)[position] += (t1 - t0) / 1e9
         self.spans.add(category, name or category, t0, t1, position=position)
@@ -135,6 +156,7 @@ class PipelineExecutor:
         self.vision_runner = VisionRunner(modules.vision, modules.full) if modules.vision is not None else None
         role = topo.vision_role
         self.vision_backward = role is not None and model.vision_stage_backward(role.stage, role.n_stages)
+        self.slowdown = injected_slowdown(topo.pipeline_stage)
 
     # -- the schedule ------------------------------------------------------------------------
 
@@ -146,7 +168,7 @@ class PipelineExecutor:
         gradient sync starts all-reduces from there on, as gradients become final)."""
         m = plan.n_microbatches
         self._plan, self._inputs, self._saved = plan, inputs, {}
-        self._timer = StageTimer(m, self.device, self.spans)
+        self._timer = StageTimer(m, self.device, self.spans, self.slowdown)
         self._loss_sum = torch.zeros((), dtype=torch.float64)
         self._n_answer = 0
         self._tokens = 0

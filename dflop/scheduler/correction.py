@@ -4,8 +4,19 @@ Predictions drift (other kernels, thermal limits, data the profile grid missed).
 reports measured per-stage, per-microbatch times; each is a constant plus a sum over the bin's
 (or microbatch's) samples, so a multiplicative factor per shape bucket (and one for the constant)
 is a linear least-squares problem. We keep exponentially decayed normal equations per module
-(vision, LLM), solve them with a ridge pull towards 1, and rescale costs with the factors. The
-correction is switched on only when it pays: the step time it saves on the current batch (the
+(vision, LLM), solve them with a ridge pull towards 1, and rescale costs with the factors.
+
+Stages of one module can drift apart (a stage's rank on a slower or busier core, a stage that
+holds the LM head): with ``per_stage`` each stage k of a module also gets a scale s_k, so stage k
+costs s_k * f[bucket] * prediction. The bucket factors f stay shared by the module's stages (a layer
+split gives every stage the same shape dependence, and a bucket seen rarely still inherits its
+stage's scale). The bilinear fit alternates the two linear least-squares problems on per-stage
+decayed normal equations, each with its ridge towards 1, and normalises the scales to a
+data-weighted mean of 1 so f keeps the module's level. With one stage it is the plain fit. A
+module-wide factor cannot represent a drift on one stage of two: it splits the difference and
+both stages stay wrong (tests/scheduler/test_correction.py measures by how much).
+
+The correction is switched on only when it pays: the step time it saves on the current batch (the
 partition found with corrected costs versus the one found without, both judged with corrected
 costs) must exceed the overhead of tracking it.
 """
@@ -93,50 +104,63 @@ class AdaptiveCorrection:
         min_rel_gain: the gain must also exceed this share of the step time (noise guard).
         min_drift: factors all within this of 1 count as no drift (no partitions are compared).
 
+        per_stage: learn a scale per pipeline stage on top of the module's bucket factors (module
+            docstring); False: one factor set per module for all its stages.
+
     Learned state: ``factors_`` {"vision": [n_buckets + 1], "llm": [...]} (last = constant),
-    ``n_obs_``, ``active`` (set by `decide`).
+    ``stage_scales_`` {"vision": [pp_v], "llm": [pp_l]} (empty before the first observation),
+    ``n_obs_``, ``active`` (set by `decide`), ``step_overhead_s_`` (`observe_step`).
     """
 
     def __init__(self, n_buckets: int, *, decay: float = 0.95, ridge: float = 1e-5, overhead_s: float = 0.0,
-                 min_rel_gain: float = 1e-3, min_drift: float = 0.02):
+                 min_rel_gain: float = 1e-3, min_drift: float = 0.02, per_stage: bool = True):
         self.n_buckets = int(n_buckets)
         self.decay, self.ridge, self.overhead_s, self.min_rel_gain = decay, ridge, overhead_s, min_rel_gain
-        self.min_drift = min_drift
+        self.min_drift, self.per_stage = min_drift, per_stage
         dim = self.n_buckets + 1
-        self._gram = {k: np.zeros((dim, dim)) for k in ("vision", "llm")}
-        self._rhs = {k: np.zeros(dim) for k in ("vision", "llm")}
+        # Per-stage decayed normal equations: [pp, dim, dim] and [pp, dim] (pp known at the first step).
+        self._gram = {k: np.zeros((0, dim, dim)) for k in ("vision", "llm")}
+        self._rhs = {k: np.zeros((0, dim)) for k in ("vision", "llm")}
         self.factors_ = {k: np.ones(dim) for k in ("vision", "llm")}
+        self.stage_scales_ = {k: np.ones(0) for k in ("vision", "llm")}
         self.n_obs_ = 0
         self.active = False
         self._track_s = 0.0  # EMA of bookkeeping seconds per step
+        self.step_overhead_s_ = 0.0
+        self._overhead_w = 0.0  # decayed count of the steps behind step_overhead_s_
 
     #: Learned arrays by state-dict name -> the attribute holding {"vision": ..., "llm": ...}.
-    _STATE_ARRAYS = {"gram": "_gram", "rhs": "_rhs", "factors": "factors_"}
+    _STATE_ARRAYS = {"gram": "_gram", "rhs": "_rhs", "factors": "factors_", "stage_scales": "stage_scales_"}
 
     def state_dict(self) -> dict:
         """The learned state as plain JSON-able values (saved in training checkpoints)."""
         return {"n_buckets": self.n_buckets, "n_obs": self.n_obs_, "active": self.active, "track_s": self._track_s,
+                "step_overhead_s": self.step_overhead_s_, "overhead_weight": self._overhead_w,
                 **{f"{part}_{mod}": getattr(self, attr)[mod].tolist()
                    for part, attr in self._STATE_ARRAYS.items() for mod in ("vision", "llm")}}
 
     def load_state_dict(self, state: dict) -> bool:
         """Restore `state_dict()`'s output. False, with this object untouched, if the state was
-        learned over other buckets or is malformed (missing keys, wrong shapes)."""
+        learned over other buckets or is malformed (missing keys, wrong shapes, a state saved before
+        per-stage learning)."""
         dim = self.n_buckets + 1
-        shapes = {"gram": (dim, dim), "rhs": (dim,), "factors": (dim,)}
         try:
             if int(state["n_buckets"]) != self.n_buckets:
                 return False
             arrays = {(part, mod): np.asarray(state[f"{part}_{mod}"], dtype=np.float64)
-                      for part in shapes for mod in ("vision", "llm")}
-            scalars = int(state["n_obs"]), bool(state["active"]), float(state["track_s"])
+                      for part in self._STATE_ARRAYS for mod in ("vision", "llm")}
+            scalars = (int(state["n_obs"]), bool(state["active"]), float(state["track_s"]),
+                       float(state["step_overhead_s"]), float(state["overhead_weight"]))
         except (KeyError, TypeError, ValueError):
             return False
-        if any(value.shape != shapes[part] for (part, _), value in arrays.items()):
-            return False
+        for mod in ("vision", "llm"):
+            pp = arrays[("stage_scales", mod)].shape[0] if arrays[("stage_scales", mod)].ndim == 1 else -1
+            shapes = {"gram": (pp, dim, dim), "rhs": (pp, dim), "factors": (dim,), "stage_scales": (pp,)}
+            if any(arrays[(part, mod)].shape != shape for part, shape in shapes.items()):
+                return False
         for (part, mod), value in arrays.items():
             getattr(self, self._STATE_ARRAYS[part])[mod] = value
-        self.n_obs_, self.active, self._track_s = scalars
+        self.n_obs_, self.active, self._track_s, self.step_overhead_s_, self._overhead_w = scalars
         return True
 
     def _check_buckets(self, buckets: np.ndarray, n: int) -> np.ndarray:
@@ -167,18 +191,56 @@ class AdaptiveCorrection:
         for mod in ("vision", "llm"):
             if not rows[mod]:
                 continue
-            a, y = np.vstack(rows[mod]), np.concatenate(ys[mod])
-            self._gram[mod] = self.decay * self._gram[mod] + a.T @ a
-            self._rhs[mod] = self.decay * self._rhs[mod] + a.T @ y
-            g = self._gram[mod]
-            lam = self.ridge * max(np.trace(g) / len(g), 1e-30)
-            factors = np.linalg.solve(g + lam * np.eye(len(g)), self._rhs[mod] + lam)
-            # A factor is a ratio of times: keep it positive and sane. Noisy measurements of
-            # nearly collinear buckets can otherwise push one below zero (negative stage times).
-            factors = np.where(np.isfinite(factors), factors, 1.0)
-            self.factors_[mod] = np.clip(factors, 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
+            pp = len(rows[mod]) // 2  # rows come per stage: forward, then backward
+            if self._gram[mod].shape[0] != pp:  # first step (or the layout changed): start afresh
+                dim = nb + 1
+                self._gram[mod], self._rhs[mod] = np.zeros((pp, dim, dim)), np.zeros((pp, dim))
+                self.stage_scales_[mod] = np.ones(pp)
+            for k in range(pp):
+                a = np.vstack(rows[mod][2 * k:2 * k + 2])
+                y = np.concatenate(ys[mod][2 * k:2 * k + 2])
+                self._gram[mod][k] = self.decay * self._gram[mod][k] + a.T @ a
+                self._rhs[mod][k] = self.decay * self._rhs[mod][k] + a.T @ y
+            self._solve(mod)
         self.n_obs_ += 1
         self._track(time.perf_counter() - t0)
+
+    def _solve(self, mod: str, iterations: int = 30) -> None:
+        """Refit `mod`'s bucket factors and stage scales from its normal equations (alternating
+        least squares from the last fit; module docstring)."""
+        grams, rhss = self._gram[mod], self._rhs[mod]
+        pp, dim = grams.shape[0], grams.shape[1]
+        scales = self.stage_scales_[mod].copy() if self.per_stage else np.ones(pp)
+        factors = self.factors_[mod]
+        for _ in range(iterations if self.per_stage and pp > 1 else 1):
+            g = np.einsum("k,kij->ij", scales ** 2, grams)
+            lam = self.ridge * max(np.trace(g) / dim, 1e-30)
+            factors = np.linalg.solve(g + lam * np.eye(dim), scales @ rhss + lam)
+            # A factor is a ratio of times: keep it positive and sane. Noisy measurements of
+            # nearly collinear buckets can otherwise push one below zero (negative stage times).
+            factors = np.clip(np.where(np.isfinite(factors), factors, 1.0), 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
+            if not self.per_stage or pp == 1:
+                break
+            energy = np.einsum("i,kij,j->k", factors, grams, factors)  # sum of squared predictions per stage
+            mu = self.ridge * np.maximum(energy, 1e-30)
+            new = np.clip((rhss @ factors + mu) / (energy + mu), 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
+            level = float(energy @ new / energy.sum()) if energy.sum() > 0 else 1.0
+            new, factors = new / level, factors * level  # weighted mean scale 1: f keeps the module's level
+            done = np.abs(new - scales).max() < 1e-9
+            scales = new
+            if done:
+                break
+        self.factors_[mod] = np.clip(factors, 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
+        self.stage_scales_[mod] = scales
+
+    def observe_step(self, step_s: float, simulated_s: float) -> None:
+        """Add one step's wall seconds and its partition's 1F1B simulation with the corrected stage
+        costs: ``step_overhead_s_`` is their decayed mean difference, what the step pays outside
+        the stages' compute (optimizer, gradient sync, data wait, Python between ops) as far as
+        the cost model leaves it out. It moves no partition (it is the same for all); it completes
+        the corrected prediction of the step."""
+        self._overhead_w = self.decay * self._overhead_w + 1.0
+        self.step_overhead_s_ += (float(step_s) - float(simulated_s) - self.step_overhead_s_) / self._overhead_w
 
     def _track(self, seconds: float) -> None:
         self._track_s = seconds if self.n_obs_ <= 1 else 0.9 * self._track_s + 0.1 * seconds
@@ -187,13 +249,19 @@ class AdaptiveCorrection:
         """`costs` with the learned factors applied (whether or not the correction is active)."""
         buckets = self._check_buckets(buckets, costs.n_samples)
         fv, fl = self.factors_["vision"], self.factors_["llm"]
-        sv, sl = fv[:-1][buckets][None, :], fl[:-1][buckets][None, :]
+        kv, kl = self.stage_multipliers(costs.pp_vision, "vision"), self.stage_multipliers(costs.pp_llm, "llm")
+        sv, sl = kv[:, None] * fv[:-1][buckets][None, :], kl[:, None] * fl[:-1][buckets][None, :]
         return replace(costs,
                        vision_fwd=costs.vision_fwd * sv, vision_bwd=costs.vision_bwd * sv,
                        llm_fwd=costs.llm_fwd * sl, llm_bwd=costs.llm_bwd * sl,
-                       vision_fwd_const=costs.vision_fwd_const * fv[-1],
-                       vision_bwd_const=costs.vision_bwd_const * fv[-1],
-                       llm_fwd_const=costs.llm_fwd_const * fl[-1], llm_bwd_const=costs.llm_bwd_const * fl[-1])
+                       vision_fwd_const=costs.vision_fwd_const * kv * fv[-1],
+                       vision_bwd_const=costs.vision_bwd_const * kv * fv[-1],
+                       llm_fwd_const=costs.llm_fwd_const * kl * fl[-1], llm_bwd_const=costs.llm_bwd_const * kl * fl[-1])
+
+    def stage_multipliers(self, pp: int, mod: str) -> np.ndarray:
+        """[pp] learned scale of each of `mod`'s stages (ones before it has seen this many stages)."""
+        scales = self.stage_scales_[mod]
+        return scales if scales.shape == (pp,) else np.ones(pp)
 
     def apply(self, costs: BatchCosts, buckets) -> BatchCosts:
         """Corrected costs if the correction is active, else `costs` unchanged."""
@@ -214,7 +282,8 @@ class AdaptiveCorrection:
         """
         if isinstance(costs, BatchCosts):
             costs, buckets = [costs], [buckets]
-        drift = max(float(np.abs(f - 1).max()) for f in self.factors_.values())
+        drift = max(float(np.abs(f - 1).max(initial=0.0)) for f in (*self.factors_.values(),
+                                                                    *self.stage_scales_.values()))
         if self.n_obs_ == 0 or drift < self.min_drift:
             self.active = False
             return CorrectionDecision(0.0, self._track_s + self.overhead_s, False)

@@ -31,6 +31,7 @@ from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
 from dflop.plan import Plan
 from dflop.scheduler.correction import AdaptiveCorrection, MeasuredTimes, ShapeBuckets
+from dflop.scheduler.evaluate import lower_bound, simulate_times, stage_times
 from dflop.scheduler.partition import Partition, greedy_partition, partition
 from dflop.scheduler.service import SchedulerService
 
@@ -46,7 +47,11 @@ class StepPlan:
     vision_shares[p][v]: batch indices (with tiles) vision replica v encodes at position p.
     microbatch_ids[p]: the scheduler's id of the microbatch run at position p.
     n_tiles, seq_len, feature_rows: per batch sample (shapes.parquet; feature rows per `vision.feature_rows`).
-    predicted_step_s, lower_bound_s: the scheduler's simulated step and its lower bound (seconds);
+    predicted_step_s, lower_bound_s: the simulated step of this partition and its lower bound
+    (seconds), priced with the cost model as profiled (never with the adaptive correction);
+    corrected_step_s: the same partition simulated with the correction's learned costs (NaN before
+    its first observation, or without one); correction_active: whether the scheduler partitioned
+    with the corrected costs (the correction's cost-benefit gate);
     sched_s: its solve time (seconds); member: the portfolio member that won.
     """
 
@@ -62,6 +67,8 @@ class StepPlan:
     lower_bound_s: float = float("nan")
     sched_s: float = 0.0
     member: str = ""
+    corrected_step_s: float = float("nan")
+    correction_active: bool = False
 
     @property
     def n_microbatches(self) -> int:
@@ -190,8 +197,28 @@ class StepPlanner:
         rows = self.batches.rows(step)
         shapes = self.pool.iloc[rows].reset_index(drop=True)
         self._costs[step] = (costs, buckets, part)
-        return step_plan_from_partition(step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
+        plan = step_plan_from_partition(step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
                                         costs.vision_total())
+        return self._with_predictions(plan, part, costs, buckets)
+
+    def _simulate(self, costs: BatchCosts, part: Partition) -> float:
+        """The 1F1B step of `part` priced with `costs` (the partition's own send latency and all-reduces)."""
+        times = stage_times(costs, part.microbatch, part.replica, part.m, part.dp_llm, part.dp_vision)
+        return float(simulate_times(times, part.order, p2p_s=self.p2p_s, allreduce_s=self.allreduce_s).step_s)
+
+    def _with_predictions(self, plan: StepPlan, part: Partition, costs: BatchCosts, buckets) -> StepPlan:
+        """`plan` with both predictions of its partition: the profiled costs' (whatever the
+        partition was solved with) and the correction's (`StepPlan`)."""
+        corr = self.correction
+        active = self.service is not None and self.service.solved_corrected.pop(plan.step, False)
+        if active:  # solved with corrected costs: price it again as profiled
+            plan = replace(plan, predicted_step_s=self._simulate(costs, part),
+                           lower_bound_s=lower_bound(costs, part.m, part.dp_llm, part.dp_vision, p2p_s=self.p2p_s,
+                                                     allreduce_s=self.allreduce_s))
+        corrected = float("nan")
+        if corr is not None and corr.n_obs_ > 0 and buckets is not None:
+            corrected = self._simulate(corr.corrected(costs, buckets), part) + corr.step_overhead_s_
+        return replace(plan, corrected_step_s=corrected, correction_active=bool(active))
 
     def replan(self, plan: StepPlan, rows: np.ndarray) -> StepPlan:
         """`plan`'s step with the global batch `rows` instead (samples replaced after a load failure,
@@ -211,14 +238,21 @@ class StepPlanner:
                                        costs.vision_total())
         return replace(new, member=f"replaced:{part.member}")
 
-    def report(self, step: int, measured: MeasuredTimes, decide_every: int = 4) -> None:
-        """Measured stage times of `step`, for the adaptive correction (dflop policy only)."""
+    def report(self, step: int, measured: MeasuredTimes, decide_every: int = 2, step_s: float | None = None) -> None:
+        """Measured stage times of `step`, for the adaptive correction (dflop policy only; the
+        first step of a run is not learned from: it pays the warm-up, 20-80x a later step).
+        step_s: the step's wall seconds, for the correction's per-step overhead (`observe_step`)."""
         costs, buckets, part = self._costs.pop(step, (None, None, None))
         for old in [s for s in self._costs if s < step]:
             del self._costs[old]
         if self.correction is None or part is None:
             return
+        if step == self._first:  # warm-up (allocator, thread pools, first collectives): not the steady state
+            self.service.report(step, None, part)
+            return
         self.service.report(step, measured, part)
+        if step_s is not None and buckets is not None:
+            self.correction.observe_step(step_s, self._simulate(self.correction.corrected(costs, buckets), part))
         if self.correction.n_obs_ and self.correction.n_obs_ % decide_every == 0:
             dp_vision = self.plan.vision_replicas
             self.correction.decide(costs, buckets, self.plan.microbatches, self.plan.llm.dp, dp_vision)

@@ -55,12 +55,13 @@ class SchedulerService:
         self._cond = threading.Condition()
         self._queue: deque[int] = deque()
         self._inputs: dict[int, tuple[BatchCosts, np.ndarray | None]] = {}
-        self._results: dict[int, Partition] = {}
+        self._results: dict[int, tuple[Partition, bool]] = {}
         self._taken: set[int] = set()
         self._last_taken = -1
         self._closed = False
         self.wait_s: list[float] = []      # seconds each `get` blocked the caller
         self.fallbacks: list[tuple[int, str]] = []  # (step, reason) where greedy was used
+        self.solved_corrected: dict[int, bool] = {}  # step taken -> partitioned with corrected costs
         self._worker = threading.Thread(target=self._run, name="dflop-scheduler", daemon=True)
         self._worker.start()
 
@@ -92,7 +93,7 @@ class SchedulerService:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            result = self._results.pop(step, None)
+            result, corrected = self._results.pop(step, (None, False))
             costs, buckets = self._inputs.pop(step) if self.correction is None else self._inputs[step]
             for old in [s for s in self._inputs if s < step - 64]:  # never reported: forget
                 del self._inputs[old]
@@ -101,17 +102,19 @@ class SchedulerService:
             self._cond.notify_all()
         if result is None:
             self.fallbacks.append((step, "not ready"))
-            result = self._fallback(costs, buckets)
+            result, corrected = self._fallback(costs, buckets)
+        self.solved_corrected[step] = corrected
         self.wait_s.append(time.perf_counter() - t0)
         return result
 
-    def report(self, step: int, measured: MeasuredTimes, partition_used: Partition) -> None:
-        """Measured stage times of `step` (run with `partition_used`) for the adaptive correction."""
+    def report(self, step: int, measured: MeasuredTimes | None, partition_used: Partition) -> None:
+        """Measured stage times of `step` (run with `partition_used`) for the adaptive correction
+        (None: forget the step without learning from it)."""
         if self.correction is None:
             return
         with self._cond:
             costs, buckets = self._inputs.pop(step)
-        if buckets is not None:
+        if buckets is not None and measured is not None:
             self.correction.observe(costs, partition_used, buckets, measured)
 
     def close(self) -> None:
@@ -127,15 +130,18 @@ class SchedulerService:
         self.close()
 
     # ---- worker side ----
-    def _costs_for_solve(self, costs: BatchCosts, buckets) -> BatchCosts:
+    def _costs_for_solve(self, costs: BatchCosts, buckets) -> tuple[BatchCosts, bool]:
+        """The costs to partition with, and whether they are corrected (the correction's gate is on)."""
+        solve = costs
         if self.correction is not None and buckets is not None:
-            return self.correction.apply(costs, buckets)
-        return costs
+            solve = self.correction.apply(costs, buckets)
+        return solve, solve is not costs
 
-    def _fallback(self, costs: BatchCosts, buckets) -> Partition:
-        part = greedy_partition(self._costs_for_solve(costs, buckets), self.m, self.dp_llm, self.dp_vision,
-                                p2p_s=self.p2p_s, allreduce_s=self.allreduce_s)
-        return replace(part, member=f"fallback:{part.member}")
+    def _fallback(self, costs: BatchCosts, buckets) -> tuple[Partition, bool]:
+        solve, corrected = self._costs_for_solve(costs, buckets)
+        part = greedy_partition(solve, self.m, self.dp_llm, self.dp_vision, p2p_s=self.p2p_s,
+                                allreduce_s=self.allreduce_s)
+        return replace(part, member=f"fallback:{part.member}"), corrected
 
     def _run(self) -> None:
         while True:
@@ -149,13 +155,14 @@ class SchedulerService:
                     continue
                 costs, buckets = self._inputs[step]
             try:
-                result = self._solver(self._costs_for_solve(costs, buckets), self.m, self.dp_llm, self.dp_vision,
+                solve, corrected = self._costs_for_solve(costs, buckets)
+                result = self._solver(solve, self.m, self.dp_llm, self.dp_vision,
                                       budget_s=self.budget_s, seed=self.seed + step, policy=self.policy,
                                       p2p_s=self.p2p_s, allreduce_s=self.allreduce_s)
             except Exception as exc:  # noqa: BLE001 — a failed solve must never stall training
                 self.fallbacks.append((step, f"solver failed: {type(exc).__name__}: {exc}"))
-                result = self._fallback(costs, buckets)
+                result, corrected = self._fallback(costs, buckets)
             with self._cond:
                 if step not in self._taken:
-                    self._results[step] = result
+                    self._results[step] = (result, corrected)
                 self._cond.notify_all()

@@ -141,8 +141,9 @@ def test_state_survives_a_json_round_trip_and_continues_identically(make_costs):
         buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
         part = greedy_partition(costs, M, DP, DP)
         batches.append((costs, part, buckets, _measure(_true_costs(costs, buckets, fv, fl), part, rng, 0.02)))
-    for b in batches[:3]:
+    for k, b in enumerate(batches[:3]):
         corr.observe(*b)
+        corr.observe_step(1.0 + k, 0.5)
     corr.decide(batches[0][0], batches[0][2], M, DP, DP)
 
     resumed = AdaptiveCorrection(buckets_def.n_buckets)
@@ -150,6 +151,9 @@ def test_state_survives_a_json_round_trip_and_continues_identically(make_costs):
     assert resumed.active == corr.active and resumed.n_obs_ == 3
     corr.observe(*batches[3])  # one more step in both: the resumed one learns exactly the same
     resumed.observe(*batches[3])
+    corr.observe_step(2.0, 1.0)
+    resumed.observe_step(2.0, 1.0)
+    assert resumed.step_overhead_s_ == corr.step_overhead_s_ != 0
     for mod in ("vision", "llm"):
         np.testing.assert_array_equal(resumed.factors_[mod], corr.factors_[mod])
     assert not np.allclose(corr.factors_["llm"], 1.0)  # it did learn something
@@ -158,3 +162,122 @@ def test_state_survives_a_json_round_trip_and_continues_identically(make_costs):
     broken = dict(corr.state_dict(), factors_llm=[1.0, 2.0])  # wrong shape, after valid arrays
     assert not fresh.load_state_dict(broken) and not fresh.load_state_dict({"n_buckets": fresh.n_buckets})
     assert fresh.n_obs_ == 0 and np.all(fresh.factors_["vision"] == 1.0)  # untouched
+
+
+# -- a drift on one pipeline stage of two (per-stage scales) ------------------------------------------
+
+K_DRIFT = 5.0  # LLM stage 1 runs this many times slower than profiled (its rank on a slower core)
+
+
+def _two_stage_costs(rng, n=6):
+    """An LLM in 2 stages, no vision stage (colocated: stage 0 carries the vision tower, so image
+    samples weigh on stage 0, long texts on stage 1)."""
+    from dflop.costmodel.types import BatchCosts
+
+    image = rng.random(n) < 0.5
+    stage0 = np.where(image, rng.uniform(3, 5, n), rng.uniform(0.5, 1, n))
+    stage1 = np.where(image, rng.uniform(0.5, 1, n), rng.uniform(1.5, 2.5, n))
+    llm = np.stack([stage0, stage1])
+    empty = np.zeros((0, n))
+    costs = BatchCosts(vision_fwd=empty, vision_bwd=empty, llm_fwd=llm, llm_bwd=2 * llm,
+                       vision_fwd_const=np.zeros(0), vision_bwd_const=np.zeros(0),
+                       llm_fwd_const=np.array([0.1, 0.1]), llm_bwd_const=np.array([0.2, 0.2]),
+                       llm_act_bytes=np.zeros((2, n)), vision_act_bytes=empty,
+                       llm_mem_limit_bytes=np.full(2, np.inf), vision_mem_limit_bytes=np.zeros(0))
+    return costs, image.astype(np.int64)  # bucket 0: text, 1: images
+
+
+def _slow_stage1(costs, k=K_DRIFT):
+    from dataclasses import replace
+
+    scale = np.array([1.0, k])[:, None]
+    return replace(costs, llm_fwd=costs.llm_fwd * scale, llm_bwd=costs.llm_bwd * scale,
+                   llm_fwd_const=costs.llm_fwd_const * scale[:, 0], llm_bwd_const=costs.llm_bwd_const * scale[:, 0])
+
+
+def _learn_stage_drift(per_stage: bool) -> AdaptiveCorrection:
+    """Six steps of 'training' on hardware whose stage 1 is K_DRIFT x slower, partitioned as the
+    service does (with the corrected costs once learned)."""
+    rng = np.random.default_rng(7)
+    corr = AdaptiveCorrection(2, per_stage=per_stage)
+    for _ in range(6):
+        costs, buckets = _two_stage_costs(rng, n=12)
+        part = greedy_partition(corr.corrected(costs, buckets), 3, 1, 1)
+        corr.observe(costs, part, buckets, _measure(_slow_stage1(costs), part, rng, 0.0))
+    return corr
+
+
+def _brute_force(costs, m):
+    """(step, microbatch ids) of the fastest split of the batch into m non-empty microbatches, over
+    every assignment and every execution order, by the exact 1F1B simulation."""
+    import itertools
+
+    from dflop.scheduler.evaluate import simulate_times
+
+    n, best = costs.n_samples, (np.inf, None)
+    for assign in itertools.product(range(m), repeat=n):
+        mb = np.array(assign)
+        if len(set(assign)) < m or assign[0] != 0:  # empty microbatch, or a relabelling already seen
+            continue
+        st = stage_times(costs, mb, np.zeros(n, dtype=np.int64), m, 1, 1)
+        for order in itertools.permutations(range(m)):
+            step = simulate_times(st, np.array(order)).step_s
+            if step < best[0]:
+                best = (step, mb)
+    return best
+
+
+def test_learns_a_drift_on_one_of_two_llm_stages():
+    corr = _learn_stage_drift(per_stage=True)
+    scales = corr.stage_scales_["llm"]
+    assert scales[1] / scales[0] == pytest.approx(K_DRIFT, rel=1e-3)
+    rng = np.random.default_rng(99)
+    costs, buckets = _two_stage_costs(rng, n=12)
+    truth, fixed = _slow_stage1(costs), corr.corrected(costs, buckets)
+    np.testing.assert_allclose(fixed.llm_fwd, truth.llm_fwd, rtol=3e-3)  # the ridge pulls a little towards 1
+    np.testing.assert_allclose(fixed.llm_bwd_const, truth.llm_bwd_const, rtol=0.15)  # small, so pulled more
+
+
+def test_a_module_wide_factor_cannot_learn_a_one_stage_drift():
+    """Why per-stage scales: one factor set for both stages cannot fit them both (here the stages'
+    samples are off by 7 % to 5.6x after learning; per stage, by < 0.3 %)."""
+    corr = _learn_stage_drift(per_stage=False)
+    assert corr.stage_scales_["llm"].tolist() == [1.0, 1.0]
+    costs, buckets = _two_stage_costs(np.random.default_rng(99), n=12)
+    truth, fixed = _slow_stage1(costs), corr.corrected(costs, buckets)
+    err = np.abs(fixed.llm_fwd - truth.llm_fwd) / truth.llm_fwd
+    assert err[0].mean() > 0.3 and err[1].mean() > 0.2
+
+
+def test_corrected_partition_moves_towards_the_brute_force_optimum_under_the_drift():
+    """With the learned per-stage scales the scheduler's split of a small batch is closer to the
+    fastest one on the drifted hardware (brute force over all splits and orders) than the split
+    from the profiled costs, and puts less of the slowed stage's work into its heaviest microbatch."""
+    from dflop.scheduler.evaluate import simulate_times
+
+    corr = _learn_stage_drift(per_stage=True)
+    m, slower = 2, 0  # 2^6 splits x 2 orders
+    for seed in range(6):
+        costs, buckets = _two_stage_costs(np.random.default_rng(100 + seed), n=6)
+        truth = _slow_stage1(costs)
+        best_step, _ = _brute_force(truth, m)
+        tuned = greedy_partition(corr.corrected(costs, buckets), m, 1, 1)
+        plain = greedy_partition(costs, m, 1, 1)
+
+        def on_truth(part):
+            st = stage_times(truth, part.microbatch, part.replica, m, 1, 1)
+            return simulate_times(st, part.order).step_s, (st.llm_fwd + st.llm_bwd)[0, 1].max()
+
+        (t_tuned, load_tuned), (t_plain, load_plain) = on_truth(tuned), on_truth(plain)
+        assert best_step <= t_tuned < t_plain and t_tuned < 1.04 * best_step  # the greedy is a heuristic
+        assert load_tuned < load_plain
+        slower += t_plain > t_tuned * 1.02
+    assert slower >= 2  # the drift changes the partition by more than noise
+
+
+def test_step_overhead_is_the_decayed_mean_of_the_unexplained_seconds():
+    """Hand computation: weights decay^age over the steps seen (0.5 here)."""
+    corr = AdaptiveCorrection(2, decay=0.5)
+    for step_s, simulated in ((1.0, 0.4), (2.0, 1.0), (0.5, 0.3)):  # unexplained: 0.6, 1.0, 0.2
+        corr.observe_step(step_s, simulated)
+    assert corr.step_overhead_s_ == pytest.approx((0.25 * 0.6 + 0.5 * 1.0 + 1.0 * 0.2) / (0.25 + 0.5 + 1.0))

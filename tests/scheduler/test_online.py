@@ -100,3 +100,27 @@ def test_baseline_cuts_contiguous_equal_counts():
     finally:
         planner.close()
     assert [list(b) for mb in plan.bins for b in mb] == [[0, 1], [6, 7], [2, 3], [8, 9], [4, 5], [10, 11]]
+
+
+def test_plans_carry_the_profiled_and_the_corrected_prediction():
+    """A correction that scales every cost by c (and adds a step overhead o) gives, for whatever
+    partition the scheduler picks, corrected = c * profiled + o (1F1B is linear in the stage times,
+    and this planner charges no send latency or all-reduce); the profiled prediction and its bound
+    stay unscaled even though the gate is on and the scheduler solved with the corrected costs."""
+    planner, _ = _planner()
+    c, o = 3.0, 0.25
+    corr = planner.correction
+    try:
+        plain = planner.get(0)
+        assert np.isnan(plain.corrected_step_s) and not plain.correction_active  # nothing learned yet
+        for mod in ("vision", "llm"):
+            corr.factors_[mod][:] = c
+        corr.n_obs_, corr.active, corr.step_overhead_s_ = 1, True, o
+        later = [planner.get(step) for step in (1, 2, 3)]
+    finally:
+        planner.close()
+    for p in later:
+        assert p.corrected_step_s == pytest.approx(c * p.predicted_step_s + o, rel=1e-9)
+        assert p.predicted_step_s >= p.lower_bound_s * (1 - 1e-9)
+        assert p.predicted_step_s < 2 * p.lower_bound_s  # not the corrected (c x) step over the profiled bound
+    assert any(p.correction_active for p in later)  # steps solved ahead, before the change, are not
