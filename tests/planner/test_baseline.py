@@ -102,3 +102,23 @@ def test_a_layout_named_in_also_is_simulated_whatever_its_rank(memory, world, pe
     ran = [r for r in result.rows if r["status"] in ("simulated", "chosen")]
     assert any((r["pp_l"], r["dp_l"], r["m"], r["tp_l"]) == (layout.pp_l, layout.dp_l, layout.m, layout.tp_l)
                for r in ran)
+
+
+def test_encoder_stage_layouts_by_hand():
+    """Megatron-Core's encoder stage: one vision tower (TP 1) per LLM replica, uniform LLM split.
+    16 GPUs in 8-GPU nodes, 4 LLM layers, batch 16; worked out by hand: the world must fill whole
+    nodes (or part of one), the vision ranks before the LLM must be a multiple of the LLM's TP, dp is
+    the largest such count and the largest one dividing the batch, and m x dp divides the batch."""
+    from dflop.planner.baseline import _encoder_stage_layouts
+    from dflop.planner.screen import SearchSpace
+
+    space = SearchSpace(vision_tp=(1,), llm_tp=(1, 2), colocated_tp=(), shared_tp=(), microbatches=(1, 2, 4),
+                        placements=("disjoint",), vision_layers=2, llm_layers=4, global_batch=16, mean_tiles=1.0)
+    cluster = Cluster(nodes=2, gpus_per_node=8, gpu_memory_bytes=1e9)
+    expected = {("disjoint", 1, 1, 8, 1, 1, 8, m) for m in (1, 2)}           # 2 ranks x 8 = 16 GPUs
+    expected |= {("disjoint", 1, 1, 2, 1, 2, 2, m) for m in (1, 2, 4)}       # 3 x 2 = 6 (12, 9, 15 fill no node)
+    expected |= {("disjoint", 1, 1, 1, 1, 4, 1, m) for m in (1, 2, 4)}       # 5 x 1 (10, 15 fill no node)
+    expected |= {("disjoint", 1, 1, 2, 2, 1, 2, m) for m in (1, 2, 4)}       # tp 2: even vision ranks; 3 x 2 = 6
+    got = {(lay.placement, lay.tp_v, lay.pp_v, lay.dp_v, lay.tp_l, lay.pp_l, lay.dp_l, lay.m)
+           for lay in _encoder_stage_layouts(space, cluster)}
+    assert got == expected
