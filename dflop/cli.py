@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help=train_help, description=train_help, add_help=False)
     p.set_defaults(func=cmd_train)
 
-    p = add("report", cmd_report, "draw the report plots of one artifact group (data, costmodel, plan, training)")
+    p = add("report", cmd_report, "draw the report plots of one artifact group (summary, data, costmodel, plan, candidates, training, timeline)")
     add_report_arguments(p)
 
     p = add("install-profile", cmd_install_profile, "copy a Snakemake profile where `snakemake --profile NAME` finds it")

@@ -4,7 +4,10 @@ artifacts (DESIGN.md §4) and writing PNG files (matplotlib, Agg backend).
 - `plot_shape_histograms`: histograms.parquet -> shape histograms per dataset and modality
 - `plot_costmodel_fit`: model_profile.parquet + costmodel.json + validation.parquet -> fit vs measurement
 - `plot_plan`: plan.yaml (+ shapes, cost model) -> plan vs data-blind baseline, and a Gantt chart of each
-- `plot_training_curves`: metrics.parquet -> loss, step time (measured vs predicted), idle share
+- `plot_summary`: plan.yaml + the runs' metrics.parquet -> the report's first page (plan, speedup, idle)
+- `plot_candidates`: candidates.parquet -> predicted step vs memory per candidate layout
+- `plot_training_curves`: metrics.parquet -> throughput, TFLOP/s, loss, LR, step time, idle, waits
+- `plot_timelines`: trace.json + plan.yaml -> one step measured beside the simulated one
 
 The same functions run from the command line: ``python -m dflop.report GROUP ...`` (`dflop.report.command`).
 """
@@ -20,6 +23,9 @@ _ENTRY_MODULES = {
     "plot_costmodel_fit": "dflop.report.costmodel_plots",
     "plot_plan": "dflop.report.plan_plots",
     "plot_training_curves": "dflop.report.training_plots",
+    "plot_summary": "dflop.report.summary_plots",
+    "plot_candidates": "dflop.report.candidates_plots",
+    "plot_timelines": "dflop.report.timeline_plots",
 }
 __all__ = sorted(_ENTRY_MODULES)
 

@@ -12,13 +12,16 @@ from workflow_run import REPO, run_snakemake
 pytestmark = pytest.mark.slow
 
 PLOTS = {  # report PNG -> (rule, category)
+    "results/report/summary.png": ("plot_summary", "0. Summary"),
     "results/report/data_shapes.png": ("plot_data", "1. Data"),
     "results/report/costmodel_fit.png": ("plot_costmodel", "2. Cost model"),
     "results/report/plan_vs_baseline.png": ("plot_plan", "3. Plan"),
     "results/report/gantt_plan.png": ("plot_plan", "3. Plan"),
     "results/report/gantt_baseline.png": ("plot_plan", "3. Plan"),
+    "results/report/candidates.png": ("plot_candidates", "3. Plan"),
 }
-TRAINING_PLOT = {"results/report/training_curves.png": ("plot_training", "4. Training")}
+TRAINING_PLOT = {"results/report/training_curves.png": ("plot_training", "4. Training"),
+                 "results/report/timeline.png": ("plot_timeline", "4. Training")}
 
 
 def _js_object(html: str, name: str) -> dict:
@@ -49,3 +52,6 @@ def test_report_holds_every_plot(demo_workdir, tmp_path):
         assert base64.b64decode(payload) == (workdir / path).read_bytes()  # the plot itself, not a stale copy
         assert any(path in files for files in categories[category].values())
     assert set(results) == set(plots)
+    # The front page (workflow.rst) shows the summary card (by its path, next to report.html) and links it.
+    assert 'src=\\"results/report/summary.png\\"' in html
+    assert "showResultInfo" in html[html.index("DFLOP: data-aware"):]

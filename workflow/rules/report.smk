@@ -4,15 +4,55 @@
 #   snakemake --profile profiles/local report_plots && snakemake --report report.html report_plots
 
 REPORT_DIR = f"{RESULTS}/report"
-# The training curves need the train rule; the other plots do not.
+# The training plots need the train rule; the other plots do not.
 HAS_TRAIN = any(r.name == "train" for r in workflow.rules)
+# The data-blind baseline's training run, where the workflow has one: its metrics.parquet feeds the
+# summary's measured speedup (without it the summary says there is no baseline run).
+HAS_TRAIN_BASELINE = any(r.name == "train_baseline" for r in workflow.rules)
+
+
+def summary_inputs(wildcards):
+    """plan.yaml, and the training runs' metrics where the workflow trains them."""
+    inputs = {"plan": rules.optimize.output.plan}
+    if HAS_TRAIN:
+        inputs["metrics"] = rules.train.output.metrics
+    if HAS_TRAIN_BASELINE:
+        inputs["baseline_metrics"] = rules.train_baseline.output.metrics
+    return inputs
+
+
+def summary_arguments(wildcards, input):
+    return "".join(f" --{key.replace('_', '-')} {input[key]}" for key in ("metrics", "baseline_metrics")
+                   if key in input.keys())
 
 
 localrules:
+    plot_summary,
     plot_data,
     plot_costmodel,
     plot_plan,
+    plot_candidates,
     report_plots,
+
+
+rule plot_summary:
+    input:
+        unpack(summary_inputs),
+    output:
+        png=report(
+            f"{REPORT_DIR}/summary.png",
+            caption="../report/summary.rst",
+            category="0. Summary",
+            labels={"figure": "what was planned, and what it bought"},
+        ),
+    params:
+        runs=summary_arguments,
+    log:
+        "logs/plot_summary.log",
+    conda:
+        ENV_FILE
+    shell:
+        "dflop report summary --plan {input.plan}{params.runs} --out {output.png} > {log} 2>&1"
 
 
 rule plot_data:
@@ -88,10 +128,55 @@ rule plot_plan:
         " > {log} 2>&1"
 
 
+rule plot_candidates:
+    input:
+        candidates=rules.optimize.output.candidates,
+        plan=rules.optimize.output.plan,
+    output:
+        png=report(
+            f"{REPORT_DIR}/candidates.png",
+            caption="../report/candidates.rst",
+            category="3. Plan",
+            labels={"figure": "every candidate: predicted step vs memory"},
+        ),
+    log:
+        "logs/plot_candidates.log",
+    conda:
+        ENV_FILE
+    shell:
+        "dflop report candidates --candidates {input.candidates} --plan {input.plan} --out {output.png} > {log} 2>&1"
+
+
 if HAS_TRAIN:
 
     localrules:
         plot_training,
+        plot_timeline,
+
+    rule plot_timeline:
+        input:
+            trace=rules.train.output.trace,
+            metrics=rules.train.output.metrics,
+            plan=rules.optimize.output.plan,
+            shapes=rules.profile_data.output.shapes,
+            costmodel=rules.fit.output.costmodel,
+        output:
+            png=report(
+                f"{REPORT_DIR}/timeline.png",
+                caption="../report/timeline.rst",
+                category="4. Training",
+                labels={"figure": "one step: measured vs simulated"},
+            ),
+        params:
+            seed=config["run"]["seed"],
+        log:
+            "logs/plot_timeline.log",
+        conda:
+            ENV_FILE
+        shell:
+            "dflop report timeline --trace {input.trace} --metrics {input.metrics} --plan {input.plan}"
+            " --seed {params.seed} --shapes {input.shapes} --costmodel {input.costmodel} --out {output.png}"
+            " > {log} 2>&1"
 
     rule plot_training:
         input:
@@ -113,7 +198,10 @@ if HAS_TRAIN:
 
 rule report_plots:
     input:
+        rules.plot_summary.output,
         rules.plot_data.output,
         rules.plot_costmodel.output,
         rules.plot_plan.output,
+        rules.plot_candidates.output,
         rules.plot_training.output if HAS_TRAIN else [],
+        rules.plot_timeline.output if HAS_TRAIN else [],
