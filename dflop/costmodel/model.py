@@ -101,6 +101,13 @@ class StepCosts:
     p2p: BytesLine | None = None
 
 
+def step_costs_on(costs: StepCosts, profiled_on: str, device: str) -> StepCosts:
+    """`costs` (measured on `profiled_on`: "cpu" or a GPU's name) where they hold on a cluster of
+    `device` ("cpu" | "cuda"): on the same kind of device (a CPU profile's gloo links say nothing
+    about NVLink), else none."""
+    return costs if (profiled_on == "cpu") == (device == "cpu") else StepCosts()
+
+
 @dataclass(frozen=True)
 class Provenance:
     """Where a cost model came from: the profile it was fitted on and the training dtype."""
@@ -205,6 +212,10 @@ class CostModel:
             self.modules[(m.module, m.tp)] = m
         self.provenance = provenance
         self.state_bytes = training_state_bytes(provenance.dtype)
+
+    def step_costs_on(self, device: str) -> StepCosts:
+        """The measured step costs where they hold on a cluster of `device` (`step_costs_on`)."""
+        return step_costs_on(self.step_costs, self.provenance.device, device)
 
     # ---- lookup ---------------------------------------------------------------------------------
 

@@ -55,11 +55,11 @@ def baseline_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layout]
 def _encoder_stage_layouts(space: SearchSpace, cluster: Cluster) -> list[Layout]:
     """Megatron-Core's encoder pipeline stage (module docstring): per replica one vision tower of TP
     ``tp_v`` before ``pp`` uniform LLM stages of TP ``tp_l``; the replica counts and microbatches as
-    for the colocated layouts (whose divisibility rejections stand for these too)."""
+    for the colocated layouts; layouts that break these rules are not listed (no rejection rows)."""
     W, B, L = cluster.world_size, space.global_batch, space.llm_layers
     layouts = []
     for tv in space.vision_tp:
-        for t in space.llm_tp:
+        for t in (t for t in space.llm_tp if t >= tv):  # Megatron-Core: no encoder TP above the decoder's
             for pp in (p for p in range(1, L + 1) if L % p == 0):
                 per_replica = tv + t * pp
                 dps = np.arange(W // per_replica, 0, -1)

@@ -28,7 +28,7 @@ from dflop.models.handle import ModelHandle
 from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.stages import links
+from dflop.planner.stages import links, stage_tail_s
 from dflop.costmodel.batch import batch_costs
 
 
@@ -61,61 +61,35 @@ class Pricing:
         return cls(plan, cost, cluster, sizes)
 
     @cached_property
-    def _measured(self):
-        """The cost model's measured step costs when they were measured on this kind of device
-        (a CPU profile's gloo links say nothing about NVLink), else an empty `StepCosts`."""
-        on_cpu = self.cost.provenance.device == "cpu"
-        return self.cost.step_costs if on_cpu == (self.cluster.device == "cpu") else StepCosts()
+    def _measured(self) -> StepCosts:
+        """The cost model's measured step costs where they hold on this cluster (`step_costs_on`)."""
+        return self.cost.step_costs_on(self.cluster.device)
 
     @property
     def p2p_s(self) -> float:
         """Latency of one pipeline send (seconds), charged by the simulation per hop: the measured
-        message's constant where the profile has it, else the cluster's declared latency."""
-        p2p = self._measured.p2p
-        return float(p2p.const_s) if p2p is not None and self._in_one_node else self.cluster.p2p_latency_s
+        message's constant inside a node where the profile has it, else the cluster's (`links`)."""
+        return float(self._links.p2p_latency_s)
 
     @cached_property
     def allreduce_s(self) -> np.ndarray:
         """[P] seconds each stage spends after its last backward (vision stages first): its
-        data-parallel gradient synchronisation, then the optimizer step when the cost model measured
-        one (`StepCosts.optimizer`, on the parameter bytes the rank holds).
+        data-parallel gradient synchronisation, then its optimizer step when the cost model measured
+        one (`dflop.planner.stages.stage_tail_s`, which the planner's stage model uses too).
 
         A module with ``shard_optimizer`` (`dflop.runtime.sharding`) instead all-gathers its
         parameters once per step and reduce-scatters its gradients once: both priced here, as
         one fixed cost per step, like the all-reduce (the simulation charges it after the stage's
-        last backward; the all-gather really runs before its first forward, neither overlaps).
-        A measured all-reduce line (`StepCosts.allreduce`, for the group size, inside one node)
-        replaces the cluster's ring formula; it also prices the sharded pair, which moves the same
-        bytes."""
+        last backward; the all-gather really runs before its first forward, neither overlaps)."""
         lay = self.plan.layout
         link = self._links
         grads, params = self._stage_grad_bytes(), self._stage_grad_bytes("param_bytes")
-        measured = self._measured
         n_v = lay.n_vision_stages
-        parts = []
-        for module, sl, dp, intra in ((self.plan.vision, slice(0, n_v), lay.dp_v, link.vision_allreduce_intra),
-                                      (self.plan.llm, slice(n_v, None), lay.dp_l, link.llm_allreduce_intra)):
-            line = measured.allreduce.get(int(dp)) if bool(np.all(intra)) else None
-            sharded = module.techniques.shard_optimizer  # colocated: the one stage follows plan.llm (n_v = 0)
-            if line is not None:
-                sync = line(grads[sl])
-            elif sharded:
-                sync = (self.cluster.reduce_scatter_s(grads[sl], dp, intra)
-                        + self.cluster.reduce_scatter_s(params[sl], dp, intra))
-            else:
-                sync = self.cluster.allreduce_s(grads[sl], dp, intra)
-            if measured.optimizer is not None:
-                held = params[sl] / (dp if sharded else 1)
-                sync = sync + np.where(held > 0, measured.optimizer(held), 0.0)
-            parts.append(np.asarray(sync, dtype=np.float64))
+        parts = [stage_tail_s(grads[sl], params[sl], dp, intra, sharded=module.techniques.shard_optimizer,
+                              cluster=self.cluster, measured=self._measured)  # colocated: plan.llm's flags (n_v = 0)
+                 for module, sl, dp, intra in ((self.plan.vision, slice(0, n_v), lay.dp_v, link.vision_allreduce_intra),
+                                               (self.plan.llm, slice(n_v, None), lay.dp_l, link.llm_allreduce_intra))]
         return np.r_[parts[0], parts[1]]
-
-    @cached_property
-    def _in_one_node(self) -> bool:
-        """Whether the whole plan sits in one node, where measured P2P lines hold for every hop."""
-        lay = self.plan.layout
-        n_vision = 0 if lay.colocated else lay.tp_v * lay.pp_v * lay.dp_v
-        return bool(self.cluster.in_one_node(0, n_vision + lay.tp_l * lay.pp_l * lay.dp_l))
 
     @property
     def sp_hidden(self) -> int:
@@ -130,7 +104,7 @@ class Pricing:
     def _links(self):
         lay = self.plan.layout
         return links(self.cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
-                     tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
+                     tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l, p2p=self._measured.p2p)
 
     def batch(self, batch: Pool) -> PlanCosts:
         """Per-sample costs of the samples of `batch` (in batch order) on the plan."""
@@ -146,15 +120,14 @@ class Pricing:
                            llm_sequence_parallel_hidden=self.sp_hidden)
         llm_fwd, llm_bwd = base.llm_fwd.copy(), base.llm_bwd.copy()
         vis_fwd, vis_bwd = base.vision_fwd.copy(), base.vision_bwd.copy()
-        per_byte = self._per_byte_s(link)
-        hop = batch.seq_len * sizes.llm_token_bytes * per_byte[0]
+        hop = batch.seq_len * sizes.llm_token_bytes / float(link.llm_hop_bps)
         llm_fwd[1:] += hop
         llm_bwd[:-1] += hop
         if not lay.colocated:
-            features = batch.vision_tokens * sizes.llm_token_bytes * per_byte[1]
+            features = batch.vision_tokens * sizes.llm_token_bytes / float(link.vision_to_llm_bps)
             llm_fwd[0] += features
             vis_bwd[-1] += features
-            vhop = batch.n_tiles * sizes.vision_tile_bytes * per_byte[2]
+            vhop = batch.n_tiles * sizes.vision_tile_bytes / float(link.vision_hop_bps)
             vis_fwd[1:] += vhop
             vis_bwd[:-1] += vhop
         costs = replace(base, llm_fwd=llm_fwd, llm_bwd=llm_bwd, vision_fwd=vis_fwd, vision_bwd=vis_bwd)
@@ -163,14 +136,6 @@ class Pricing:
         busy += lay.tp_v * float((base.vision_fwd + base.vision_bwd).sum()
                                  + lay.m * lay.dp_v * (base.vision_fwd_const + base.vision_bwd_const).sum())
         return PlanCosts(costs, self.allreduce_s, busy)
-
-    def _per_byte_s(self, link) -> tuple[float, float, float]:
-        """Seconds per byte of (LLM hop, vision features into the LLM, vision hop): the measured P2P
-        line's where the profile has one and the whole plan sits in one node, else 1 / bandwidth."""
-        p2p = self._measured.p2p
-        if p2p is not None and self._in_one_node:
-            return (float(p2p.per_byte_s),) * 3
-        return (1.0 / float(link.llm_hop_bps), 1.0 / float(link.vision_to_llm_bps), 1.0 / float(link.vision_hop_bps))
 
     def _stage_grad_bytes(self, kind: str = "grad_bytes") -> np.ndarray:
         """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves), or

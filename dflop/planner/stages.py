@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from dflop.costmodel.memory import sharded_state_scale
+from dflop.costmodel.model import BytesLine, StepCosts
 from dflop.plan import Layout, Plan, Techniques
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Granularity, ModuleMeans, PartMeans, Pool, TransferSizes
@@ -126,26 +127,61 @@ class _PartAt:
 
 @dataclass(frozen=True)
 class Links:
-    """Link bandwidths (bytes/s) and all-reduce placement of layouts (arrays broadcast)."""
+    """Link bandwidths (bytes/s), pipeline send latency (s) and all-reduce placement of layouts
+    (arrays broadcast)."""
 
     vision_to_llm_bps: np.ndarray
     llm_hop_bps: np.ndarray
     vision_hop_bps: np.ndarray
     vision_allreduce_intra: np.ndarray
     llm_allreduce_intra: np.ndarray
+    p2p_latency_s: np.ndarray | float = 0.0
 
 
-def links(cluster: Cluster, *, colocated, tp_v, pp_v, dp_v, tp_l, pp_l, dp_l) -> Links:
-    """Which links the layout's transfers and all-reduces use (rank layout in `dflop.planner.cluster`)."""
+def links(cluster: Cluster, *, colocated, tp_v, pp_v, dp_v, tp_l, pp_l, dp_l,
+          p2p: BytesLine | None = None) -> Links:
+    """Which links the layout's transfers and all-reduces use (rank layout in `dflop.planner.cluster`).
+
+    p2p: a measured pipeline message (`StepCosts.p2p`, already gated to the cluster's kind of
+    device): where the whole layout sits in one node, where it was measured, its per-byte cost is
+    every hop's bandwidth and its constant the send latency; elsewhere the cluster's numbers."""
     n_vision = np.where(colocated, 0, np.asarray(tp_v) * pp_v * dp_v)
     n_llm = np.asarray(tp_l) * pp_l * dp_l
-    return Links(
+    found = Links(
         vision_to_llm_bps=cluster.bandwidth(cluster.in_one_node(0, n_vision + n_llm)),
         llm_hop_bps=cluster.bandwidth(cluster.in_one_node(n_vision, n_llm)),
         vision_hop_bps=cluster.bandwidth(cluster.in_one_node(0, np.maximum(n_vision, 1))),
         vision_allreduce_intra=cluster.dp_group_intra(0, tp_v, pp_v, dp_v),
         llm_allreduce_intra=cluster.dp_group_intra(n_vision, tp_l, pp_l, dp_l),
+        p2p_latency_s=cluster.p2p_latency_s,
     )
+    if p2p is None or p2p.per_byte_s <= 0:
+        return found
+    one_node = cluster.in_one_node(0, n_vision + n_llm)
+    measured_bps = 1.0 / p2p.per_byte_s
+    return Links(*(np.where(one_node, measured_bps, bps) for bps in
+                   (found.vision_to_llm_bps, found.llm_hop_bps, found.vision_hop_bps)),
+                 found.vision_allreduce_intra, found.llm_allreduce_intra,
+                 np.where(one_node, p2p.const_s, cluster.p2p_latency_s))
+
+
+def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: Cluster,
+                 measured: StepCosts) -> np.ndarray:
+    """Seconds a stage spends after its last backward: its data-parallel gradient synchronisation
+    (the measured all-reduce line for `dp` inside a node, else the cluster's ring formula; a sharded
+    module's reduce-scatter + all-gather move the same bytes), then its optimizer step on the
+    parameter bytes the rank holds when `measured` has one. Affine in the bytes (the planner
+    splits it into a per-stage and a per-layer part). `measured`: `CostModel.step_costs_on`."""
+    line = measured.allreduce.get(int(dp)) if bool(np.all(intra)) else None
+    if line is not None:
+        sync = line(grad_bytes)
+    elif sharded:
+        sync = cluster.reduce_scatter_s(grad_bytes, dp, intra) + cluster.reduce_scatter_s(param_bytes, dp, intra)
+    else:
+        sync = cluster.allreduce_s(grad_bytes, dp, intra)
+    if measured.optimizer is not None:
+        sync = sync + measured.optimizer(np.asarray(param_bytes, dtype=np.float64) / (dp if sharded else 1))
+    return np.asarray(sync, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -180,7 +216,7 @@ class StageModel:
 
     layout: Layout
     is_vision: np.ndarray
-    by_mode: dict
+    by_mode: Mapping
     ar_fixed: np.ndarray
     ar_layer: np.ndarray
     vision_layers: int
@@ -315,12 +351,14 @@ class _ModeCoeffs(Mapping):
 def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, cluster: Cluster,
                       global_batch: int, transfer: TransferMeans,
                       granularity: Granularity = Granularity.none(), shard: tuple = (False, False),
-                      dtype: str = "float32") -> StageModel:
+                      dtype: str = "float32", step_costs: StepCosts = StepCosts()) -> StageModel:
     """The `StageModel` of a layout, from the module means at its TP degrees (the LLM's priced
     sequence-parallel or not), with each module's optimizer state sharded over its replicas where
     `shard` (vision, llm) says so (`dtype`: the training dtype, for the state's bytes).
 
-    granularity: effective samples per LLM bin for times (default: the mean, nu).
+    granularity: effective samples per LLM bin for times (default: the mean, nu);
+    step_costs: the cost model's measured step costs on this cluster's device
+    (`CostModel.step_costs_on`): the tails and links then price as `Pricing` does.
     """
     lay, B = layout, global_batch
     shard = (bool(shard[1]), bool(shard[1])) if lay.colocated else (bool(shard[0]), bool(shard[1]))
@@ -328,26 +366,27 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
     if not modes:
         raise ValueError(f"vision modes {vision.modes} and llm modes {llm.modes} share none")
     link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
-                 tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l)
+                 tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l, p2p=step_costs.p2p)
     by_mode = _ModeCoeffs(modes, lambda md: _stage_coeffs(lay, vision, llm, link, B, transfer, granularity, shard,
                                                           dtype, md))
     c = by_mode[modes[0]]
     n_v = lay.n_vision_stages
 
-    def allreduce(grad_fixed, grad_layer, dp, intra):
-        # a sharded module reduce-scatters its gradients and all-gathers its parameters instead:
-        # the same bytes when parameters and gradients share a dtype (`Pricing.allreduce_s`)
-        fixed = cluster.allreduce_s(grad_fixed, dp, intra)
-        return fixed, cluster.allreduce_s(grad_layer, dp, intra) - cluster.allreduce_s(0.0, dp, intra)
+    def allreduce(grad_fixed, grad_layer, dp, intra, sharded):
+        # the tail is affine in the bytes: a per-stage part and one per layer; parameters and
+        # gradients share a dtype, so the gradient bytes are the parameter bytes too
+        def tail(nbytes):
+            return stage_tail_s(nbytes, nbytes, dp, intra, sharded=sharded, cluster=cluster, measured=step_costs)
+        return tail(grad_fixed), tail(grad_layer) - tail(np.zeros_like(grad_layer))
 
     ar = []
     if n_v:
-        ar.append(allreduce(c.grad_fixed[:n_v], c.grad_layer[:n_v], lay.dp_v, link.vision_allreduce_intra))
-    ar.append(allreduce(c.grad_fixed[n_v:], c.grad_layer[n_v:], lay.dp_l, link.llm_allreduce_intra))
+        ar.append(allreduce(c.grad_fixed[:n_v], c.grad_layer[:n_v], lay.dp_v, link.vision_allreduce_intra, shard[0]))
+    ar.append(allreduce(c.grad_fixed[n_v:], c.grad_layer[n_v:], lay.dp_l, link.llm_allreduce_intra, shard[1]))
     return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(lay.pp_l, dtype=bool)],
                       by_mode=by_mode, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64),
                       ar_layer=np.concatenate([np.broadcast_to(a[1], np.shape(a[0])) for a in ar]).astype(np.float64),
-                      vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=cluster.p2p_latency_s,
+                      vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=float(link.p2p_latency_s),
                       memory_bytes=cluster.gpu_memory_bytes, shard=shard,
                       sequence_parallel=llm.sequence_parallel)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from dflop.costmodel.model import StepCosts, step_costs_on
 from dflop.errors import UserError
 from dflop.plan import RECOMPUTE_MODES, Layout
 from dflop.planner.means import Granularity, ModuleMeans, module_means
@@ -99,13 +100,17 @@ class TechniqueMeans:
     """The module means the search prices layouts with, per TP degree and technique setting.
 
     vision: {tp: ModuleMeans} with every recompute mode of the space; llm: {(tp, sequence
-    parallel): ModuleMeans} likewise (SP entries only where tp > 1 and SP may be used).
+    parallel): ModuleMeans} likewise (SP entries only where tp > 1 and SP may be used);
+    step_costs: the cost model's measured step costs (`CostModel.step_costs`), which a layout's
+    stage model uses where they hold on its cluster (`CostModel.step_costs_on`).
     """
 
     vision: dict
     llm: dict
     space: TechniqueSpace
     dtype: str
+    step_costs: StepCosts = StepCosts()
+    profiled_on: str = ""
 
     @classmethod
     def of(cls, cost, pool, shape, vision_tps, llm_tps, space: TechniqueSpace) -> "TechniqueMeans":
@@ -117,7 +122,7 @@ class TechniqueMeans:
             if space.can_sp and t > 1:
                 llm[(t, True)] = module_means(cost, "llm", t, pool, shape.llm_layers, modes=space.modes,
                                               sequence_parallel_hidden=shape.llm_hidden)
-        return cls(vision, llm, space, cost.provenance.dtype)
+        return cls(vision, llm, space, cost.provenance.dtype, cost.step_costs, cost.provenance.device)
 
     def for_times(self) -> tuple[dict, dict]:
         """({tp: vision}, {tp: llm}) whose cheapest mode bounds every setting's seconds (SP and
@@ -140,7 +145,8 @@ class TechniqueMeans:
         shard_v, shard_l, sp = setting
         return build_stage_model(layout, self.vision[layout.tp_v], self.llm[(layout.tp_l, bool(sp))],
                                  cluster=cluster, global_batch=global_batch, transfer=transfer,
-                                 granularity=granularity, shard=(shard_v, shard_l), dtype=self.dtype)
+                                 granularity=granularity, shard=(shard_v, shard_l), dtype=self.dtype,
+                                 step_costs=step_costs_on(self.step_costs, self.profiled_on, cluster.device))
 
     def fit(self, layout: Layout, n, leanest_model: StageModel | None = None, **kw) -> tuple[StageModel, list[str]] | None:
         """`settle` split `n` of `layout` (keywords: `stage_model`'s; leanest_model: the layout's

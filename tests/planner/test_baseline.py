@@ -122,3 +122,10 @@ def test_encoder_stage_layouts_by_hand():
     got = {(lay.placement, lay.tp_v, lay.pp_v, lay.dp_v, lay.tp_l, lay.pp_l, lay.dp_l, lay.m)
            for lay in _encoder_stage_layouts(space, cluster)}
     assert got == expected
+    # An encoder TP above the LLM's is refused by Megatron-Core: vision TP 2 pairs with LLM TP 2 only.
+    # 2 + 2 x pp ranks per replica: pp 1 -> dp 4 (16 GPUs); pp 2 -> 6 ranks, dp 2 would be 12 GPUs
+    # (no whole node), so dp 1; pp 4 -> 10 ranks, more than a node and not whole nodes: none.
+    wider = SearchSpace(vision_tp=(2,), llm_tp=(1, 2), colocated_tp=(), shared_tp=(), microbatches=(1, 2, 4),
+                        placements=("disjoint",), vision_layers=2, llm_layers=4, global_batch=16, mean_tiles=1.0)
+    got = {(lay.tp_v, lay.tp_l, lay.pp_l, lay.dp_l, lay.m) for lay in _encoder_stage_layouts(wider, cluster)}
+    assert got == {(2, 2, 1, 4, m) for m in (1, 2, 4)} | {(2, 2, 2, 1, m) for m in (1, 2, 4)}

@@ -122,3 +122,49 @@ def test_measured_costs_stay_where_they_were_measured():
     llm_params = np.array([model.module("llm_embed", 1).param_bytes + 2 * model.module("llm_layer", 1).param_bytes,
                            2 * model.module("llm_layer", 1).param_bytes + model.module("llm_head", 1).param_bytes])
     assert np.allclose(unsharded.allreduce_s[1:] - sharded.allreduce_s[1:], 1e-9 * llm_params / 2)
+
+
+def test_colocated_stage_pays_the_optimizer_of_the_tower_and_its_llm_layers():
+    layout = Layout("colocated", 1, 1, 2, 1, 2, 2, 2)
+    pricing, model = _pricing(MEASURED, layout)
+    p = {name: model.module(name, 1).param_bytes for name in ("vision_embed", "vision_layer", "projector",
+                                                                "llm_embed", "llm_layer", "llm_head")}
+    stage0 = p["vision_embed"] + 4 * p["vision_layer"] + p["projector"] + p["llm_embed"] + 2 * p["llm_layer"]
+    stage1 = 2 * p["llm_layer"] + p["llm_head"]
+    by_hand = [6e-4 + 2e-9 * b + 4e-4 + 1e-9 * b for b in (stage0, stage1)]
+    assert np.allclose(pricing.allreduce_s, by_hand, rtol=1e-12)
+
+
+def test_unmeasured_group_sizes_and_groups_across_nodes_use_the_cluster():
+    # dp 4 was not measured (only 2 ranks profiled): the cluster's ring all-reduce, plus the optimizer
+    layout = Layout("colocated", 1, 1, 4, 1, 1, 4, 1)
+    measured, model = _pricing(MEASURED, layout)
+    plain, _ = _pricing(StepCosts(), layout)
+    params = sum(model.module(n, 1).param_bytes for n in ("vision_embed", "projector", "llm_embed", "llm_head"))
+    params += 4 * (model.module("vision_layer", 1).param_bytes + model.module("llm_layer", 1).param_bytes)
+    assert np.allclose(measured.allreduce_s, plain.allreduce_s + 4e-4 + 1e-9 * params, rtol=1e-12)
+    # dp 2 groups that leave a node (1 GPU per node): the cluster's inter-node numbers
+    layout = Layout("colocated", 1, 1, 2, 1, 1, 2, 1)
+    across, _ = _pricing(MEASURED, layout, gpus_per_node=1)
+    across_plain, _ = _pricing(StepCosts(), layout, gpus_per_node=1)
+    assert np.allclose(across.allreduce_s, across_plain.allreduce_s + 4e-4 + 1e-9 * params, rtol=1e-12)
+
+
+@pytest.mark.parametrize("layout", [Layout("disjoint", 1, 1, 1, 1, 2, 2, 2), Layout("colocated", 1, 1, 2, 1, 2, 2, 2)])
+@pytest.mark.parametrize("shard", [False, True])
+def test_the_planners_stage_model_charges_the_same_tail_and_latency_as_pricing(layout, shard):
+    """The MILP's per-stage + per-layer tail, at the plan's split, is what the pricing path charges."""
+    from dflop.planner.means import module_means
+    from dflop.planner.stages import TransferMeans, build_stage_model
+
+    pricing, model = _pricing(MEASURED, layout, shard=shard)
+    pool = Pool.from_shapes(toy_shapes(64, seed=2))
+    vision = module_means(model, "vision", 1, pool, 4)
+    llm = module_means(model, "llm", 1, pool, 4)
+    sizes = TransferSizes.for_model(llm_hidden=64, vision_hidden=32, vision_tokens_per_tile=16, dtype="float32")
+    sm = build_stage_model(layout, vision, llm, cluster=pricing.cluster, global_batch=16,
+                           transfer=TransferMeans.of(pool, sizes), shard=(shard, shard),
+                           step_costs=model.step_costs_on(pricing.cluster.device))
+    n = sm.split_of(pricing.plan)
+    assert np.allclose(sm.ar_fixed + sm.ar_layer * n, pricing.allreduce_s, rtol=1e-12)
+    assert sm.latency_s == pricing.p2p_s == 3e-4
