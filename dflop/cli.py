@@ -99,16 +99,21 @@ def cmd_optimize(args: argparse.Namespace) -> None:
 def cmd_simulate(args: argparse.Namespace) -> None:
     from dflop.planner import simulate_plan
 
+    measured = _measured_agreement(args.metrics, args.plan)
+    if measured is not None and (args.gpus or args.global_batch or args.shapes or args.costmodel):
+        measured += " (measured on the plan as trained, not on this what-if)"
     simulate_plan(args.plan, gpus=args.gpus, global_batch=args.global_batch, shapes_path=args.shapes,
                   costmodel_path=args.costmodel, out_png=args.gantt, sample_batches_k=args.batches,
-                  measured=_measured_agreement(args.metrics, args.plan))
+                  measured=measured)
 
 
 def _measured_agreement(metrics: Path | None, plan: Path) -> str | None:
     """What the run's metrics.parquet (given, or the workflow's beside the plan) says about the
-    predictions: a sentence for the what-if summary, None without a run."""
+    predictions: a sentence for the what-if summary, None without a run. A run whose pipeline
+    stages are not the plan's trained another plan: said, not compared."""
     from dflop.io import read_parquet
-    from dflop.runtime.metrics import prediction_agreement
+    from dflop.plan import read_plan
+    from dflop.runtime.metrics import plan_stage_labels, prediction_agreement
 
     path = metrics if metrics is not None else plan.parent.parent / "train" / "metrics.parquet"
     if metrics is None and not path.exists():
@@ -117,6 +122,11 @@ def _measured_agreement(metrics: Path | None, plan: Path) -> str | None:
     missing = {"step", "step_s", "predicted_step_s"} - set(frame.columns)
     if missing:
         raise UserError(f"{path}: not a metrics.parquet of dflop train (no column {', '.join(sorted(missing))})")
+    ran = sorted(c.removeprefix("busy_s_") for c in frame.columns if c.startswith("busy_s_"))
+    planned = sorted(plan_stage_labels(read_plan(plan).plan))
+    if ran and ran != planned:
+        return (f"{path} is from a run of other pipeline stages ({', '.join(ran)}; this plan: "
+                f"{', '.join(planned)}), so it says nothing about this plan's predictions")
     agreement = prediction_agreement(frame)
     return f"{path}: " + (agreement.describe() if agreement else "no steady-state steps yet")
 

@@ -169,7 +169,10 @@ def _step_costs_to_dict(costs: StepCosts) -> dict:
     return out
 
 
-def _step_costs_from_dict(data: dict) -> StepCosts:
+def _step_costs_from_dict(data: dict, source: str) -> StepCosts:
+    ranks = [int(e["ranks"]) for e in data.get("allreduce", [])]
+    if len(set(ranks)) < len(ranks):
+        raise UserError(f"{source}: step_costs/allreduce lists a group size twice: {sorted(ranks)}")
     return StepCosts(optimizer=_line_from_dict(data["optimizer"]) if "optimizer" in data else None,
                      allreduce={int(e["ranks"]): _line_from_dict(e) for e in data.get("allreduce", [])},
                      p2p=_line_from_dict(data["p2p"]) if "p2p" in data else None)
@@ -213,7 +216,7 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
             profiled_batch=tuple(entry.get("profiled_batch", (0, 0))),
             profiled_seq_len=tuple(entry.get("profiled_seq_len", (0, 0))),
         ))
-    return CostModel(modules, Provenance(**data["provenance"]), _step_costs_from_dict(data.get("step_costs", {})))
+    return CostModel(modules, Provenance(**data["provenance"]), _step_costs_from_dict(data.get("step_costs", {}), source))
 
 
 def save_cost_model(model: CostModel, path: str | Path) -> None:

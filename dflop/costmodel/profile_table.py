@@ -21,6 +21,7 @@ from dflop.costmodel.features import LAYER_MODULES, MODULE_FEATURES, ShapeKind
 from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS
 from dflop.errors import UserError
 from dflop.io import read_parquet
+from dflop.profiling.step_costs import LINK_MODULES
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     preset = _single_value(table, "preset", source) if "preset" in table.columns else None
 
     step_costs = _step_costs(table, source)
-    unknown = sorted(set(table["module"]) - set(MODULE_FEATURES) - set(LINK_KINDS))
+    unknown = sorted(set(table["module"]) - set(MODULE_FEATURES) - set(LINK_MODULES))
     if unknown:
         log.warning("%s: ignoring module(s) without a cost model: %s", source, ", ".join(unknown))
     table = table[table["module"].isin(list(MODULE_FEATURES))]
@@ -98,10 +99,6 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
                           step_costs=step_costs)
 
 
-#: Module names of the link rows (`dflop.profiling.step_costs.LINK_MODULES`).
-LINK_KINDS = ("allreduce", "p2p")
-
-
 def _step_costs(table: pd.DataFrame, source: str) -> pd.DataFrame | None:
     """Medians of the optimizer and link measurements (`ProfileSummary.step_costs`)."""
     parts = []
@@ -112,7 +109,7 @@ def _step_costs(table: pd.DataFrame, source: str) -> pd.DataFrame | None:
         parts.append(pd.DataFrame({"kind": "optimizer", "ranks": 1, "bytes": optim["param_bytes"],
                                    "ms": optim["optim_ms"]}))
     if "bytes" in table.columns:
-        links = table[table["module"].isin(list(LINK_KINDS))]
+        links = table[table["module"].isin(list(LINK_MODULES))]
         links = links.groupby(["module", "batch", "bytes"])["fwd_ms"].median().reset_index()
         parts.append(pd.DataFrame({"kind": links["module"], "ranks": links["batch"], "bytes": links["bytes"],
                                    "ms": links["fwd_ms"]}))

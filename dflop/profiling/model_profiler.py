@@ -21,12 +21,13 @@ once untimed, so the process's memory is warmed up before anything is timed.
 
 Each module's rows also carry ``optim_ms`` (its parameters' AdamW step), and a profile taken by
 several ranks has ``allreduce`` and ``p2p`` rows (``batch`` = ranks, ``bytes`` = message size,
-``fwd_ms`` = time; other columns NaN): the step's costs outside the modules,
+``fwd_ms`` = time; the shape, byte-count and recompute columns NaN): the step's costs outside the modules,
 `dflop.profiling.step_costs`.
 
-TP degree 1 runs in this process; TP > 1 runs in ``tp`` worker processes launched with torchrun
-(`dflop.profiling.model_tp_worker`; gloo and one thread per rank on CPU, NCCL on GPU); rank 0
-times after a barrier and all ranks follow rank 0's grid decisions.
+A profiling world of one rank (TP 1, no co-runners) runs in this process; a larger one (TP > 1,
+or co-runners) runs in worker processes launched with torchrun (`dflop.profiling.model_tp_worker`;
+gloo and one thread per rank on CPU, NCCL on GPU); rank 0 times after a barrier and all ranks
+follow rank 0's grid decisions.
 
 ``co_runners``: ranks that share the machine while it is measured. The trainer runs one rank per
 "GPU" of a node; on CPU those ranks share the node's cores and memory bandwidth, and a module
@@ -151,7 +152,7 @@ def profile_model(model: ModelHandle, profile: ProfileSection, out_path: str | P
     settings.check()
     spec, config, tp_degrees = model.spec, model.config, profile.tp_degrees
     resolve_dtype(spec.dtype)
-    _check_device(profile.device, tp_degrees)
+    _check_device(profile.device, tp_degrees, co_runners)
     job = dict(arch=spec.arch, vision=spec.vision, llm=spec.llm, weights_dir=spec.weights, device=profile.device,
                dtype=spec.dtype, settings=asdict(settings), cpu_threads=cpu_threads, seed=seed, preset=spec.preset,
                co_runners=max(1, int(co_runners)))
@@ -166,6 +167,9 @@ def profile_model(model: ModelHandle, profile: ProfileSection, out_path: str | P
         if skipped:
             log.info("TP=%d: not profiling %s (heads or width not divisible)", tp, ", ".join(skipped))
         world = tp * max(1, job["co_runners"] // tp)
+        if job["co_runners"] > 1 and world != job["co_runners"]:
+            log.info("TP=%d: %d ranks profile together (profile.co_runners %d rounded to whole TP groups)",
+                     tp, world, job["co_runners"])
         job_tp = dict(job, tp=tp, modules=list(modules))
         rows = (profile_rank(job_tp, progress=progress, config=config) if world == 1
                 else _run_workers(job_tp, world, progress=progress))
@@ -207,7 +211,7 @@ def summarize(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def _check_device(device: str, tp_degrees: Sequence[int]) -> None:
+def _check_device(device: str, tp_degrees: Sequence[int], co_runners: int = 1) -> None:
     if device not in ("cpu", "cuda"):
         raise UserError(f"profile.device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda":
@@ -216,6 +220,9 @@ def _check_device(device: str, tp_degrees: Sequence[int]) -> None:
         too_big = [t for t in tp_degrees if t > torch.cuda.device_count()]
         if too_big:
             raise UserError(f"profile.tp_degrees {too_big} exceed the {torch.cuda.device_count()} visible GPUs")
+        if co_runners > torch.cuda.device_count():
+            raise UserError(f"profile.co_runners {co_runners} exceeds the {torch.cuda.device_count()} visible GPUs "
+                            "(one rank per GPU)")
     if any(int(t) < 1 for t in tp_degrees):
         raise UserError(f"profile.tp_degrees must be >= 1, got {list(tp_degrees)}")
 

@@ -143,8 +143,13 @@ def prediction_agreement(metrics: pd.DataFrame, warmup_steps: int = WARMUP_STEPS
 
 def stage_labels(topo: Topology) -> list[str]:
     """Name of every pipeline stage, in chain order (vision0.., llm0..)."""
-    vision = [f"vision{k}" for k in range(topo.plan.layout.n_vision_stages)]
-    return vision + [f"llm{j}" for j in range(topo.plan.llm.pp)]
+    return plan_stage_labels(topo.plan)
+
+
+def plan_stage_labels(plan) -> list[str]:
+    """`stage_labels` of a `dflop.plan.Plan`: the stages its metrics.parquet has columns for."""
+    vision = [f"vision{k}" for k in range(plan.layout.n_vision_stages)]
+    return vision + [f"llm{j}" for j in range(plan.llm.pp)]
 
 
 def measured_times(topo: Topology, times: np.ndarray, plan: StepPlan):

@@ -299,6 +299,13 @@ def test_simulate_states_its_spread_cost_model_and_measured_error(inputs, tmp_pa
                   "predicted_step_s": [1.0, 1.0, 1.0, 2.0]}).to_parquet(tmp_path / "train" / "metrics.parquet")
     said = _measured_agreement(None, plan)
     assert said.startswith(str(tmp_path / "train" / "metrics.parquet")) and "2 median" in said  # steps 3, 4: 2 and 2
+    # a run of another plan (its stage columns differ) is not compared with this one
+    stages = yaml.safe_load(plan.read_text())
+    n_stages = stages["llm"]["pp"] + (0 if stages["placement"] == "colocated" else stages["vision"]["pp"])
+    other = pd.read_parquet(tmp_path / "train" / "metrics.parquet").assign(
+        **{f"busy_s_llm{j}": 1.0 for j in range(n_stages + 1)})
+    other.to_parquet(tmp_path / "other.parquet")
+    assert "is from a run of other pipeline stages" in _measured_agreement(tmp_path / "other.parquet", plan)
     for metrics, message in ((tmp_path / "absent.parquet", "absent.parquet: no such file"),
                              (tmp_path / "bad.parquet", "bad.parquet: not a metrics.parquet of dflop train")):
         pd.DataFrame({"step": [1]}).to_parquet(tmp_path / "bad.parquet")

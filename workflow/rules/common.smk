@@ -93,3 +93,19 @@ def train_gres(wildcards, input):
     if config["cluster"]["device"] != "cuda":
         return ""
     return f"gpu:{min(plan_world_size(input.plan), config['cluster']['gpus_per_node'])}"
+
+
+def summary_inputs(wildcards):
+    """plan.yaml, and the training runs' metrics where the workflow trains them (report.smk's
+    HAS_TRAIN / HAS_TRAIN_BASELINE, read when the DAG is built)."""
+    inputs = {"plan": rules.optimize.output.plan}
+    if HAS_TRAIN:
+        inputs["metrics"] = rules.train.output.metrics
+    if HAS_TRAIN_BASELINE:
+        inputs["baseline_metrics"] = rules.train_baseline.output.metrics
+    return inputs
+
+
+def summary_arguments(wildcards, input):
+    return "".join(f" --{key.replace('_', '-')} {input[key]}" for key in ("metrics", "baseline_metrics")
+                   if key in input.keys())

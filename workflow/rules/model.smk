@@ -4,9 +4,8 @@
 PROFILE_MODEL_SETTINGS = RuleSettings(
     run={"seed": config["run"]["seed"]},
     model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "dtype")},
-    profile=config["profile"],
-    cluster={"gpus_per_node": config["cluster"]["gpus_per_node"]},  # the co-runners on CPU
-)
+    profile={**config["profile"], "co_runners": profile_co_runners()},  # resolved: a cluster change re-runs
+)                                                                       # the profile only if it changes them
 
 
 rule profile_model:
@@ -17,8 +16,10 @@ rule profile_model:
         settings_digest=PROFILE_MODEL_SETTINGS.digest,
     threads: max(max(config["profile"]["tp_degrees"]), profile_co_runners())
     resources:
-        # one GPU per rank of the largest TP degree profiled (torchrun on one node); none on CPU
-        gres=f"gpu:{max(config['profile']['tp_degrees'])}" if config["profile"]["device"] == "cuda" else "",
+        # one GPU per rank of the largest profiling world (TP degree or co-runners, torchrun on one node); none on CPU
+        gres=f"gpu:{max(max(config['profile']['tp_degrees']), profile_co_runners())}"
+        if config["profile"]["device"] == "cuda"
+        else "",
     log:
         "logs/profile_model.log",
     conda:

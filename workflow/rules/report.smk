@@ -11,21 +11,6 @@ HAS_TRAIN = any(r.name == "train" for r in workflow.rules)
 HAS_TRAIN_BASELINE = any(r.name == "train_baseline" for r in workflow.rules)
 
 
-def summary_inputs(wildcards):
-    """plan.yaml, and the training runs' metrics where the workflow trains them."""
-    inputs = {"plan": rules.optimize.output.plan}
-    if HAS_TRAIN:
-        inputs["metrics"] = rules.train.output.metrics
-    if HAS_TRAIN_BASELINE:
-        inputs["baseline_metrics"] = rules.train_baseline.output.metrics
-    return inputs
-
-
-def summary_arguments(wildcards, input):
-    return "".join(f" --{key.replace('_', '-')} {input[key]}" for key in ("metrics", "baseline_metrics")
-                   if key in input.keys())
-
-
 localrules:
     plot_summary,
     plot_data,
