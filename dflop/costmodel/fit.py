@@ -10,7 +10,8 @@ written to ``validation.parquet``:
 
     module, tp, target, n_train_shapes, n_test_shapes, mape_median, mape_p90, mape_max
 
-with the errors in percent.
+with the errors in percent. The profile's optimizer and link measurements become the model's
+``step_costs`` (`fit_step_costs`: a line in bytes per kind).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class SearchSpace:
     vision_tp / llm_tp: admissible TP degrees (dividing heads, inside a node, profiled);
     colocated_tp: LLM TP degrees the vision tower can share in the colocated placement (empty
     when that placement is not searched); shared_tp: the same whatever the placements (for the
-    data-blind baseline, which is always colocated); microbatches: candidate m; placements: subset
+    data-blind baseline's colocated layouts); microbatches: candidate m; placements: subset
     of ("disjoint", "colocated").
     """
 

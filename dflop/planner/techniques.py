@@ -95,7 +95,9 @@ def technique_costs(plan: Plan, cost: CostModel, pool: Pool, cluster: Cluster, s
 
 
 def _shard_comm_extra_s(plan: Plan, cost: CostModel, cluster: Cluster, sizes: TransferSizes) -> np.ndarray:
-    """[P] seconds per step each stage's sharded synchronisation costs over the plain all-reduce."""
+    """[P] seconds per step each stage's sharding changes in its tail: the sharded synchronisation
+    over the plain all-reduce, less the optimizer step it shrinks when the cost model measured one
+    (`stage_tail_s`; so it can be negative)."""
     unsharded = plan.with_techniques(replace(plan.vision_techniques, shard_optimizer=False),
                                      replace(plan.llm_techniques, shard_optimizer=False))
     return Pricing(plan, cost, cluster, sizes).allreduce_s - Pricing(unsharded, cost, cluster, sizes).allreduce_s
