@@ -27,7 +27,7 @@ import numpy as np
 from dflop.costmodel.types import BatchCosts
 from dflop.scheduler import baselines
 from dflop.scheduler.evaluate import ScalarCosts, memory_ok, scalar_costs, stage_times
-from dflop.scheduler.greedy import MemoryGuard, greedy_2d_many, local_search, lockstep_search
+from dflop.scheduler.greedy import MemoryGuard, MemoryGuardError, greedy_2d_many, local_search, lockstep_search
 from dflop.scheduler.ilp import solve_ilp
 from dflop.scheduler.ordering import best_orders
 from dflop.scheduler.profile import profile_partition
@@ -341,12 +341,23 @@ def score(ctx: Context, named_bins: list[tuple[str, np.ndarray]]) -> list[Candid
 
 
 def build(ctx: Context, members: list[Member]) -> list[tuple[str, np.ndarray]]:
-    """(name, bin_of) of every member that offers a partition."""
-    out = []
+    """(name, bin_of) of every member that offers a partition.
+
+    A member whose packing order runs out of room under the memory guard is skipped, not the
+    batch: another order (batch order, length-grouped) may still fit it. Only when no member
+    offers a partition is the first such error raised.
+    """
+    out, errors = [], []
     for mem in members:
-        bin_of = mem.build(ctx)
+        try:
+            bin_of = mem.build(ctx)
+        except MemoryGuardError as exc:
+            errors.append(exc)
+            continue
         if bin_of is not None:
             out.append((mem.name, bin_of))
+    if not out and errors:
+        raise errors[0]
     return out
 
 

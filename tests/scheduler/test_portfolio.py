@@ -121,3 +121,27 @@ def test_greedy_path_runs_no_lp_and_no_search(make_costs, monkeypatch):
         _, costs = make_costs(n, seed=n)
         part = greedy_partition(costs, m, dp, dp)
         assert np.isfinite(part.step_s)
+
+
+def test_a_member_out_of_room_is_skipped_not_the_batch(make_costs, monkeypatch):
+    """The demo's crash (issue 22): with tight memory, the greedy packing order ran out of room on
+    one batch (the correction's re-weighted costs) and the whole partition raised, although batch
+    order fitted. Now such a member is dropped; the batch fails only when no member fits it."""
+    from dflop.scheduler.greedy import MemoryGuardError
+
+    def out_of_room(*a, **k):
+        raise MemoryGuardError("sample index 0: fits in no bin under the per-stage memory limits")
+
+    monkeypatch.setattr(portfolio, "greedy_2d_many", out_of_room)
+    _, costs = make_costs(32, seed=3)
+    part = greedy_partition(costs, 4, 2, 2)
+    assert np.isfinite(part.step_s) and part.member in {"batch_order", "length_grouped", "lpt1d", "llava_group"}
+    assert sorted(np.concatenate([b for mb in part.bins() for b in mb]).tolist()) == list(range(32))
+
+    raising = portfolio.Member("a", lambda *_: True, out_of_room)
+    nothing = portfolio.Member("b", lambda *_: True, lambda ctx: None)
+    with pytest.raises(MemoryGuardError):
+        portfolio.build(None, [raising, nothing])
+    offered = np.zeros(4, dtype=int)
+    assert [name for name, _ in portfolio.build(None, [raising, portfolio.Member("c", lambda *_: True,
+                                                                                  lambda ctx: offered)])] == ["c"]
