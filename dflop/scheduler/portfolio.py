@@ -340,24 +340,24 @@ def score(ctx: Context, named_bins: list[tuple[str, np.ndarray]]) -> list[Candid
     return [Candidate(name, b, order, step) for (name, b), (order, step) in zip(named_bins, orders)]
 
 
-def build(ctx: Context, members: list[Member]) -> list[tuple[str, np.ndarray]]:
+def build(ctx: Context, members: list[Member], errors: list | None = None) -> list[tuple[str, np.ndarray]]:
     """(name, bin_of) of every member that offers a partition.
 
     A member whose packing order runs out of room under the memory guard is skipped, not the
-    batch: another order (batch order, length-grouped) may still fit it. Only when no member
-    offers a partition is the first such error raised.
+    batch: another order (batch order, length-grouped) may still fit it. Its error goes to
+    `errors`; `candidates` raises the first one when no member's partition fits.
     """
-    out, errors = [], []
+    out = []
     for mem in members:
         try:
             bin_of = mem.build(ctx)
         except MemoryGuardError as exc:
+            if errors is None:
+                raise
             errors.append(exc)
             continue
         if bin_of is not None:
             out.append((mem.name, bin_of))
-    if not out and errors:
-        raise errors[0]
     return out
 
 
@@ -424,7 +424,10 @@ def candidates(ctx: Context, members: list[Member], *, ilp: str = "never",
     `ilp_applies`, "always"; warm-started from the fastest candidate so far) and `sim_search`'s
     where they run: (candidates, the ILP's status or "not_run"). The fastest of them is the
     portfolio's answer."""
-    scored = score(ctx, build(ctx, members))
+    errors: list[MemoryGuardError] = []
+    scored = score(ctx, build(ctx, members, errors))
+    if not scored and errors:  # no member's partition fits: the batch cannot run on this layout
+        raise errors[0]
     ilp_status = "not_run"
     settings = ctx.settings
     if "ilp" not in settings.exclude and not settings.greedy_path_only and (

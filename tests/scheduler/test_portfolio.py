@@ -139,9 +139,25 @@ def test_a_member_out_of_room_is_skipped_not_the_batch(make_costs, monkeypatch):
     assert sorted(np.concatenate([b for mb in part.bins() for b in mb]).tolist()) == list(range(32))
 
     raising = portfolio.Member("a", lambda *_: True, out_of_room)
-    nothing = portfolio.Member("b", lambda *_: True, lambda ctx: None)
-    with pytest.raises(MemoryGuardError):
-        portfolio.build(None, [raising, nothing])
     offered = np.zeros(4, dtype=int)
-    assert [name for name, _ in portfolio.build(None, [raising, portfolio.Member("c", lambda *_: True,
-                                                                                  lambda ctx: offered)])] == ["c"]
+    errors = []
+    built = portfolio.build(None, [raising, portfolio.Member("c", lambda *_: True, lambda ctx: offered)], errors)
+    assert [name for name, _ in built] == ["c"] and len(errors) == 1
+    with pytest.raises(MemoryGuardError):  # without a place for the errors, the first one is raised
+        portfolio.build(None, [raising])
+
+
+def test_a_batch_no_member_fits_is_a_memory_error(make_costs):
+    """When the orders that did not run out of room break the limit anyway (dropped by `score`),
+    the batch is a MemoryGuardError, which the planner turns into a rejected layout (an
+    IndexError on the empty candidate list crashed `dflop optimize` on the demo's first try)."""
+    from dataclasses import replace
+
+    from dflop.scheduler.greedy import MemoryGuardError
+
+    _, costs = make_costs(32, seed=3)
+    assert costs.llm_act_bytes.min() > 0
+    # Room for the largest sample alone, but 32 samples in 4 x 2 bins need about 4 per bin.
+    tight = replace(costs, llm_mem_limit_bytes=costs.llm_act_bytes.max(axis=1) * 1.01)
+    with pytest.raises(MemoryGuardError, match="fits in no bin"):
+        greedy_partition(tight, 4, 2, 2)
