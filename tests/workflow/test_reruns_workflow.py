@@ -47,6 +47,14 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
     first = pd.read_parquet(workdir / "results/train/metrics.parquet")
     assert first["step"].tolist() == [1, 2] and first["run_id"].nunique() == 1
     run_a = first["run_id"].iat[0]
+    # The data-blind baseline trained the same global batches (same tokens, same loss from the same
+    # initial weights); 2 steps are all warm-up, so the summary measures no speedup and says why.
+    base = pd.read_parquet(workdir / "results/train_baseline/metrics.parquet")
+    assert base["step"].tolist() == [1, 2] and (base["member"] == "megatron").all()
+    assert base["tokens"].tolist() == first["tokens"].tolist()
+    assert base["loss"].tolist() == pytest.approx(first["loss"].tolist(), rel=1e-4)
+    summary = yaml.safe_load((workdir / "results/summary.yaml").read_text())
+    assert summary["steps"] == [] and summary["lines"][0].startswith("no speedup measured")
 
     lr_config = _configfile(workdir, "lr", lambda c: c.setdefault("train", {}).update(lr=2e-3))
     ran, lr, log, previous = _rerun(workdir, lr_config)
