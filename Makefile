@@ -27,9 +27,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# The demo ends with rule summary's three lines (plan vs data-blind baseline), repeated last.
 demo: setup
 	$(BIN)/snakemake --profile $(PROFILE) $(TARGET)
 	$(BIN)/snakemake --report report.html $(TARGET)
+	@if [ "$(TARGET)" = all ] && [ -f results/summary.txt ]; then echo; cat results/summary.txt; fi
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -139,6 +139,21 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise SystemExit(code)
 
 
+def cmd_compare_runs(args: argparse.Namespace) -> None:
+    from dflop.io import read_parquet, read_yaml
+    from dflop.runtime.comparison import compare_runs, no_comparison_line, planned_steps, write_summary
+
+    hint = "a training run's metrics.parquet (rules train and train_baseline)"
+    predicted = planned_steps(read_yaml(args.plan, missing_hint="run `dflop optimize` first"), str(args.plan))
+    comparison = compare_runs(read_parquet(args.metrics, missing_hint=hint),
+                              read_parquet(args.baseline_metrics, missing_hint=hint), predicted)
+    if args.out is not None:
+        write_summary(comparison, args.out, {"inputs": {"plan_metrics": str(args.metrics),
+                                                        "baseline_metrics": str(args.baseline_metrics),
+                                                        "plan": str(args.plan)}})
+    print("\n".join(comparison.lines() if comparison is not None else [no_comparison_line()]), flush=True)
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     from dflop.report.command import run
 
@@ -214,6 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
     train_help = "train with the plan: torchrun with the plan's world size (srun per node on Slurm)"
     p = sub.add_parser("train", help=train_help, description=train_help, add_help=False)
     p.set_defaults(func=cmd_train)
+
+    p = add("compare-runs", cmd_compare_runs,
+            "measured and predicted speedup of the plan's training run over the data-blind baseline's, and idle time")
+    p.add_argument("--metrics", type=Path, required=True, help="the plan's metrics.parquet (rule train)")
+    p.add_argument("--baseline-metrics", type=Path, required=True,
+                   help="the baseline's metrics.parquet (rule train_baseline: dflop train --baseline)")
+    p.add_argument("--plan", type=Path, required=True,
+                   help="plan.yaml: the predicted steps of the plan and its baseline (over the sampled batches)")
+    p.add_argument("--out", type=Path, default=None, help="write the comparison as YAML here (summary.yaml)")
 
     p = add("report", cmd_report, "draw the report plots of one artifact group (summary, data, costmodel, plan, candidates, training, timeline)")
     add_report_arguments(p)

@@ -482,6 +482,20 @@ def plan_from_dict(raw: Any, source: str = "plan.yaml") -> PlanFile:
     return PlanFile(plan, batch, baseline, dict(raw), source)
 
 
+def baseline_plan_doc(doc: Mapping[str, Any], source: str = "plan.yaml") -> dict:
+    """plan.yaml's data-blind baseline as a plan document of its own (its ``baseline`` section at
+    the top level, with the file's cluster, model and inputs records), so the trainer runs it as
+    it runs the plan (`dflop train --baseline`)."""
+    section = doc.get("baseline")
+    if not isinstance(section, Mapping) or not section:
+        raise UserError(f"{source}: baseline: missing (re-run `dflop optimize` to get the data-blind baseline)")
+    out = dict(section)
+    for key in ("cluster", "model", "inputs"):
+        if key in doc:
+            out[key] = doc[key]
+    return out
+
+
 def read_plan(path: str | Path) -> PlanFile:
     """Read and validate plan.yaml."""
     raw = read_yaml(path, missing_hint="run `dflop optimize` first, or write one by hand")

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from dflop.errors import UserError
-from dflop.plan import (Layout, ModuleLayout, Plan, PlanFile, Techniques, in_flight_1f1b, plan_from_dict, read_plan,
-                        write_plan)
+from dflop.plan import (Layout, ModuleLayout, Plan, PlanFile, Techniques, baseline_plan_doc, in_flight_1f1b,
+                        plan_from_dict, read_plan, write_plan)
 
 
 def raw(**changes) -> dict:
@@ -69,6 +69,22 @@ def test_the_baseline_section_is_read_as_a_plan():
     assert pf.baseline == Plan(Layout("colocated", 1, 1, 2, 1, 2, 2, 4), (2,), (1, 1))
     with pytest.raises(UserError, match=r"p\.yaml: baseline\.world_size is 5 but the layout needs 4"):
         plan_from_dict(raw(baseline={**baseline, "world_size": 5}), "p.yaml")
+
+
+def test_the_baseline_as_a_plan_of_its_own(tmp_path):
+    """What `dflop train --baseline` trains: the baseline's layout (not the plan's), with the file's
+    cluster and model records (the trainer prices on the cluster the plan was made for)."""
+    baseline = raw(placement="colocated", vision={"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2],
+                                                  "recompute": ["full"]},
+                   llm={"tp": 1, "pp": 2, "dp": 2, "layers_per_stage": [1, 1]}, world_size=4)
+    doc = baseline_plan_doc(raw(baseline=baseline, cluster={"device": "cpu"}, model={"llm": "x"}))
+    write_plan(doc, tmp_path / "b.yaml")
+    pf = read_plan(tmp_path / "b.yaml")
+    assert pf.plan.layout == Layout("colocated", 1, 1, 2, 1, 2, 2, 4) and pf.baseline is None
+    assert pf.plan.vision_techniques.recompute == ("full",)
+    assert pf.doc["cluster"] == {"device": "cpu"} and pf.doc["model"] == {"llm": "x"}
+    with pytest.raises(UserError, match=r"p\.yaml: baseline: missing"):
+        baseline_plan_doc(raw(), "p.yaml")
 
 
 def test_the_padded_baseline_section_is_optional_and_checked():

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=["dflop", "baseline"], help="override scheduler.policy")
     parser.add_argument("--pad", action="store_true", default=None,
                         help="baseline variant: pad samples to the longest of their bin (scheduler.pad_to_longest)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="train plan.yaml's data-blind baseline (its baseline section's layout) with the "
+                             "data-blind scheduler (implies --policy baseline); the same seed gives the same batches")
     parser.add_argument("--no-export", action="store_true", help="skip writing the Hugging Face directory final/")
     parser.add_argument("--fresh", action="store_true",
                         help="start afresh even if out-dir/checkpoints holds this run's checkpoint (the old "
@@ -153,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 path = getattr(args, flag)
                 if path is not None and not Path(path).exists():
                     raise UserError(f"--{flag}: file not found: {path}")
+            if args.baseline:  # the workers train the baseline section, written as a plan of its own
+                args.plan, args.policy = write_baseline_plan(args.plan, args.out_dir), "baseline"
             from dflop.config import load
 
             check_before_launch(load(args.config, args.settings), args.plan)
@@ -186,6 +191,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             _record_worker_error(args.out_dir, str(exc))
         return 2
     return 0
+
+
+def write_baseline_plan(plan_path: str | Path, out_dir: str | Path) -> Path:
+    """`out_dir`/baseline_plan.yaml: plan.yaml's data-blind baseline as a plan of its own."""
+    from dflop.io import read_yaml
+    from dflop.plan import baseline_plan_doc, write_plan
+
+    path = Path(out_dir) / "baseline_plan.yaml"
+    write_plan(baseline_plan_doc(read_yaml(plan_path, missing_hint="run `dflop optimize` first"), str(plan_path)), path)
+    return path
 
 
 def worker_error_file(out_dir: str | Path) -> Path:

@@ -27,7 +27,7 @@ import numpy as np
 from dflop.costmodel.types import BatchCosts
 from dflop.scheduler import baselines
 from dflop.scheduler.evaluate import ScalarCosts, memory_ok, scalar_costs, stage_times
-from dflop.scheduler.greedy import MemoryGuard, greedy_2d_many, local_search, lockstep_search
+from dflop.scheduler.greedy import MemoryGuard, MemoryGuardError, greedy_2d_many, local_search, lockstep_search
 from dflop.scheduler.ilp import solve_ilp
 from dflop.scheduler.ordering import best_orders
 from dflop.scheduler.profile import profile_partition
@@ -340,11 +340,22 @@ def score(ctx: Context, named_bins: list[tuple[str, np.ndarray]]) -> list[Candid
     return [Candidate(name, b, order, step) for (name, b), (order, step) in zip(named_bins, orders)]
 
 
-def build(ctx: Context, members: list[Member]) -> list[tuple[str, np.ndarray]]:
-    """(name, bin_of) of every member that offers a partition."""
+def build(ctx: Context, members: list[Member], errors: list | None = None) -> list[tuple[str, np.ndarray]]:
+    """(name, bin_of) of every member that offers a partition.
+
+    A member whose packing order runs out of room under the memory guard is skipped, not the
+    batch: another order (batch order, length-grouped) may still fit it. Its error goes to
+    `errors`; `candidates` raises the first one when no member's partition fits.
+    """
     out = []
     for mem in members:
-        bin_of = mem.build(ctx)
+        try:
+            bin_of = mem.build(ctx)
+        except MemoryGuardError as exc:
+            if errors is None:
+                raise
+            errors.append(exc)
+            continue
         if bin_of is not None:
             out.append((mem.name, bin_of))
     return out
@@ -413,7 +424,10 @@ def candidates(ctx: Context, members: list[Member], *, ilp: str = "never",
     `ilp_applies`, "always"; warm-started from the fastest candidate so far) and `sim_search`'s
     where they run: (candidates, the ILP's status or "not_run"). The fastest of them is the
     portfolio's answer."""
-    scored = score(ctx, build(ctx, members))
+    errors: list[MemoryGuardError] = []
+    scored = score(ctx, build(ctx, members, errors))
+    if not scored and errors:  # no member's partition fits: the batch cannot run on this layout
+        raise errors[0]
     ilp_status = "not_run"
     settings = ctx.settings
     if "ilp" not in settings.exclude and not settings.greedy_path_only and (

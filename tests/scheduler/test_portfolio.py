@@ -121,3 +121,43 @@ def test_greedy_path_runs_no_lp_and_no_search(make_costs, monkeypatch):
         _, costs = make_costs(n, seed=n)
         part = greedy_partition(costs, m, dp, dp)
         assert np.isfinite(part.step_s)
+
+
+def test_a_member_out_of_room_is_skipped_not_the_batch(make_costs, monkeypatch):
+    """The demo's crash (issue 22): with tight memory, the greedy packing order ran out of room on
+    one batch (the correction's re-weighted costs) and the whole partition raised, although batch
+    order fitted. Now such a member is dropped; the batch fails only when no member fits it."""
+    from dflop.scheduler.greedy import MemoryGuardError
+
+    def out_of_room(*a, **k):
+        raise MemoryGuardError("sample index 0: fits in no bin under the per-stage memory limits")
+
+    monkeypatch.setattr(portfolio, "greedy_2d_many", out_of_room)
+    _, costs = make_costs(32, seed=3)
+    part = greedy_partition(costs, 4, 2, 2)
+    assert np.isfinite(part.step_s) and part.member in {"batch_order", "length_grouped", "lpt1d", "llava_group"}
+    assert sorted(np.concatenate([b for mb in part.bins() for b in mb]).tolist()) == list(range(32))
+
+    raising = portfolio.Member("a", lambda *_: True, out_of_room)
+    offered = np.zeros(4, dtype=int)
+    errors = []
+    built = portfolio.build(None, [raising, portfolio.Member("c", lambda *_: True, lambda ctx: offered)], errors)
+    assert [name for name, _ in built] == ["c"] and len(errors) == 1
+    with pytest.raises(MemoryGuardError):  # without a place for the errors, the first one is raised
+        portfolio.build(None, [raising])
+
+
+def test_a_batch_no_member_fits_is_a_memory_error(make_costs):
+    """When the orders that did not run out of room break the limit anyway (dropped by `score`),
+    the batch is a MemoryGuardError, which the planner turns into a rejected layout (an
+    IndexError on the empty candidate list crashed `dflop optimize` on the demo's first try)."""
+    from dataclasses import replace
+
+    from dflop.scheduler.greedy import MemoryGuardError
+
+    _, costs = make_costs(32, seed=3)
+    assert costs.llm_act_bytes.min() > 0
+    # Room for the largest sample alone, but 32 samples in 4 x 2 bins need about 4 per bin.
+    tight = replace(costs, llm_mem_limit_bytes=costs.llm_act_bytes.max(axis=1) * 1.01)
+    with pytest.raises(MemoryGuardError, match="fits in no bin"):
+        greedy_partition(tight, 4, 2, 2)

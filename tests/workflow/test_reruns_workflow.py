@@ -47,10 +47,18 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
     first = pd.read_parquet(workdir / "results/train/metrics.parquet")
     assert first["step"].tolist() == [1, 2] and first["run_id"].nunique() == 1
     run_a = first["run_id"].iat[0]
+    # The data-blind baseline trained the same global batches (same tokens, same loss from the same
+    # initial weights); 2 steps are all warm-up, so the summary measures no speedup and says why.
+    base = pd.read_parquet(workdir / "results/train_baseline/metrics.parquet")
+    assert base["step"].tolist() == [1, 2] and (base["member"] == "megatron").all()
+    assert base["tokens"].tolist() == first["tokens"].tolist()
+    assert base["loss"].tolist() == pytest.approx(first["loss"].tolist(), rel=1e-4)
+    summary = yaml.safe_load((workdir / "results/summary.yaml").read_text())
+    assert summary["steps"] == [] and summary["lines"][0].startswith("no speedup measured")
 
     lr_config = _configfile(workdir, "lr", lambda c: c.setdefault("train", {}).update(lr=2e-3))
     ran, lr, log, previous = _rerun(workdir, lr_config)
-    assert ran == {"train", "plot_training"}
+    assert ran == {"train", "train_baseline", "summary", "plot_training"}
     run_b = lr["run_id"].iat[0]
     assert run_b != run_a and lr["step"].tolist() == [1, 2]
     assert lr["loss"].iat[0] == pytest.approx(first["loss"].iat[0], rel=1e-5)  # from the same initial weights
@@ -58,7 +66,7 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
 
     steps_config = _configfile(workdir, "steps", lambda c: c["train"].update(lr=2e-3, steps=3))
     ran, longer, log, previous = _rerun(workdir, steps_config)
-    assert ran == {"train", "plot_training"}
+    assert ran == {"train", "train_baseline", "summary", "plot_training"}
     assert longer["step"].tolist() == [1, 2, 3] and (longer["run_id"] == run_b).all()
     pd.testing.assert_frame_equal(longer.iloc[:2].reset_index(drop=True), lr, check_dtype=False)
     assert f"train.steps 2 -> 3: resuming run {run_b} at step 2" in log and len(previous) == 1
@@ -68,7 +76,7 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
         c["data"]["demo"].update(n_samples=50)
 
     ran, data, log, previous = _rerun(workdir, _configfile(workdir, "data", fewer_samples))
-    assert {"make_demo_data", "profile_data", "optimize", "train"} <= ran and "profile_model" not in ran
+    assert {"make_demo_data", "profile_data", "optimize", "train", "train_baseline"} <= ran and "profile_model" not in ran
     assert data["run_id"].iat[0] not in (run_a, run_b) and data["step"].tolist() == [1, 2, 3]
     # Another manifest: its records and the shapes drawn from them both differ.
     assert re.search(r"differs in data\.datasets \(.*\), data\.shapes \(", log) and len(previous) == 2

@@ -42,3 +42,57 @@ rule train:
     shell:
         "dflop train --settings {params.settings:q} --plan {input.plan} --shapes {input.shapes}"
         " --costmodel {input.costmodel} --out-dir {params.out_dir} > {log} 2>&1"
+
+
+# The data-blind baseline of plan.yaml (its `baseline` section: uniform split, fixed-count
+# microbatches in batch order), trained like the plan on the same global batches (same seed and
+# data), so rule summary compares measured steps, not only predicted ones.
+rule train_baseline:
+    input:
+        plan=rules.optimize.output.plan,
+        shapes=rules.profile_data.output.shapes,
+        costmodel=rules.fit.output.costmodel,
+    output:
+        metrics=f"{RESULTS}/train_baseline/metrics.parquet",
+        trace=f"{RESULTS}/train_baseline/trace.json",
+    params:
+        out_dir=lambda wildcards, output: os.path.dirname(output.metrics),
+        settings=TRAIN_SETTINGS,
+        settings_digest=TRAIN_SETTINGS.digest,
+    threads: config["cluster"]["gpus_per_node"]
+    resources:
+        nodes=train_nodes,
+        tasks=train_nodes,
+        tasks_per_gpu=0,
+        slurm_extra=lambda wildcards, input: "--ntasks-per-node=1",
+        gres=train_gres,
+    log:
+        "logs/train_baseline.log",
+    conda:
+        ENV_FILE
+    shell:
+        "dflop train --baseline --no-export --settings {params.settings:q} --plan {input.plan}"
+        " --shapes {input.shapes} --costmodel {input.costmodel} --out-dir {params.out_dir} > {log} 2>&1"
+
+
+localrules:
+    summary,
+
+
+# The last lines of `make demo`: measured and predicted speedup of the plan over the baseline and
+# the idle time of each (dflop.runtime.comparison), printed and kept in summary.yaml / summary.txt.
+rule summary:
+    input:
+        plan=rules.optimize.output.plan,
+        metrics=rules.train.output.metrics,
+        baseline=rules.train_baseline.output.metrics,
+    output:
+        summary=f"{RESULTS}/summary.yaml",
+        lines=f"{RESULTS}/summary.txt",
+    log:
+        "logs/summary.log",
+    conda:
+        ENV_FILE
+    shell:
+        "dflop compare-runs --metrics {input.metrics} --baseline-metrics {input.baseline} --plan {input.plan}"
+        " --out {output.summary} 2> {log} | tee {output.lines}"

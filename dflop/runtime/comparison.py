@@ -1,0 +1,102 @@
+"""The plan against the data-blind baseline, both trained on the same global batches (rule
+summary): what `make demo` prints last and what the report's summary page reads.
+
+Measured speedup: the baseline's median step over the plan's, over the steady-state steps both runs
+have (after `WARMUP_STEPS`, as `prediction_agreement` counts them). Predicted speedup: plan.yaml's
+(`planned_steps`): the baseline's mean predicted step over the plan's, both priced by the one
+pricing path on the optimizer's sampled global batches. Not the runs' own ``predicted_step_s``:
+the plan's run re-prices with the adaptive correction once it is active (its predictions follow
+the measured times from then on) and the baseline's never does, so their ratio predicts nothing.
+Idle: the median ``idle_frac`` of each run over the compared steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from dflop.errors import UserError
+from dflop.io import write_text_atomic
+from dflop.runtime.metrics import WARMUP_STEPS
+
+
+@dataclass(frozen=True)
+class RunComparison:
+    """Plan vs baseline over `steps` (the steady-state steps both runs have)."""
+
+    steps: list[int]
+    plan_step_s: float           # median measured step
+    baseline_step_s: float
+    measured_speedup: float      # baseline_step_s / plan_step_s
+    plan_predicted_s: float      # plan.yaml: mean predicted step over the sampled batches
+    baseline_predicted_s: float
+    predicted_speedup: float     # baseline_predicted_s / plan_predicted_s
+    plan_idle_frac: float        # median idle_frac
+    baseline_idle_frac: float
+
+    def lines(self) -> list[str]:
+        """The three lines `make demo` ends with."""
+        return [
+            f"measured speedup of the plan over the data-blind baseline: {self.measured_speedup:.2f}x "
+            f"(median step {self.baseline_step_s:.3f} s -> {self.plan_step_s:.3f} s, "
+            f"steps {self.steps[0]}-{self.steps[-1]} of both runs)",
+            f"predicted speedup: {self.predicted_speedup:.2f}x (plan.yaml: mean predicted step "
+            f"{self.baseline_predicted_s:.3f} s -> {self.plan_predicted_s:.3f} s over the optimizer's sampled batches)",
+            f"idle time (median share of rank-time): plan {100 * self.plan_idle_frac:.1f}%, "
+            f"baseline {100 * self.baseline_idle_frac:.1f}%",
+        ]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["warmup_steps"] = WARMUP_STEPS
+        out["lines"] = self.lines()
+        return out
+
+
+def planned_steps(doc: Mapping[str, Any], source: str = "plan.yaml") -> tuple[float, float]:
+    """(plan, baseline) mean predicted step of a plan.yaml mapping."""
+    try:
+        plan = float(doc["predicted"]["step_s"]["mean"])
+        base = float(doc["baseline"]["predicted"]["step_s"]["mean"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{source}: predicted.step_s.mean or baseline.predicted.step_s.mean missing "
+                        f"(re-run `dflop optimize`)") from None
+    return plan, base
+
+
+def compare_runs(plan: pd.DataFrame, baseline: pd.DataFrame, predicted: tuple[float, float], *,
+                 warmup_steps: int = WARMUP_STEPS) -> RunComparison | None:
+    """Compare two metrics.parquet frames (the plan's and the baseline's) over their common
+    steady-state steps, with `predicted` = (plan, baseline) predicted step (`planned_steps`);
+    None when they share no such step (a run of at most `warmup_steps` steps)."""
+    for name, frame in (("plan", plan), ("baseline", baseline)):
+        missing = [c for c in ("step", "step_s", "idle_frac") if c not in frame]
+        if missing:
+            raise UserError(f"{name} metrics: missing column(s) {', '.join(missing)}")
+    steps = [int(s) for s in sorted(set(plan["step"]) & set(baseline["step"])) if s > warmup_steps]
+    if not steps:
+        return None
+    p = plan.set_index("step").loc[steps]
+    b = baseline.set_index("step").loc[steps]
+    plan_step, base_step = float(np.median(p["step_s"])), float(np.median(b["step_s"]))
+    plan_pred, base_pred = (float(x) for x in predicted)
+    return RunComparison(steps, plan_step, base_step, base_step / plan_step, plan_pred, base_pred,
+                         base_pred / plan_pred, float(np.median(p["idle_frac"])), float(np.median(b["idle_frac"])))
+
+
+def no_comparison_line(warmup_steps: int = WARMUP_STEPS) -> str:
+    return (f"no speedup measured: the runs share no step after the {warmup_steps} warm-up steps "
+            f"(train.steps must be above {warmup_steps})")
+
+
+def write_summary(comparison: RunComparison | None, path: str | Path, extra: Mapping | None = None) -> None:
+    """summary.yaml (atomically): the comparison's fields and its three lines (None: no steady
+    steps; `lines` says so and the other fields are absent), and `extra` records."""
+    doc = comparison.to_dict() if comparison is not None else {"steps": [], "lines": [no_comparison_line()]}
+    doc.update(extra or {})
+    write_text_atomic(path, yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=200))

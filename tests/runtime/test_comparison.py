@@ -1,0 +1,66 @@
+"""Plan vs data-blind baseline (dflop.runtime.comparison): checked against a hand computation on two
+small metrics frames."""
+
+import pandas as pd
+import pytest
+import yaml
+
+from dflop.errors import UserError
+from dflop.runtime.comparison import compare_runs, planned_steps, write_summary
+
+
+def _frame(step_s, idle, steps=None):
+    steps = steps or list(range(1, len(step_s) + 1))
+    # predicted_step_s as a corrected run has it: must not enter the comparison.
+    return pd.DataFrame({"step": steps, "step_s": step_s, "predicted_step_s": 99.0, "idle_frac": idle})
+
+
+# Steps 1-2 are warm-up (huge, and must not count); steps 3-6 are steady.
+PLAN = _frame([9.0, 4.0, 0.50, 0.70, 0.60, 0.40], [0.9, 0.8, 0.10, 0.30, 0.20, 0.40])
+BASE = _frame([1.0, 1.0, 0.90, 0.80, 1.20, 1.00], [0.1, 0.1, 0.50, 0.40, 0.60, 0.70])
+PLAN_YAML = {"predicted": {"step_s": {"mean": 0.2, "p50": 5.0}},
+             "baseline": {"predicted": {"step_s": {"mean": 0.3, "p50": 7.0}}}}
+
+
+def test_against_a_hand_computation():
+    c = compare_runs(PLAN, BASE, planned_steps(PLAN_YAML))
+    # Hand: plan steady steps 0.5, 0.7, 0.6, 0.4 -> median (0.5 + 0.6) / 2 = 0.55; baseline
+    # 0.9, 0.8, 1.2, 1.0 -> (0.9 + 1.0) / 2 = 0.95; speedup 0.95 / 0.55 = 1.727.
+    assert c.steps == [3, 4, 5, 6]
+    assert c.plan_step_s == pytest.approx(0.55) and c.baseline_step_s == pytest.approx(0.95)
+    assert c.measured_speedup == pytest.approx(0.95 / 0.55)
+    # Predicted: plan.yaml's means, 0.3 / 0.2 (not the p50s, not the runs' predicted_step_s).
+    assert (c.plan_predicted_s, c.baseline_predicted_s) == (0.2, 0.3)
+    assert c.predicted_speedup == pytest.approx(1.5)
+    # Idle medians: plan 0.1, 0.3, 0.2, 0.4 -> 0.25; baseline 0.5, 0.4, 0.6, 0.7 -> 0.55.
+    assert c.plan_idle_frac == pytest.approx(0.25) and c.baseline_idle_frac == pytest.approx(0.55)
+    lines = c.lines()
+    assert len(lines) == 3
+    assert "1.73x" in lines[0] and "steps 3-6" in lines[0] and "1.50x" in lines[1]
+    assert "plan 25.0%" in lines[2] and "baseline 55.0%" in lines[2]
+
+
+def test_only_the_steps_both_runs_have_count():
+    """A baseline that stopped after step 4 is compared on steps 3-4 only (the same batches)."""
+    c = compare_runs(PLAN, BASE.iloc[:4], (0.2, 0.3))
+    assert c.steps == [3, 4]
+    assert c.plan_step_s == pytest.approx(0.6) and c.baseline_step_s == pytest.approx(0.85)
+
+
+def test_no_steady_steps_is_none_and_bad_inputs_are_one_line(tmp_path):
+    assert compare_runs(PLAN.iloc[:2], BASE, (0.2, 0.3)) is None
+    write_summary(None, tmp_path / "s.yaml")
+    assert "share no step after the 2 warm-up steps" in yaml.safe_load((tmp_path / "s.yaml").read_text())["lines"][0]
+    with pytest.raises(UserError, match="baseline metrics: missing column.*idle_frac"):
+        compare_runs(PLAN, BASE.drop(columns="idle_frac"), (0.2, 0.3))
+    with pytest.raises(UserError, match="p.yaml: .*baseline.predicted.step_s.mean missing"):
+        planned_steps({"predicted": {"step_s": {"mean": 0.2}}}, "p.yaml")
+
+
+def test_summary_file(tmp_path):
+    path = tmp_path / "summary.yaml"
+    write_summary(compare_runs(PLAN, BASE, (0.2, 0.3)), path, {"inputs": {"plan_metrics": "a"}})
+    doc = yaml.safe_load(path.read_text())
+    assert doc["measured_speedup"] == pytest.approx(0.95 / 0.55) and doc["warmup_steps"] == 2
+    assert len(doc["lines"]) == 3 and doc["inputs"] == {"plan_metrics": "a"}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.yaml"]  # no temp file left
