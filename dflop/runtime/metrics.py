@@ -34,7 +34,7 @@ from dflop.io import atomic_path
 from dflop.models.info import ModelInfo
 from dflop.scheduler.online import StepPlan
 from dflop.runtime.topology import Topology
-from dflop.scheduler.correction import MeasuredTimes
+from dflop.scheduler.correction import WARMUP_STEPS, MeasuredTimes
 
 BASE_COLUMNS = ("step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
                 "predicted_step_s", "corrected_step_s", "correction_active", "run_id")
@@ -96,9 +96,6 @@ def step_flops(info: ModelInfo, n_tiles: Sequence[int], seq_len: Sequence[int], 
 
 # -- how far the predictions were from the measurements ------------------------------------------------
 
-#: Steps a steady-state comparison leaves out: the first ones pay warm-up (allocator growth, thread
-#: pools, first collectives, the loader's first batch) that no step model should chase.
-WARMUP_STEPS = 2
 
 
 @dataclass(frozen=True)

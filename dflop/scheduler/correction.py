@@ -34,6 +34,11 @@ from dflop.scheduler.partition import greedy_partition
 
 
 FACTOR_LIMIT = 8.0  # learned factors stay within [1/8, 8]
+#: Steps at the start of a run that neither the correction learns from nor the steady-state
+#: comparisons count (`dflop.runtime.metrics.prediction_agreement`): they pay warm-up (allocator
+#: growth, thread pools, first collectives, the loader's first batch): the demo's steps 1-2 took
+#: 10 s and 3.9 s against ~0.5 s later.
+WARMUP_STEPS = 2
 
 
 @dataclass(frozen=True)

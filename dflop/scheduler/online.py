@@ -30,7 +30,7 @@ import pandas as pd
 from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
 from dflop.plan import Plan
-from dflop.scheduler.correction import AdaptiveCorrection, MeasuredTimes, ShapeBuckets
+from dflop.scheduler.correction import WARMUP_STEPS, AdaptiveCorrection, MeasuredTimes, ShapeBuckets
 from dflop.scheduler.evaluate import lower_bound, simulate_times, stage_times
 from dflop.scheduler.partition import Partition, greedy_partition, partition
 from dflop.scheduler.service import SchedulerService
@@ -240,14 +240,15 @@ class StepPlanner:
 
     def report(self, step: int, measured: MeasuredTimes, decide_every: int = 2, step_s: float | None = None) -> None:
         """Measured stage times of `step`, for the adaptive correction (dflop policy only; the
-        first step of a run is not learned from: it pays the warm-up, 20-80x a later step).
+        first `WARMUP_STEPS` of a run are not learned from: they pay the warm-up, up to 20-80x a
+        later step).
         step_s: the step's wall seconds, for the correction's per-step overhead (`observe_step`)."""
         costs, buckets, part = self._costs.pop(step, (None, None, None))
         for old in [s for s in self._costs if s < step]:
             del self._costs[old]
         if self.correction is None or part is None:
             return
-        if step == self._first:  # warm-up (allocator, thread pools, first collectives): not the steady state
+        if step < self._first + WARMUP_STEPS:  # warm-up (allocator, thread pools, first collectives)
             self.service.report(step, None, part)
             return
         self.service.report(step, measured, part)

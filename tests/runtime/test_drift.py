@@ -22,7 +22,7 @@ from dflop.runtime.schedule import DRIFT_ENV
 from trainer_reference import config_dict, pick_pool
 
 K = 4.0
-STEPS = 10
+STEPS = 12  # WARMUP_STEPS not learned from, then enough steps for the gate to decide a few times
 PLAN = {"vision": {"tp": 1, "pp": 1, "dp": 1, "layers_per_stage": [2]},
         "llm": {"tp": 1, "pp": 2, "dp": 1, "layers_per_stage": [1, 1]}, "placement": "colocated",
         "microbatches": 4, "global_batch_size": 8, "world_size": 2}
@@ -81,18 +81,18 @@ def test_correction_learns_the_slowed_stage(runs):
 
 @pytest.mark.distributed
 def test_corrected_prediction_approaches_the_measured_step(runs):
-    """(b) From step 5 on (learned from 2 steps or more), the corrected prediction removes more than
-    half of the profiled one's error (median measured / predicted, in log terms; the profiled one
+    """(b) From step 6 on (learned from 2 steps or more; steps 1-2 are warm-up), the corrected
+    prediction removes more than half of the profiled one's error (median measured / predicted, in log terms; the profiled one
     misses the drift). Measured in six runs on a loaded 2-core machine: measured / corrected
     0.74-1.06, measured / profiled 2.2-3.2 (the load moves both runs' early steps, which the
     correction still remembers)."""
     metrics, _ = runs["drift"]
-    late = metrics[metrics["step"] >= 5]
+    late = metrics[metrics["step"] >= 6]
     corrected = float(np.median(late["step_s"] / late["corrected_step_s"]))
     profiled = float(np.median(late["step_s"] / late["predicted_step_s"]))
     assert profiled > 1.6 and 0.6 < corrected < 1.6, (corrected, profiled)
     assert abs(np.log(corrected)) < 0.5 * abs(np.log(profiled)), (corrected, profiled)
-    assert metrics["corrected_step_s"].iloc[:2].isna().all()  # nothing learned yet (step 1 is warm-up)
+    assert metrics["corrected_step_s"].iloc[:2].isna().all()  # nothing learned yet (steps 1-2 are warm-up)
 
 
 @pytest.mark.distributed
