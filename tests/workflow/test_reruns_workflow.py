@@ -58,7 +58,7 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
 
     lr_config = _configfile(workdir, "lr", lambda c: c.setdefault("train", {}).update(lr=2e-3))
     ran, lr, log, previous = _rerun(workdir, lr_config)
-    assert ran == {"train", "train_baseline", "summary", "plot_training"}
+    assert ran == {"train", "train_baseline", "summary", "plot_training", "plot_summary", "plot_timeline"}
     run_b = lr["run_id"].iat[0]
     assert run_b != run_a and lr["step"].tolist() == [1, 2]
     assert lr["loss"].iat[0] == pytest.approx(first["loss"].iat[0], rel=1e-5)  # from the same initial weights
@@ -66,7 +66,7 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
 
     steps_config = _configfile(workdir, "steps", lambda c: c["train"].update(lr=2e-3, steps=3))
     ran, longer, log, previous = _rerun(workdir, steps_config)
-    assert ran == {"train", "train_baseline", "summary", "plot_training"}
+    assert ran == {"train", "train_baseline", "summary", "plot_training", "plot_summary", "plot_timeline"}
     assert longer["step"].tolist() == [1, 2, 3] and (longer["run_id"] == run_b).all()
     pd.testing.assert_frame_equal(longer.iloc[:2].reset_index(drop=True), lr, check_dtype=False)
     assert f"train.steps 2 -> 3: resuming run {run_b} at step 2" in log and len(previous) == 1
