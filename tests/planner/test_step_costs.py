@@ -70,6 +70,10 @@ def test_step_costs_round_trip_exactly(tmp_path):
     with pytest.raises(UserError, match="step_costs/p2p/const_s"):
         cost_model_from_dict(data, source="c.json")
     assert "step_costs" not in cost_model_to_dict(base)  # an unmeasured model writes none
+    data = cost_model_to_dict(model)
+    data["step_costs"]["allreduce"].append(dict(data["step_costs"]["allreduce"][0]))
+    with pytest.raises(UserError, match="step_costs/allreduce lists a group size twice"):
+        cost_model_from_dict(data, source="c.json")
 
 
 def _pricing(costs: StepCosts, layout: Layout, *, device="cpu", gpus_per_node=8, shard=False, cost_device="cpu"):
