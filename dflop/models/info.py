@@ -62,6 +62,17 @@ def vision_tp_divides(config: PreTrainedConfig, tp: int) -> bool:
     return v.num_attention_heads % tp == 0 and v.intermediate_size % tp == 0
 
 
+def padded_vision_heads(config: PreTrainedConfig, tp: int) -> int:
+    """Vision attention heads once padded with zero-weight heads to a multiple of `tp`.
+
+    NVIDIA's recipe for InternViT-6B under TP 8 (25 heads -> 32): a padded head's query, key, value
+    and output-projection weights are zero, so it adds nothing to the output and its gradients stay
+    zero; it costs its share of the attention FLOPs and parameter bytes. Equal to the real head
+    count when `tp` divides it."""
+    heads = config.vision_config.num_attention_heads
+    return -(-heads // tp) * tp
+
+
 def llm_tp_divides(config: PreTrainedConfig, tp: int) -> bool:
     """Whether `tp` ranks can split the LLM's query and key/value heads, MLP and vocabulary evenly."""
     t = config.text_config
