@@ -212,7 +212,7 @@ def worker(spec_path: str) -> int:
 
     from dflop.costmodel.jsonio import load_cost_model
     from dflop.plan import plan_from_dict
-    from dflop.runtime.loading import pool_samples
+    from dflop.data.training import pool_samples
     from dflop.runtime.settings import TrainSettings
     from dflop.runtime.trainer import Trainer
 

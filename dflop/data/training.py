@@ -39,6 +39,7 @@ ImageNet mean/std for InternVL.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from dataclasses import dataclass
 from functools import cached_property
@@ -46,11 +47,13 @@ from typing import Any, Mapping, Sequence
 
 import av
 import numpy as np
+import pandas as pd
 import torch
 from PIL import Image
 
+from dflop.config import DatasetSpec
 from dflop.data.media import ImageRef, MediaError, image_size, video_meta
-from dflop.data.readers import DatasetError, RawSample, embedded_image_bytes
+from dflop.data.readers import DatasetError, RawSample, embedded_image_bytes, read_dataset
 from dflop.data.tokenizer import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
@@ -188,6 +191,31 @@ def _with_bytes(ref: ImageRef) -> ImageRef:
     if ref.path is not None or ref.data is not None:
         return ref
     return ImageRef(data=embedded_image_bytes(ref.source), name=ref.name, source=ref.source)
+
+
+def pool_samples(pool: pd.DataFrame, datasets: Sequence[DatasetSpec], seed: int) -> list[RawSample]:
+    """The RawSample of every pool row, read from the datasets (each rank reads the manifests).
+
+    Images embedded in Parquet datasets are kept as their (file, row) source, not their bytes:
+    the loader reads the bytes of the images a step needs (`embedded_image_bytes`), so no rank
+    holds a dataset's images in memory.
+    """
+    wanted = set(zip(pool["dataset"], pool["sample_id"]))
+    found: dict[tuple[str, str], RawSample] = {}
+    for ds in datasets:
+        for sample in read_dataset(ds.path, dataset=ds.name, fmt=ds.format, media_root=ds.media_root,
+                                   sample=ds.sample, seed=seed):
+            key = (sample.dataset, sample.sample_id)
+            if key in wanted:
+                found[key] = dataclasses.replace(sample, images=tuple(r.without_bytes() for r in sample.images))
+    out = []
+    for dataset, sample_id in zip(pool["dataset"], pool["sample_id"]):
+        sample = found.get((dataset, sample_id))
+        if sample is None:
+            raise UserError(f"shapes.parquet sample {dataset}/{sample_id} is not in the configured datasets "
+                            "(data changed since profile_data? re-run it)")
+        out.append(sample)
+    return out
 
 
 class TrainingData(torch.utils.data.Dataset):

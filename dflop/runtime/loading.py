@@ -15,46 +15,17 @@ of failing the whole step; the trainer then skips it on every rank (`dflop.runti
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import pandas as pd
 import torch
 
-from dflop.config import DatasetSpec
-from dflop.data.readers import RawSample, read_dataset
 from dflop.data.training import LoadedSample, Request, SampleRules, TrainingData, UnreadableMedia
-from dflop.errors import UserError
 from dflop.scheduler.online import StepPlan
 from dflop.runtime.topology import Topology
 from dflop.runtime.vision import feature_rows
-
-
-def pool_samples(pool: pd.DataFrame, datasets: Sequence[DatasetSpec], seed: int) -> list[RawSample]:
-    """The RawSample of every pool row, read from the datasets (each rank reads the manifests).
-
-    Images embedded in Parquet datasets are kept as their (file, row) source, not their bytes:
-    the loader reads the bytes of the images a step needs (`embedded_image_bytes`), so no rank
-    holds a dataset's images in memory.
-    """
-    wanted = set(zip(pool["dataset"], pool["sample_id"]))
-    found: dict[tuple[str, str], RawSample] = {}
-    for ds in datasets:
-        for sample in read_dataset(ds.path, dataset=ds.name, fmt=ds.format, media_root=ds.media_root,
-                                   sample=ds.sample, seed=seed):
-            key = (sample.dataset, sample.sample_id)
-            if key in wanted:
-                found[key] = dataclasses.replace(sample, images=tuple(r.without_bytes() for r in sample.images))
-    out = []
-    for dataset, sample_id in zip(pool["dataset"], pool["sample_id"]):
-        sample = found.get((dataset, sample_id))
-        if sample is None:
-            raise UserError(f"shapes.parquet sample {dataset}/{sample_id} is not in the configured datasets "
-                            "(data changed since profile_data? re-run it)")
-        out.append(sample)
-    return out
 
 
 def feature_rows_fn(rules: SampleRules) -> Callable[[pd.DataFrame], np.ndarray]:

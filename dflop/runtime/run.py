@@ -22,7 +22,7 @@ import torch
 from dflop.plan import read_plan
 from dflop.progress import progress as progress_counter
 from dflop.runtime.agreement import rank0_result
-from dflop.runtime.loading import pool_samples
+from dflop.data.training import pool_samples
 from dflop.runtime.metrics import MetricsWriter, measured_times, metrics_row
 from dflop.runtime.process_group import init_distributed
 from dflop.runtime.run_identity import prepare_checkpoints

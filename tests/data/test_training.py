@@ -239,7 +239,7 @@ def test_parquet_images_load_from_their_source_without_bytes_in_memory(demo, tmp
     })
     pq.write_table(table, tmp_path / "embedded.parquet", row_group_size=2)
     from dflop.config import DatasetSpec
-    from dflop.runtime.loading import pool_samples
+    from dflop.data.training import pool_samples
 
     pool = pd.DataFrame({"dataset": "demo", "sample_id": [samples[i].sample_id for i in rows]})
     lean = pool_samples(pool, [DatasetSpec.from_dict({"name": "demo", "path": str(tmp_path / "embedded.parquet")})],

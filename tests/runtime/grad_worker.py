@@ -33,7 +33,7 @@ from dflop.models.tensor_parallel import local_tensor
 from dflop.plan import plan_from_dict
 from dflop.runtime.agreement import rank0_result
 from dflop.shapes import read_shapes
-from dflop.runtime.loading import pool_samples
+from dflop.data.training import pool_samples
 from dflop.runtime.process_group import init_distributed
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import Trainer

@@ -24,7 +24,7 @@ import torch
 from dflop.config import Config
 from dflop.data.training import TrainingData
 from dflop.models.handle import ModelHandle
-from dflop.runtime.loading import pool_samples
+from dflop.data.training import pool_samples
 from dflop.shapes import read_shapes
 
 from trainer_reference import MODELS, compare, config_dict, reference_gradients
