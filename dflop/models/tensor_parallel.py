@@ -312,7 +312,7 @@ def _pad_heads(attn: nn.Module, out_name: str, tp: int) -> int:
     dims = []
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", out_name):
-            module = getattr(attn, name)
+            module = getattr(attn, name, None)  # SigLIP has no QK-norm
             dim = 1 if name == out_name else 0
             for pname in ("weight", "bias"):
                 param = getattr(module, pname, None)

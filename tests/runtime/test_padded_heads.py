@@ -17,31 +17,35 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from dflop.models.architectures import ImageLayout
+from dflop.models.architectures import ImageLayout, architecture
 from dflop.models.builder import build_from_config, model_config
 from dflop.models.stages import build_llm_stage, build_vision_stage
-from dflop.models.tensor_parallel import TPGroup, drop_head_padding, local_tensor, shard_stage
+from dflop.models.tensor_parallel import (TPGroup, drop_head_padding, local_tensor, shard_stage,
+                                           shard_vision_layer)
 from dflop.runtime.checkpoint import TrainState, load_latest, save_checkpoint
 from dflop.runtime.export import export_hf
 from dflop.runtime.param_names import rank_parameters
-from test_checkpoint_helpers import INTERNVL, perturb_, spawn
+from test_checkpoint_helpers import INTERNVL, LLAVA, perturb_, spawn
 
 HEADS, HEAD_DIM = 5, 12
-# vision-stage parameter name suffix -> padded dimension
+# parameter name suffix -> padded dimension: InternViT (QK-norm, no bias) and SigLIP (q/k/v biases)
 PADDED = {"attention.q_proj.weight": 0, "attention.k_proj.weight": 0, "attention.v_proj.weight": 0,
-          "attention.q_norm.weight": 0, "attention.k_norm.weight": 0, "attention.projection_layer.weight": 1}
+          "attention.q_norm.weight": 0, "attention.k_norm.weight": 0, "attention.projection_layer.weight": 1,
+          **{f"self_attn.{p}_proj.{w}": 0 for p in "qkv" for w in ("weight", "bias")}, "self_attn.out_proj.weight": 1}
 # eps 1e-3, not 1e-8: AdamW's first update g / (|g| + eps) turns the float32 summation-order noise
 # of a near-zero gradient into up to lr of weight change (seen: 3e-5 on one projector entry at
 # TP 4, unpadded part); a zero gradient still gives a zero update, so the padding check is as strict.
 ADAMW = dict(lr=1e-2, weight_decay=0.1, eps=1e-3)
 
 
-def _config():
-    """InternVL tiny with an InternViT-6B-like attention: 5 heads, QK RMSNorm over all heads, no bias."""
-    config = copy.deepcopy(model_config(*INTERNVL))
+def _config(spec=INTERNVL):
+    """InternVL tiny with an InternViT-6B-like attention (5 heads, QK RMSNorm over all heads, no
+    bias), or LLaVA-OV tiny with 5 SigLIP heads (attention biases)."""
+    config = copy.deepcopy(model_config(*spec))
     vision = config.vision_config
     vision.num_attention_heads, vision.hidden_size = HEADS, HEADS * HEAD_DIM
-    vision.use_qk_norm, vision.norm_type, vision.attention_bias = True, "rms_norm", False
+    if spec == INTERNVL:
+        vision.use_qk_norm, vision.norm_type, vision.attention_bias = True, "rms_norm", False
     return config
 
 
@@ -116,6 +120,24 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         ref_opt.step(), tp_opt.step()
         ref_opt.zero_grad(), tp_opt.zero_grad()
     _check_like_reference("after 2 AdamW steps", tp_stage, ref_stage, tp, grads=False)
+
+    # SigLIP layer (5 heads, biases): the zero heads' q/k/v bias gradients are exactly zero too
+    siglip, siglip_config = architecture("llava_ov"), _config(LLAVA)
+    torch.manual_seed(2)
+    ref_layer = siglip.new_vision_layer(siglip_config)
+    perturb_(ref_layer)
+    tp_layer = shard_vision_layer(copy.deepcopy(ref_layer), tp)
+    width = siglip_config.vision_config.hidden_size
+    hidden = torch.randn(2, siglip.layer_tokens_per_tile(siglip_config), width, generator=g)
+    outs = []
+    for layer in (ref_layer, tp_layer):
+        x = hidden.clone().requires_grad_(True)
+        out = siglip.run_vision_layer(layer, x)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
+        outs.append((out.detach(), x.grad))
+    _close("SigLIP layer output", outs[1][0], outs[0][0])
+    _close("SigLIP layer input grad", outs[1][1], outs[0][1])
+    _check_like_reference("SigLIP layer grad", tp_layer, ref_layer, tp, grads=True)
 
     # export: the unpadded model's shapes and the single-process model's trained weights
     params = rank_parameters(tp_model, [tp_stage, build_llm_stage(tp_model, 0, 1)])
