@@ -29,10 +29,18 @@ traffic, as Megatron does).
 Parameters become DTensors (their ``shape`` is the global shape; ``to_local()`` is this rank's
 slice), which the checkpoint (DCP) and export read directly. InternViT-6B's QK-norm normalises over
 all heads at once; its weight is a ``Shard(0)`` DTensor and its sum of squares is all-reduced
-(`TPRMSNorm`). The ``shard_*`` functions shard modules in place and return them. The full
-module's values are scattered from TP rank 0 (``distribute_tensor``, a collective: every rank
-shards the same modules in the same order), so a sharded module computes what the full one
-computes (tests compare under torchrun).
+(`TPRMSNorm`).
+
+Vision heads that tp does not divide (InternViT-6B's 25 at TP 8) are padded with zero heads to
+``padded_vision_heads`` (32; NVIDIA's recipe for NVLM): zero q/k/v rows (and biases, QK-norm
+weights) and zero output-projection columns. A zero head's value is 0, it adds nothing through its
+zero output columns, and every gradient reaching its weights is exactly 0, so AdamW (weight decay
+on zero) keeps them 0. Those parameters' global shapes are the padded model's: the checkpoint
+saves them so (a resume has the same plan, hence the same padding) and the export drops the
+padding (`zero_head_padding`, `drop_head_padding`). The ``shard_*`` functions shard modules in place
+and return them. The full module's values are scattered from TP rank 0 (``distribute_tensor``, a
+collective: every rank shards the same modules in the same order), so a sharded module computes what
+the full one computes (tests compare under torchrun).
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from transformers.loss.loss_utils import fixed_cross_entropy
 
 from dflop.errors import UserError
+from dflop.models.info import padded_vision_heads
 from dflop.models.packing import IGNORE_INDEX, PackedSequence
 from dflop.models.stages import LLMStage, VisionStage
 
@@ -197,13 +206,16 @@ class SequenceSharding:
 
 
 class TPRMSNorm(nn.Module):
-    """RMSNorm over a feature dimension split across ranks (InternViT-6B's QK-norm over all heads)."""
+    """RMSNorm over a feature dimension split across ranks (InternViT-6B's QK-norm over all heads).
 
-    def __init__(self, norm: nn.Module, tp: TPGroup, what: str):
+    full_dim: the width the mean of squares divides by, when the weight holds zero heads beyond
+    it (their features are 0 and add nothing to the sum)."""
+
+    def __init__(self, norm: nn.Module, tp: TPGroup, what: str, full_dim: int | None = None):
         super().__init__()
         _split(norm.weight.numel(), tp, what)
         self.tp = tp
-        self.full_dim = norm.weight.numel()
+        self.full_dim = full_dim or norm.weight.numel()
         self.eps = norm.variance_epsilon
         mesh = tp.mesh(norm.weight.device.type)
         self.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), mesh, [Shard(0)]))
@@ -259,25 +271,91 @@ def shard_llm_layer(layer: nn.Module, tp: TPGroup, sequence_parallel: bool = Fal
 
 
 def shard_vision_layer(layer: nn.Module, tp: TPGroup) -> nn.Module:
-    """SigLIP or InternViT encoder layer -> this rank's heads and MLP columns (in place)."""
+    """SigLIP or InternViT encoder layer -> this rank's heads and MLP columns (in place); heads
+    that tp does not divide are first padded with zero heads (module docstring)."""
     if tp.size == 1:
         return layer
     siglip = hasattr(layer, "self_attn")
     attn_name, out_name = ("self_attn", "out_proj") if siglip else ("attention", "projection_layer")
     attn = getattr(layer, attn_name)
-    _split(attn.num_heads, tp, "vision attention heads")
     _split(layer.mlp.fc1.out_features, tp, "vision MLP width")
-    attn.num_heads //= tp.size  # InternViT reshapes with these; SigLIP infers them
-    attn.embed_dim //= tp.size
+    real_width = attn.num_heads * attn.head_dim
+    heads = _pad_heads(attn, out_name, tp.size)
+    attn.num_heads = heads // tp.size  # InternViT reshapes with these; SigLIP infers them
+    attn.embed_dim = attn.num_heads * attn.head_dim
     if not siglip:
         for name in ("q_norm", "k_norm"):
             if not isinstance(getattr(attn, name), nn.Identity):
-                setattr(attn, name, TPRMSNorm(getattr(attn, name), tp, f"vision {name} width"))
+                setattr(attn, name, TPRMSNorm(getattr(attn, name), tp, f"vision {name} width", real_width))
     plan = {attn_name: _replicated_input(keyword=siglip), "mlp": _replicated_input(keyword=False),
             f"{attn_name}.q_proj": ColwiseParallel(), f"{attn_name}.k_proj": ColwiseParallel(),
             f"{attn_name}.v_proj": ColwiseParallel(), f"{attn_name}.{out_name}": RowwiseParallel(),
             "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
     return parallelize_module(layer, _mesh_for(layer, tp), plan)
+
+
+@dataclass(frozen=True)
+class HeadPadding:
+    """Zero heads appended to an attention (set as its ``zero_head_padding``): the real width
+    (heads x head_dim) and, per parameter name within the attention, the dimension padded."""
+
+    real_width: int
+    dims: tuple[tuple[str, int], ...]
+
+
+def _pad_heads(attn: nn.Module, out_name: str, tp: int) -> int:
+    """Append zero heads to `attn` (in place) up to `padded_vision_heads`; returns the head count."""
+    heads = padded_vision_heads(_VisionOnly(attn.config), tp)
+    if heads == attn.num_heads:
+        return heads
+    real, width = attn.num_heads * attn.head_dim, heads * attn.head_dim
+    dims = []
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", out_name):
+            module = getattr(attn, name, None)  # SigLIP has no QK-norm
+            dim = 1 if name == out_name else 0
+            for pname in ("weight", "bias"):
+                param = getattr(module, pname, None)
+                if param is None or param.dim() <= dim:  # the output projection's bias is not per head
+                    continue
+                pad = [0, 0] * (param.dim() - 1 - dim) + [0, width - real]
+                setattr(module, pname, nn.Parameter(F.pad(param, pad), requires_grad=param.requires_grad))
+                dims.append((f"{name}.{pname}", dim))
+            if isinstance(module, nn.Linear):
+                module.in_features, module.out_features = module.weight.shape[1], module.weight.shape[0]
+    attn.zero_head_padding = HeadPadding(real, tuple(dims))
+    return heads
+
+
+class _VisionOnly:
+    """`padded_vision_heads` reads the model config's vision part; an attention holds only that."""
+
+    def __init__(self, vision_config):
+        self.vision_config = vision_config
+
+
+def zero_head_padding(module: nn.Module) -> dict[int, tuple[int, int]]:
+    """id(parameter) -> (padded dimension, real length) of every parameter of `module` that holds
+    zero heads (`shard_vision_layer`): what a reader of the weights must cut off."""
+    out = {}
+    for sub in module.modules():
+        padding = getattr(sub, "zero_head_padding", None)
+        for name, dim in padding.dims if padding is not None else ():
+            out[id(sub.get_parameter(name))] = (dim, padding.real_width)
+    return out
+
+
+def drop_head_padding(name: str, tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """The real part of a whole (gathered) padded tensor: its first `length` entries along `dim`.
+    Raises RuntimeError naming parameter `name` if the cut part is not all zero (the zero heads
+    would then have changed the trained function, so the unpadded model would not reproduce it)."""
+    if tensor.shape[dim] < length:
+        raise RuntimeError(f"parameter {name}: {tensor.shape[dim]} entries along dim {dim}, "
+                           f"fewer than its real {length}")
+    if tensor.narrow(dim, length, tensor.shape[dim] - length).count_nonzero():
+        raise RuntimeError(f"parameter {name}: its zero-head padding is no longer zero; "
+                           f"the padded heads were trained")
+    return tensor.narrow(dim, 0, length).contiguous()
 
 
 def shard_projector(projector: nn.Module, tp: TPGroup) -> nn.Module:

@@ -19,6 +19,11 @@ All ranks write into ``step_000123.tmp/``; after a barrier rank 0 writes COMPLET
 directory, so a run killed mid-save leaves only a ``.tmp`` directory (or a directory without the
 marker), which `load_latest` ignores: the run resumes from the previous checkpoint.
 
+A vision stage whose TP degree does not divide its heads holds zero heads
+(`dflop.models.tensor_parallel`): its attention tensors are saved padded, at the padded model's
+global shape (also by `read_checkpoint_model`). A resume runs the same plan (the run fingerprint
+holds it), hence the same padding; `dflop.runtime.export` cuts the padding off.
+
 Loading reads tensors with ``torch.load(weights_only=True)`` (DCP's reader) and DCP's metadata
 file with a restricted unpickler (`dflop.runtime.safe_dcp`). Works with gloo (CPU), NCCL (GPU),
 and in one process without a process group. Resuming needs the world size that saved.

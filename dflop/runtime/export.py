@@ -1,12 +1,13 @@
 """Export trained weights as a Hugging Face model directory (config.json + model.safetensors).
 
 Every rank calls `export_hf` with its `RankParameters` (the stage modules it runs, by global name).
-Rank 0 learns from a small manifest what each rank holds, then receives each parameter once from
-the lowest rank holding it (data-parallel replicas are skipped), a DTensor after ``full_tensor()``
-on its mesh. Parameters no pipeline stage runs (never trained) come from the ranks' own full
-models. Rank 0 loads them into the transformers model built from the same config (on the meta
-device, so no second random init) and calls ``save_pretrained`` into a temporary directory that is
-renamed into place, so a reader never sees a half-written export.
+Rank 0 learns from a small manifest what each rank holds, then receives each parameter once from the
+lowest rank holding it (data-parallel replicas are skipped), a DTensor after ``full_tensor()`` on
+its mesh; rank 0 cuts off the zero heads a padded vision tensor holds (checking that they are still
+zero), so the export has the real model's shapes. Parameters no pipeline stage runs (never trained)
+come from the ranks' own full models. Rank 0 loads them into the transformers model built from the
+same config (on the meta device, so no second random init) and calls ``save_pretrained`` into a
+temporary directory that is renamed into place, so a reader never sees a half-written export.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dflop.errors import UserError
 from dflop.io import replace_dir
 from dflop.models.architectures import architecture_of
 from dflop.models.builder import resolve_dtype
+from dflop.models.tensor_parallel import drop_head_padding
 from dflop.progress import library_bars_off_in_logs
 from dflop.runtime.param_names import RankParameters, canonical_names
 from dflop.runtime.process_group import barrier, collective_device, global_rank, is_distributed
@@ -37,6 +39,7 @@ class HeldTensor:
     shape: the whole tensor's (a DTensor's global shape: it is sent after ``full_tensor()``).
     gather_ranks: for a DTensor, the ranks of its device mesh, which all take part in
     ``full_tensor()``.
+    padding: (dimension, real length) of a tensor holding zero vision heads beyond it (sent padded).
     """
 
     name: str
@@ -44,6 +47,7 @@ class HeldTensor:
     shape: tuple[int, ...]
     dtype: str
     gather_ranks: tuple[int, ...] = ()
+    padding: tuple[int, int] | None = None
 
 
 def manifest(params: RankParameters, rank: int) -> list[HeldTensor]:
@@ -53,7 +57,7 @@ def manifest(params: RankParameters, rank: int) -> list[HeldTensor]:
         dtype = str(tensor.dtype).removeprefix("torch.")
         mesh_ranks = (tuple(int(r) for r in tensor.device_mesh.mesh.flatten().tolist())
                       if isinstance(tensor, DTensor) else ())
-        held.append(HeldTensor(name, rank, tuple(tensor.shape), dtype, mesh_ranks))
+        held.append(HeldTensor(name, rank, tuple(tensor.shape), dtype, mesh_ranks, params.padding.get(name)))
     for name, tensor in sorted(params.untrained.items()):
         if name not in params.tensors:
             held.append(HeldTensor(name, rank, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
@@ -109,6 +113,8 @@ def export_hf(out_dir: str | Path, params: RankParameters, *, dtype: str | torch
             buf = torch.empty(source.shape, dtype=getattr(torch, source.dtype), device=collective_device())
             dist.recv(buf, src=source.rank)
             weights[source.name] = buf.cpu()
+        if rank == 0 and source.padding is not None:
+            weights[source.name] = drop_head_padding(source.name, weights[source.name], *source.padding)
     out = Path(out_dir)
     if rank == 0:
         _write_hf_dir(out, params.config, weights, dtype)

@@ -10,13 +10,15 @@ This module is the one place that mapping is made; `global_name_module` hands it
 state_dict API, which keys model and optimizer state by a module's parameter names.
 
 Tensor-parallel shards are DTensors (`dflop.models.tensor_parallel`): their ``shape`` is the global
-shape, so a parameter of any other shape than the full model's is refused.
+shape, so a parameter of any other shape than the full model's is refused, unless it holds zero
+vision heads (`dflop.models.tensor_parallel.zero_head_padding`): `RankParameters.padding` says
+where, the checkpoint saves it padded and the export cuts it off.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
@@ -27,6 +29,7 @@ from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.stages import LLMStage, build_llm_stage, build_vision_stage
+from dflop.models.tensor_parallel import zero_head_padding
 
 
 @dataclass(frozen=True)
@@ -39,11 +42,14 @@ class RankParameters:
     untrained: parameters of the full model that no pipeline stage runs (LLaVA-OneVision's vision
         post_layernorm), taken from this rank's full model: they never change, so export writes
         these values.
+    padding: global name -> (dimension, real length) of each tensor that holds zero vision heads
+        beyond its real length (its shape is the padded model's).
     """
 
     tensors: Mapping[str, torch.Tensor]
     config: PreTrainedConfig
     untrained: Mapping[str, torch.Tensor]
+    padding: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def full_model_on_meta(config: PreTrainedConfig) -> PreTrainedModel:
@@ -85,7 +91,9 @@ def rank_parameters(model: PreTrainedModel, modules: Iterable[nn.Module] | None 
     canonical = canonical_names(meta)
     by_identity = {id(p): name for name, p in model.named_parameters()}
     tensors: dict[str, torch.Tensor] = {}
+    padded, padding = {}, {}
     for module in (modules if modules is not None else [model]):
+        padded.update(zero_head_padding(module))
         for local_name, param in module.named_parameters():
             name = by_identity.get(id(param)) or _wrapper_name(model, module, local_name)
             if name is None or name not in canonical:
@@ -97,14 +105,18 @@ def rank_parameters(model: PreTrainedModel, modules: Iterable[nn.Module] | None 
                     raise UserError(f"parameter {name} (tied) is held twice on this rank as different tensors; "
                                     "tied weights must stay one tensor")
                 continue
-            if tuple(param.shape) != tuple(full_shapes[name]):  # a DTensor reports its global shape
+            shape = list(param.shape)  # a DTensor reports its global shape
+            if id(param) in padded:
+                dim, shape[dim] = padded[id(param)][0], padded[id(param)][1]
+                padding[name] = padded[id(param)]
+            if tuple(shape) != tuple(full_shapes[name]):
                 raise UserError(f"parameter {name}: shape {list(param.shape)} is not the full model's "
                                 f"{list(full_shapes[name])} (tensor-parallel shards must be DTensors)")
             tensors[name] = param
     untrained_names = untrained_parameter_names(meta)
     untrained = {name: p for name, p in model.named_parameters()
                  if name in untrained_names and tuple(p.shape) == tuple(full_shapes[name]) and not p.is_meta}
-    return RankParameters(tensors=tensors, config=model.config, untrained=untrained)
+    return RankParameters(tensors=tensors, config=model.config, untrained=untrained, padding=padding)
 
 
 def _wrapper_name(model: PreTrainedModel, module: nn.Module, local_name: str) -> str | None:
