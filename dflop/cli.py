@@ -81,10 +81,16 @@ def cmd_profile_model(args: argparse.Namespace) -> None:
                   co_runners=cfg.profile.co_runners_on(cfg.cluster))
 
 
+def cmd_profile_loading(args: argparse.Namespace) -> None:
+    from dflop.profiling.load_profiler import profile_loading
+
+    profile_loading(_config(args), args.shapes, args.out)
+
+
 def cmd_fit(args: argparse.Namespace) -> None:
     from dflop.costmodel.fit import fit
 
-    fit(args.profile, args.costmodel, args.validation)
+    fit(args.profile, args.costmodel, args.validation, loading_path=args.loading)
 
 
 def cmd_optimize(args: argparse.Namespace) -> None:
@@ -198,8 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--out", type=Path, required=True, help="output model_profile.parquet")
 
+    p = add("profile-loading", cmd_profile_loading,
+            "time the trainer's load of a few samples per modality (load_profile.parquet)")
+    _add_config_args(p)
+    p.add_argument("--shapes", type=Path, required=True, help="input shapes.parquet")
+    p.add_argument("--out", type=Path, required=True, help="output load_profile.parquet")
+
     p = add("fit", cmd_fit, "fit cost models on model_profile.parquet; write costmodel.json and validation.parquet")
     p.add_argument("--profile", type=Path, required=True, help="input model_profile.parquet")
+    p.add_argument("--loading", type=Path, default=None,
+                   help="input load_profile.parquet (dflop profile-loading): adds the per-sample load line")
     p.add_argument("--costmodel", type=Path, required=True, help="output costmodel.json")
     p.add_argument("--validation", type=Path, required=True, help="output validation.parquet (held-out errors)")
 

@@ -184,11 +184,13 @@ class DataSection:
     demo: DemoSection
     max_skip_frac: float
     workers: int
+    load_profile_samples: int
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DataSection":
         return cls(datasets=tuple(DatasetSpec.from_dict(x) for x in d["datasets"]), demo=_typed(DemoSection, d["demo"]),
-                   max_skip_frac=d["max_skip_frac"], workers=d["workers"])
+                   max_skip_frac=d["max_skip_frac"], workers=d["workers"],
+                   load_profile_samples=d["load_profile_samples"])
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,14 @@ written to ``validation.parquet``:
     module, tp, target, n_train_shapes, n_test_shapes, mape_median, mape_p90, mape_max
 
 with the errors in percent. The profile's optimizer and link measurements become the model's
-``step_costs`` (`fit_step_costs`: a line in bytes per kind).
+``step_costs`` (`fit_step_costs`: a line in bytes per kind); a load profile
+(`dflop.profiling.load_profiler`, ``--loading``) becomes its per-sample load line (`fit_load_line`).
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 import logging
 from importlib.metadata import PackageNotFoundError, version
 from datetime import datetime, timezone
@@ -27,11 +29,13 @@ import pandas as pd
 
 from dflop.costmodel.features import module_features, profile_features
 from dflop.costmodel.jsonio import save_cost_model
-from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, BytesLine, CostModel, ModuleCosts, Provenance, StepCosts
+from dflop.costmodel.model import (LOAD_FEATURES, OPTIONAL_TARGETS, TARGETS, BytesLine, CostModel, LoadLine, ModuleCosts,
+                                  Provenance, StepCosts)
 from dflop.costmodel.profile_table import ProfileSummary, read_profile
 from dflop.costmodel.regressor import NonNegativeLinearRegression
 from dflop.costmodel.validation import leave_one_shape_out
-from dflop.io import atomic_path
+from dflop.errors import UserError
+from dflop.io import atomic_path, read_parquet
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +44,10 @@ VALIDATION_COLUMNS = (
 )
 
 
-def fit(profile_path: str | Path, out_json: str | Path, out_validation: str | Path) -> CostModel:
-    """Fit on `profile_path` (model_profile.parquet), write the model JSON and validation.parquet.
+def fit(profile_path: str | Path, out_json: str | Path, out_validation: str | Path,
+        loading_path: str | Path | None = None) -> CostModel:
+    """Fit on `profile_path` (model_profile.parquet) and, when given, `loading_path`
+    (load_profile.parquet); write the model JSON and validation.parquet.
 
     Both outputs are written atomically; the held-out errors are also logged (logger
     ``dflop.costmodel.fit``, level INFO).
@@ -50,6 +56,12 @@ def fit(profile_path: str | Path, out_json: str | Path, out_validation: str | Pa
     summary = read_profile(profile_path)
     model, validation = fit_profile(
         summary, profile=str(profile_path), profile_sha256=_sha256(profile_path))
+    if loading_path is not None:
+        loading = fit_load_line(read_parquet(loading_path, missing_hint="run `dflop profile-loading` first"),
+                                where=str(loading_path))
+        model = CostModel(model.modules.values(), model.provenance, replace(model.step_costs, loading=loading))
+        log.info("load line from %s (%d samples), ms: %s", loading_path, loading.n_samples,
+                 ", ".join(f"{name} {1e3 * c:.4g}" for name, c in zip(LOAD_FEATURES, loading.coef)))
     save_cost_model(model, out_json)
     with atomic_path(out_validation) as tmp:
         validation.to_parquet(tmp, index=False)
@@ -122,6 +134,20 @@ def fit_step_costs(rows: pd.DataFrame | None) -> StepCosts:
     return StepCosts(optimizer=line(rows[rows["kind"] == "optimizer"]),
                      allreduce={ranks: fitted for ranks, fitted in allreduce.items() if fitted is not None},
                      p2p=line(rows[rows["kind"] == "p2p"]))
+
+
+def fit_load_line(table: pd.DataFrame, *, where: str = "load profile") -> LoadLine:
+    """The per-sample load line (`LoadLine`) through a load profile's timings: non-negative least
+    squares on absolute seconds, so the line is right where it matters, on the sum over a batch,
+    which the heavy samples (videos) dominate."""
+    missing = [c for c in (*LOAD_FEATURES[1:], "load_s") if c not in table.columns]
+    if missing:
+        raise UserError(f"{where}: not a load profile, missing columns {missing}")
+    if table.empty:
+        raise UserError(f"{where}: no timed sample")
+    X = np.column_stack([np.ones(len(table))] + [table[c].to_numpy(dtype=np.float64) for c in LOAD_FEATURES[1:]])
+    coef = NonNegativeLinearRegression(relative=False).fit(X, table["load_s"].to_numpy(dtype=np.float64)).coef_
+    return LoadLine(tuple(float(c) for c in coef), n_samples=len(table))
 
 
 def _measured_optional_targets(shapes: pd.DataFrame, module: str, tp) -> tuple[str, ...]:

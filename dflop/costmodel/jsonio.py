@@ -15,12 +15,15 @@ Layout (``version`` 1)::
       ],
       "step_costs": {"optimizer": {"const_s": ..., "per_byte_s": ...},
                      "allreduce": [{"ranks": 2, "const_s": ..., "per_byte_s": ...}, ...],
-                     "p2p": {"const_s": ..., "per_byte_s": ...}}
+                     "p2p": {"const_s": ..., "per_byte_s": ...},
+                     "loading": {"features": ["const", "n_tiles", "n_frames", "n_images", "text_tokens"],
+                                 "coef_s": [...], "n_samples": ...}}
     }
 
 ``step_costs`` (optional; each entry optional) are the measured costs of a step outside the
 modules (`dflop.costmodel.model.StepCosts`): seconds of an operation on n bytes are
-``const_s + n * per_byte_s`` (seconds, so the file round-trips exactly).
+``const_s + n * per_byte_s`` (seconds, so the file round-trips exactly); ``loading`` is one
+sample's load on the host, ``coef_s @ features`` of its shape (`dflop.costmodel.model.LoadLine`).
 
 A module's prediction for a target is ``coef[target] @ features`` where the features of a set of
 samples are defined in `dflop.costmodel.features` (``tokens`` = sum of lengths, ``tokens_pow1.5``
@@ -40,7 +43,8 @@ from pathlib import Path
 import jsonschema
 
 from dflop.costmodel.features import FEATURE_NAMES, MODULE_FEATURES, allowed_features
-from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, BytesLine, CostModel, ModuleCosts, Provenance, StepCosts
+from dflop.costmodel.model import (LOAD_FEATURES, OPTIONAL_TARGETS, TARGETS, BytesLine, CostModel, LoadLine, ModuleCosts,
+                                  Provenance, StepCosts)
 from dflop.errors import UserError
 from dflop.io import write_text_atomic
 
@@ -65,6 +69,12 @@ SCHEMA = {
             "properties": {
                 "optimizer": _line,
                 "p2p": _line,
+                "loading": {"type": "object", "required": ["features", "coef_s", "n_samples"],
+                            "properties": {"features": {"const": list(LOAD_FEATURES)},
+                                           "coef_s": {**_coefficients, "minItems": len(LOAD_FEATURES),
+                                                      "maxItems": len(LOAD_FEATURES)},
+                                           "n_samples": {"type": "integer", "minimum": 0}},
+                            "additionalProperties": False},
                 "allreduce": {"type": "array", "items": {
                     "type": "object", "required": ["ranks", "const_s", "per_byte_s"],
                     "properties": {"ranks": {"type": "integer", "minimum": 2}, **_line["properties"]},
@@ -147,7 +157,8 @@ def cost_model_to_dict(model: CostModel) -> dict:
 
 
 def _has_step_costs(costs: StepCosts) -> bool:
-    return costs.optimizer is not None or costs.p2p is not None or bool(costs.allreduce)
+    return (costs.optimizer is not None or costs.p2p is not None or bool(costs.allreduce)
+            or costs.loading is not None)
 
 
 def _line_to_dict(line: BytesLine) -> dict:
@@ -166,6 +177,9 @@ def _step_costs_to_dict(costs: StepCosts) -> dict:
         out["allreduce"] = [{"ranks": ranks, **_line_to_dict(line)} for ranks, line in sorted(costs.allreduce.items())]
     if costs.p2p is not None:
         out["p2p"] = _line_to_dict(costs.p2p)
+    if costs.loading is not None:
+        out["loading"] = {"features": list(LOAD_FEATURES), "coef_s": [float(c) for c in costs.loading.coef],
+                          "n_samples": int(costs.loading.n_samples)}
     return out
 
 
@@ -175,7 +189,9 @@ def _step_costs_from_dict(data: dict, source: str) -> StepCosts:
         raise UserError(f"{source}: step_costs/allreduce lists a group size twice: {sorted(ranks)}")
     return StepCosts(optimizer=_line_from_dict(data["optimizer"]) if "optimizer" in data else None,
                      allreduce={int(e["ranks"]): _line_from_dict(e) for e in data.get("allreduce", [])},
-                     p2p=_line_from_dict(data["p2p"]) if "p2p" in data else None)
+                     p2p=_line_from_dict(data["p2p"]) if "p2p" in data else None,
+                     loading=(LoadLine(tuple(float(c) for c in data["loading"]["coef_s"]), int(data["loading"]["n_samples"]))
+                              if "loading" in data else None))
 
 
 def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostModel:

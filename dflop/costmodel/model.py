@@ -86,6 +86,26 @@ class BytesLine:
         return self.const_s + np.asarray(nbytes, dtype=np.float64) * self.per_byte_s
 
 
+LOAD_FEATURES = ("const", "n_tiles", "n_frames", "n_images", "text_tokens")
+
+
+@dataclass(frozen=True)
+class LoadLine:
+    """Seconds the host CPU takes to load one training sample (read, decode, resize into tiles,
+    tokenise: what `dflop.data.training.TrainingData` does for the trainer's loader), as a
+    non-negative line in the sample's shape: ``coef @ (1, n_tiles, n_frames, n_images,
+    text_tokens)`` (`LOAD_FEATURES`; the shapes.parquet columns, text_tokens = seq_len -
+    vision_tokens). Fitted on `dflop.profiling.load_profiler` timings of n_samples samples."""
+
+    coef: tuple[float, ...]
+    n_samples: int = 0
+
+    def __call__(self, n_tiles, n_frames, n_images, text_tokens) -> np.ndarray:
+        c = self.coef
+        return (c[0] + c[1] * np.asarray(n_tiles, dtype=np.float64) + c[2] * np.asarray(n_frames, dtype=np.float64)
+                + c[3] * np.asarray(n_images, dtype=np.float64) + c[4] * np.asarray(text_tokens, dtype=np.float64))
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """Measured costs of a step outside the modules' forward and backward, on the profiled device
@@ -93,12 +113,15 @@ class StepCosts:
 
     optimizer: one AdamW step (with the global-norm pass) over a rank's parameter bytes;
     allreduce: per group size, one sum all-reduce of a message of n bytes;
-    p2p: one pipeline message of n bytes, sent and received.
+    p2p: one pipeline message of n bytes, sent and received;
+    loading: one sample's load on the host CPU (`LoadLine`): it shares the cores with compute on a
+        CPU cluster (`dflop.planner.pricing.Pricing` charges it there) and hides behind a GPU's step.
     """
 
     optimizer: BytesLine | None = None
     allreduce: dict[int, BytesLine] = field(default_factory=dict)
     p2p: BytesLine | None = None
+    loading: LoadLine | None = None
 
 
 def step_costs_on(costs: StepCosts, profiled_on: str, device: str) -> StepCosts:

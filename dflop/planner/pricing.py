@@ -11,7 +11,9 @@ all-reduce seconds and the pipeline send latency that the simulation charges.
 Where the cost model carries measured step costs (`dflop.costmodel.model.StepCosts`, from the
 profiler's ranks on the same kind of device), they replace the cluster's declared numbers inside a
 node: the all-reduce line for the group size, the P2P line for hops and its constant as the send
-latency; and each stage's tail also pays its optimizer step.
+latency; and each stage's tail also pays its optimizer step. On a CPU cluster a measured per-sample
+load line (`LoadLine`) is charged too, to the forward of the stage that decodes the sample (the
+trainer's loader shares those cores); on GPUs the loader hides behind the step and is not charged.
 """
 
 from __future__ import annotations
@@ -130,12 +132,27 @@ class Pricing:
             vhop = batch.n_tiles * sizes.vision_tile_bytes / float(link.vision_hop_bps)
             vis_fwd[1:] += vhop
             vis_bwd[:-1] += vhop
+        load = self.load_s(batch)
+        if load is not None:  # pixels are decoded where the vision tower starts, text-only samples where the LLM does
+            pixels = np.zeros_like(load) if (lay.colocated or not len(vis_fwd)) else np.where(batch.n_tiles > 0, load, 0.0)
+            if len(vis_fwd):
+                vis_fwd[0] += pixels
+            llm_fwd[0] += load - pixels
         costs = replace(base, llm_fwd=llm_fwd, llm_bwd=llm_bwd, vision_fwd=vis_fwd, vision_bwd=vis_bwd)
         busy = lay.tp_l * float((base.llm_fwd + base.llm_bwd).sum()
                                 + lay.n_bins * (base.llm_fwd_const + base.llm_bwd_const).sum())
         busy += lay.tp_v * float((base.vision_fwd + base.vision_bwd).sum()
                                  + lay.m * lay.dp_v * (base.vision_fwd_const + base.vision_bwd_const).sum())
         return PlanCosts(costs, self.allreduce_s, busy)
+
+    def load_s(self, batch: Pool) -> np.ndarray | None:
+        """[B] seconds the host takes to load each sample of `batch`, where that load shares the
+        cores with compute (a CPU cluster, the cost model having a measured `LoadLine`); None on
+        GPUs, where the loader decodes the next step's samples behind the current step."""
+        line = self._measured.loading
+        if line is None or self.cluster.device != "cpu":
+            return None
+        return line(batch.n_tiles, batch.n_frames, batch.n_images, batch.seq_len - batch.vision_tokens)
 
     def _stage_grad_bytes(self, kind: str = "grad_bytes") -> np.ndarray:
         """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves), or

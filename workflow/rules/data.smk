@@ -41,3 +41,27 @@ rule profile_data:
     shell:
         "dflop profile-data --settings {params.settings:q} --shapes {output.shapes}"
         " --histograms {output.histograms} --workers {threads} > {log} 2>&1"
+
+
+PROFILE_LOADING_SETTINGS = RuleSettings(
+    run={"seed": config["run"]["seed"]},
+    model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "tokenizer", config["model"]["arch"])},
+    data={k: config["data"][k] for k in ("datasets", "load_profile_samples")},
+)
+
+
+rule profile_loading:
+    input:
+        shapes=rules.profile_data.output.shapes,
+    output:
+        loading=f"{RESULTS}/profile/load_profile.parquet",
+    params:
+        settings=PROFILE_LOADING_SETTINGS,
+        settings_digest=PROFILE_LOADING_SETTINGS.digest,
+    log:
+        "logs/profile_loading.log",
+    conda:
+        ENV_FILE
+    shell:
+        "dflop profile-loading --settings {params.settings:q} --shapes {input.shapes} --out {output.loading}"
+        " > {log} 2>&1"

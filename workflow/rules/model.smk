@@ -31,6 +31,7 @@ rule profile_model:
 rule fit:
     input:
         profile=rules.profile_model.output.profile,
+        loading=rules.profile_loading.output.loading,
     output:
         costmodel=f"{RESULTS}/costmodel/costmodel.json",
         validation=f"{RESULTS}/costmodel/validation.parquet",
@@ -39,5 +40,5 @@ rule fit:
     conda:
         ENV_FILE
     shell:
-        "dflop fit --profile {input.profile} --costmodel {output.costmodel}"
+        "dflop fit --profile {input.profile} --loading {input.loading} --costmodel {output.costmodel}"
         " --validation {output.validation} > {log} 2>&1"

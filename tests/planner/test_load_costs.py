@@ -1,0 +1,85 @@
+"""The per-sample load line (loader cost on the host): its fit, its JSON round trip, and where the one
+pricing path charges it, each against a hand computation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dflop.costmodel.fit import fit_load_line
+from dflop.costmodel.jsonio import cost_model_from_dict, cost_model_to_dict, load_cost_model, save_cost_model
+from dflop.costmodel.model import BytesLine, CostModel, LoadLine, StepCosts
+from dflop.errors import UserError
+from dflop.plan import Layout
+from dflop.planner.means import Pool
+from planner_testlib import toy_cost_model, toy_shapes
+from test_step_costs import _pricing
+
+LINE = LoadLine((1e-3, 4e-4, 2.5e-3, 3e-3, 1e-6), n_samples=64)
+
+
+def _by_hand(shapes: pd.DataFrame) -> np.ndarray:
+    c = LINE.coef
+    return (c[0] + c[1] * shapes["n_tiles"] + c[2] * shapes["n_frames"] + c[3] * shapes["n_images"]
+            + c[4] * shapes["text_tokens"]).to_numpy()
+
+
+def test_exact_timings_give_back_their_line():
+    shapes = toy_shapes(64, seed=3)
+    table = shapes.assign(load_s=_by_hand(shapes))
+    fitted = fit_load_line(table)
+    assert np.allclose(fitted.coef, LINE.coef, rtol=1e-6, atol=1e-12)
+    assert fitted.n_samples == 64
+    with pytest.raises(UserError, match="load.parquet: not a load profile, missing columns \\['load_s'\\]"):
+        fit_load_line(shapes, where="load.parquet")
+
+
+def test_load_line_round_trips_exactly_and_bad_coefficients_are_refused(tmp_path):
+    base = toy_cost_model(tp_degrees=(1,))
+    model = CostModel(base.modules.values(), base.provenance, StepCosts(p2p=BytesLine(3e-5, 7e-10), loading=LINE))
+    save_cost_model(model, tmp_path / "c.json")
+    assert load_cost_model(tmp_path / "c.json").step_costs.loading == LINE
+    data = cost_model_to_dict(model)
+    data["step_costs"]["loading"]["coef_s"] = data["step_costs"]["loading"]["coef_s"][:4]
+    with pytest.raises(UserError, match="c.json: invalid cost model at step_costs/loading/coef_s"):
+        cost_model_from_dict(data, source="c.json")
+
+
+@pytest.mark.parametrize("layout", [Layout("colocated", 1, 1, 2, 1, 2, 2, 2), Layout("disjoint", 1, 1, 1, 1, 2, 2, 2)])
+def test_a_cpu_cluster_pays_each_samples_load_where_it_is_decoded(layout):
+    shapes = toy_shapes(32, seed=4)
+    batch = Pool.from_shapes(shapes)
+    loaded, _ = _pricing(StepCosts(loading=LINE), layout)
+    plain, _ = _pricing(StepCosts(), layout)
+    got, ref = loaded.batch(batch).costs, plain.batch(batch).costs
+    load = _by_hand(shapes)
+    if layout.colocated:  # the one stage 0 rank loads pixels and tokens
+        assert np.allclose(got.llm_fwd[0] - ref.llm_fwd[0], load, rtol=1e-12)
+        assert np.array_equal(got.vision_fwd, ref.vision_fwd)
+    else:  # pixels where the vision tower starts; a text-only sample where the LLM does
+        image = shapes["n_tiles"].to_numpy() > 0
+        assert np.allclose(got.vision_fwd[0] - ref.vision_fwd[0], np.where(image, load, 0.0), rtol=1e-12)
+        assert np.allclose(got.llm_fwd[0] - ref.llm_fwd[0], np.where(image, 0.0, load), rtol=1e-12)
+    assert np.array_equal(got.llm_fwd[1:], ref.llm_fwd[1:]) and np.array_equal(got.llm_bwd, ref.llm_bwd)
+    assert loaded.batch(batch).busy_gpu_s == plain.batch(batch).busy_gpu_s  # loading is not compute
+
+
+def test_a_gpu_cluster_hides_the_load_behind_the_step():
+    layout = Layout("colocated", 1, 1, 2, 1, 2, 2, 2)
+    batch = Pool.from_shapes(toy_shapes(32, seed=4))
+    for cost_device in ("cpu", "NVIDIA H100 80GB HBM3"):
+        loaded, _ = _pricing(StepCosts(loading=LINE), layout, device="cuda", cost_device=cost_device)
+        plain, _ = _pricing(StepCosts(), layout, device="cuda", cost_device=cost_device)
+        assert loaded.load_s(batch) is None
+        assert np.array_equal(loaded.batch(batch).costs.llm_fwd, plain.batch(batch).costs.llm_fwd)
+
+
+def test_pool_keeps_frames_and_images_through_take():
+    shapes = toy_shapes(20, seed=5)
+    pool = Pool.from_shapes(shapes)
+    rows = np.array([3, 1, 7])
+    assert np.array_equal(pool.take(rows).n_frames, shapes["n_frames"].to_numpy()[rows])
+    assert np.array_equal(pool.take(rows).n_images, shapes["n_images"].to_numpy()[rows])
+    bare = Pool.from_shapes(shapes.drop(columns=["n_frames", "n_images"]))
+    assert not bare.n_frames.any() and not bare.n_images.any()
