@@ -84,7 +84,8 @@ def cmd_profile_model(args: argparse.Namespace) -> None:
 def cmd_profile_loading(args: argparse.Namespace) -> None:
     from dflop.profiling.load_profiler import profile_loading
 
-    profile_loading(_config(args), args.shapes, args.out)
+    cfg = _config(args)
+    profile_loading(cfg, args.shapes, args.out, co_runners=cfg.profile.co_runners_on(cfg.cluster))
 
 
 def cmd_fit(args: argparse.Namespace) -> None:

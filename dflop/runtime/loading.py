@@ -8,7 +8,8 @@ What a rank needs from a step's samples (DESIGN.md §6):
 
 `StepLoader.start` begins loading a step's requests in a background thread that pulls them through
 a persistent `torch.utils.data.DataLoader` (``workers`` processes; pinned memory on CUDA), so the
-next step's decoding overlaps the current step's compute. A sample whose media cannot be read
+next step's decoding overlaps the current step's compute (on GPUs: on CPU, where that decoding
+would share the ranks' cores, `dflop.runtime.run` loads each step's samples at its start). A sample whose media cannot be read
 (`UnreadableMedia`: a corrupt image, a video cut short) comes back with its ``error`` set instead
 of failing the whole step; the trainer then skips it on every rank (`dflop.runtime.skipping`).
 """

@@ -82,21 +82,26 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
     metrics = MetricsWriter(ckpt_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None
     bar = _progress_bar(total, start, progress and trainer.rank == 0)
     last = total if stop_after is None else min(total, start + stop_after)
+    # On GPUs the next step's samples load behind this step's compute. On CPU that load would run on
+    # the cores the ranks compute on, slowing this step by the next one's loads; loading each step's
+    # own samples at its start costs the same and is what the pricing charges (`Pricing.load_s`).
+    prefetch = trainer.device.type != "cpu"
     try:
         if start < last:
             plan_now = trainer.next_plan(start)
-            pending = trainer.load(plan_now)
+            pending = trainer.load(plan_now) if prefetch else None
         spans = trainer.spans
         for step in range(start, last):
             spans.begin_step(step + 1)
             t0 = time.perf_counter()
             with spans.span("data", "data wait"):
+                pending = pending if pending is not None else trainer.load(plan_now)
                 plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending)
             data_wait = time.perf_counter() - t0
             if step + 1 < last:
                 with spans.span("data", "next plan"):
                     plan_next = trainer.next_plan(step + 1)
-                    pending = trainer.load(plan_next)
+                    pending = trainer.load(plan_next) if prefetch else None
             stats = trainer.compute_gradients(plan_now, loaded)
             lr = trainer.current_lr(step)
             norm = trainer.optimizer_step()

@@ -47,12 +47,14 @@ PROFILE_LOADING_SETTINGS = RuleSettings(
     run={"seed": config["run"]["seed"]},
     model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "tokenizer", config["model"]["arch"])},
     data={k: config["data"][k] for k in ("datasets", "load_profile_samples")},
+    profile={"co_runners": profile_co_runners()},  # the node's ranks load at once, as in training
 )
 
 
 rule profile_loading:
     input:
         shapes=rules.profile_data.output.shapes,
+    threads: profile_co_runners()
     output:
         loading=f"{RESULTS}/profile/load_profile.parquet",
     params:
