@@ -17,7 +17,7 @@ import pytest
 from dflop.costmodel.analytic import analytic_cost_model
 from dflop.models.builder import model_config
 from dflop.models.info import info_of, model_info, padded_vision_heads
-from dflop.plan import Layout, Plan
+from dflop.plan import Layout
 from dflop.planner.cluster import GB, Cluster
 from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.planfile import vision_padding_record
