@@ -41,7 +41,7 @@ from dflop.planner.cluster import GB, Cluster
 from dflop.planner.means import Pool
 from dflop.planner.optimize import summary
 from dflop.planner.search import SearchSettings, search
-from dflop.planner.space import ModelShape
+from dflop.planner.space import ModelShape, describe_plan
 from dflop.shapes import read_shapes
 from synthetic_mix import for_architecture, heavy_mix, llava_ov_mix
 from dflop.costmodel.jsonio import load_cost_model
@@ -101,7 +101,7 @@ def run_paper(args) -> None:
         cost, source = cost_model_for(llm, args, arch, vision, profile=f"{arch}-{vision}-{llm}")
         name = f"{arch} {vision} + {llm}"
         print(f"\n=== {name} ({info.total_params / 1e9:.1f}B params, {info.llm_tokens_per_tile} LLM tokens per tile, "
-              f"vision TP {list(info.vision_tp_degrees)}); shapes: {shapes_name}, mean seq_len "
+              f"vision TP {vision_degrees(info)}); shapes: {shapes_name}, mean seq_len "
               f"{pool.seq_len.mean():.0f}, max {pool.seq_len.max()}; cost model: {source}")
         for gpus in args.gpus:
             batch, k, top_k = SCALE.get(gpus, (2 * gpus, 2, 4))
@@ -118,15 +118,21 @@ def run_paper(args) -> None:
                 rows.append({**row, "plan": f"no plan: {exc}"})
                 continue
             row["wall"] = time.perf_counter() - t0
-            print(summary(result, cluster, batch))
+            print(summary(result, cluster, batch, shape=shape))
             chosen = result.chosen
-            row.update(plan=chosen.plan.describe(), step=chosen.mean_s, util=chosen.mean_utilisation)
+            row.update(plan=describe_plan(chosen.plan, shape), step=chosen.mean_s, util=chosen.mean_utilisation)
             for key, base in (("base", result.baseline), ("padded", result.padded_baseline)):
                 if base.evaluation is not None:
                     row[key] = base.evaluation.mean_s
             print(f"  planner wall time {row['wall']:.2f} s")
             rows.append(row)
     print(paper_table(rows))
+
+
+def vision_degrees(info) -> str:
+    """The vision TP degrees, padded ones marked: "1, 2 (26 heads), 4 (28 heads), ..."."""
+    return ", ".join(f"{t}" + (f" ({h} heads)" if h != info.vision_heads else "")
+                     for t, h in zip(info.vision_tp_degrees, info.vision_padded_heads))
 
 
 def paper_table(rows: list[dict]) -> str:
@@ -196,10 +202,10 @@ def main() -> None:
                 rows.append((llm, gpus, batch, wall, "no plan fits", None, None, None))
                 continue
             wall = time.perf_counter() - t0
-            print(summary(result, cluster, batch))
+            print(summary(result, cluster, batch, shape=shape))
             base = result.baseline.evaluation
             speedup = base.mean_s / result.chosen.mean_s if base is not None else None
-            rows.append((llm, gpus, batch, wall, result.chosen.plan.describe(), speedup,
+            rows.append((llm, gpus, batch, wall, describe_plan(result.chosen.plan, shape), speedup,
                          result.chosen.mean_utilisation, base.mean_utilisation if base is not None else None))
 
     print("\n| LLM | GPUs | global batch | optimizer wall (s) | plan | speedup vs data-blind | utilisation (plan / baseline) |")

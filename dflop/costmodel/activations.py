@@ -28,6 +28,9 @@ Vision layer (S tokens per tile incl. CLS):
   activation; float32 mean + rstd x 2; float32 log-sum-exp)
   selective  none - 4 H / t (the attention output is the output projection's saved input, so only
              the log-sum-exp goes);  full  b h.
+  Zero-head padding (a degree t that does not divide H: H' = `padded_vision_heads`, H' d wide
+  q, k, v and attention output): the attention terms scale by H'/H, i.e. 4h -> 4h H'/H and
+  H -> H' in the log-sum-exp; the MLP, norms and residuals do not change.
   InternViT with RMSNorm (InternViT-6B) and QK-norm are not modelled: `UserError`.
 
 The parts around the layers (first and last stages; S image size, P patches per tile, n LLM tokens
@@ -54,6 +57,7 @@ from transformers import PreTrainedConfig
 from dflop.costmodel.memory import canonical_dtype
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
+from dflop.models.info import padded_vision_heads
 from dflop.models.recompute import check_mode
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -133,18 +137,20 @@ def llm_stage_layer_bytes(text_config: PreTrainedConfig, seq_lens: Sequence[int]
 
 
 def vision_layer_bytes_per_token(config: PreTrainedConfig, mode: str, dtype: str, *, tp: int = 1) -> float:
-    """Bytes one vision layer keeps per token (module docstring); `config` is the multimodal config."""
+    """Bytes one vision layer keeps per token at TP degree `tp`, heads zero-padded to a multiple of
+    it where they do not divide (module docstring); `config` is the multimodal config."""
     b = DTYPE_BYTES[canonical_dtype(dtype)]
     vc = config.vision_config
     h, I, H = vc.hidden_size, vc.intermediate_size, vc.num_attention_heads
+    padded = padded_vision_heads(config, tp)
     if _mode(mode) == "full":
         return layer_input_bytes_per_token(h, dtype)
     family = architecture_of(config).vision_family
     if family == "internvit" and (getattr(vc, "norm_type", "layer_norm") != "layer_norm" or getattr(vc, "use_qk_norm", False)):
         raise UserError("activation bytes: InternViT with RMSNorm or QK-norm is not modelled (layer_norm towers only)")
     replicated = 4 * h + (2 * h if family == "internvit" else 0)
-    none = b * (replicated + (4 * h + 2 * I) / tp) + 4 * (4 + H / tp)
-    return float(none if mode == "none" else none - core_saving_per_token(H, tp))
+    none = b * (replicated + (4 * h * padded / H + 2 * I) / tp) + 4 * (4 + padded / tp)
+    return float(none if mode == "none" else none - core_saving_per_token(padded, tp))
 
 
 def vision_stage_layer_bytes(config: PreTrainedConfig, n_tiles: int, n_layers: int, mode: str, dtype: str, *,

@@ -34,7 +34,14 @@ shapes and a stated achieved throughput:
   sample) and keeps what none keeps less the core's float32 log-sum-exp ``4 H / t`` per token
   (`dflop.costmodel.activations`; with flash attention the core's output stays, as the output
   projection's input);
-- parameters: the model's exact counts (`dflop.models.info`) x dtype bytes / t.
+- parameters: the model's exact counts (`dflop.models.info`) x dtype bytes / t;
+- zero-head padding: at a TP degree t that does not divide the vision heads H, the tower is priced
+  as the padded one the runtime trains (H' = `dflop.models.info.padded_vision_heads`, NVIDIA's
+  recipe for InternViT-6B: 25 -> 32 at TP 8): its attention part grows by H'/H — q/k/v/o
+  parameters (`ModelInfo.padded_vision_layer_params`, so also their FLOPs ``2 P T``, gradients
+  and optimizer state), the core ``4 T^2 h H'/H``, and the attention activations (q, k, v, output:
+  ``6 h -> 6 h H'/H`` in the first-order form, the closed forms as in `activations`); the MLP,
+  norms, embeddings, projector and TP all-reduces (of the h-wide layer output) stay.
 
 It is a first-order model (no kernel efficiency curves, no overlap of TP communication); use a
 fitted GPU profile when one exists. Defaults: an H100 SXM at ~40% of its 989 dense bf16 TFLOP/s.
@@ -50,7 +57,7 @@ from dflop.costmodel.memory import canonical_dtype
 from dflop.costmodel.model import CostModel, ModuleCosts, Provenance
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
-from dflop.models.info import info_of
+from dflop.models.info import info_of, padded_vision_heads
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -77,17 +84,20 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
     T, hv, hl, V = info.vision_tokens_per_tile, info.vision_hidden, info.llm_hidden, info.vocab_size
     modules = []
     for t in tp_degrees:
+        padded_v = padded_vision_heads(config, t)
+        attn_scale = padded_v / heads_v  # the attention part of the padded vision tower (docstring)
+        vision_layer_params = info.padded_vision_layer_params(padded_v)
         def allreduce_ms(bytes_per_unit: float) -> float:
             return 0.0 if t == 1 else 2 * (t - 1) / t * bytes_per_unit / (tp_gbps * 1e9) * 1e3
 
-        def act_layer(closed_form, h: int, inter: int) -> float:
+        def act_layer(closed_form, h: int, inter: int, scale: float = 1.0) -> float:
             try:
                 return closed_form()
             except UserError:  # a tower the closed forms do not model (InternViT-6B): first-order estimate
-                return nbytes * (4 * h + (6 * h + 3 * inter) / t)
+                return nbytes * (4 * h + (6 * h * scale + 3 * inter) / t)
 
         vision_act = act_layer(lambda: activations.vision_layer_bytes_per_token(config, "none", dtype, tp=t),
-                               hv, vision_mlp)
+                               hv, vision_mlp, attn_scale)
         llm_act = act_layer(lambda: activations.llm_layer_bytes_per_token(text, "none", dtype, tp=t), hl, llm_mlp)
         embed_tile, embed_const = activations.vision_embed_bytes(config, dtype)
         parts = {
@@ -95,9 +105,9 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
             "vision_embed": ({"tiles": 2 * info.vision_embed_params * T / t}, 0.0,
                              {"tiles": embed_tile, "const": embed_const},
                              info.vision_embed_params),
-            "vision_layer": ({"tiles": (2 * info.vision_layer_params * T + 4 * T * T * hv) / t},
+            "vision_layer": ({"tiles": (2 * vision_layer_params * T + 4 * T * T * hv * attn_scale) / t},
                              2 * allreduce_ms(nbytes * T * hv), {"tiles": T * vision_act},
-                             info.vision_layer_params),
+                             vision_layer_params),
             "projector": ({"tiles": 2 * info.projector_params * T / t}, allreduce_ms(nbytes * T * hl),
                           {"tiles": activations.projector_bytes_per_tile(config, dtype, tp=t)}, info.projector_params),
             "llm_embed": ({}, 0.0, {"tokens": activations.LLM_EMBED_BYTES_PER_TOKEN}, info.llm_embed_params),
@@ -126,21 +136,24 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
                 skipped_ms = skipped * (2 * (hv * vision_mlp * T if vision else hl * llm_mlp) / t / flops_per_ms
                                         + comm_ms / 2)
                 targets += _recompute_targets(name, fwd, bwd, act, dtype, hv if vision else hl,
-                                              heads_v if vision else heads_l, T, t, flops_per_ms, skipped_ms)
+                                              padded_v if vision else heads_l, T, t, flops_per_ms, skipped_ms,
+                                              attn_scale if vision else 1.0)
             coef = {target: tuple(float(values.get(f, 0.0)) for f in features) for target, values in targets}
             modules.append(ModuleCosts(name, int(t), features, coef, float(params * nbytes / t), 0, (1, 1), (1, 1)))
     return CostModel(modules, Provenance(preset=preset or info.arch, device=f"analytic {achieved_tflops:g} TFLOP/s",
                                          dtype=dtype))
 
 
-def _recompute_targets(name, fwd, bwd, act, dtype, h, heads, tiles_tokens, t, flops_per_ms, skipped_ms):
+def _recompute_targets(name, fwd, bwd, act, dtype, h, heads, tiles_tokens, t, flops_per_ms, skipped_ms,
+                       attn_scale=1.0):
     """``bwd_ms:<mode>`` and ``act_bytes:<mode>`` of a layer module (module docstring); skipped_ms:
-    forward milliseconds per unit that early-stopping recomputation does not rerun."""
+    forward milliseconds per unit that early-stopping recomputation does not rerun; heads: padded
+    where the tower is; attn_scale: padded / real heads (the attention core's width)."""
     unit = "tiles" if name == "vision_layer" else "tokens"
     per_unit = tiles_tokens if unit == "tiles" else 1  # tokens per feature unit
     full_bwd = {f: bwd.get(f, 0.0) + fwd.get(f, 0.0) for f in set(bwd) | set(fwd)}
     full_bwd[unit] -= skipped_ms
-    core_fwd = ({"tiles": 4 * tiles_tokens**2 * h / t / flops_per_ms} if unit == "tiles"
+    core_fwd = ({"tiles": 4 * tiles_tokens**2 * h * attn_scale / t / flops_per_ms} if unit == "tiles"
                 else {"sq_tokens": 2 * h / t / flops_per_ms})
     selective_bwd = {f: bwd.get(f, 0.0) + core_fwd.get(f, 0.0) for f in set(bwd) | set(core_fwd)}
     kept_selective = act[unit] - activations.core_saving_per_token(heads, t) * per_unit

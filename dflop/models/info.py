@@ -29,8 +29,14 @@ class ModelInfo:
     *_params: parameter counts (elements) of one part; ``llm_head_params`` includes the LM head
         matrix even when it is tied to the embedding (the last stage holds a copy of it), while
         ``total_params`` counts every distinct parameter of the model once.
-    vision_tp_degrees, llm_tp_degrees: TP degrees up to MAX_TP that split heads (query and
-        key/value), MLP width and, for the vision tower, the projector, for the LLM, the vocabulary evenly.
+    vision_attention_params: the parameters of one vision layer that grow with its head count
+        (query, key, value and output projection weights, their biases but the output's, QK-norm
+        weights): what `padded_vision_layer_params` scales.
+    vision_tp_degrees, llm_tp_degrees: TP degrees up to MAX_TP the planner may use. LLM: they split
+        query and key/value heads, MLP width and vocabulary evenly. Vision: they split the MLP width
+        and the projector's width evenly; heads are padded with zero heads where needed
+        (`padded_vision_heads`).
+    vision_padded_heads: the vision head count at each of vision_tp_degrees (same order), after padding.
     """
 
     arch: str
@@ -54,12 +60,24 @@ class ModelInfo:
     total_params: int
     vision_tp_degrees: tuple[int, ...]
     llm_tp_degrees: tuple[int, ...]
+    vision_attention_params: int = 0
+    vision_padded_heads: tuple[int, ...] = ()
+
+    def padded_vision_layer_params(self, padded_heads: int) -> int:
+        """Parameters of one vision layer with `padded_heads` heads (the real ones plus zero heads):
+        the attention part grows per head, the MLP and norms do not."""
+        extra = padded_heads - self.vision_heads
+        if extra < 0:
+            raise ValueError(f"padded_heads={padded_heads} is below the tower's {self.vision_heads} heads")
+        return self.vision_layer_params + self.vision_attention_params // self.vision_heads * extra
 
 
-def vision_tp_divides(config: PreTrainedConfig, tp: int) -> bool:
-    """Whether `tp` ranks can split the vision tower's heads and MLP width evenly."""
+def vision_tp_divides(config: PreTrainedConfig, tp: int, *, padded: bool = False) -> bool:
+    """Whether `tp` ranks can split the vision tower's MLP width and heads evenly; padded: heads
+    count after zero-head padding (`padded_vision_heads`), so only the MLP width must divide."""
     v = config.vision_config
-    return v.num_attention_heads % tp == 0 and v.intermediate_size % tp == 0
+    heads = padded_vision_heads(config, tp) if padded else v.num_attention_heads
+    return heads % tp == 0 and v.intermediate_size % tp == 0
 
 
 def padded_vision_heads(config: PreTrainedConfig, tp: int) -> int:
@@ -85,12 +103,16 @@ def projector_tp_divides(config: PreTrainedConfig, tp: int) -> bool:
     return config.text_config.hidden_size % tp == 0
 
 
-def vision_tp_degrees(config: PreTrainedConfig) -> tuple[int, ...]:
+def vision_tp_degrees(config: PreTrainedConfig, *, padded: bool = False) -> tuple[int, ...]:
     """TP degrees (up to MAX_TP) a vision stage can use: they split the tower's heads and MLP width
     and, as the last vision stage shards the projector at the same degree, the projector's width.
-    InternViT-6B (25 heads, MLP 12800): 1, 5, 25 (and the LLM width must divide by them too);
-    SigLIP-so400m (16 heads, MLP 4304 = 16 x 269): 1, 2, 4, 8, 16."""
-    return tuple(t for t in range(1, MAX_TP + 1) if vision_tp_divides(config, t) and projector_tp_divides(config, t))
+    padded: heads may be padded with zero heads (`padded_vision_heads`), so any degree dividing the
+    widths is admissible (what the planner prices); without it, heads must divide as they are.
+    InternViT-6B (25 heads, MLP 12800 = 2^9 x 25) with Qwen2.5-72B (width 8192): 1 unpadded; padded
+    1, 2, 4, 8, 16, 32, 64 (26, 28, 32, 32, 32, 64 heads from 2 on). SigLIP-so400m (16 heads, MLP
+    4304 = 16 x 269) with Llama-3-8B (4096): 1, 2, 4, 8, 16 either way (16 heads divide)."""
+    return tuple(t for t in range(1, MAX_TP + 1)
+                 if vision_tp_divides(config, t, padded=padded) and projector_tp_divides(config, t))
 
 
 def llm_tp_degrees(config: PreTrainedConfig) -> tuple[int, ...]:
@@ -111,6 +133,8 @@ def info_of(config: PreTrainedConfig) -> ModelInfo:
     lm = model.model.language_model
     vision_cfg, text_cfg = config.vision_config, config.text_config
     image_features = spec.image_features(model)
+    layer = spec.vision_layers(model)[0]
+    vision_degrees = vision_tp_degrees(config, padded=True)
     return ModelInfo(
         arch=spec.name,
         vision_layers=spec.n_feature_layers(config),
@@ -125,15 +149,26 @@ def info_of(config: PreTrainedConfig) -> ModelInfo:
         vocab_size=text_cfg.vocab_size,
         tied_embeddings=model.lm_head.weight is lm.embed_tokens.weight,
         vision_embed_params=count_params(spec.vision_embeddings(model)),
-        vision_layer_params=count_params(spec.vision_layers(model)[0]),
+        vision_layer_params=count_params(layer),
         projector_params=count_params(image_features),
         llm_embed_params=count_params(lm.embed_tokens),
         llm_layer_params=count_params(lm.layers[0]),
         llm_head_params=count_params(lm.norm) + count_params(model.lm_head),
         total_params=count_params(model),
-        vision_tp_degrees=vision_tp_degrees(config),
+        vision_tp_degrees=vision_degrees,
         llm_tp_degrees=llm_tp_degrees(config),
+        vision_attention_params=attention_params(layer),
+        vision_padded_heads=tuple(padded_vision_heads(config, t) for t in vision_degrees),
     )
+
+
+def attention_params(layer: nn.Module) -> int:
+    """Parameters of a vision layer's attention module that grow with its head count: all of them
+    but the output projection's bias (the projection is the module's last Linear in SigLIP and
+    InternViT; its output is the hidden size, whatever the heads)."""
+    attn = next(m for name, m in layer.named_children() if name in ("self_attn", "attention"))
+    out = [m for m in attn.modules() if isinstance(m, nn.Linear)][-1]
+    return count_params(attn) - (out.bias.numel() if out.bias is not None else 0)
 
 
 def count_params(module: nn.Module) -> int:

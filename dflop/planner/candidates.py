@@ -11,7 +11,8 @@ One row per (columns in this order; missing values are null):
 - ``placement``, ``tp_v``, ``pp_v``, ``dp_v``, ``tp_l``, ``pp_l``, ``dp_l``, ``m``, ``world_size``;
 - ``status``: "rejected", "pruned" (feasible, but its lower bound could not beat the plans kept,
   its LPT-simulated step lost the prescreen, or it lost the race), "solved" (MILP solved, not
-  simulated), "simulated", "chosen";
+  simulated), "simulated", "chosen", "admitted" (a degree row: a vision TP degree kept by padding
+  the tower's heads with zero heads, reason vision_heads_padded);
 - ``reason``: why rejected or pruned: tp_not_dividing_heads, tp_not_profiled, tp_not_within_node,
   divisibility, memory, bound, prescreen, racing, milp_<status>; ``detail``: the same in words;
 - ``n_layouts``; ``bound_s`` (lower bound of the mean-shape step); ``mean_shape_step_s`` (MILP

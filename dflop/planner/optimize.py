@@ -20,7 +20,7 @@ from dflop.planner.inputs import check_cost_model_matches
 from dflop.planner.means import Pool
 from dflop.planner.planfile import BASELINE_LABELS, plan_document
 from dflop.planner.search import SearchResult, SearchSettings, search
-from dflop.planner.space import ModelShape
+from dflop.planner.space import ModelShape, describe_plan
 from dflop.planner.techniques import technique_costs, techniques_record
 from dflop.shapes import read_shapes
 from dflop.costmodel.jsonio import load_cost_model
@@ -72,20 +72,26 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
         inputs={"shapes": str(shapes_path), "costmodel": str(costmodel_path)},
         techniques=techniques_record(technique_costs(result.chosen.plan, cost, pool, cluster, result.sizes,
                                                      global_batch=global_batch_size)),
+        shape=shape,
     )
     write_plan(doc, plan_path)
     write_candidates(result.candidates, candidates_path)
     if verbose:
-        print(summary(result, cluster, global_batch_size, plan_path, candidates_path))
+        print(summary(result, cluster, global_batch_size, plan_path, candidates_path, shape=shape))
     return result
 
 
-def summary(result: SearchResult, cluster: Cluster, global_batch: int, plan_path=None, candidates_path=None) -> str:
-    """A readable report of the search."""
+def summary(result: SearchResult, cluster: Cluster, global_batch: int, plan_path=None, candidates_path=None,
+            shape: ModelShape | None = None) -> str:
+    """A readable report of the search; `shape` names vision head padding (`describe_plan`)."""
     ev, st = result.chosen, result.stats
+
+    def describe(plan) -> str:
+        return describe_plan(plan, shape) if shape is not None else plan.describe()
+
     lines = [f"plan for {cluster.world_size} GPUs ({cluster.nodes} x {cluster.gpus_per_node}, "
              f"{cluster.gpu_memory_bytes / 1e9:.3g} GB each), global batch {global_batch}:",
-             f"  chosen   {ev.plan.describe()}",
+             f"  chosen   {describe(ev.plan)}",
              f"           {ev.plan.layout.world_size} GPUs, step {ev.mean_s:.4g} s mean / {ev.p50_s:.4g} p50 / "
              f"{ev.p90_s:.4g} p90 over {len(ev.step_s)} sampled batches, utilisation {100 * ev.mean_utilisation:.1f}%",
              "           memory per stage (GB): " + ", ".join(
@@ -96,7 +102,7 @@ def summary(result: SearchResult, cluster: Cluster, global_batch: int, plan_path
     for base, kind, policy in bases:
         b, label = base.evaluation, BASELINE_LABELS[policy]
         if b is not None:
-            lines += [f"  baseline {b.plan.describe()} ({label}: uniform split, fixed-count microbatches)",
+            lines += [f"  baseline {describe(b.plan)} ({label}: uniform split, fixed-count microbatches)",
                       f"           step {b.mean_s:.4g} s mean / {b.p90_s:.4g} p90, utilisation "
                       f"{100 * b.mean_utilisation:.1f}%",
                       f"  predicted speedup over the baseline: {b.mean_s / ev.mean_s:.2f}x vs {label}"]

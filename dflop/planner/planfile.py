@@ -24,6 +24,10 @@ Top-level keys::
                policy, label, predicted} or null (itself a complete plan mapping): the Megatron-style
                packed data-blind trainer
     speedup: baseline mean step / plan mean step (null without a baseline)
+    vision_heads_padded: {tp, heads, padded_heads} when the plan's vision TP degree pads the tower's
+               heads with zero heads (e.g. InternViT-6B at tp 8: 25 -> 32; informative, the trainer
+               pads by the same rule, `dflop.models.info.padded_vision_heads`); absent otherwise, and
+               likewise inside baseline / padded_baseline
     padded_baseline: the same record for the HF/LLaVA trainer (microbatches padded to their longest
                sample, policy "padded"; its predicted.mean_shape_step_s is null: the mean-shape step
                packs), or null; absent from files written before it existed
@@ -70,14 +74,24 @@ def predicted_section(ev: Evaluation, *, global_batch: int, memory_limit_bytes: 
 BASELINE_LABELS = {"megatron": "Megatron-style packed data-blind", "padded": "HF/LLaVA padded"}
 
 
+def vision_padding_record(plan: Plan, shape: ModelShape | None) -> dict:
+    """``{"vision_heads_padded": {tp, heads, padded_heads}}`` when `plan`'s vision TP pads heads, else {}."""
+    if shape is None or not shape.vision_padding(plan.layout.tp_v):
+        return {}
+    tp = plan.layout.tp_v
+    return {"vision_heads_padded": {"tp": tp, "heads": shape.vision_heads, "padded_heads": shape.vision_heads_at(tp)}}
+
+
 def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Evaluation | None,
                   baseline_mean_shape_s: float | None, global_batch: int, cluster: Cluster, solver: dict,
                   evaluation: dict, model: dict, inputs: dict, padded_baseline: Evaluation | None = None,
-                  techniques: list[dict] | None = None) -> dict:
+                  techniques: list[dict] | None = None, shape: ModelShape | None = None) -> dict:
     """The plan.yaml mapping (module docstring): `Plan.to_dict` keys first, then what was predicted;
-    techniques: the chosen plan's `dflop.planner.techniques.techniques_record` (None: left out)."""
+    techniques: the chosen plan's `dflop.planner.techniques.techniques_record` (None: left out);
+    shape: the model structure, to record vision head padding (None: not recorded)."""
     plan = chosen.plan
-    doc: dict[str, Any] = {"version": 1, **plan.to_dict(global_batch), "rank_order": RANK_ORDER,
+    doc: dict[str, Any] = {"version": 1, **plan.to_dict(global_batch), **vision_padding_record(plan, shape),
+                           "rank_order": RANK_ORDER,
                            "predicted": predicted_section(chosen, global_batch=global_batch,
                                                           memory_limit_bytes=cluster.gpu_memory_bytes,
                                                           mean_shape_step_s=mean_shape_step_s)}
@@ -89,7 +103,8 @@ def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Eva
         if ev is None:
             continue
         doc[key] = {
-            **ev.plan.to_dict(global_batch), "micro_batch_size": global_batch // ev.plan.layout.n_bins,
+            **ev.plan.to_dict(global_batch), **vision_padding_record(ev.plan, shape),
+            "micro_batch_size": global_batch // ev.plan.layout.n_bins,
             "policy": ev.policy, "label": BASELINE_LABELS[ev.policy],
             "predicted": predicted_section(ev, global_batch=global_batch, memory_limit_bytes=cluster.gpu_memory_bytes,
                                            mean_shape_step_s=mean_shape_s),
@@ -102,7 +117,8 @@ def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Eva
 
 def check_plan_runs(plan: Plan, shape: ModelShape, cluster: Cluster, where: str) -> None:
     """One-line UserError unless `plan` can run `shape`'s model on `cluster`: layer splits that
-    cover the model's layers, TP degrees that split its heads and widths, and a rank layout that
+    cover the model's layers, TP degrees that split its heads (vision: after zero-head padding) and
+    widths, and a rank layout that
     fits the cluster and that the launcher can start (`Cluster.launchable`). plan.yaml's own
     keys (world size against the layout, ...) are checked when it is read (`dflop.plan`)."""
     plan = Plan(plan.layout, plan.vision_layers, plan.llm_layers, where, plan.vision_techniques, plan.llm_techniques)

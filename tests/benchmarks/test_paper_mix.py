@@ -94,10 +94,13 @@ def test_paper_pool_counts_tokens_per_architecture(bench, heavy):
         assert (pool.seq_len == expected + videos.text_tokens.to_numpy()).all()
 
 
-def test_internvit_gets_vision_tp_1_only(bench):
-    """InternViT-6B's 25 heads: of a node's TP degrees only 1 divides them; the LLM keeps 1-8."""
+def test_internvit_pads_to_every_node_tp_degree(bench):
+    """InternViT-6B's 25 heads pad with zero heads to 26 / 28 / 32 at TP 2 / 4 / 8 (NVLM's recipe), so
+    inside an 8-GPU node every degree is admitted for the tower (and the colocated placement),
+    named as padded in candidates; a fitted profile that lacks a degree still rejects it."""
+    from dflop.costmodel.model import CostModel
     from dflop.planner.cluster import GB, Cluster
-    from dflop.planner.space import ModelShape, build_space
+    from dflop.planner.space import VISION_MODULES, ModelShape, build_space
 
     class Args:
         tflops, tp_gbps = 400.0, 300.0
@@ -106,7 +109,18 @@ def test_internvit_gets_vision_tp_1_only(bench):
     assert source.startswith("analytic")
     cluster = Cluster(nodes=8, gpus_per_node=8, gpu_memory_bytes=80 * GB, intra_node_bytes_per_s=300 * GB,
                       inter_node_bytes_per_s=50 * GB, p2p_latency_s=20e-6, device="cuda")
-    space, _ = build_space(ModelShape.from_info(model_info(*INTERNVL)), cost, cluster,
-                           placements=("disjoint", "colocated"), microbatches=range(1, 9), global_batch=64,
-                           mean_tiles=3.0)
-    assert list(space.vision_tp) == [1] and list(space.llm_tp) == [1, 2, 4, 8] and list(space.colocated_tp) == [1]
+    shape = ModelShape.from_info(model_info(*INTERNVL))
+    kw = dict(placements=("disjoint", "colocated"), microbatches=range(1, 9), global_batch=64, mean_tiles=3.0)
+    space, rows = build_space(shape, cost, cluster, **kw)
+    assert list(space.vision_tp) == [1, 2, 4, 8] and list(space.llm_tp) == [1, 2, 4, 8]
+    assert list(space.colocated_tp) == [1, 2, 4, 8]
+    padded = {r["tp_v"]: r["detail"] for r in rows if r["reason"] == "vision_heads_padded"}
+    assert all(r["status"] == "admitted" for r in rows if r["reason"] == "vision_heads_padded")
+    assert sorted(padded) == [2, 4, 8] and "25 heads padded to 32" in padded[8] and "padded to 26" in padded[2]
+
+    # a fitted profile measured the tower at TP 1 and 2 only: 4 and 8 are not profiled, as before
+    fitted = CostModel([m for (name, t), m in cost.modules.items() if name not in VISION_MODULES or t <= 2],
+                       cost.provenance)
+    space, rows = build_space(shape, fitted, cluster, **kw)
+    assert list(space.vision_tp) == [1, 2] and list(space.colocated_tp) == [1, 2]
+    assert sorted(r["tp_v"] for r in rows if r["reason"] == "tp_not_profiled") == [4, 8]

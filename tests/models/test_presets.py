@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dflop.errors import UserError
-from dflop.models.builder import build_model
-from dflop.models.info import count_params, model_info
+from dflop.models.builder import build_model, model_config
+from dflop.models.info import count_params, model_info, vision_tp_degrees
 from dflop.models.presets import llm_preset, llm_preset_names, vision_preset, vision_preset_names
 
 # Parameter counts published for the released checkpoints (model cards / safetensors index).
@@ -40,10 +40,16 @@ def test_vision_presets_have_published_shapes():
     assert info.vision_tokens_per_tile == 1025 and info.llm_tokens_per_tile == 256
     info = model_info("internvl", "internvit-6b", "qwen2.5-0.5b")
     assert 5.5e9 < info.vision_embed_params + info.vision_layers * info.vision_layer_params < 5.6e9
-    # 25 heads and MLP 12800 split by 1, 5, 25, but the last vision stage also shards the projector
-    # (width = the LLM's, 896 here) at the vision TP degree: only LLM widths divisible by 5 allow 5
-    assert info.vision_tp_degrees == (1,)
-    assert model_info("internvl", "internvit-6b", "qwen2.5-32b").vision_tp_degrees == (1, 5)  # width 5120
+    # 25 heads and MLP 12800 = 2^9 x 25 split by 1, 5, 25, but the last vision stage also shards the
+    # projector (width = the LLM's, 896 = 2^7 x 7 here) at the vision TP degree: only LLM widths
+    # divisible by 5 allow 5. The planner's degrees pad heads with zero heads (NVLM's recipe), so
+    # there only the widths must divide: powers of 2 up to 64 here.
+    assert vision_tp_degrees(model_config("internvl", "internvit-6b", "qwen2.5-0.5b")) == (1,)
+    assert info.vision_tp_degrees == (1, 2, 4, 8, 16, 32, 64)
+    config_32b = model_config("internvl", "internvit-6b", "qwen2.5-32b")  # width 5120 = 2^10 x 5
+    assert vision_tp_degrees(config_32b) == (1, 5)
+    assert model_info("internvl", "internvit-6b", "qwen2.5-32b").vision_tp_degrees == (1, 2, 4, 5, 8, 10, 16, 20, 32,
+                                                                                      40, 64)
 
 
 def test_part_counts_add_up_to_the_built_model():
