@@ -186,7 +186,7 @@ def profile_model(model: ModelHandle, profile: ProfileSection, out_path: str | P
 
 def modules_for_tp(config: PreTrainedConfig, tp: int) -> tuple[str, ...]:
     """Modules whose heads and widths `tp` splits evenly (see `dflop.models.info`)."""
-    vision_ok = vision_tp_divides(config, tp)
+    vision_ok = vision_tp_divides(config, tp, padded=True)  # zero-head padding (tensor_parallel.shard_vision_layer)
     allowed = {"vision_embed": vision_ok, "vision_layer": vision_ok, "projector": projector_tp_divides(config, tp)}
     llm_ok = llm_tp_divides(config, tp)
     return tuple(m for m in MODULES if allowed.get(m, llm_ok))

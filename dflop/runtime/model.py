@@ -78,7 +78,7 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
     arch = architecture_of(model)
     config = model.config
     plan.check_model(arch.n_feature_layers(config), config.get_text_config().num_hidden_layers,
-                     vision_tp_ok=vision_tp_degrees(config), llm_tp_ok=llm_tp_degrees(config))
+                     vision_tp_ok=vision_tp_degrees(config, padded=True), llm_tp_ok=llm_tp_degrees(config))
     if plan.vision_techniques.sequence_parallel:  # every rank refuses, before any collective
         raise UserError(f"{plan.source}: vision.sequence_parallel: sequence parallelism is implemented for the "
                         f"LLM only; set it to false for the vision tower")
