@@ -30,6 +30,9 @@ def test_loads_of_each_modality_are_timed_and_described_by_their_shapes(tmp_path
     assert by_modality["video"] > 3 * by_modality["text"]
     line = fit_load_line(table)
     assert line.n_samples == len(table) and all(c >= 0 for c in line.coef)
+    # two loaders in lockstep (a node's training ranks): the same samples, timed on the first
+    paired = profile_loading(cfg, tmp_path / "shapes.parquet", tmp_path / "load2.parquet", co_runners=2)
+    assert paired["sample_id"].tolist() == table["sample_id"].tolist() and (paired["load_s"] > 0).all()
 
 
 def test_samples_are_picked_per_modality_and_seeded():
