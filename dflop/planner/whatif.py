@@ -44,7 +44,8 @@ from dflop.costmodel.jsonio import load_cost_model
 class WhatIf:
     """The re-evaluated plan and baseline (None when it cannot be scaled), the chart written, the
     plan's memory techniques with their costs per stage (`technique_costs`), which cost model priced
-    it, and what a training run of the plan measured against its predictions (if one was given)."""
+    it, what a training run of the plan measured against its predictions (if one was given), and
+    whether the host's loading of the samples is charged (`loading_note`)."""
 
     plan: Evaluation
     baseline: Evaluation | None
@@ -54,6 +55,7 @@ class WhatIf:
     techniques: pd.DataFrame | None = None
     cost_model: str = ""
     measured: str | None = None
+    loading: str | None = None
 
 
 @dataclass(frozen=True)
@@ -215,10 +217,25 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
                          f"(median of {len(ev.step_s)} sampled batches), idle {100 * timeline.idle_fraction():.1f}%")
     techniques = technique_costs(plan, cost, pool, cluster, sizes, global_batch=B)
     result = WhatIf(ev, base, cluster, png, tuple(notes), techniques,
-                    cost_model=f"{ctx.costmodel_path}: {cost.provenance.describe()}", measured=measured)
+                    cost_model=f"{ctx.costmodel_path}: {cost.provenance.describe()}", measured=measured,
+                    loading=loading_note(cost, cluster, pool, B))
     if verbose:
         print(whatif_summary(result, B, shapes_path))
     return result
+
+
+def loading_note(cost: CostModel, cluster: Cluster, pool: Pool, global_batch: int) -> str | None:
+    """Whether the steps are charged the host's per-sample load (`Pricing.load_s`: on CPU clusters,
+    with a measured load line) and how much it is, or None when the cost model has no load line."""
+    line = cost.step_costs.loading
+    if line is None:
+        return None
+    per_sample = line(pool.n_tiles, pool.n_frames, pool.n_images, pool.seq_len - pool.vision_tokens)
+    size = f"{1e3 * float(per_sample.mean()):.3g} ms per sample on average (line fitted on {line.n_samples} samples)"
+    if cluster.device == "cpu" and cost.step_costs_on(cluster.device).loading is not None:
+        return (f"charged to the stage that decodes each sample, {size}: "
+                f"{float(per_sample.mean()) * global_batch:.3g} s of host time per global batch")
+    return f"not charged on GPUs (the next step's samples load behind this one); measured {size}"
 
 
 def scaled_global_batch(pf: PlanFile, cluster: Cluster | None, global_batch: int | None, notes: list[str]) -> int:
@@ -258,6 +275,8 @@ def whatif_summary(w: WhatIf, global_batch: int, shapes_path) -> str:
     lines += [f"  note: {n}" for n in w.notes]
     if w.cost_model:
         lines.append(f"  cost model: {w.cost_model}")
+    if w.loading:
+        lines.append(f"  sample loading: {w.loading}")
     lines.append(f"  training run of this plan: {w.measured}" if w.measured is not None else
                  "  training run of this plan: none given (--metrics), so how far the cost model is off is unknown")
     lines += [f"  plan     {ev.plan.describe()}",

@@ -83,3 +83,20 @@ def test_pool_keeps_frames_and_images_through_take():
     assert np.array_equal(pool.take(rows).n_images, shapes["n_images"].to_numpy()[rows])
     bare = Pool.from_shapes(shapes.drop(columns=["n_frames", "n_images"]))
     assert not bare.n_frames.any() and not bare.n_images.any()
+
+
+def test_simulate_says_whether_and_how_much_loading_is_charged():
+    from dflop.planner.whatif import loading_note
+
+    shapes = toy_shapes(50, seed=6)
+    pool = Pool.from_shapes(shapes)
+    mean_ms = 1e3 * _by_hand(shapes).mean()
+    layout = Layout("colocated", 1, 1, 2, 1, 2, 2, 2)
+    cpu, model = _pricing(StepCosts(loading=LINE), layout)
+    note = loading_note(model, cpu.cluster, pool, global_batch=16)
+    assert note.startswith("charged") and f"{mean_ms:.3g} ms per sample" in note
+    assert f"{mean_ms * 16 / 1e3:.3g} s of host time per global batch" in note
+    gpu, model = _pricing(StepCosts(loading=LINE), layout, device="cuda")
+    assert loading_note(model, gpu.cluster, pool, global_batch=16).startswith("not charged on GPUs")
+    _, plain = _pricing(StepCosts(), layout)
+    assert loading_note(plain, cpu.cluster, pool, global_batch=16) is None
