@@ -159,6 +159,7 @@ class LoadedSample:
 
     input_ids, labels: int64 [seq_len]; pixels: float32 [n_tiles, 3, S, S].
     error: why the sample could not be loaded (a `SampleError`'s message; every part is then None).
+    load_s: seconds the load took (set by the trainer's loader, `dflop.runtime.loading`).
     """
 
     index: int
@@ -167,12 +168,13 @@ class LoadedSample:
     labels: torch.Tensor | None = None
     pixels: torch.Tensor | None = None
     error: str | None = None
+    load_s: float = 0.0
 
     def pin_memory(self) -> "LoadedSample":
         """Pinned copy (DataLoader's pin_memory calls this on CUDA)."""
         pin = (lambda t: None if t is None else t.pin_memory())
         return LoadedSample(self.index, self.layout, pin(self.input_ids), pin(self.labels), pin(self.pixels),
-                            self.error)
+                            self.error, self.load_s)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ of failing the whole step; the trainer then skips it on every rank (`dflop.runti
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -38,6 +40,31 @@ def feature_rows_fn(rules: SampleRules) -> Callable[[pd.DataFrame], np.ndarray]:
                          for t, v in zip(shapes["n_tiles"], shapes["vision_tokens"])], dtype=np.int64)
 
     return rows
+
+
+def decode_seconds(plan: StepPlan, topo: Topology, loaded: dict[int, LoadedSample]) -> np.ndarray:
+    """[m] seconds this rank spent loading the samples of each execution position that the pricing
+    charges to its stage's forward (`dflop.planner.pricing.Pricing.load_s`): pixels on the first
+    vision stage; text-only samples, or every sample under a colocated tower, on the first LLM stage.
+    What the trainer adds to its measured forwards where it loads each step in the step (CPU)."""
+    seconds = np.zeros(plan.n_microbatches)
+    vision, llm = topo.vision_role, topo.llm_role
+    colocated = topo.plan.colocated
+
+    def add(position: int, batch_index: int) -> None:
+        sample = loaded.get(plan.rows[batch_index])
+        if sample is not None:
+            seconds[position] += sample.load_s
+
+    for p in range(plan.n_microbatches):
+        if vision is not None and vision.is_first and not colocated:
+            for i in plan.vision_shares[p][vision.replica]:
+                add(p, i)
+        if llm is not None and llm.is_first:
+            for i in plan.bins[p][llm.replica]:
+                if colocated or plan.n_tiles[i] == 0:
+                    add(p, i)
+    return seconds
 
 
 def requests_for(plan: StepPlan, topo: Topology) -> list[Request]:
@@ -89,10 +116,12 @@ class _Tolerant(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitem__(self, request: Request) -> LoadedSample:
+        start = time.perf_counter()
         try:
-            return self.data[request]
+            sample = self.data[request]
         except UnreadableMedia as exc:
             return LoadedSample(request.index, error=str(exc))
+        return dataclasses.replace(sample, load_s=time.perf_counter() - start)
 
 
 class StepLoader:

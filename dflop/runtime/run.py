@@ -82,10 +82,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
     metrics = MetricsWriter(ckpt_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None
     bar = _progress_bar(total, start, progress and trainer.rank == 0)
     last = total if stop_after is None else min(total, start + stop_after)
-    # On GPUs the next step's samples load behind this step's compute. On CPU that load would run on
-    # the cores the ranks compute on, slowing this step by the next one's loads; loading each step's
-    # own samples at its start costs the same and is what the pricing charges (`Pricing.load_s`).
-    prefetch = trainer.device.type != "cpu"
+    prefetch = not trainer.loads_in_step  # GPUs: the next step loads behind this one (Trainer.loads_in_step)
     try:
         if start < last:
             plan_now = trainer.next_plan(start)

@@ -41,7 +41,7 @@ from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool
 from dflop.planner.pricing import Pricing
 from dflop.runtime.agreement import rank0_result
-from dflop.runtime.loading import StepLoader, feature_rows_fn, requests_for
+from dflop.runtime.loading import StepLoader, decode_seconds, feature_rows_fn, requests_for
 from dflop.runtime.model import EMBEDDING_NAME, build_rank_modules, parameter_names
 from dflop.models.optimizer import build_optimizer
 from dflop.runtime.optim import GradientSync, ParamInfo, build_lr_scheduler, warmup_cosine
@@ -171,6 +171,13 @@ class Trainer:
         """Step `step`'s plan on every rank (collective)."""
         return rank0_result(lambda: self.planner.get(step))
 
+    @property
+    def loads_in_step(self) -> bool:
+        """Whether each step loads its own samples at its start instead of during the previous
+        step: on CPU, where that load would run on the cores the ranks compute on (the pricing then
+        charges it, `dflop.planner.pricing.Pricing.load_s`); on GPUs it is prefetched, hidden."""
+        return self.device.type == "cpu"
+
     def load(self, plan: StepPlan):
         """Start loading what this rank needs of `plan` (returns a future of {pool index: sample})."""
         return self.loader.start(requests_for(plan, self.topo))
@@ -206,6 +213,8 @@ class Trainer:
         self.sharding.begin()
         result = self.executor.run(plan, inputs, before_last_backward=self.sync.arm)
         pipeline_s = time.perf_counter() - t0
+        if self.loads_in_step:  # the stage's busy time includes the decoding the pricing charges it
+            result.fwd_s = result.fwd_s + decode_seconds(plan, self.topo, loaded)
         with self.spans.span("allreduce", "gradient sync"):
             self.sharding.reduce()  # data-parallel sum of the sharded stages' gradients (FSDP2)
             pending = self.sync.start_all_reduce()  # the rest; runs while the world total below waits for the last stage
