@@ -128,3 +128,16 @@ def test_technique_means_reuses_a_model_only_for_the_same_inputs(analytic):
                               transfer=transfer, shard=(True, True), dtype=means.dtype)
     assert np.array_equal(bigger.coeffs.mem_mean_fixed, fresh.coeffs.mem_mean_fixed)
     assert not np.array_equal(bigger.coeffs.mem_mean_fixed, first.coeffs.mem_mean_fixed)
+
+
+def test_granularity_floor_is_the_ratio_of_each_elements_m():
+    """`Granularity.nu_time` on arrays (the screen's every layout) looks each m up: max(nu, ratio[m]),
+    0 for an m the data gave no ratio for; scalars stay scalars."""
+    g = Granularity({1: 3.0, 2: 5.5, 4: 7.25, 8: 9.0})
+    rng = np.random.default_rng(0)
+    m = rng.choice([1, 2, 4, 8, 16], size=(40, 3))
+    nu = rng.uniform(0.0, 10.0, size=(40, 3))
+    want = [[max(nu[i, j], g.ratio.get(int(m[i, j]), 0.0)) for j in range(3)] for i in range(40)]
+    assert g.nu_time(nu, m).tolist() == want
+    assert g.nu_time(2.0, 4) == 7.25 and g.nu_time(2.0, 16) == 2.0 and np.ndim(g.nu_time(2.0, 4)) == 0
+    assert Granularity.none().nu_time(nu, m) is nu
