@@ -235,5 +235,8 @@ class Granularity:
         """Effective samples per bin for times (same shape as nu; m scalar or array)."""
         if not self.ratio:
             return nu
-        floor = np.vectorize(lambda mm: self.ratio.get(int(mm), 0.0), otypes=[float])(m)
+        if np.ndim(m) == 0:
+            return np.maximum(nu, self.ratio.get(int(m), 0.0))
+        values, index = np.unique(np.asarray(m), return_inverse=True)  # the screen passes every layout's m
+        floor = np.array([self.ratio.get(int(mm), 0.0) for mm in values], dtype=np.float64)[index.reshape(np.shape(m))]
         return np.maximum(nu, floor)

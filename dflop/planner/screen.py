@@ -227,8 +227,12 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
         max_extra_s[rows] = np.where(pp[rows] == 1, first + last, np.maximum(first, last))
     fits = np.zeros(len(tp), dtype=bool)
     bottleneck = np.zeros(len(tp))  # stays 0 (unused) where nothing fits
-    for t in np.unique(tp):
-        rows = np.flatnonzero(tp == t)
+    # [rows, stages] grids per TP degree and band of pp (1, 2, 3-4, 5-8, ...): a grid as wide as
+    # the deepest pipeline of the degree would be mostly masked-out columns (and the answers do
+    # not depend on the width: columns past a row's pp are masked, and the sums are of whole numbers)
+    band = np.ceil(np.log2(np.maximum(pp, 1))).astype(np.int64)
+    for t, b in sorted(set(zip(tp.tolist(), band.tolist()))):
+        rows = np.flatnonzero((tp == t) & (band == b))
         in_flight = np.minimum(m[rows, None], pp[rows, None] - np.arange(int(pp[rows].max()))[None, :])
         ok, caps = module_fits(floor.llm[int(t)], space.llm_layers, cluster.gpu_memory_bytes, nu=nu[rows],
                                heaviest_share=np.ones(len(rows)), pp=pp[rows], in_flight=in_flight,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import numpy as np
 
@@ -235,20 +236,28 @@ class StageModel:
         return tuple(self.by_mode)
 
     def coeffs_of(self, modes=None) -> StageCoeffs:
-        """Coefficients with stage s in ``modes[s]`` (None: every stage in the cheapest mode)."""
+        """Coefficients with stage s in ``modes[s]`` (None: every stage in the cheapest mode).
+
+        A mix of modes is selected stage by stage from the per-mode arrays, once per mix (the search
+        asks a layout's memory and objective of one mix several times)."""
         if modes is None:
             return self.by_mode[self.modes[0]]
+        modes = tuple(modes)
         if len(set(modes)) == 1:
             return self.by_mode[modes[0]]
-        idx = np.arange(self.n_stages)
-        return StageCoeffs(**{f.name: np.array([getattr(self.by_mode[m], f.name)[s] for s, m in zip(idx, modes)])
-                              for f in fields(StageCoeffs)})
+        mixed = self.__dict__.setdefault("_mixed", {})  # frozen: a cache beside the fields, like cached_property
+        if modes not in mixed:
+            used = sorted(set(modes), key=self.modes.index)
+            pick, stages = np.array([used.index(m) for m in modes]), np.arange(self.n_stages)
+            mixed[modes] = StageCoeffs(*(np.stack([getattr(self.by_mode[m], f.name) for m in used])[pick, stages]
+                                         for f in fields(StageCoeffs)))
+        return mixed[modes]
 
     @property
     def coeffs(self) -> StageCoeffs:
         return self.coeffs_of(None)
 
-    @property
+    @cached_property
     def lean(self) -> StageCoeffs:
         """Per coefficient the smallest over the modes: memory no choice of modes goes below."""
         return StageCoeffs(**{f.name: np.min([getattr(c, f.name) for c in self.by_mode.values()], axis=0)
@@ -394,31 +403,77 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
 def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Links, B: int,
                   transfer: TransferMeans, granularity: Granularity, shard: tuple, dtype: str,
                   mode: str) -> StageCoeffs:
-    """[P] coefficients of every stage of `lay` with all its layers in recompute `mode`."""
+    """[P] coefficients of every stage of `lay` with all its layers in recompute `mode`.
+
+    `stage_coeffs` per module plus the transfers (`StageCoeffs.plus_time`), evaluated stage by
+    stage on Python floats: the search builds thousands of these for layouts of a few stages, where
+    numpy's per-call overhead cost more than the arithmetic. Every value is the same expression in
+    the same order as there, so the results are bit-identical (`tests/planner/test_stage_coeffs_fast.py`).
+    """
     m = lay.m
-    in_flight = np.asarray(lay.in_flight(), dtype=np.float64)
+    in_flight = [float(f) for f in lay.in_flight()]
     n_v, pp_l = lay.n_vision_stages, lay.pp_l
-    parts = []
+    rows = []
     if n_v:
         nu_v = B / (m * lay.dp_v)
-        k = np.arange(n_v)
-        c = stage_coeffs(vision, nu=np.full(n_v, nu_v), heaviest_share=1.0 / lay.dp_v, first=k == 0,
-                         last=k == n_v - 1, in_flight=in_flight[:n_v], mode=mode,
-                         state_scale=float(sharded_state_scale(dtype, lay.dp_v)) if shard[0] else 1.0)
+        scale = float(sharded_state_scale(dtype, lay.dp_v)) if shard[0] else 1.0
         hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
         out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
-        parts.append(c.plus_time(fwd_s=np.where(k > 0, hop, 0.0), bwd_s=np.where(k < n_v - 1, hop, out)))
+        parts = _PartScalars.of(vision.layers[mode or vision.modes[0]], nu_v, 1.0 / lay.dp_v, nu_v), \
+            _PartScalars.of(vision.first, nu_v, 1.0 / lay.dp_v, nu_v), _PartScalars.of(vision.last, nu_v, 1.0 / lay.dp_v, nu_v)
+        for k in range(n_v):
+            rows.append(_stage_row(*parts, None, float(k == 0), float(k == n_v - 1), 0.0, in_flight[k], scale,
+                                   hop if k > 0 else 0.0, hop if k < n_v - 1 else out))
     nu_l = B / (m * lay.dp_l)
-    j = np.arange(pp_l)
-    c = stage_coeffs(llm, nu=np.full(pp_l, nu_l), heaviest_share=1.0, first=j == 0, last=j == pp_l - 1,
-                     in_flight=in_flight[n_v:], extra=vision.whole(mode) if lay.colocated else None, extra_nu=nu_l,
-                     extra_on=j == 0, time_nu=np.full(pp_l, float(granularity.nu_time(nu_l, m))), mode=mode,
-                     state_scale=float(sharded_state_scale(dtype, lay.dp_l)) if shard[1] else 1.0)  # colocated: the whole vision tower rides on LLM stage 0
+    tnu = float(granularity.nu_time(nu_l, m))
+    scale = float(sharded_state_scale(dtype, lay.dp_l)) if shard[1] else 1.0
     hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
     features = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
-    parts.append(c.plus_time(fwd_s=np.where(j > 0, hop, features), bwd_s=np.where(j < pp_l - 1, hop, 0.0)))
-    return StageCoeffs(**{f.name: np.concatenate([np.broadcast_to(getattr(p, f.name), (len(p.time_layer),))
-                                                  for p in parts]).astype(np.float64) for f in fields(StageCoeffs)})
+    # colocated: the whole vision tower rides on LLM stage 0
+    extra = _PartScalars.of(vision.whole(mode), nu_l, 1.0, tnu) if lay.colocated else None
+    parts = (_PartScalars.of(llm.layers[mode or llm.modes[0]], nu_l, 1.0, tnu), _PartScalars.of(llm.first, nu_l, 1.0, tnu),
+             _PartScalars.of(llm.last, nu_l, 1.0, tnu))
+    for j in range(pp_l):
+        rows.append(_stage_row(*parts, extra, float(j == 0), float(j == pp_l - 1), float(j == 0), in_flight[n_v + j],
+                               scale, hop if j > 0 else features, hop if j < pp_l - 1 else 0.0))
+    table = np.array(rows, dtype=np.float64).T  # [fields, P]
+    return StageCoeffs(*table)
+
+
+@dataclass(frozen=True)
+class _PartScalars:
+    """`_PartAt` of one stage on Python floats (the same expressions as `PartMeans`)."""
+
+    time: float
+    bwd: float
+    act_mean: float
+    act_heaviest: float
+    static: float
+    grad: float
+
+    @classmethod
+    def of(cls, part: PartMeans, nu: float, heaviest_share: float, time_nu: float) -> "_PartScalars":
+        return cls(part.time_s(time_nu), part.bwd_s(time_nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
+                   part.static_bytes, part.grad_bytes)
+
+
+def _stage_row(layer: _PartScalars, first_part: _PartScalars, last_part: _PartScalars, extra: _PartScalars | None,
+               first: float, last: float, extra_on: float, in_flight: float, scale: float, fwd_s: float,
+               bwd_s: float) -> tuple[float, ...]:
+    """One stage's `StageCoeffs` values in field order: `stage_coeffs` then `plus_time`, term by term."""
+    F, H = first_part, last_part
+    f_time, f_bwd = first * F.time + last * H.time, first * F.bwd + last * H.bwd
+    f_mean, f_max = first * F.act_mean + last * H.act_mean, first * F.act_heaviest + last * H.act_heaviest
+    f_static, f_grad = first * F.static + last * H.static, first * F.grad + last * H.grad
+    if extra is not None:
+        E = extra
+        f_time, f_bwd = f_time + extra_on * E.time, f_bwd + extra_on * E.bwd
+        f_mean, f_max = f_mean + extra_on * E.act_mean, f_max + extra_on * E.act_heaviest
+        f_static, f_grad = f_static + extra_on * E.static, f_grad + extra_on * E.grad
+    return (f_time + fwd_s + bwd_s, layer.time, f_bwd + bwd_s, layer.bwd,
+            scale * f_static + in_flight * f_mean, scale * layer.static + in_flight * layer.act_mean,
+            scale * f_static + in_flight * f_max, scale * layer.static + in_flight * layer.act_heaviest,
+            f_grad, layer.grad)
 
 
 def min_peak_split(sm: StageModel) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ stages that need it: under 1F1B the early stages hold more microbatches in fligh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from dflop.costmodel.model import StepCosts, step_costs_on
 from dflop.errors import UserError
@@ -111,6 +111,7 @@ class TechniqueMeans:
     dtype: str
     step_costs: StepCosts = StepCosts()
     profiled_on: str = ""
+    _models: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # `stage_model`'s
 
     @classmethod
     def of(cls, cost, pool, shape, vision_tps, llm_tps, space: TechniqueSpace) -> "TechniqueMeans":
@@ -141,12 +142,22 @@ class TechniqueMeans:
 
     def stage_model(self, layout: Layout, setting: tuple[bool, bool, bool], *, cluster, global_batch: int,
                     transfer, granularity: Granularity = Granularity.none()) -> StageModel:
-        """The `StageModel` of `layout` with (shard vision, shard llm, LLM SP) = `setting`."""
+        """The `StageModel` of `layout` with (shard vision, shard llm, LLM SP) = `setting`.
+
+        Built once per (layout, setting) and the same cluster, batch, transfers and granularity: the
+        data-aware search and both data-blind baselines ask for many of the same models."""
+        key = (layout, tuple(bool(x) for x in setting), global_batch)
+        ctx = (cluster, transfer, granularity)
+        hit = self._models.get(key)
+        if hit is not None and all(a is b or a == b for a, b in zip(hit[0], ctx)):
+            return hit[1]
         shard_v, shard_l, sp = setting
-        return build_stage_model(layout, self.vision[layout.tp_v], self.llm[(layout.tp_l, bool(sp))],
-                                 cluster=cluster, global_batch=global_batch, transfer=transfer,
-                                 granularity=granularity, shard=(shard_v, shard_l), dtype=self.dtype,
-                                 step_costs=step_costs_on(self.step_costs, self.profiled_on, cluster.device))
+        sm = build_stage_model(layout, self.vision[layout.tp_v], self.llm[(layout.tp_l, bool(sp))],
+                               cluster=cluster, global_batch=global_batch, transfer=transfer,
+                               granularity=granularity, shard=(shard_v, shard_l), dtype=self.dtype,
+                               step_costs=step_costs_on(self.step_costs, self.profiled_on, cluster.device))
+        self._models[key] = (ctx, sm)
+        return sm
 
     def fit(self, layout: Layout, n, leanest_model: StageModel | None = None, **kw) -> tuple[StageModel, list[str]] | None:
         """`settle` split `n` of `layout` (keywords: `stage_model`'s; leanest_model: the layout's
