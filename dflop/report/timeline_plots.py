@@ -14,6 +14,12 @@ cluster and partitioned by the scheduler, as the trainer's rank 0 does. The trai
 partition is not recorded, and its portfolio may pick another member under its time budget (and
 its adaptive correction may have moved the costs), so the figure also prints the trainer's own
 prediction for that step (metrics.parquet ``predicted_step_s``) beside the re-simulated one.
+
+On a CPU cluster the pricing charges each sample's load to the forward of the stage that decodes it
+(`dflop.planner.pricing.Pricing.load_s`), while the trainer loads the step's samples before its
+first forward (trace.json's data spans, not drawn). Both charts leave the loads out: the
+re-simulation prices the batch without the cost model's load line, so the bars compare compute
+with compute.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.patches import Patch
 
+from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.planner.expected import simulate_batch
 from dflop.planner.whatif import load_plan_context
@@ -84,7 +91,9 @@ def simulate_traced_step(plan: str | Path, step: int, seed: int, *, shapes: str 
     ctx = load_plan_context(plan, shapes_path=shapes, costmodel_path=costmodel)
     pf = ctx.plan_file
     rows = GlobalBatches(len(ctx.pool), pf.global_batch_size, seed).rows(step - 1)
-    _, result = simulate_batch(pf.plan, ctx.cost, ctx.pool.take(rows), ctx.cluster, ctx.sizes,
+    compute_only = CostModel(ctx.cost.modules.values(), ctx.cost.provenance,  # loads: before the first forward
+                             replace(ctx.cost.step_costs, loading=None))
+    _, result = simulate_batch(pf.plan, compute_only, ctx.pool.take(rows), ctx.cluster, ctx.sizes,
                                replace(ctx.scheduler, policy="dflop"), seed=seed)
     return result
 
