@@ -94,12 +94,13 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
             with spans.span("data", "data wait"):
                 pending = pending if pending is not None else trainer.load(plan_now)
                 plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending)
+                decode_s = trainer.in_step_loads(plan_now, loaded)
             data_wait = time.perf_counter() - t0
             if step + 1 < last:
                 with spans.span("data", "next plan"):
                     plan_next = trainer.next_plan(step + 1)
                     pending = trainer.load(plan_next) if prefetch else None
-            stats = trainer.compute_gradients(plan_now, loaded)
+            stats = trainer.compute_gradients(plan_now, loaded, decode_s)
             lr = trainer.current_lr(step)
             norm = trainer.optimizer_step()
             step_s = time.perf_counter() - t0

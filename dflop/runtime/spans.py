@@ -164,6 +164,19 @@ class SpanRecorder:
         if self.active:
             self.spans.append(Span(category, name, self._step, start, end, position, microbatch, nbytes))
 
+    def add_back_to_back(self, category: str, name: str, seconds_per_position) -> None:
+        """Per position p, a span of seconds_per_position[p] (zero ones skipped), laid back to back
+        so that the last ends now: durations measured elsewhere (the loader's per-sample timings),
+        placed where they happened, just before this call. Host clock (CPU runs only)."""
+        if not self.active:
+            return
+        durations = [round(float(s) * 1e9) for s in seconds_per_position]
+        start = time.perf_counter_ns() - sum(durations)
+        for position, ns in enumerate(durations):
+            if ns > 0:
+                self.add(category, name, start, start + ns, position=position)
+                start += ns
+
     def label_microbatches(self, microbatch_ids) -> None:
         """Give this step's per-position spans the scheduler's microbatch id of their position."""
         for span in self.spans:

@@ -178,6 +178,16 @@ class Trainer:
         charges it, `dflop.planner.pricing.Pricing.load_s`); on GPUs it is prefetched, hidden."""
         return self.device.type == "cpu"
 
+    def in_step_loads(self, plan: StepPlan, loaded: Mapping[int, Any]) -> np.ndarray | None:
+        """[m] seconds this rank spent loading, per position, the samples the pricing charges to
+        its forwards (`decode_seconds`), where steps load in the step (`loads_in_step`), else None.
+        Traced as "data" spans ending now (call it right after the load, inside the data wait)."""
+        if not self.loads_in_step:
+            return None
+        seconds = decode_seconds(plan, self.topo, loaded)
+        self.spans.add_back_to_back("data", "sample loads (counted in its forward)", seconds)
+        return seconds
+
     def load(self, plan: StepPlan):
         """Start loading what this rank needs of `plan` (returns a future of {pool index: sample})."""
         return self.loader.start(requests_for(plan, self.topo))
@@ -198,9 +208,11 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def compute_gradients(self, plan: StepPlan, loaded: Mapping[int, Any]) -> dict:
+    def compute_gradients(self, plan: StepPlan, loaded: Mapping[int, Any],
+                          decode_s: np.ndarray | None = None) -> dict:
         """Forward + backward of one global batch; leaves in .grad the gradient of the mean
-        answer-token loss of the whole batch, summed over replicas. Returns step statistics."""
+        answer-token loss of the whole batch, summed over replicas. Returns step statistics.
+        decode_s: [m] load seconds counted into each position's forward (`in_step_loads`)."""
         for param, info in self.param_infos.items():  # zeros, not None: every replica all-reduces the same list
             if info.zero:  # FSDP2 sets the reduced shard; none held meanwhile (dflop.costmodel.memory)
                 param.grad = None
@@ -213,8 +225,8 @@ class Trainer:
         self.sharding.begin()
         result = self.executor.run(plan, inputs, before_last_backward=self.sync.arm)
         pipeline_s = time.perf_counter() - t0
-        if self.loads_in_step:  # the stage's busy time includes the decoding the pricing charges it
-            result.fwd_s = result.fwd_s + decode_seconds(plan, self.topo, loaded)
+        if decode_s is not None:  # the stage's busy time includes the decoding the pricing charges it
+            result.fwd_s = result.fwd_s + decode_s
         with self.spans.span("allreduce", "gradient sync"):
             self.sharding.reduce()  # data-parallel sum of the sharded stages' gradients (FSDP2)
             pending = self.sync.start_all_reduce()  # the rest; runs while the world total below waits for the last stage
