@@ -4,8 +4,12 @@ one reader.
 One row per sample (DESIGN.md §4): ``sample_id`` (stable across runs), ``dataset``, ``modality``
 (text|image|multi_image|video), ``n_images``, ``n_frames``, ``n_tiles`` (inputs the vision encoder
 processes), ``vision_tokens`` (tokens spliced into the LLM sequence), ``text_tokens``, ``seq_len``
-(= text_tokens + vision_tokens) and ``status`` (``ok`` or ``skipped:<reason>``). The planner, the
-trainer and the benchmarks use the ``ok`` rows in file order: `read_shapes`.
+(= text_tokens + vision_tokens), ``media_pixels`` (pixels the training loader decodes: each image's
+width x height, and every frame of the video file, since the sampled frames are reached by decoding
+the ones before them; what a sample's load costs, `dflop.costmodel.model.LoadLine`) and ``status``
+(``ok`` or ``skipped:<reason>``). The planner, the trainer and the benchmarks use the ``ok`` rows in
+file order: `read_shapes`. A file written before ``media_pixels`` existed still reads (its loads
+are then priced without it).
 """
 
 from __future__ import annotations
@@ -30,14 +34,16 @@ SHAPES_SCHEMA = pa.schema(
         ("vision_tokens", pa.int64()),
         ("text_tokens", pa.int64()),
         ("seq_len", pa.int64()),
+        ("media_pixels", pa.int64()),
         ("status", pa.string()),
     ]
 )
 SHAPE_COLUMNS = tuple(SHAPES_SCHEMA.names)
+OPTIONAL_COLUMNS = ("media_pixels",)  # added later: a file without it still reads
 OK = "ok"
 # What every use of a row needs, and the smallest value each numeric column may take.
 NEEDED = ("sample_id", "n_tiles", "seq_len")
-MINIMUM = {"n_tiles": 0, "vision_tokens": 0, "seq_len": 1}
+MINIMUM = {"n_tiles": 0, "vision_tokens": 0, "seq_len": 1, "media_pixels": 0}
 
 
 def check_shapes(shapes: pd.DataFrame, where: str = "shapes", *, columns=NEEDED) -> None:
@@ -75,4 +81,4 @@ def read_shapes(path: str | Path) -> pd.DataFrame:
     """The usable rows of shapes.parquet (`usable`, every schema column required); one-line
     errors for a missing, unreadable or foreign file."""
     table = read_parquet(path, missing_hint="no shapes file: run `dflop profile-data` first")
-    return usable(table, str(path), columns=SHAPE_COLUMNS)
+    return usable(table, str(path), columns=[c for c in SHAPE_COLUMNS if c not in OPTIONAL_COLUMNS])

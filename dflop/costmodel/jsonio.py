@@ -16,7 +16,8 @@ Layout (``version`` 1)::
       "step_costs": {"optimizer": {"const_s": ..., "per_byte_s": ...},
                      "allreduce": [{"ranks": 2, "const_s": ..., "per_byte_s": ...}, ...],
                      "p2p": {"const_s": ..., "per_byte_s": ...},
-                     "loading": {"features": ["const", "n_tiles", "n_frames", "n_images", "text_tokens"],
+                     "loading": {"features": ["const", "n_tiles", "n_frames", "n_images", "text_tokens",
+                                              "media_pixels"],
                                  "coef_s": [...], "n_samples": ...}}
     }
 

@@ -86,7 +86,7 @@ class BytesLine:
         return self.const_s + np.asarray(nbytes, dtype=np.float64) * self.per_byte_s
 
 
-LOAD_FEATURES = ("const", "n_tiles", "n_frames", "n_images", "text_tokens")
+LOAD_FEATURES = ("const", "n_tiles", "n_frames", "n_images", "text_tokens", "media_pixels")
 
 
 @dataclass(frozen=True)
@@ -94,16 +94,17 @@ class LoadLine:
     """Seconds the host CPU takes to load one training sample (read, decode, resize into tiles,
     tokenise: what `dflop.data.training.TrainingData` does for the trainer's loader), as a
     non-negative line in the sample's shape: ``coef @ (1, n_tiles, n_frames, n_images,
-    text_tokens)`` (`LOAD_FEATURES`; the shapes.parquet columns, text_tokens = seq_len -
-    vision_tokens). Fitted on `dflop.profiling.load_profiler` timings of n_samples samples."""
+    text_tokens, media_pixels)`` (`LOAD_FEATURES`; the shapes.parquet columns, text_tokens =
+    seq_len - vision_tokens; decoding goes with the pixels, resizing with the tiles). Fitted on
+    `dflop.profiling.load_profiler` timings of n_samples samples."""
 
     coef: tuple[float, ...]
     n_samples: int = 0
 
-    def __call__(self, n_tiles, n_frames, n_images, text_tokens) -> np.ndarray:
-        c = self.coef
-        return (c[0] + c[1] * np.asarray(n_tiles, dtype=np.float64) + c[2] * np.asarray(n_frames, dtype=np.float64)
-                + c[3] * np.asarray(n_images, dtype=np.float64) + c[4] * np.asarray(text_tokens, dtype=np.float64))
+    def __call__(self, n_tiles, n_frames, n_images, text_tokens, media_pixels) -> np.ndarray:
+        c, as_float = self.coef, (lambda v: np.asarray(v, dtype=np.float64))
+        return (c[0] + c[1] * as_float(n_tiles) + c[2] * as_float(n_frames) + c[3] * as_float(n_images)
+                + c[4] * as_float(text_tokens) + c[5] * as_float(media_pixels))
 
 
 @dataclass(frozen=True)

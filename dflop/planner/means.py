@@ -29,8 +29,9 @@ class Pool:
 
     n_tiles, seq_len, vision_tokens: [N] tiles through the vision tower, tokens in the packed LLM
     sequence, and tokens the vision features become. sample_id: [N] for error messages.
-    n_frames, n_images: [N] video frames and images, what a sample's load costs besides its tiles
-    (`dflop.costmodel.model.LoadLine`); zeros where the table has no such column.
+    n_frames, n_images, media_pixels: [N] video frames, images and the pixels decoded, what a
+    sample's load costs besides its tiles (`dflop.costmodel.model.LoadLine`); zeros where the
+    table has no such column.
     """
 
     sample_id: np.ndarray
@@ -39,9 +40,10 @@ class Pool:
     vision_tokens: np.ndarray
     n_frames: np.ndarray | None = None
     n_images: np.ndarray | None = None
+    media_pixels: np.ndarray | None = None
 
     def __post_init__(self):
-        for name in ("n_frames", "n_images"):
+        for name in ("n_frames", "n_images", "media_pixels"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.seq_len), dtype=np.int64))
 
@@ -53,7 +55,8 @@ class Pool:
         tiles = shapes["n_tiles"].to_numpy(dtype=np.int64)
         vis = (shapes["vision_tokens"].to_numpy(dtype=np.int64) if "vision_tokens" in shapes.columns
                else tiles * llm_tokens_per_tile)
-        counts = {name: shapes[name].to_numpy(dtype=np.int64) for name in ("n_frames", "n_images") if name in shapes.columns}
+        counts = {name: shapes[name].to_numpy(dtype=np.int64) for name in ("n_frames", "n_images", "media_pixels")
+                  if name in shapes.columns}
         return cls(shapes["sample_id"].astype(str).to_numpy(), tiles, shapes["seq_len"].to_numpy(dtype=np.int64), vis,
                    **counts)
 
@@ -62,7 +65,7 @@ class Pool:
 
     def take(self, index: np.ndarray) -> "Pool":
         return Pool(self.sample_id[index], self.n_tiles[index], self.seq_len[index], self.vision_tokens[index],
-                    self.n_frames[index], self.n_images[index])
+                    self.n_frames[index], self.n_images[index], self.media_pixels[index])
 
 
 @dataclass(frozen=True)

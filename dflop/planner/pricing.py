@@ -152,7 +152,8 @@ class Pricing:
         line = self._measured.loading
         if line is None or self.cluster.device != "cpu":
             return None
-        return line(batch.n_tiles, batch.n_frames, batch.n_images, batch.seq_len - batch.vision_tokens)
+        return line(batch.n_tiles, batch.n_frames, batch.n_images, batch.seq_len - batch.vision_tokens,
+                    batch.media_pixels)
 
     def _stage_grad_bytes(self, kind: str = "grad_bytes") -> np.ndarray:
         """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves), or

@@ -230,7 +230,7 @@ def loading_note(cost: CostModel, cluster: Cluster, pool: Pool, global_batch: in
     line = cost.step_costs.loading
     if line is None:
         return None
-    per_sample = line(pool.n_tiles, pool.n_frames, pool.n_images, pool.seq_len - pool.vision_tokens)
+    per_sample = line(pool.n_tiles, pool.n_frames, pool.n_images, pool.seq_len - pool.vision_tokens, pool.media_pixels)
     size = f"{1e3 * float(per_sample.mean()):.3g} ms per sample on average (line fitted on {line.n_samples} samples)"
     if cluster.device == "cpu" and cost.step_costs_on(cluster.device).loading is not None:
         return (f"charged to the stage that decodes each sample, {size}: "

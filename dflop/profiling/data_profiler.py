@@ -95,6 +95,7 @@ def _skipped_row(sample: RawSample, reason: str) -> dict:
         "vision_tokens": 0,
         "text_tokens": 0,
         "seq_len": 0,
+        "media_pixels": 0,
         "status": f"skipped:{reason}",
     }
 
@@ -142,6 +143,7 @@ def _vision_row(sample: RawSample, rules: ShapeRules) -> tuple[dict | None, str 
         "n_frames": n_frames,
         "n_tiles": shape.n_tiles,
         "vision_tokens": shape.vision_tokens,
+        "media_pixels": sum(w * h for w, h in sizes) + (video.n_frames * video.width * video.height if video else 0),
         "status": "ok",
     }, None
 

@@ -37,7 +37,7 @@ from dflop.shapes import read_shapes
 log = logging.getLogger(__name__)
 
 LOAD_PROFILE_COLUMNS = ("dataset", "sample_id", "modality", "n_tiles", "n_frames", "n_images", "text_tokens",
-                        "load_s")
+                        "media_pixels", "load_s")
 TIMED_LOADS = 2
 BARRIER_TIMEOUT_S = 300  # the co-runners' start (imports) and one sample's loads
 
@@ -118,7 +118,9 @@ def profile_loading(cfg: Config, shapes_path: str | Path, out_path: str | Path, 
         "dataset": picked["dataset"].astype(str), "sample_id": picked["sample_id"].astype(str),
         "modality": picked["modality"].astype(str), "n_tiles": picked["n_tiles"].astype(np.int64),
         "n_frames": picked["n_frames"].astype(np.int64), "n_images": picked["n_images"].astype(np.int64),
-        "text_tokens": picked["text_tokens"].astype(np.int64), "load_s": seconds})
+        "text_tokens": picked["text_tokens"].astype(np.int64),
+        "media_pixels": picked.get("media_pixels", pd.Series(0, index=picked.index)).astype(np.int64),
+        "load_s": seconds})
     with atomic_path(out_path) as tmp:
         table.to_parquet(tmp, index=False)
     summary = table.groupby("modality")["load_s"].agg(["size", "median"])

@@ -16,17 +16,24 @@ from dflop.planner.means import Pool
 from planner_testlib import toy_cost_model, toy_shapes
 from test_step_costs import _pricing
 
-LINE = LoadLine((1e-3, 4e-4, 2.5e-3, 3e-3, 1e-6), n_samples=64)
+LINE = LoadLine((1e-3, 4e-4, 2.5e-3, 3e-3, 1e-6, 2e-8), n_samples=64)
+
+
+def _with_pixels(shapes: pd.DataFrame) -> pd.DataFrame:
+    """toy_shapes with media_pixels: images of 0.1-8 Mpx, video frames of 0.02-0.3 Mpx (seeded)."""
+    rng = np.random.default_rng(len(shapes))
+    return shapes.assign(media_pixels=shapes["n_images"] * rng.integers(100_000, 8_000_000, len(shapes))
+                         + shapes["n_frames"] * rng.integers(20_000, 300_000, len(shapes)))
 
 
 def _by_hand(shapes: pd.DataFrame) -> np.ndarray:
     c = LINE.coef
     return (c[0] + c[1] * shapes["n_tiles"] + c[2] * shapes["n_frames"] + c[3] * shapes["n_images"]
-            + c[4] * shapes["text_tokens"]).to_numpy()
+            + c[4] * shapes["text_tokens"] + c[5] * shapes["media_pixels"]).to_numpy()
 
 
 def test_exact_timings_give_back_their_line():
-    shapes = toy_shapes(64, seed=3)
+    shapes = _with_pixels(toy_shapes(64, seed=3))
     table = shapes.assign(load_s=_by_hand(shapes))
     fitted = fit_load_line(table)
     assert np.allclose(fitted.coef, LINE.coef, rtol=1e-6, atol=1e-12)
@@ -41,14 +48,14 @@ def test_load_line_round_trips_exactly_and_bad_coefficients_are_refused(tmp_path
     save_cost_model(model, tmp_path / "c.json")
     assert load_cost_model(tmp_path / "c.json").step_costs.loading == LINE
     data = cost_model_to_dict(model)
-    data["step_costs"]["loading"]["coef_s"] = data["step_costs"]["loading"]["coef_s"][:4]
+    data["step_costs"]["loading"]["coef_s"] = data["step_costs"]["loading"]["coef_s"][:5]
     with pytest.raises(UserError, match="c.json: invalid cost model at step_costs/loading/coef_s"):
         cost_model_from_dict(data, source="c.json")
 
 
 @pytest.mark.parametrize("layout", [Layout("colocated", 1, 1, 2, 1, 2, 2, 2), Layout("disjoint", 1, 1, 1, 1, 2, 2, 2)])
 def test_a_cpu_cluster_pays_each_samples_load_where_it_is_decoded(layout):
-    shapes = toy_shapes(32, seed=4)
+    shapes = _with_pixels(toy_shapes(32, seed=4))
     batch = Pool.from_shapes(shapes)
     loaded, _ = _pricing(StepCosts(loading=LINE), layout)
     plain, _ = _pricing(StepCosts(), layout)
@@ -67,7 +74,7 @@ def test_a_cpu_cluster_pays_each_samples_load_where_it_is_decoded(layout):
 
 def test_a_gpu_cluster_hides_the_load_behind_the_step():
     layout = Layout("colocated", 1, 1, 2, 1, 2, 2, 2)
-    batch = Pool.from_shapes(toy_shapes(32, seed=4))
+    batch = Pool.from_shapes(_with_pixels(toy_shapes(32, seed=4)))
     for cost_device in ("cpu", "NVIDIA H100 80GB HBM3"):
         loaded, _ = _pricing(StepCosts(loading=LINE), layout, device="cuda", cost_device=cost_device)
         plain, _ = _pricing(StepCosts(), layout, device="cuda", cost_device=cost_device)
@@ -75,20 +82,20 @@ def test_a_gpu_cluster_hides_the_load_behind_the_step():
         assert np.array_equal(loaded.batch(batch).costs.llm_fwd, plain.batch(batch).costs.llm_fwd)
 
 
-def test_pool_keeps_frames_and_images_through_take():
-    shapes = toy_shapes(20, seed=5)
+def test_pool_keeps_frames_images_and_pixels_through_take():
+    shapes = _with_pixels(toy_shapes(20, seed=5))
     pool = Pool.from_shapes(shapes)
     rows = np.array([3, 1, 7])
-    assert np.array_equal(pool.take(rows).n_frames, shapes["n_frames"].to_numpy()[rows])
-    assert np.array_equal(pool.take(rows).n_images, shapes["n_images"].to_numpy()[rows])
-    bare = Pool.from_shapes(shapes.drop(columns=["n_frames", "n_images"]))
-    assert not bare.n_frames.any() and not bare.n_images.any()
+    for name in ("n_frames", "n_images", "media_pixels"):
+        assert np.array_equal(getattr(pool.take(rows), name), shapes[name].to_numpy()[rows])
+    bare = Pool.from_shapes(shapes.drop(columns=["n_frames", "n_images", "media_pixels"]))
+    assert not bare.n_frames.any() and not bare.n_images.any() and not bare.media_pixels.any()
 
 
 def test_simulate_says_whether_and_how_much_loading_is_charged():
     from dflop.planner.whatif import loading_note
 
-    shapes = toy_shapes(50, seed=6)
+    shapes = _with_pixels(toy_shapes(50, seed=6))
     pool = Pool.from_shapes(shapes)
     mean_ms = 1e3 * _by_hand(shapes).mean()
     layout = Layout("colocated", 1, 1, 2, 1, 2, 2, 2)

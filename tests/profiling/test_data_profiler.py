@@ -26,7 +26,7 @@ from dflop.profiling.data_profiler import profile_data
 from dflop.shapes import SHAPE_COLUMNS
 
 DESIGN_SHAPE_COLUMNS = ["sample_id", "dataset", "modality", "n_images", "n_frames", "n_tiles",
-                        "vision_tokens", "text_tokens", "seq_len", "status"]
+                        "vision_tokens", "text_tokens", "seq_len", "media_pixels", "status"]
 
 
 def _cfg(datasets, **data):
@@ -54,13 +54,22 @@ def test_demo_shapes_have_design_columns_and_one_row_per_sample(tmp_path, demo_m
     assert (video["n_frames"] > 0).all() and (video["n_tiles"] == video["n_frames"]).all()
 
 
-def test_image_counts_match_manifest(tmp_path, demo_manifest):
+def test_image_counts_and_decoded_pixels_match_the_media(tmp_path, demo_manifest):
+    import av
+
     _, shapes_path, _ = _run(tmp_path, _cfg([{"name": "demo", "path": str(demo_manifest)}]))
     shapes = pd.read_parquet(shapes_path).set_index("sample_id")
+    root = Path(demo_manifest).parent
     for record in json.loads(Path(demo_manifest).read_text()):
         images = record.get("image", [])
         images = [images] if isinstance(images, str) else images
         assert shapes.loc[record["id"], "n_images"] == len(images)
+        # every pixel the loader decodes: PIL's decoded sizes, and every frame PyAV decodes from the video
+        pixels = sum(np.prod(Image.open(root / name).size) for name in images)
+        if record.get("video"):
+            with av.open(str(root / record["video"])) as container:
+                pixels += sum(frame.width * frame.height for frame in container.decode(video=0))
+        assert shapes.loc[record["id"], "media_pixels"] == pixels, record["id"]
 
 
 def test_worker_count_does_not_change_output(tmp_path, demo_manifest):

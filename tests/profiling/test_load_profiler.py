@@ -22,7 +22,7 @@ def test_loads_of_each_modality_are_timed_and_described_by_their_shapes(tmp_path
     # each row carries its sample's shape as shapes.parquet has it
     merged = table.merge(shapes, on=["dataset", "sample_id"], suffixes=("", "_shapes"))
     assert len(merged) == len(table)
-    for column in ("modality", "n_tiles", "n_frames", "n_images", "text_tokens"):
+    for column in ("modality", "n_tiles", "n_frames", "n_images", "text_tokens", "media_pixels"):
         assert (merged[column] == merged[column + "_shapes"]).all(), column
     # the full load is timed: decoding a video's frames costs far more than tokenising a text-only sample
     by_modality = table.groupby("modality")["load_s"].median()
