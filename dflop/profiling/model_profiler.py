@@ -134,8 +134,15 @@ class ProfileSettings:
             raise UserError(f"profile.time_budget_s must be > 0, got {self.time_budget_s}")
 
 
+#: Torch threads of one rank on a CPU cluster: the model profiler times with this many, and the
+#: trainer's CPU ranks run with as many (`dflop.runtime.run`), whatever OMP_NUM_THREADS the job got
+#: (Snakemake exports a rule's `threads`; at 2 threads per rank the 2-rank demo oversubscribed its
+#: 2 cores and ran ~1.5x its prediction).
+CPU_THREADS_PER_RANK = 1
+
+
 def profile_model(model: ModelHandle, profile: ProfileSection, out_path: str | Path, *, seed: int,
-                  min_seq_len: int = 32, cpu_threads: int = 1, co_runners: int = 1,
+                  min_seq_len: int = 32, cpu_threads: int = CPU_THREADS_PER_RANK, co_runners: int = 1,
                   progress: bool = True) -> pd.DataFrame:
     """Profile every part of `model` for each of ``profile.tp_degrees``; write `out_path` atomically.
 

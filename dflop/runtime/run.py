@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dflop.plan import read_plan
+from dflop.profiling.model_profiler import CPU_THREADS_PER_RANK
 from dflop.progress import progress as progress_counter
 from dflop.runtime.agreement import rank0_result
 from dflop.data.training import pool_samples
@@ -61,6 +62,8 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
     from dflop.runtime.checkpoint import load_latest, save_checkpoint
 
     device = init_distributed(settings.cluster.device)
+    if device.type == "cpu":  # as the profile timed a rank (CPU_THREADS_PER_RANK)
+        torch.set_num_threads(CPU_THREADS_PER_RANK)
     torch.manual_seed(settings.seed)
     out_dir = Path(out_dir)
     plan_file = read_plan(plan_path)
