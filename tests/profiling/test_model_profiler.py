@@ -132,9 +132,12 @@ def test_summary_names_every_module(profiled):
 
 
 def test_modules_for_tp_follow_divisibility():
-    config = model_config("internvl", "internvit-6b", "qwen2.5-7b")  # 25 vision heads, 28/4 LLM heads
-    assert modules_for_tp(config, 2) == ("projector", "llm_embed", "llm_layer", "llm_attention", "llm_head")
-    assert modules_for_tp(config, 5) == ("vision_embed", "vision_layer")
+    # 25 vision heads (padded with zero heads: 26 at tp 2), MLP 12800; 28/4 LLM heads, width 3584
+    config = model_config("internvl", "internvit-6b", "qwen2.5-7b")
+    assert modules_for_tp(config, 2) == ("vision_embed", "vision_layer", "projector", "llm_embed", "llm_layer",
+                                         "llm_attention", "llm_head")
+    assert modules_for_tp(config, 5) == ("vision_embed", "vision_layer")  # 3584 / 5: no projector, no LLM
+    assert modules_for_tp(config, 8) == ("vision_embed", "vision_layer", "projector")  # 28 heads / 8: no LLM
     assert modules_for_tp(config, 3) == ()
     assert len(modules_for_tp(config, 1)) == 7
 

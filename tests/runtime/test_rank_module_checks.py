@@ -29,9 +29,12 @@ def handle():
 
 
 @pytest.mark.parametrize("rank", [0, 3])  # a vision rank and an LLM rank refuse alike
-def test_vision_tp_that_does_not_divide_the_heads_is_refused(handle, rank):
-    plan = _plan(3)  # siglip-tiny: 4 heads
-    with pytest.raises(UserError, match=r"^plan.yaml: vision.tp is 3, which does not split .*\(possible: 1, 2, 4\)$"):
+def test_vision_tp_that_does_not_divide_the_widths_is_refused(handle, rank):
+    # siglip-tiny: 4 heads, MLP 256, projector into qwen2.5-tiny's width 64. Heads are padded with zero
+    # heads (4 -> 8 at tp 8), so the widths alone limit the degree: 3 divides neither
+    plan = _plan(3)
+    with pytest.raises(UserError, match=r"^plan.yaml: vision.tp is 3, which does not split .*"
+                                        r"\(possible: 1, 2, 4, 8, 16, 32, 64\)$"):
         build_rank_modules(Topology(plan, rank, plan.world_size), handle, seed=0)
 
 
