@@ -179,7 +179,7 @@ def tail_bound_s(sm: StageModel, iters: int = 60) -> float:
             hi = mid
         else:
             lo = mid
-        if hi - lo <= 1e-9 * hi:
+        if hi - lo <= 1e-7 * hi:
             break
     return lo
 
@@ -190,15 +190,15 @@ def stage_times_by_layers(sm: StageModel) -> np.ndarray:
     mode's seconds and bytes grow with n, so the fitting modes only thin out."""
     P = sm.n_stages
     L = max(sm.vision_layers if sm.is_vision.any() else 0, sm.llm_layers)
-    n = np.arange(1, L + 1, dtype=np.float64)[None, :]
-    out = np.full((P, L), np.inf)
-    col = lambda x: np.broadcast_to(np.asarray(x, dtype=np.float64), (P,))[:, None]  # noqa: E731
-    for c in sm.by_mode.values():
-        t = col(c.time_fixed) + col(c.time_layer) * n
-        mem = np.maximum(col(c.mem_mean_fixed) + col(c.mem_mean_layer) * n, col(c.mem_max_fixed) + col(c.mem_max_layer) * n)
-        out = np.where(mem <= sm.memory_bytes * (1 + 1e-9), np.minimum(out, t), out)
+    n = np.arange(1, L + 1, dtype=np.float64)
+    names = ("time_fixed", "time_layer", "mem_mean_fixed", "mem_mean_layer", "mem_max_fixed", "mem_max_layer")
+    k = np.array([[np.broadcast_to(getattr(c, f), (P,)) for f in names] for c in sm.by_mode.values()],
+                 dtype=np.float64)[..., None]  # [modes, coefficient, P, 1]
+    t = k[:, 0] + k[:, 1] * n
+    mem = np.maximum(k[:, 2] + k[:, 3] * n, k[:, 4] + k[:, 5] * n)
+    out = np.where(mem <= sm.memory_bytes * (1 + 1e-9), t, np.inf).min(axis=0)
     module = np.where(sm.is_vision, sm.vision_layers, sm.llm_layers)[:, None]
-    return np.where(n <= module, out, np.inf)
+    return np.where(n[None, :] <= module, out, np.inf)
 
 
 def _min_max(f: np.ndarray, total: int) -> float:
@@ -216,13 +216,15 @@ def _min_max(f: np.ndarray, total: int) -> float:
 def _min_sum(f: np.ndarray, total: int) -> float:
     """min over n (>= 1 each, summing to `total`) of sum_s f[s, n_s - 1] (min-plus convolution)."""
     g = f[0, :total]  # g[j]: least sum of the stages so far holding j + 1 layers
+    n = len(g)
     for row in f[1:]:
-        row = row[:total]
-        idx = np.add.outer(np.arange(len(g)), np.arange(len(row))) + 1  # (j + 1) + (k + 1) layers - 1
-        out = np.full(len(g) + len(row), np.inf)
-        np.minimum.at(out, idx.ravel(), np.add.outer(g, row).ravel())
-        g = out[:total]
-    return float(g[total - 1]) if len(g) >= total else float("inf")
+        # z[i, j] = g[i] + row[j] holds i + j + 2 layers; shifting row i right by i (a flat view of
+        # an [n, 2n] array as [n, 2n - 1]) puts equal totals in one column: out[c] holds c + 2 layers
+        z = np.full((n, 2 * n), np.inf)
+        z[:, :n] = np.add.outer(g, row[:n])
+        out = z.ravel()[:n * (2 * n - 1)].reshape(n, 2 * n - 1).min(axis=0)
+        g = np.r_[np.inf, out[:n - 1]]  # g[j] = out[j - 1]: j + 1 layers
+    return float(g[total - 1])
 
 
 def objective_bound_s(sm: StageModel) -> float:

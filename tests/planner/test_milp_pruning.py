@@ -53,7 +53,7 @@ def test_objective_bound_is_below_the_optimum_and_exact_for_a_single_split(case,
         assert bound <= best * (1 + 1e-12)
         assert bound >= split_bound_s(sm) * (1 - 1e-12)  # never weaker than the bound it replaces
         if sm.n_stages == (1 if pp_v == 0 else 2):  # one split: modes, bottleneck, sum and tail all exact
-            assert bound == pytest.approx(best, rel=1e-9)
+            assert bound == pytest.approx(best, rel=1e-6)  # the tail bisection stops at 1e-7 of the tail
 
 
 def test_tail_bound_by_hand():
@@ -64,10 +64,10 @@ def test_tail_bound_by_hand():
     c = sm.by_mode["none"]
     sm = replace(sm, by_mode={"none": replace(c, bwd_fixed=np.array([0.1, 0.0]), bwd_layer=np.array([0.3, 0.3]))},
                  ar_fixed=np.array([1.0, 0.0]), ar_layer=np.array([0.5, 0.2]))
-    assert tail_bound_s(sm) == pytest.approx(1.5, rel=1e-8)
+    assert tail_bound_s(sm) == pytest.approx(1.5, rel=1e-6)
     sm = replace(sm, ar_fixed=np.array([0.0, 3.0]))  # now the second stage binds: A >= 3 + 0.2 (10 - n0) - 0.1 - 0.3 n0
     # and A >= 0.5 n0: equal at 0.5 n0 = 4.9 - 0.5 n0, n0 = 4.9, A = 2.45
-    assert tail_bound_s(sm) == pytest.approx(2.45, rel=1e-8)
+    assert tail_bound_s(sm) == pytest.approx(2.45, rel=1e-6)
 
 
 LV, LL, B = 2, 5, 8
