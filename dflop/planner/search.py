@@ -3,9 +3,12 @@
 1. `build_space`: admissible TP degrees and microbatch counts (rejections recorded).
 2. `screen`: every layout (placement, degrees, m) gets an exact memory-feasibility test and a lower
    bound on its mean-shape step; the best `keep` feasible layouts are kept, best bound first.
-3. MILP per layout (`solve_split`) in bound order until the next bound cannot beat the `top_k`-th
-   best objective found (within rel_gap): those top_k are then the best by the MILP objective
-   among all layouts ("top_k_proven").
+3. MILP per layout (`solve_split`) in bound order (`milp.objective_bound_s`: bottleneck + stage sum
+   + the least all-reduce tail any split can have) until the next bound cannot beat the
+   `n_prescreen`-th best objective found: those are then the best by the MILP
+   objective among all layouts ("top_k_proven"). Every kept layout left unsolved is a candidate
+   row of its own: pruned, reason milp_bound (its bound and the objective it could not beat) or
+   max_milps (the solver budget ran out before its bound was reached).
 4. Prescreen: the best `prescreen` layouts by MILP objective are simulated on the first sampled
    batch split by plain LPT (`quick_step_s`: an upper bound of the online scheduler's step on that
    batch). This catches what the mean-shape objective cannot see — bins of one or two samples,
@@ -38,10 +41,10 @@ from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches
 from dflop.planner.means import Granularity, Pool, TransferSizes
-from dflop.planner.milp import SplitResult, solve_split
+from dflop.planner.milp import SplitResult, objective_bound_s, solve_split
 from dflop.planner.screen import ScreenResult, SearchSpace, layout_of, screen
 from dflop.planner.space import ModelShape, build_space
-from dflop.planner.stages import StageModel, TransferMeans, min_peak_split, split_bound_s
+from dflop.planner.stages import StageModel, TransferMeans, min_peak_split
 from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
 
 
@@ -104,7 +107,7 @@ class SearchResult:
     """The chosen plan and baseline, every candidate row, and search statistics.
 
     stats: layouts, feasible, milps, milp_s (sum of solve walls), milp_statuses, top_k_proven,
-    simulated, screen_s, milp_wall_s, simulate_s, baseline_s, wall_s.
+    milp_pruned (kept layouts skipped by `milp.objective_bound_s`), simulated, screen_s, milp_wall_s, simulate_s, baseline_s, wall_s.
     """
 
     chosen: Evaluation
@@ -165,7 +168,7 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     if screened.n_feasible == 0:
         raise UserError(closest_fit_message(space, screened, means, cluster, transfer))
 
-    solved, proven = _solve_layouts(screened, space, means, cluster, transfer, s, granularity)
+    solved, proven, unsolved = _solve_layouts(screened, space, means, cluster, transfer, s, granularity)
     t_milp = time.perf_counter()
     if not any(x.result.has_solution for x in solved):
         statuses = sorted({x.result.status for x in solved})
@@ -191,18 +194,18 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     baseline = baseline_for("megatron", also=(padded.evaluation.plan.layout,) if padded.evaluation else ())
     t_base = time.perf_counter()
 
-    rows = list(rejected) + [_layout_row(x) for x in solved] + baseline.rows + padded.rows
-    solved_groups = {_group_key(x.layout) for x in solved}
-    groups = screened.groups
-    if len(groups):
-        cols = [groups[c].tolist() for c in ("colocated", "tp_v", "pp_v", "tp_l", "pp_l", "m")]
-        groups = groups[[(bool(c), *map(int, rest)) not in solved_groups for c, *rest in zip(*cols)]]
-    candidates = candidates_frame(rows, groups)
+    rows = list(rejected) + [_layout_row(x) for x in solved] + unsolved + baseline.rows + padded.rows
+    listed = _counts(_group_key(x.layout) for x in solved)
+    for r in unsolved:
+        key = (r["placement"] == "colocated", r["tp_v"], r["pp_v"], r["tp_l"], r["pp_l"], r["m"])
+        listed[key] = listed.get(key, 0) + 1
+    candidates = candidates_frame(rows, _unlisted(screened.groups, listed))
     milp_s = [x.result.solve_s for x in solved]
     stats = {
         "layouts": screened.n_layouts, "feasible": screened.n_feasible, "milps": len(solved),
         "milp_s": float(np.sum(milp_s)), "milp_statuses": _counts(x.result.status for x in solved),
-        "top_k_proven": proven, "simulated": sum(x.evaluation is not None for x in solved),
+        "top_k_proven": proven, "milp_pruned": sum(r["reason"] == "milp_bound" for r in unsolved),
+        "simulated": sum(x.evaluation is not None for x in solved),
         "screen_s": t_screen - t0, "milp_wall_s": t_milp - t_screen, "simulate_s": t_sim - t_milp,
         "baseline_s": t_base - t_sim, "wall_s": time.perf_counter() - t0,
     }
@@ -211,12 +214,15 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
 
 
 def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueMeans, cluster, transfer,
-                   s: SearchSettings, granularity: Granularity) -> tuple[list[_Solved], bool]:
-    """MILPs in bound order until the top_k by objective are certain (or max_milps).
+                   s: SearchSettings, granularity: Granularity) -> tuple[list[_Solved], bool, list[dict]]:
+    """MILPs in bound order until the n_prescreen best by objective are certain (or max_milps).
 
-    The kept layouts are re-ranked by the tighter `split_bound_s`; a layout whose modules have one
-    stage each has a single split, computed directly (milp status "single_split"). Each layout is
-    solved with its leanest technique setting and then settled (`technique_choice.settle`).
+    The kept layouts are re-ranked by the tighter `objective_bound_s` (a lower bound of the MILP
+    optimum of the leanest setting, whose times equal every setting's and whose tail is the least);
+    a layout whose modules have one stage each has a single split, computed directly (milp status
+    "single_split"). Each layout is solved with its leanest technique setting and then settled
+    (`technique_choice.settle`). Returns the solved, whether their best n_prescreen are proven, and
+    one candidate row per kept layout left unsolved (`_unsolved_row`).
     """
     kw = dict(cluster=cluster, global_batch=space.global_batch, transfer=transfer, granularity=granularity)
     max_milps = s.max_milps or max(64, 4 * s.n_prescreen)
@@ -234,7 +240,7 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueM
                 return bound, sm
             lay = layout_of(rows[i])
             sm = means.stage_model(lay, means.leanest(lay), **kw)
-            heapq.heappush(heap, (max(split_bound_s(sm), bound), i, sm))
+            heapq.heappush(heap, (max(objective_bound_s(sm), bound), i, sm))
         return None
 
     truncated = screened.n_feasible > len(screened.layouts)
@@ -243,17 +249,23 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueM
     objectives: list[float] = []
     proven = not truncated
     n_calls = 0
+    stop = None  # (reason, the objective to beat) once the loop ends before the heap is empty
     while (item := next_layout()) is not None:
         bound, sm = item
         lay = sm.layout
         if len(objectives) >= want:
-            kth = sorted(objectives)[want - 1] * (1 - s.rel_gap)
-            if bound >= kth:
+            kth = sorted(objectives)[want - 1]
+            if bound >= kth:  # its optimum, so any incumbent of it, is >= kth: it cannot enter the best want
                 proven = kth <= unseen_bound
+                stop = ("milp_bound", kth)
+                heapq.heappush(heap, (bound, -1, sm))
                 break
         single = sm.n_stages == (1 if lay.colocated else 2)
         if not single and n_calls >= max_milps:
             proven = False
+            kth = sorted(objectives)[want - 1] if len(objectives) >= want else np.inf
+            stop = ("max_milps", kth)
+            heapq.heappush(heap, (bound, -1, sm))
             break
         if single:
             split = np.array([sm.llm_layers] if lay.colocated else [sm.vision_layers, sm.llm_layers])
@@ -275,7 +287,35 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueM
         else:
             item.status, item.reason = "rejected", f"milp_{res.status}"
         solved.append(item)
-    return solved, proven
+    unsolved = [] if stop is None else \
+        [_unsolved_row(sm.layout if sm is not None else layout_of(rows[i]), bound, *stop, want, max_milps)
+         for bound, i, sm in sorted(heap, key=lambda e: e[:2])]
+    return solved, proven, unsolved
+
+
+def _unsolved_row(lay: Layout, bound: float, why: str, kth: float, want: int, max_milps: int) -> dict:
+    """Candidate row of a kept layout the loop did not solve: pruned by its bound (it cannot reach
+    the best `want`: ``bound >= kth``, the want-th best objective) or by the budget."""
+    if why == "milp_bound" or bound >= kth:
+        why, detail = "milp_bound", (f"mean-shape step lower bound {bound:.6g} s >= {kth:.6g} s, the {want}th best "
+                                     f"MILP objective so far")
+    else:
+        detail = f"not solved: the {max_milps} MILP calls (planner.max_milps) were spent; lower bound {bound:.6g} s"
+    return {"kind": "plan", "level": "layout", "status": "pruned", "reason": why, "detail": detail,
+            "bound_s": bound, "n_layouts": 1, "placement": lay.placement, "tp_v": lay.tp_v, "pp_v": lay.pp_v,
+            "dp_v": lay.dp_v, "tp_l": lay.tp_l, "pp_l": lay.pp_l, "dp_l": lay.dp_l, "m": lay.m,
+            "world_size": lay.world_size}
+
+
+def _unlisted(groups: pd.DataFrame, listed: dict) -> pd.DataFrame:
+    """The screen's group rows less the layouts listed on rows of their own (`listed`: group key ->
+    count): the counts shrink, and a group with nothing left goes."""
+    if not len(groups) or not listed:
+        return groups
+    cols = [groups[c].tolist() for c in ("colocated", "tp_v", "pp_v", "tp_l", "pp_l", "m")]
+    taken = np.array([listed.get((bool(c), *map(int, rest)), 0) for c, *rest in zip(*cols)], dtype=np.int64)
+    out = groups.assign(n_layouts=groups["n_layouts"] - taken, n_fit=np.maximum(groups["n_fit"] - taken, 0))
+    return out[out["n_layouts"] > 0]
 
 
 def _prescreen(ranked: list[_Solved], s: SearchSettings, quick) -> list[_Solved]:
