@@ -34,7 +34,7 @@ def worker(spec_path: str) -> int:
 
     from dflop.models.tensor_parallel import local_tensor
     from dflop.plan import plan_from_dict
-    from dflop.runtime.loading import pool_samples
+    from dflop.data.training import pool_samples
     from dflop.runtime.settings import TrainSettings
     from dflop.runtime.trainer import Trainer
 

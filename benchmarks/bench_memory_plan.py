@@ -153,7 +153,7 @@ def worker(spec_path: str) -> int:
 
     from dflop.plan import plan_from_dict
     from dflop.profiling._memory import held_bytes, live_saved_tensor_bytes
-    from dflop.runtime.loading import pool_samples
+    from dflop.data.training import pool_samples
     from dflop.runtime.settings import TrainSettings
     from dflop.runtime.trainer import Trainer
 

@@ -54,7 +54,7 @@ def worker(spec_path: str) -> int:
     from dflop.costmodel.memory import training_state_bytes
     from dflop.models.tensor_parallel import local_tensor
     from dflop.plan import plan_from_dict
-    from dflop.runtime.loading import pool_samples
+    from dflop.data.training import pool_samples
     from dflop.runtime.settings import TrainSettings
     from dflop.runtime.trainer import Trainer
 
