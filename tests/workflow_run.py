@@ -40,15 +40,17 @@ def copy_checkout(root: Path, change: Callable[[dict], None]) -> Path:
     return root
 
 
-def working_copy(root: Path) -> Path:
-    """A user's checkout with a smaller demo: 60 samples, a short model and load profile, 2 training steps."""
-    def smaller(config: dict) -> None:
-        config["data"]["demo"]["n_samples"] = 60
-        config["data"]["load_profile_samples"] = 3
-        config["profile"] = {"repeats": 2, "warmup": 1, "max_seq_len": 256, "max_tiles": 8, "time_budget_s": 10}
-        config.setdefault("train", {}).update(steps=2, checkpoint_every=2)
+def smaller_demo(config: dict) -> None:
+    """The demo config made quick for tests: 60 samples, a short model and load profile, 2 training steps."""
+    config["data"]["demo"]["n_samples"] = 60
+    config["data"]["load_profile_samples"] = 3
+    config["profile"] = {"repeats": 2, "warmup": 1, "max_seq_len": 256, "max_tiles": 8, "time_budget_s": 10}
+    config.setdefault("train", {}).update(steps=2, checkpoint_every=2)
 
-    return copy_checkout(root, smaller)
+
+def working_copy(root: Path) -> Path:
+    """A user's checkout with the smaller demo (`smaller_demo`)."""
+    return copy_checkout(root, smaller_demo)
 
 
 def demo_run(root: Path) -> Path:

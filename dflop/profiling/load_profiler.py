@@ -101,16 +101,18 @@ def profile_loading(cfg: Config, shapes_path: str | Path, out_path: str | Path, 
         for process in others:
             process.start()
         seconds = time_loads(data, barrier=barrier)
-    except threading.BrokenBarrierError:
-        codes = [p.exitcode for p in others]
-        raise RuntimeError(f"profile_loading: the co-running loaders fell out of step (exit codes {codes}; "
-                           f"each waits {BARRIER_TIMEOUT_S} s for the others at every sample)") from None
-    finally:
+    except BaseException as exc:
+        if barrier is not None:  # co-runners waiting for this process would wait out their timeout
+            barrier.abort()
+        if isinstance(exc, threading.BrokenBarrierError):
+            codes = [p.exitcode for p in others]
+            raise RuntimeError(f"profile_loading: the co-running loaders fell out of step (exit codes {codes}; "
+                               f"each waits {BARRIER_TIMEOUT_S} s for the others at every sample)") from None
+        raise
+    finally:  # not aborted after a normal end: a co-runner still leaving its last wait would see it broken
         torch.set_num_threads(threads)
-        if barrier is not None:
-            barrier.abort()  # a co-runner that failed must not leave the others waiting
         for process in others:
-            process.join(timeout=60)
+            process.join(timeout=BARRIER_TIMEOUT_S)
     failed = [p.exitcode for p in others if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"profile_loading: a co-running loader exited with {failed[0]}")

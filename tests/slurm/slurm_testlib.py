@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from workflow_run import copy_checkout
+from workflow_run import copy_checkout, smaller_demo
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "tests/slurm/cluster.sh"
@@ -42,9 +42,14 @@ def train_rule_exists() -> bool:
 
 
 def working_copy(root: Path) -> Path:
-    """A user's checkout with the demo default, planned for the test cluster's two nodes of one
-    process each, so the train rule is a 2-node job."""
-    return copy_checkout(root, lambda config: config["cluster"].update(nodes=len(NODES), gpus_per_node=1))
+    """A user's checkout with the tests' smaller demo (`smaller_demo`: what the chain does, not how
+    long), planned for the test cluster's two nodes of one process each, so the train rule is a
+    2-node job."""
+    def two_nodes(config: dict) -> None:
+        smaller_demo(config)
+        config["cluster"].update(nodes=len(NODES), gpus_per_node=1)
+
+    return copy_checkout(root, two_nodes)
 
 
 def snakemake_command(*targets: str) -> list[str]:
