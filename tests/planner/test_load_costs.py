@@ -103,7 +103,20 @@ def test_simulate_says_whether_and_how_much_loading_is_charged():
     note = loading_note(model, cpu.cluster, pool, global_batch=16)
     assert note.startswith("charged") and f"{mean_ms:.3g} ms per sample" in note
     assert f"{mean_ms * 16 / 1e3:.3g} s of host time per global batch" in note
-    gpu, model = _pricing(StepCosts(loading=LINE), layout, device="cuda")
-    assert loading_note(model, gpu.cluster, pool, global_batch=16).startswith("not charged on GPUs")
+    for cost_device in ("cpu", "NVIDIA H100 80GB HBM3"):  # a CPU profile, and one taken on the GPUs themselves
+        gpu, model = _pricing(StepCosts(loading=LINE), layout, device="cuda", cost_device=cost_device)
+        assert loading_note(model, gpu.cluster, pool, global_batch=16).startswith("not charged on GPUs")
     _, plain = _pricing(StepCosts(), layout)
     assert loading_note(plain, cpu.cluster, pool, global_batch=16) is None
+
+
+def test_a_shapes_file_from_before_media_pixels_still_reads_and_prices_without_it(tmp_path):
+    from dflop.shapes import read_shapes
+
+    shapes = _with_pixels(toy_shapes(20, seed=7))
+    shapes.drop(columns=["media_pixels"]).to_parquet(tmp_path / "old.parquet", index=False)
+    old = Pool.from_shapes(read_shapes(tmp_path / "old.parquet"))
+    assert not old.media_pixels.any()
+    shapes.drop(columns=["n_tiles"]).to_parquet(tmp_path / "bad.parquet", index=False)
+    with pytest.raises(UserError, match="bad.parquet: missing column\\(s\\) n_tiles"):
+        read_shapes(tmp_path / "bad.parquet")

@@ -37,3 +37,13 @@ def test_disjoint_vision_pays_its_pixels_and_the_llm_the_text_only_samples():
     assert np.allclose(by_rank[2], [1e-3, 4e-3])  # text-only samples 0 and 3 on LLM replica 0
     assert not by_rank[3].any()
     assert np.isclose(sum(s.sum() for s in by_rank), sum(s.load_s for s in LOADED.values()))
+
+
+def test_a_later_vision_stage_decodes_nothing():
+    plan = Plan.uniform(Layout("disjoint", 1, 2, 1, 1, 1, 1, 2), 2, 2)  # ranks 0-1 vision stages 0 and 1, rank 2 LLM
+    step = StepPlan(step=1, rows=tuple(10 + i for i in range(6)), n_tiles=TILES, seq_len=(9,) * 6,
+                    feature_rows=(0,) * 6, bins=(((0, 1, 2),), ((3, 4, 5),)), vision_shares=(((1, 2),), ((4, 5),)),
+                    microbatch_ids=(0, 1))
+    by_rank = [decode_seconds(step, Topology(plan, rank, 3), LOADED) for rank in range(3)]
+    assert np.allclose(by_rank[0], [2e-3 + 3e-3, 5e-3 + 6e-3]) and not by_rank[1].any()
+    assert np.allclose(by_rank[2], [1e-3, 4e-3])

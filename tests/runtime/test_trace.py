@@ -8,12 +8,14 @@ microbatches: the data-blind policy keeps the plan's count), 2 steps, tracing st
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
 from dflop.errors import UserError
+from dflop.profiling.model_profiler import CPU_THREADS_PER_RANK
 from dflop.runtime.schedule import op_order
 from dflop.runtime.spans import simulated_ops, trace_ops, trace_window
 from dflop.sim.pipeline import simulate
@@ -27,11 +29,15 @@ STEPS = 2
 
 
 def _train_worker(rank: int, spec: dict) -> None:
+    import torch
+
     from dflop.config import Config
     from dflop.runtime.run import train
 
+    torch.set_num_threads(2)  # what a job's OMP_NUM_THREADS=2 (Snakemake's rule threads) would give
     train(Config.from_dict(spec["config"]), plan_path=spec["plan"], shapes_path=spec["shapes"], costmodel_path=None,
           out_dir=spec["out"], progress=False, export=False)
+    Path(spec["out"], f"threads{rank}").write_text(str(torch.get_num_threads()))
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +55,8 @@ def traced_run(demo_shapes, runtime_demo, tmp_path_factory):
     spec = {"config": config, "plan": str(tmp / "plan.yaml"), "shapes": pool, "out": str(tmp / "out")}
     spawn(_train_worker, 2, tmp, spec)
     trace = json.loads((tmp / "out" / "trace.json").read_text())
+    # a CPU rank computes on the torch threads the profile timed a rank with, whatever the job gave it
+    assert [int((tmp / "out" / f"threads{r}").read_text()) for r in (0, 1)] == [CPU_THREADS_PER_RANK] * 2
     return trace, pd.read_parquet(tmp / "out" / "metrics.parquet")
 
 
