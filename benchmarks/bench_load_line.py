@@ -47,8 +47,7 @@ def main() -> None:
                                 Path(tmp) / "all.parquet", co_runners=args.co_runners)
     line = load_cost_model(w / "results/costmodel/costmodel.json").step_costs.loading
     fitted_on = set(pd.read_parquet(w / "results/profile/load_profile.parquet")["sample_id"])
-    timed["predicted_s"] = line(timed["n_tiles"], timed["n_frames"], timed["n_images"], timed["text_tokens"],
-                                timed["media_pixels"])
+    timed["predicted_s"] = line(timed)
     timed["rel_err"] = timed["predicted_s"] / timed["load_s"] - 1
     print(f"{len(timed)} samples timed ({args.co_runners} loading at once); line fitted on {len(fitted_on)} of them")
     print(timed.groupby("modality").agg(samples=("load_s", "size"), measured_ms=("load_s", lambda x: 1e3 * x.median()),

@@ -101,10 +101,11 @@ class LoadLine:
     coef: tuple[float, ...]
     n_samples: int = 0
 
-    def __call__(self, n_tiles, n_frames, n_images, text_tokens, media_pixels) -> np.ndarray:
-        c, as_float = self.coef, (lambda v: np.asarray(v, dtype=np.float64))
-        return (c[0] + c[1] * as_float(n_tiles) + c[2] * as_float(n_frames) + c[3] * as_float(n_images)
-                + c[4] * as_float(text_tokens) + c[5] * as_float(media_pixels))
+    def __call__(self, features) -> np.ndarray:
+        """Seconds per sample; `features` maps each name of LOAD_FEATURES but "const" to [n] values
+        (a load profile or shapes table, `dflop.planner.means.Pool.load_features`)."""
+        return self.coef[0] + sum(c * np.asarray(features[name], dtype=np.float64)
+                                  for c, name in zip(self.coef[1:], LOAD_FEATURES[1:]))
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,12 @@ class StepCosts:
     allreduce: dict[int, BytesLine] = field(default_factory=dict)
     p2p: BytesLine | None = None
     loading: LoadLine | None = None
+
+
+def charged_load_line(costs: StepCosts, device: str) -> LoadLine | None:
+    """The load line a step is charged on a cluster of `device`: on CPU, where the loader decodes
+    on the cores the ranks compute on; None on GPUs, where it hides behind the step."""
+    return costs.loading if device == "cpu" else None
 
 
 def step_costs_on(costs: StepCosts, profiled_on: str, device: str) -> StepCosts:

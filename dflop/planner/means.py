@@ -63,6 +63,12 @@ class Pool:
     def __len__(self) -> int:
         return len(self.seq_len)
 
+    @property
+    def load_features(self) -> dict[str, np.ndarray]:
+        """What a sample's load costs, by `dflop.costmodel.model.LOAD_FEATURES` name."""
+        return {"n_tiles": self.n_tiles, "n_frames": self.n_frames, "n_images": self.n_images,
+                "text_tokens": self.seq_len - self.vision_tokens, "media_pixels": self.media_pixels}
+
     def take(self, index: np.ndarray) -> "Pool":
         return Pool(self.sample_id[index], self.n_tiles[index], self.seq_len[index], self.vision_tokens[index],
                     self.n_frames[index], self.n_images[index], self.media_pixels[index])

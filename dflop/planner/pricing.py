@@ -23,7 +23,7 @@ from functools import cached_property
 
 import numpy as np
 
-from dflop.costmodel.model import CostModel, StepCosts
+from dflop.costmodel.model import CostModel, StepCosts, charged_load_line
 from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
@@ -133,11 +133,11 @@ class Pricing:
             vis_fwd[1:] += vhop
             vis_bwd[:-1] += vhop
         load = self.load_s(batch)
-        if load is not None:  # pixels are decoded where the vision tower starts, text-only samples where the LLM does
-            pixels = np.zeros_like(load) if (lay.colocated or not len(vis_fwd)) else np.where(batch.n_tiles > 0, load, 0.0)
-            if len(vis_fwd):
-                vis_fwd[0] += pixels
-            llm_fwd[0] += load - pixels
+        if load is not None and (lay.colocated or not len(vis_fwd)):  # one stage decodes everything
+            llm_fwd[0] += load
+        elif load is not None:  # pixels where the vision tower starts, text-only samples where the LLM does
+            vis_fwd[0] += np.where(batch.n_tiles > 0, load, 0.0)
+            llm_fwd[0] += np.where(batch.n_tiles > 0, 0.0, load)
         costs = replace(base, llm_fwd=llm_fwd, llm_bwd=llm_bwd, vision_fwd=vis_fwd, vision_bwd=vis_bwd)
         busy = lay.tp_l * float((base.llm_fwd + base.llm_bwd).sum()
                                 + lay.n_bins * (base.llm_fwd_const + base.llm_bwd_const).sum())
@@ -149,11 +149,8 @@ class Pricing:
         """[B] seconds the host takes to load each sample of `batch`, where that load shares the
         cores with compute (a CPU cluster, the cost model having a measured `LoadLine`); None on
         GPUs, where the loader decodes the next step's samples behind the current step."""
-        line = self._measured.loading
-        if line is None or self.cluster.device != "cpu":
-            return None
-        return line(batch.n_tiles, batch.n_frames, batch.n_images, batch.seq_len - batch.vision_tokens,
-                    batch.media_pixels)
+        line = charged_load_line(self._measured, self.cluster.device)
+        return None if line is None else line(batch.load_features)
 
     def _stage_grad_bytes(self, kind: str = "grad_bytes") -> np.ndarray:
         """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves), or

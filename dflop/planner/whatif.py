@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from dflop.costmodel.model import CostModel
+from dflop.costmodel.model import CostModel, charged_load_line
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan, PlanFile, read_plan
@@ -230,9 +230,9 @@ def loading_note(cost: CostModel, cluster: Cluster, pool: Pool, global_batch: in
     line = cost.step_costs.loading
     if line is None:
         return None
-    per_sample = line(pool.n_tiles, pool.n_frames, pool.n_images, pool.seq_len - pool.vision_tokens, pool.media_pixels)
+    per_sample = line(pool.load_features)
     size = f"{1e3 * float(per_sample.mean()):.3g} ms per sample on average (line fitted on {line.n_samples} samples)"
-    if cluster.device == "cpu" and cost.step_costs_on(cluster.device).loading is not None:
+    if charged_load_line(cost.step_costs_on(cluster.device), cluster.device) is not None:  # as Pricing.load_s
         return (f"charged to the stage that decodes each sample, {size}: "
                 f"{float(per_sample.mean()) * global_batch:.3g} s of host time per global batch")
     return f"not charged on GPUs (the next step's samples load behind this one); measured {size}"
