@@ -126,10 +126,17 @@ class StepCosts:
     loading: LoadLine | None = None
 
 
+def loads_share_compute_cores(device: str) -> bool:
+    """Whether sample loading runs on the cores that compute ("cpu" | "cuda"): on a CPU cluster it
+    does, so a step pays its samples' loads (the trainer loads them in the step,
+    `dflop.runtime.trainer.Trainer.loads_in_step`, and the pricing charges them); on GPUs the loader
+    prepares the next step behind this one."""
+    return device == "cpu"
+
+
 def charged_load_line(costs: StepCosts, device: str) -> LoadLine | None:
-    """The load line a step is charged on a cluster of `device`: on CPU, where the loader decodes
-    on the cores the ranks compute on; None on GPUs, where it hides behind the step."""
-    return costs.loading if device == "cpu" else None
+    """The load line a step is charged on a cluster of `device` (`loads_share_compute_cores`)."""
+    return costs.loading if loads_share_compute_cores(device) else None
 
 
 def step_costs_on(costs: StepCosts, profiled_on: str, device: str) -> StepCosts:

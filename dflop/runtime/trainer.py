@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dflop.costmodel.analytic import analytic_cost_model
-from dflop.costmodel.model import CostModel
+from dflop.costmodel.model import CostModel, loads_share_compute_cores
 from dflop.data.readers import RawSample
 from dflop.data.training import ExpectedShape, TrainingData
 from dflop.errors import UserError
@@ -176,7 +176,7 @@ class Trainer:
         """Whether each step loads its own samples at its start instead of during the previous
         step: on CPU, where that load would run on the cores the ranks compute on (the pricing then
         charges it, `dflop.planner.pricing.Pricing.load_s`); on GPUs it is prefetched, hidden."""
-        return self.device.type == "cpu"
+        return loads_share_compute_cores(self.device.type)
 
     def in_step_loads(self, plan: StepPlan, loaded: Mapping[int, Any]) -> np.ndarray | None:
         """[m] seconds this rank spent loading, per position, the samples the pricing charges to
