@@ -128,7 +128,7 @@ def module_fits(means: ModuleMeans, n_layers: int, memory: float, *, nu, heavies
 
     nu, heaviest_share, pp: [rows]; in_flight: [rows, P] microbatches stage k holds (P >= pp.max());
     extra: a part the first stage also holds in full, on `nu` samples (the colocated vision tower).
-    Same memory model as `dflop.planner.stages.stage_coeffs`, on a [rows, stages] grid; the layer
+    Same memory model as `dflop.planner.stages._stage_coeffs`, on a [rows, stages] grid; the layer
     is `means.layer` (pass lean means for the least memory); state_scale: [rows] or scalar
     fraction of the training state held (optimizer sharding). With return_caps, also the [rows, P]
     most layers each stage holds (0 past the last stage).

@@ -52,13 +52,6 @@ class StageCoeffs:
     grad_fixed: np.ndarray
     grad_layer: np.ndarray
 
-    def plus_time(self, fwd_s=0.0, bwd_s=0.0) -> "StageCoeffs":
-        """The same stages with `fwd_s` / `bwd_s` more seconds per microbatch (transfers)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values["time_fixed"] = self.time_fixed + fwd_s + bwd_s
-        values["bwd_fixed"] = self.bwd_fixed + bwd_s
-        return StageCoeffs(**values)
-
     def max_layers(self, memory_bytes):
         """Most layers each stage can hold within `memory_bytes` (may be negative: not even 0 fit)."""
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -67,63 +60,6 @@ class StageCoeffs:
                     for fixed, layer in ((self.mem_mean_fixed, self.mem_mean_layer),
                                          (self.mem_max_fixed, self.mem_max_layer))]
         return np.minimum(*caps)
-
-
-def stage_coeffs(means: ModuleMeans, *, nu, heaviest_share, first, last, in_flight,
-                 extra: PartMeans | None = None, extra_nu=None, extra_on=True, time_nu=None,
-                 mode: str | None = None, state_scale=1.0) -> StageCoeffs:
-    """Coefficients of stages of one module.
-
-    nu: samples per microbatch on one replica of the stage (mean); heaviest_share: share of the
-    heaviest sample one replica holds (1, or 1/dp_v for vision stages); first/last: whether the
-    stage holds the module's first/last extras (bools or arrays); in_flight: 1F1B microbatches held;
-    extra: a part the stages where `extra_on` is true also run in full (the vision tower on
-    colocated LLM stage 0), on `extra_nu` samples. time_nu: samples per microbatch for times, if
-    different from `nu` (see `dflop.planner.means.Granularity`); memory always uses `nu`.
-    mode: the layers' recompute mode (default: the cheapest the means price); state_scale: the
-    training state held, as a fraction of the unsharded one (`sharded_state_scale`).
-    """
-    first = np.asarray(first, dtype=np.float64)
-    last = np.asarray(last, dtype=np.float64)
-    tnu = nu if time_nu is None else time_nu
-    layer = _PartAt.of(means.layers[mode or means.modes[0]], nu, heaviest_share, tnu)
-    fixed = _PartAt.of(means.first, nu, heaviest_share, tnu).scaled(first) + \
-        _PartAt.of(means.last, nu, heaviest_share, tnu).scaled(last)
-    if extra is not None:
-        fixed = fixed + _PartAt.of(extra, extra_nu, 1.0, tnu).scaled(np.asarray(extra_on, dtype=np.float64))
-    return StageCoeffs(
-        time_fixed=fixed.time, time_layer=layer.time,
-        bwd_fixed=fixed.bwd, bwd_layer=layer.bwd,
-        mem_mean_fixed=state_scale * fixed.static + in_flight * fixed.act_mean,
-        mem_mean_layer=state_scale * layer.static + in_flight * layer.act_mean,
-        mem_max_fixed=state_scale * fixed.static + in_flight * fixed.act_heaviest,
-        mem_max_layer=state_scale * layer.static + in_flight * layer.act_heaviest,
-        grad_fixed=fixed.grad, grad_layer=layer.grad,
-    )
-
-
-@dataclass(frozen=True)
-class _PartAt:
-    """A part's costs on one microbatch: seconds (fwd + bwd, bwd) and bytes (activations of the
-    mean and of the heaviest-sample microbatch, training state, gradients)."""
-
-    time: np.ndarray
-    bwd: np.ndarray
-    act_mean: np.ndarray
-    act_heaviest: np.ndarray
-    static: np.ndarray
-    grad: np.ndarray
-
-    @classmethod
-    def of(cls, part: PartMeans, nu, heaviest_share, time_nu) -> "_PartAt":
-        return cls(part.time_s(time_nu), part.bwd_s(time_nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
-                   part.static_bytes, part.grad_bytes)
-
-    def scaled(self, k) -> "_PartAt":
-        return _PartAt(*(k * getattr(self, f.name) for f in fields(self)))
-
-    def __add__(self, other: "_PartAt") -> "_PartAt":
-        return _PartAt(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 @dataclass(frozen=True)
@@ -405,10 +341,12 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
                   mode: str) -> StageCoeffs:
     """[P] coefficients of every stage of `lay` with all its layers in recompute `mode`.
 
-    `stage_coeffs` per module plus the transfers (`StageCoeffs.plus_time`), evaluated stage by
-    stage on Python floats: the search builds thousands of these for layouts of a few stages, where
-    numpy's per-call overhead cost more than the arithmetic. Every value is the same expression in
-    the same order as there, so the results are bit-identical (`tests/planner/test_stage_coeffs_fast.py`).
+    Per stage (`_stage_row`): the module's layer, first and last parts at the stage's microbatch
+    (`_PartScalars`), the vision tower on a colocated LLM stage 0, the training state scaled by
+    sharding, the in-flight microbatches' activations, and the transfers added to the times.
+    Evaluated stage by stage on Python floats: the search builds thousands of these for layouts of a
+    few stages, where numpy's per-call overhead cost more than the arithmetic.
+    `tests/planner/test_stage_coeffs_fast.py` holds it bit for bit against a whole-array numpy form.
     """
     m = lay.m
     in_flight = [float(f) for f in lay.in_flight()]
@@ -442,7 +380,9 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
 
 @dataclass(frozen=True)
 class _PartScalars:
-    """`_PartAt` of one stage on Python floats (the same expressions as `PartMeans`)."""
+    """A part's costs on one stage's microbatch (the `PartMeans` expressions, on Python floats):
+    seconds (fwd + bwd, bwd) and bytes (activations of the mean and of the heaviest-sample
+    microbatch, training state, gradients)."""
 
     time: float
     bwd: float
@@ -460,7 +400,7 @@ class _PartScalars:
 def _stage_row(layer: _PartScalars, first_part: _PartScalars, last_part: _PartScalars, extra: _PartScalars | None,
                first: float, last: float, extra_on: float, in_flight: float, scale: float, fwd_s: float,
                bwd_s: float) -> tuple[float, ...]:
-    """One stage's `StageCoeffs` values in field order: `stage_coeffs` then `plus_time`, term by term."""
+    """One stage's `StageCoeffs` values in field order (the transfers `fwd_s` / `bwd_s` added last)."""
     F, H = first_part, last_part
     f_time, f_bwd = first * F.time + last * H.time, first * F.bwd + last * H.bwd
     f_mean, f_max = first * F.act_mean + last * H.act_mean, first * F.act_heaviest + last * H.act_heaviest

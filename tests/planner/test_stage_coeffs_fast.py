@@ -1,9 +1,10 @@
 """The planner's stage coefficients (`stages._stage_coeffs`, evaluated stage by stage on floats)
-against the straightforward numpy form: `stage_coeffs` per module plus the transfers, concatenated.
+against the straightforward numpy form written here: `stage_coeffs` per module plus the transfers,
+concatenated (the library's form before the float path, kept as this test's reference).
 Bit-identical, not approximately equal: the search compares these numbers across layouts, and the
 speed-up must not move any plan."""
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pytest
@@ -14,13 +15,66 @@ from dflop.models.builder import model_config
 from dflop.models.info import model_info
 from dflop.plan import Layout
 from dflop.planner.cluster import Cluster
-from dflop.planner.means import Granularity, Pool, TransferSizes, module_means
-from dflop.planner.stages import StageCoeffs, TransferMeans, build_stage_model, links, stage_coeffs
+from dflop.planner.means import Granularity, PartMeans, Pool, TransferSizes, module_means
+from dflop.planner.stages import StageCoeffs, TransferMeans, build_stage_model, links
 from dflop.planner.space import ModelShape
 from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
 from synthetic_mix import llava_ov_mix
 
 MODES = ("none", "selective", "full")
+
+
+def plus_time(c: StageCoeffs, fwd_s=0.0, bwd_s=0.0) -> StageCoeffs:
+    """The same stages with `fwd_s` / `bwd_s` more seconds per microbatch (transfers)."""
+    values = {f.name: getattr(c, f.name) for f in fields(c)}
+    values["time_fixed"] = c.time_fixed + fwd_s + bwd_s
+    values["bwd_fixed"] = c.bwd_fixed + bwd_s
+    return StageCoeffs(**values)
+
+
+@dataclass(frozen=True)
+class _PartAt:
+    """A part's costs on one microbatch, as arrays over stages."""
+
+    time: np.ndarray
+    bwd: np.ndarray
+    act_mean: np.ndarray
+    act_heaviest: np.ndarray
+    static: np.ndarray
+    grad: np.ndarray
+
+    @classmethod
+    def of(cls, part: PartMeans, nu, heaviest_share, time_nu) -> "_PartAt":
+        return cls(part.time_s(time_nu), part.bwd_s(time_nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
+                   part.static_bytes, part.grad_bytes)
+
+    def scaled(self, k) -> "_PartAt":
+        return _PartAt(*(k * getattr(self, f.name) for f in fields(self)))
+
+    def __add__(self, other: "_PartAt") -> "_PartAt":
+        return _PartAt(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+def stage_coeffs(means, *, nu, heaviest_share, first, last, in_flight, extra=None, extra_nu=None, extra_on=True,
+                 time_nu=None, mode=None, state_scale=1.0) -> StageCoeffs:
+    """Coefficients of the stages of one module, whole arrays (see `_stage_coeffs`'s docstring)."""
+    first = np.asarray(first, dtype=np.float64)
+    last = np.asarray(last, dtype=np.float64)
+    tnu = nu if time_nu is None else time_nu
+    layer = _PartAt.of(means.layers[mode or means.modes[0]], nu, heaviest_share, tnu)
+    fixed = _PartAt.of(means.first, nu, heaviest_share, tnu).scaled(first) + \
+        _PartAt.of(means.last, nu, heaviest_share, tnu).scaled(last)
+    if extra is not None:
+        fixed = fixed + _PartAt.of(extra, extra_nu, 1.0, tnu).scaled(np.asarray(extra_on, dtype=np.float64))
+    return StageCoeffs(
+        time_fixed=fixed.time, time_layer=layer.time,
+        bwd_fixed=fixed.bwd, bwd_layer=layer.bwd,
+        mem_mean_fixed=state_scale * fixed.static + in_flight * fixed.act_mean,
+        mem_mean_layer=state_scale * layer.static + in_flight * layer.act_mean,
+        mem_max_fixed=state_scale * fixed.static + in_flight * fixed.act_heaviest,
+        mem_max_layer=state_scale * layer.static + in_flight * layer.act_heaviest,
+        grad_fixed=fixed.grad, grad_layer=layer.grad,
+    )
 
 
 def reference_coeffs(lay, vision, llm, link, B, transfer, granularity, shard, dtype, mode) -> StageCoeffs:
@@ -36,7 +90,7 @@ def reference_coeffs(lay, vision, llm, link, B, transfer, granularity, shard, dt
                          state_scale=float(sharded_state_scale(dtype, lay.dp_v)) if shard[0] else 1.0)
         hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
         out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
-        parts.append(c.plus_time(fwd_s=np.where(k > 0, hop, 0.0), bwd_s=np.where(k < n_v - 1, hop, out)))
+        parts.append(plus_time(c, fwd_s=np.where(k > 0, hop, 0.0), bwd_s=np.where(k < n_v - 1, hop, out)))
     nu_l = B / (m * lay.dp_l)
     j = np.arange(pp_l)
     c = stage_coeffs(llm, nu=np.full(pp_l, nu_l), heaviest_share=1.0, first=j == 0, last=j == pp_l - 1,
@@ -45,7 +99,7 @@ def reference_coeffs(lay, vision, llm, link, B, transfer, granularity, shard, dt
                      state_scale=float(sharded_state_scale(dtype, lay.dp_l)) if shard[1] else 1.0)
     hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
     features = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
-    parts.append(c.plus_time(fwd_s=np.where(j > 0, hop, features), bwd_s=np.where(j < pp_l - 1, hop, 0.0)))
+    parts.append(plus_time(c, fwd_s=np.where(j > 0, hop, features), bwd_s=np.where(j < pp_l - 1, hop, 0.0)))
     return StageCoeffs(**{f.name: np.concatenate([np.broadcast_to(getattr(p, f.name), (len(p.time_layer),))
                                                   for p in parts]).astype(np.float64) for f in fields(StageCoeffs)})
 
