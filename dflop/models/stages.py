@@ -68,13 +68,18 @@ class VisionStage(nn.Module):
     def forward(self, x: torch.Tensor, layout: ImageLayout) -> torch.Tensor:
         if x.shape[0] != layout.n_tiles:
             raise UserError(f"vision stage got {x.shape[0]} tiles but the image layout has {layout.n_tiles}")
-        hidden = self.embeddings(x) if self.is_first else x
+        hidden = self.run_layers(self.embeddings(x) if self.is_first else x)
+        return self.image_features(hidden, layout) if self.is_last else hidden
+
+    def run_layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The stage's layers on hidden [n_tiles, P, d_vision], each checkpointed under full recompute:
+        the one place the plan's vision recompute mode takes effect (the trainer's `VisionRunner` too)."""
         for layer in self.layers:
             if self.recompute == "full":
                 hidden = checkpointed_call(self._run_layer, layer, hidden)
             else:
                 hidden = self._run_layer(layer, hidden)
-        return self.image_features(hidden, layout) if self.is_last else hidden
+        return hidden
 
 
 class LLMStage(nn.Module):

@@ -47,7 +47,6 @@ class VisionRunner:
         self.stage = stage
         spec = architecture_of(model)
         self.arch = spec.name
-        self._run_layer = spec.run_vision_layer
         # LLaVA-OV's video pooling is a method of the inner model (it reads only the config).
         self._pool = model.model.apply_pooling if self.arch == "llava_ov" else None
 
@@ -58,9 +57,7 @@ class VisionRunner:
         concatenated in share order, [sum of feature rows, d_model].
         """
         stage = self.stage
-        hidden = stage.embeddings(x) if stage.is_first else x
-        for layer in stage.layers:
-            hidden = self._run_layer(layer, hidden)
+        hidden = stage.run_layers(stage.embeddings(x) if stage.is_first else x)
         if not stage.is_last:
             return hidden
         if self.arch == "internvl":

@@ -19,6 +19,7 @@ from dflop.models.builder import build_model
 from dflop.models.packing import PackedSequence
 from dflop.models.stages import build_llm_stage, build_vision_stage
 from dflop.profiling._memory import saved_tensor_bytes
+from dflop.runtime.vision import VisionRunner
 
 MODELS = {"tiny-llava_ov": ("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
           "tiny-internvl": ("internvl", "internvit-tiny", "llama3-tiny"),
@@ -58,6 +59,20 @@ def test_vision_saved_bytes_match_closed_form(model):
     # selective saves little with the flash-style SDPA kernel; the saving itself is predicted exactly
     assert measured["none"] - measured["selective"] == pytest.approx(predicted["none"] - predicted["selective"])
     assert measured["full"] < measured["selective"] < measured["none"]
+
+
+def test_trainer_vision_runner_saves_what_the_mode_says(model):
+    """The trainer runs vision stages through `VisionRunner`, not `VisionStage.forward`: its saved
+    bytes per recompute mode must match the same closed form (it once ignored full recompute)."""
+    config = model.config
+    tokens = architecture_of(config).layer_tokens_per_tile(config)
+    for mode in MODES:
+        runner = VisionRunner(build_vision_stage(model, 1, 3, (0, 2), recompute=mode), model)
+        x = torch.randn(3, tokens, config.vision_config.hidden_size, requires_grad=True)
+        with saved_tensor_bytes(model.parameters()) as saved:
+            runner(x, [])
+        predicted = activations.vision_stage_layer_bytes(config, 3, 2, mode, "float32")
+        assert saved.bytes == pytest.approx(predicted, rel=0.05), mode
 
 
 @pytest.mark.parametrize("lengths", [(37, 50, 24), (40, 40)], ids=["unequal", "equal"])
