@@ -17,6 +17,8 @@ When tracing (`spans`, `dflop.runtime.spans`), a send's span is its issue (non-b
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -44,6 +46,9 @@ class P2P:
         self._pending: list[tuple[object, torch.Tensor]] = []
         self.bytes_sent = 0
         self.spans = SpanRecorder()  # the trainer's recorder when it traces
+        # Called (once, then cleared) before the next message: the trainer's wait for the step's
+        # load agreement (`dflop.runtime.skipping.FailureCheck`), so no peer waits on a voided step.
+        self.before_first_message: Callable[[], None] | None = None
 
     # -- raw messages ------------------------------------------------------------------------
 
@@ -51,6 +56,7 @@ class P2P:
         """Send the shape header, then (when not empty) the tensor, without blocking."""
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"p2p: tensors of up to {MAX_DIMS} dims, got {tensor.dim()}")
+        self._gate()
         with self.spans.span("p2p_send", f"send {_WHAT[direction]}", position=position,
                              nbytes=tensor.numel() * self.dtype.itemsize):
             self._send(tensor, dst, position, direction)
@@ -68,6 +74,7 @@ class P2P:
 
     def recv(self, src: int, position: int, direction: int) -> torch.Tensor:
         """Receive one message sent with `send` (blocks)."""
+        self._gate()
         with self.spans.span("p2p_recv", f"recv {_WHAT[direction]}", position=position) as span:
             out = self._recv(src, position, direction)
             if span is not None:
@@ -83,6 +90,11 @@ class P2P:
         if out.numel():
             dist.irecv(out, src, tag=_tag(position, direction, 1)).wait()
         return out
+
+    def _gate(self) -> None:
+        gate, self.before_first_message = self.before_first_message, None
+        if gate is not None:
+            gate()
 
     def wait_sends(self) -> None:
         """Complete every pending send (call once per step, before buffers may be reused)."""

@@ -95,17 +95,24 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
             spans.begin_step(step + 1)
             t0 = time.perf_counter()
             with spans.span("data", "data wait"):
-                pending = pending if pending is not None else trainer.load(plan_now)
-                plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending)
+                if prefetch:
+                    plan_now, loaded, n_skipped = trainer.without_failures(plan_now, pending)
+                    check = None
+                else:  # the ranks agree on these loads while they compute (Trainer.gradients)
+                    (loaded, check), n_skipped = trainer.checked_load(plan_now), 0
                 decode_s = trainer.in_step_loads(plan_now, loaded)
             data_wait = time.perf_counter() - t0
-            if step + 1 < last:
+            if prefetch and step + 1 < last:
                 with spans.span("data", "next plan"):
                     plan_next = trainer.next_plan(step + 1)
-                    pending = trainer.load(plan_next) if prefetch else None
-            stats = trainer.compute_gradients(plan_now, loaded, decode_s)
+                    pending = trainer.load(plan_next)
+            stats, plan_now, skipped_late = trainer.gradients(plan_now, loaded, decode_s, check)
+            n_skipped += skipped_late
             lr = trainer.current_lr(step)
             norm = trainer.optimizer_step()
+            if not prefetch and step + 1 < last:  # a collective: after every rank's agreement wait
+                with spans.span("data", "next plan"):
+                    plan_next = trainer.next_plan(step + 1)
             step_s = time.perf_counter() - t0
             spans.end_step()
             if spans.window and step + 1 == spans.window[-1]:

@@ -7,7 +7,11 @@ that one sample; other load errors stop the run on every rank). Then, on every r
 
 1. one all-reduce (MAX) of a flag per batch sample tells every rank which samples failed anywhere
    (a rank that only needed a sample's tokens would not know), and the reasons are gathered when
-   one did, so all ranks drop the same samples and name the same reason;
+   one did, so all ranks drop the same samples and name the same reason. Where each step loads
+   at its start (CPU), a rank whose own loads succeeded computes the step while the flags
+   travel and waits for them only before it first communicates (`FailureCheck`): no rank waits
+   for the slowest loader before computing, as the pricing assumes. If a sample failed, that
+   work is dropped (`StepAborted`) and the step is computed again on the new plan;
 2. each failed sample is replaced by another pool sample, the first of a permutation seeded with
    (seed, step) that is neither in the batch nor already skipped: the global batch keeps its size
    and the run stays reproducible (a resumed run replaces the same sample by the same one);
@@ -72,43 +76,96 @@ class SkippedSamples:
         self.rows = {int(r) for r in state.get("rows", [])}
 
 
+class StepAborted(Exception):
+    """Raised by `FailureCheck.confirm` when a sample of the step failed to load on some rank: the
+    step's gradients computed so far are void (`dflop.runtime.trainer.Trainer.gradients`)."""
+
+
+class FailureCheck:
+    """The agreement of step 1 (module docstring), started as soon as this rank has loaded.
+
+    The flags' all-reduce runs in the background; `result` waits for it. A rank whose own loads
+    succeeded may compute meanwhile (the other ranks' loads still running) as long as it waits
+    for the result before it communicates: then it learns whether the step stands (`confirm`).
+
+    fatal: this rank's load raised something other than an unreadable sample (`StepLoader`
+    returns those as errors). Then every rank raises in `result`: this one its own error, the
+    others a UserError with its line (a RuntimeError when it was not a UserError), so no rank is
+    left waiting in a collective for one that stopped.
+    """
+
+    def __init__(self, plan: StepPlan, loaded: Mapping[int, LoadedSample], device: torch.device,
+                 fatal: BaseException | None = None):
+        self.plan, self.fatal = plan, fatal
+        self.mine = {k: loaded[row].error for k, row in enumerate(plan.rows)
+                     if row in loaded and loaded[row].error is not None}
+        self._result: dict[int, str] | None = None
+        self._flags = self._work = None
+        if dist.is_initialized():
+            self._flags = torch.zeros(len(plan.rows) + 1, dtype=torch.int32, device=device)
+            self._flags[list(self.mine)] = 1
+            self._flags[-1] = fatal is not None
+            self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, async_op=True)
+
+    @property
+    def failed_here(self) -> bool:
+        """Whether this rank already knows the step cannot stand as planned."""
+        return bool(self.mine) or self.fatal is not None
+
+    def result(self) -> dict[int, str]:
+        """{batch position: why it failed} over every rank (collective, the same everywhere; waits
+        for the flags; gathers the reasons only when something failed). Idempotent."""
+        if self._result is None:
+            self._result = self._agree()
+        return self._result
+
+    def confirm(self) -> None:
+        """Wait for the agreement; `StepAborted` if any sample of the step failed anywhere."""
+        if self.result():
+            raise StepAborted(f"step {self.plan.step + 1}: samples failed to load")
+
+    def _agree(self) -> dict[int, str]:
+        fatal = self.fatal
+        if self._work is None:
+            if fatal is not None:
+                raise fatal
+            return self.mine
+        self._work.wait()
+        flags = self._flags
+        if not bool(flags.any()):
+            return {}
+        report = (self.mine, None if fatal is None else (isinstance(fatal, UserError), str(fatal)))
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, report)
+        if bool(flags[-1]):
+            if fatal is not None:
+                raise fatal
+            rank, (is_user, message) = next((r, f) for r, (_, f) in enumerate(gathered) if f is not None)
+            raise (UserError(message) if is_user else RuntimeError(f"rank {rank} failed to load step "
+                                                                   f"{self.plan.step + 1}: {message}"))
+        merged: dict[int, str] = {}
+        for reasons, _ in gathered:
+            for k, reason in reasons.items():
+                merged.setdefault(int(k), reason)
+        return dict(sorted(merged.items()))
+
+
+def checked_load(plan: StepPlan, load: Callable[[], dict], device: torch.device) -> tuple[dict, FailureCheck]:
+    """This rank's samples of `plan` (`load()`, which may raise) and the started agreement on them."""
+    try:
+        loaded, fatal = load(), None
+    except Exception as exc:  # noqa: BLE001 — every rank raises in `FailureCheck.result`
+        loaded, fatal = {}, exc
+    return loaded, FailureCheck(plan, loaded, device, fatal)
+
+
 def failures(plan: StepPlan, loaded: Mapping[int, LoadedSample], device: torch.device,
              fatal: BaseException | None = None) -> dict[int, str]:
     """{batch position: why it failed} of the samples that failed to load on any rank (collective:
     every rank calls it with what it loaded; the result is the same everywhere). One all-reduce
     of a flag per sample each step; the reasons are gathered only when something failed.
-
-    fatal: this rank's load raised something other than an unreadable sample (`StepLoader`
-    returns those as errors). Then every rank raises: this one its own error, the others a
-    UserError with its line (a RuntimeError when it was not a UserError), so no rank is left
-    waiting in a collective for one that stopped.
-    """
-    mine = {k: loaded[row].error for k, row in enumerate(plan.rows)
-            if row in loaded and loaded[row].error is not None}
-    if not dist.is_initialized():
-        if fatal is not None:
-            raise fatal
-        return mine
-    flags = torch.zeros(len(plan.rows) + 1, dtype=torch.int32, device=device)
-    flags[list(mine)] = 1
-    flags[-1] = fatal is not None
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    if not bool(flags.any()):
-        return {}
-    report = (mine, None if fatal is None else (isinstance(fatal, UserError), str(fatal)))
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, report)
-    if bool(flags[-1]):
-        if fatal is not None:
-            raise fatal
-        rank, (is_user, message) = next((r, f) for r, (_, f) in enumerate(gathered) if f is not None)
-        raise (UserError(message) if is_user else RuntimeError(f"rank {rank} failed to load step {plan.step + 1}: "
-                                                               f"{message}"))
-    merged: dict[int, str] = {}
-    for reasons, _ in gathered:
-        for k, reason in reasons.items():
-            merged.setdefault(int(k), reason)
-    return dict(sorted(merged.items()))
+    fatal: as `FailureCheck`."""
+    return FailureCheck(plan, loaded, device, fatal).result()
 
 
 def replacement_rows(n_pool: int, batch_rows: Sequence[int], positions: Sequence[int], excluded: set[int],
@@ -130,22 +187,21 @@ def replacement_rows(n_pool: int, batch_rows: Sequence[int], positions: Sequence
 def load_without_failures(plan: StepPlan, load: Callable[[], dict], *, skipped: SkippedSamples,
                           describe: Callable[[int], str], replan: Callable[[StepPlan, np.ndarray], StepPlan],
                           reload: Callable[[StepPlan], dict], device: torch.device, n_pool: int,
-                          seed: int) -> tuple[StepPlan, dict, int]:
+                          seed: int, started: tuple[dict, FailureCheck] | None = None) -> tuple[StepPlan, dict, int]:
     """The step's plan and loaded samples with every unloadable sample replaced (collective).
 
     load(): this rank's samples of `plan` ({pool row: LoadedSample}; may raise);
     replan(plan, rows): the new StepPlan for the batch `rows` (called on rank 0 only, its result
-    goes to every rank); reload(plan): this rank's samples of `plan`.
+    goes to every rank); reload(plan): this rank's samples of `plan`; started: `plan`'s load and
+    agreement when already under way (`checked_load`; `load` is then not called).
     Returns (plan, loaded, samples skipped in this step).
     """
     n_skipped = 0
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     while True:
-        try:
-            loaded, fatal = load(), None
-        except Exception as exc:  # noqa: BLE001 — every rank raises in `failures`
-            loaded, fatal = {}, exc
-        failed = failures(plan, loaded, device, fatal)
+        loaded, check = started if started is not None else checked_load(plan, load, device)
+        started = None
+        failed = check.result()
         if not failed:
             return plan, loaded, n_skipped
         positions = list(failed)

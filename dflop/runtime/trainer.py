@@ -5,7 +5,9 @@
 1. rank 0's `StepPlanner` (the online scheduler in its background thread) has partitioned the
    step's global batch, priced by the one pricing path (`dflop.planner.pricing`); the plan is
    broadcast, and every rank's loader started on it one step ago (`next_plan`, `load`; samples
-   that fail to load are replaced on every rank alike: `without_failures`);
+   that fail to load are replaced on every rank alike: `without_failures`). On CPU each rank
+   loads the step's samples at its start instead and computes while the ranks agree that every
+   load succeeded (`checked_load`, `gradients`);
 2. `PipelineExecutor.run`: 1F1B over vision then LLM stages; the loss is the SUM of answer-token
    losses per bin;
 3. one world all-reduce of (loss sum, answer tokens); gradients: tied-embedding sum, data-parallel
@@ -51,7 +53,7 @@ from dflop.runtime.schedule import PipelineExecutor
 from dflop.runtime.spans import SpanRecorder, trace_window
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.sharding import StepSharding, is_sharded_parameter
-from dflop.runtime.skipping import SkippedSamples, load_without_failures
+from dflop.runtime.skipping import FailureCheck, SkippedSamples, StepAborted, checked_load, load_without_failures
 from dflop.runtime.topology import LLM, VISION, Topology
 from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner
 
@@ -192,27 +194,64 @@ class Trainer:
         """Start loading what this rank needs of `plan` (returns a future of {pool index: sample})."""
         return self.loader.start(requests_for(plan, self.topo))
 
-    def without_failures(self, plan: StepPlan, pending) -> tuple[StepPlan, dict, int]:
-        """`plan` and its loaded samples (`pending`: the load started for it) with the samples that
-        failed to load on any rank replaced, and how many were skipped (collective;
-        `dflop.runtime.skipping`)."""
+    def without_failures(self, plan: StepPlan, pending=None,
+                         started: tuple[dict, FailureCheck] | None = None) -> tuple[StepPlan, dict, int]:
+        """`plan` and its loaded samples (`pending`: the load started for it, or `started`: that
+        load done and its agreement under way, `checked_load`) with the samples that failed to
+        load on any rank replaced, and how many were skipped (collective; `dflop.runtime.skipping`)."""
         pool = self.pool
 
         def describe(row: int) -> str:
             return f"{pool['dataset'].iat[row]}/{pool['sample_id'].iat[row]}"
 
         return load_without_failures(
-            plan, pending.result, skipped=self.skipped, describe=describe,
+            plan, pending.result if pending is not None else None, skipped=self.skipped, describe=describe,
             replan=lambda p, rows: self.planner.replan(p, rows), reload=lambda p: self.load(p).result(),
-            device=self.device, n_pool=len(pool), seed=self.settings.seed)
+            device=self.device, n_pool=len(pool), seed=self.settings.seed, started=started)
+
+    def checked_load(self, plan: StepPlan) -> tuple[dict, FailureCheck]:
+        """Load this rank's samples of `plan` now and start the ranks' agreement on them, without
+        waiting for it (the step's own loads, `loads_in_step`; `gradients` waits)."""
+        return checked_load(plan, lambda: self.load(plan).result(), self.device)
+
+    @property
+    def communicates_in_compute(self) -> bool:
+        """Whether this rank's forwards run collectives (tensor parallelism, FSDP2's all-gathers)."""
+        tp = [self.plan.vision.tp if self.topo.vision_role is not None else 1,
+              self.plan.llm.tp if self.topo.llm_role is not None else 1]
+        return max(tp) > 1 or bool(self.modules.sharded)
+
+    def gradients(self, plan: StepPlan, loaded: Mapping[int, Any], decode_s: np.ndarray | None,
+                  check: FailureCheck | None = None) -> tuple[dict, StepPlan, int]:
+        """`compute_gradients` of a step whose loads the ranks may not have agreed on yet (`check`).
+
+        A rank whose own loads succeeded computes at once and waits for the agreement only before
+        its first message or collective (`FailureCheck`): where a step loads its own samples, no
+        rank waits for the slowest loader before computing, as the pricing charges each rank's
+        loads to its own forwards. If a sample failed anywhere, the work is dropped and the step
+        runs again with the failed samples replaced. Returns (statistics, the step's plan,
+        samples skipped)."""
+        if check is None:
+            return self.compute_gradients(plan, loaded, decode_s), plan, 0
+        if not check.failed_here:
+            try:
+                return self.compute_gradients(plan, loaded, decode_s, agreement=check), plan, 0
+            except StepAborted:
+                pass
+        with self.spans.span("data", "replacing failed samples"):
+            plan, loaded, n_skipped = self.without_failures(plan, started=(loaded, check))
+            decode_s = self.in_step_loads(plan, loaded)
+        return self.compute_gradients(plan, loaded, decode_s), plan, n_skipped
 
     # -- one step ----------------------------------------------------------------------------------
 
     def compute_gradients(self, plan: StepPlan, loaded: Mapping[int, Any],
-                          decode_s: np.ndarray | None = None) -> dict:
+                          decode_s: np.ndarray | None = None, agreement: FailureCheck | None = None) -> dict:
         """Forward + backward of one global batch; leaves in .grad the gradient of the mean
         answer-token loss of the whole batch, summed over replicas. Returns step statistics.
-        decode_s: [m] load seconds counted into each position's forward (`in_step_loads`)."""
+        decode_s: [m] load seconds counted into each position's forward (`in_step_loads`);
+        agreement: the step's load agreement, confirmed before this rank first communicates
+        (raises `StepAborted` there when a sample failed; see `gradients`)."""
         for param, info in self.param_infos.items():  # zeros, not None: every replica all-reduces the same list
             if info.zero:  # FSDP2 sets the reduced shard; none held meanwhile (dflop.costmodel.memory)
                 param.grad = None
@@ -221,9 +260,28 @@ class Trainer:
             else:
                 param.grad.zero_()
         inputs = {i: loaded[row] for i, row in enumerate(plan.rows) if row in loaded}
+        arm = self.sync.arm
+        if agreement is not None:
+            def confirm() -> None:
+                with self.spans.span("data", "load agreement"):
+                    agreement.confirm()
+
+            def confirm_then_arm() -> None:
+                confirm()
+                self.sync.arm()
+
+            if self.communicates_in_compute:
+                confirm()
+            else:  # the first message, or else the gradient sync armed before the last backward
+                self.p2p.before_first_message, arm = confirm, confirm_then_arm
         t0 = time.perf_counter()
-        self.sharding.begin()
-        result = self.executor.run(plan, inputs, before_last_backward=self.sync.arm)
+        try:
+            self.sharding.begin()
+            result = self.executor.run(plan, inputs, before_last_backward=arm)
+            if agreement is not None:
+                agreement.confirm()  # a rank that sent nothing and ran no backward
+        finally:
+            self.p2p.before_first_message = None
         pipeline_s = time.perf_counter() - t0
         if decode_s is not None:  # the stage's busy time includes the decoding the pricing charges it
             result.fwd_s = result.fwd_s + decode_s

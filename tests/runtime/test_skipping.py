@@ -155,3 +155,47 @@ def test_an_unloadable_sample_is_skipped_on_every_rank_and_past_the_budget_stops
     assert last.startswith("dflop train: 1 samples failed to load during training, more than data.max_skip_frac "
                            f"allows (0); the last: sample demo/{bad_id}: "), last
     assert not (tmp_path / "stopped" / "metrics.parquet").exists()
+
+
+COLOCATED_DP2_PLAN = ("vision: {tp: 1, pp: 1, dp: 2, layers_per_stage: [2]}\n"
+                      "llm: {tp: 1, pp: 1, dp: 2, layers_per_stage: [2]}\n"
+                      "placement: colocated\nmicrobatches: 2\nglobal_batch_size: 4\nworld_size: 2\n")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_rank_that_computed_before_the_agreement_drops_that_work(tmp_path, pools, runtime_demo):
+    """Colocated, dp 2: each sample is loaded by one rank only, so on CPU (each step loads its own
+    samples) the other rank computes its microbatches before it learns that a sample failed
+    (`Trainer.gradients`). It must drop that work: the run trains exactly like the disjoint run,
+    where both ranks load the failing image and so never compute before the agreement."""
+    demo = tmp_path / "demo"
+    shutil.copytree(runtime_demo.parent, demo)
+    manifest = demo / runtime_demo.name
+    bad_id = _corrupt_first_image(pools["llava_ov"], manifest)
+    settings = config_dict("llava_ov", manifest, train={"global_batch_size": 4, "steps": 2, "checkpoint_every": 2,
+                                                        "trace_steps": [1, 2]},
+                           data={"max_skip_frac": 0.2})
+    runs = {}
+    for name, text in (("colocated", COLOCATED_DP2_PLAN), ("disjoint", TWO_RANK_PLAN)):
+        plan = tmp_path / f"{name}.yaml"
+        plan.write_text(text)
+        done = _launch(tmp_path, name, settings, plan, pools["llava_ov"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"replaced demo/{bad_id} by demo/" in done.stderr
+        runs[name] = pd.read_parquet(tmp_path / name / "metrics.parquet")
+    colocated, disjoint = runs["colocated"], runs["disjoint"]
+    assert colocated["skipped_samples"].tolist() == disjoint["skipped_samples"].tolist()
+    np.testing.assert_allclose(colocated["loss"], disjoint["loss"], rtol=1e-5)
+    np.testing.assert_allclose(colocated["grad_norm"], disjoint["grad_norm"], rtol=1e-4)
+    # The colocated run did compute before the agreement: one rank's forward precedes its replacement.
+    step = int(colocated.loc[colocated["skipped_samples"] > 0, "step"].iat[0])
+    events = json.loads((tmp_path / "colocated" / "trace.json").read_text())["traceEvents"]
+    first = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("args", {}).get("step") == step:
+            key = (e["pid"], e["name"])
+            first[key] = min(first.get(key, e["ts"]), e["ts"])
+    early = [rank for rank in (0, 1) if first.get((rank, "forward"), float("inf"))
+             < first[(rank, "replacing failed samples")]]
+    assert len(early) == 1, first
