@@ -13,7 +13,9 @@ first step, the warm-up, is not learned from) and under the baseline policy, whi
 ``correction_active`` (the correction's cost-benefit gate: True when the scheduler partitioned
 this step with the corrected costs; the two predictions are reported either way), ``run_id`` (the
 run the row belongs to, `dflop.runtime.run_identity`: a run resumed with more steps keeps its id),
-then ``lr``, ``grad_norm``, ``data_wait_s``, ``member``, ``skipped_samples`` (samples that failed
+then ``lr``, ``grad_norm``, ``data_wait_s`` (rank 0's wait for the step's samples: on GPUs the
+prefetch's remainder and the ranks' agreement that every load succeeded; on CPU its own loads,
+the agreement then overlapping its compute, `dflop.runtime.trainer.Trainer.gradients`), ``member``, ``skipped_samples`` (samples that failed
 to load in this step and were replaced, `dflop.runtime.skipping`), and per pipeline stage
 ``busy_s_<stage>`` / ``idle_s_<stage>`` (mean over the stage's ranks; stages named vision0.., llm0..).
 

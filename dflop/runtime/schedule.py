@@ -187,6 +187,11 @@ class PipelineExecutor:
         return StepResult(float(self._loss_sum), self._n_answer, self._timer.fwd, self._timer.bwd,
                           self.p2p.bytes_sent - sent_before, self._tokens)
 
+    def discard(self) -> None:
+        """Drop what a step left behind when it was abandoned midway (its saved activations and
+        inputs), before the step runs again."""
+        self._saved, self._inputs = {}, {}
+
     def _forward(self, p: int) -> None:
         if self.topo.llm_role is None:
             self._vision_forward(p)

@@ -112,6 +112,11 @@ class FailureCheck:
         """Whether this rank already knows the step cannot stand as planned."""
         return bool(self.mine) or self.fatal is not None
 
+    @property
+    def settled(self) -> bool:
+        """Whether `result` has returned (so `confirm` no longer waits)."""
+        return self._result is not None
+
     def result(self) -> dict[int, str]:
         """{batch position: why it failed} over every rank (collective, the same everywhere; waits
         for the flags; gathers the reasons only when something failed). Idempotent."""

@@ -177,6 +177,14 @@ class SpanRecorder:
                 self.add(category, name, start, start + ns, position=position)
                 start += ns
 
+    def void_since(self, count: int, why: str) -> None:
+        """Re-file the forward and backward spans recorded after the first `count` as "data" spans
+        named `why` (work thrown away, e.g. a step computed before a load failed elsewhere): they
+        stay visible in the trace but are no ops of the step (`trace_ops`)."""
+        for span in self.spans[count:]:
+            if span.category in OP_KIND:
+                span.category, span.name = "data", f"{why}: {span.name}"
+
     def label_microbatches(self, microbatch_ids) -> None:
         """Give this step's per-position spans the scheduler's microbatch id of their position."""
         for span in self.spans:

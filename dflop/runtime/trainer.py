@@ -234,10 +234,12 @@ class Trainer:
         if check is None:
             return self.compute_gradients(plan, loaded, decode_s), plan, 0
         if not check.failed_here:
+            recorded = len(self.spans.spans)
             try:
                 return self.compute_gradients(plan, loaded, decode_s, agreement=check), plan, 0
             except StepAborted:
-                pass
+                self.executor.discard()
+                self.spans.void_since(recorded, "voided (a sample failed to load)")
         with self.spans.span("data", "replacing failed samples"):
             plan, loaded, n_skipped = self.without_failures(plan, started=(loaded, check))
             decode_s = self.in_step_loads(plan, loaded)
@@ -263,8 +265,9 @@ class Trainer:
         arm = self.sync.arm
         if agreement is not None:
             def confirm() -> None:
-                with self.spans.span("data", "load agreement"):
-                    agreement.confirm()
+                if not agreement.settled:
+                    with self.spans.span("data", "load agreement"):
+                        agreement.confirm()
 
             def confirm_then_arm() -> None:
                 confirm()
