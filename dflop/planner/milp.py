@@ -1,4 +1,4 @@
-"""The layer split of one layout as a Pyomo MILP solved by HiGHS.
+"""The layer split of one layout as a MILP solved by HiGHS (highspy, no modelling layer).
 
 Given a layout (placement, degrees, m) the only choice left is how many layers each stage runs.
 Variables: integer ``n_s >= 1`` per stage, continuous bottleneck ``T`` and all-reduce tail ``A``
@@ -12,8 +12,8 @@ memory = 1 for numerical sanity). Objective: ``(m - 1) T + sum_s t_s + A`` plus 
 the mean-shape 1F1B step of `dflop.planner.stages`. Every other choice is fixed by the layout, so no
 binary variables are needed beyond the modes.
 
-Pyomo's ``highs`` interface (pyomo.contrib.solver) takes ``time_limit`` and ``rel_gap`` in
-``solve()``; a solve stopped by the time limit keeps its incumbent and reports ``time_limit``.
+HiGHS runs single-threaded with ``time_limit`` and ``mip_rel_gap``; a solve stopped by the time
+limit keeps its incumbent and reports ``time_limit``.
 """
 
 from __future__ import annotations
@@ -21,21 +21,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import highspy
 import numpy as np
-import pyomo.environ as pyo
-from pyomo.contrib.solver.common.factory import SolverFactory
-from pyomo.contrib.solver.common.results import TerminationCondition
 
-from dflop.highs import silence_banner
+from dflop.highs import quiet_highs
 from dflop.planner.stages import StageModel
 
+_S = highspy.HighsModelStatus
 _STATUS = {
-    TerminationCondition.convergenceCriteriaSatisfied: "optimal",
-    TerminationCondition.maxTimeLimit: "time_limit",
-    TerminationCondition.iterationLimit: "iteration_limit",
-    TerminationCondition.provenInfeasible: "infeasible",
-    TerminationCondition.locallyInfeasible: "infeasible",
-    TerminationCondition.infeasibleOrUnbounded: "infeasible",
+    _S.kOptimal: "optimal",
+    _S.kTimeLimit: "time_limit",
+    _S.kIterationLimit: "iteration_limit",
+    _S.kInfeasible: "infeasible",
+    _S.kUnboundedOrInfeasible: "infeasible",
 }
 
 
@@ -62,78 +60,131 @@ class SplitResult:
         return self.split is not None
 
 
-def build_model(sm: StageModel) -> pyo.ConcreteModel:
-    """The Pyomo model of `sm`'s layer split and per-stage recompute modes (module docstring)."""
-    P, M, modes = sm.n_stages, sm.memory_bytes, sm.modes
-    c = sm.by_mode
-    vision = [s for s in range(P) if sm.is_vision[s]]
-    llm = [s for s in range(P) if not sm.is_vision[s]]
-    model = pyo.ConcreteModel("layer_split")
-    model.S = pyo.RangeSet(0, P - 1)
-    model.R = pyo.Set(initialize=list(modes), ordered=True)
-    upper = {s: (sm.vision_layers if sm.is_vision[s] else sm.llm_layers) for s in range(P)}
-    single = len(modes) == 1
-    # n[s, r]: layers stage s runs in mode r; x[s, r] = 1 for the stage's one mode (fixed when only one)
-    model.n = pyo.Var(model.S, model.R, domain=pyo.Integers,
-                      bounds=lambda _, s, r: (1 if single else 0, upper[s]))
-    model.x = pyo.Var(model.S, model.R, domain=pyo.Binary)
-    if single:
+def build_model(sm: StageModel) -> "highspy.Highs":
+    """The HiGHS model of `sm`'s layer split and per-stage recompute modes (module docstring), built
+    directly as columns and rows: Pyomo's model building cost about as much as HiGHS's branch and
+    bound on these small MILPs. Columns: ``n[s, r]`` (stage-major), then ``x[s, r]`` when there
+    are several modes, then ``T``, ``A``; with one mode ``x = 1`` and its terms are constants."""
+    P, R, M, modes = sm.n_stages, len(sm.modes), float(sm.memory_bytes), sm.modes
+    single = R == 1
+
+    def coef(name: str) -> np.ndarray:  # [P, R] one coefficient per stage and mode
+        return np.stack([np.broadcast_to(np.asarray(getattr(sm.by_mode[r], name), float), (P,)) for r in modes],
+                        axis=1)
+
+    tf, tl, bf, bl = coef("time_fixed"), coef("time_layer"), coef("bwd_fixed"), coef("bwd_layer")
+    mf, ml = coef("mem_mean_fixed"), coef("mem_mean_layer")
+    xf, xl = coef("mem_max_fixed"), coef("mem_max_layer")
+    ar_fixed = np.broadcast_to(np.asarray(sm.ar_fixed, float), (P,))
+    ar_layer = np.broadcast_to(np.asarray(sm.ar_layer, float), (P,))
+    upper = np.where(sm.is_vision, sm.vision_layers, sm.llm_layers).astype(float)
+    n_col = lambda s, r: s * R + r  # noqa: E731
+    x_col = lambda s, r: P * R + s * R + r  # noqa: E731
+    T = P * R * (1 if single else 2)
+    A = T + 1
+    inf = highspy.kHighsInf
+    lower, upper_b, starts, index, value = [], [], [], [], []
+
+    def row(lo: float, hi: float, terms: dict) -> None:
+        starts.append(len(index))
+        for j, v in terms.items():
+            if v != 0.0:
+                index.append(j)
+                value.append(v)
+        lower.append(lo)
+        upper_b.append(hi)
+
+    def stage(s: int, fixed: np.ndarray, layer: np.ndarray, scale: float = 1.0) -> tuple[dict, float]:
+        """sum_r fixed[s, r] x[s, r] + layer[s, r] n[s, r] (times scale): terms and constant."""
+        terms = {n_col(s, r): scale * layer[s, r] for r in range(R)}
+        if single:
+            return terms, scale * fixed[s, 0]
+        terms.update({x_col(s, r): scale * fixed[s, r] for r in range(R)})
+        return terms, 0.0
+
+    if not single:
         for s in range(P):
-            model.x[s, modes[0]].fix(1)
-    else:
-        model.one_mode = pyo.Constraint(model.S, rule=lambda mdl, s: sum(mdl.x[s, r] for r in modes) == 1)
-        model.mode_on = pyo.Constraint(model.S, model.R, rule=lambda mdl, s, r: mdl.n[s, r] <= upper[s] * mdl.x[s, r])
-        model.mode_min = pyo.Constraint(model.S, model.R, rule=lambda mdl, s, r: mdl.n[s, r] >= mdl.x[s, r])
-    model.T = pyo.Var(domain=pyo.NonNegativeReals)
-    model.A = pyo.Var(domain=pyo.NonNegativeReals)
+            row(1.0, 1.0, {x_col(s, r): 1.0 for r in range(R)})                   # one mode per stage
+        for s in range(P):
+            for r in range(R):
+                row(-inf, 0.0, {n_col(s, r): 1.0, x_col(s, r): -upper[s]})        # n <= L x
+        for s in range(P):
+            for r in range(R):
+                row(0.0, inf, {n_col(s, r): 1.0, x_col(s, r): -1.0})              # n >= x
+    for is_vision, total in ((True, sm.vision_layers), (False, sm.llm_layers)):
+        stages = [s for s in range(P) if bool(sm.is_vision[s]) == is_vision]
+        if stages:
+            row(float(total), float(total), {n_col(s, r): 1.0 for s in stages for r in range(R)})
+    for s in range(P):                                                             # T >= t_s
+        terms, const = stage(s, tf, tl, -1.0)
+        row(-const, inf, {**terms, T: 1.0})
+    for fixed, layer in ((mf, ml), (xf, xl)):                                      # memory / M <= 1
+        for s in range(P):
+            terms, const = stage(s, fixed, layer, 1.0 / M)
+            row(-inf, 1.0 - const, terms)
+    for s in range(P):                                      # A >= ar_s(n_s) - sum_{q<s} b_q(n_q)
+        terms, const = {n_col(s, r): -ar_layer[s] for r in range(R)}, -float(ar_fixed[s])
+        for q in range(s):
+            t, c = stage(q, bf, bl)
+            for j, v in t.items():
+                terms[j] = terms.get(j, 0.0) + v
+            const += c
+        row(-const, inf, {**terms, A: 1.0})
 
-    def linear(fixed: str, layer: str, s: int):
-        return sum(float(getattr(c[r], fixed)[s]) * model.x[s, r] + float(getattr(c[r], layer)[s]) * model.n[s, r]
-                   for r in modes)
-
-    layers = {s: sum(model.n[s, r] for r in modes) for s in range(P)}
-    time_s = {s: linear("time_fixed", "time_layer", s) for s in range(P)}
-    bwd_s = {s: linear("bwd_fixed", "bwd_layer", s) for s in range(P)}
-    if vision:
-        model.vision_layers = pyo.Constraint(expr=sum(layers[s] for s in vision) == sm.vision_layers)
-    model.llm_layers = pyo.Constraint(expr=sum(layers[s] for s in llm) == sm.llm_layers)
-    model.bottleneck = pyo.Constraint(model.S, rule=lambda mdl, s: mdl.T >= time_s[s])
-    model.mem_mean = pyo.Constraint(
-        model.S, rule=lambda mdl, s: linear("mem_mean_fixed", "mem_mean_layer", s) / M <= 1.0)
-    model.mem_heaviest = pyo.Constraint(
-        model.S, rule=lambda mdl, s: linear("mem_max_fixed", "mem_max_layer", s) / M <= 1.0)
-
-    def tail(mdl, s):
-        ahead = sum(bwd_s[q] for q in range(s)) if s else 0.0
-        return mdl.A >= float(sm.ar_fixed[s]) + float(sm.ar_layer[s]) * layers[s] - ahead
-
-    model.tail = pyo.Constraint(model.S, rule=tail)
-    const = 2 * (P - 1) * sm.latency_s
-    model.step = pyo.Objective(expr=(sm.layout.m - 1) * model.T + sum(time_s.values()) + model.A + const,
-                               sense=pyo.minimize)
-    return model
+    n_cols = A + 1
+    cost = np.zeros(n_cols)
+    offset = 2 * (P - 1) * sm.latency_s
+    for s in range(P):
+        terms, const = stage(s, tf, tl)
+        for j, v in terms.items():
+            cost[j] += v
+        offset += const
+    cost[T], cost[A] = sm.layout.m - 1, 1.0
+    col_lo = np.zeros(n_cols)
+    col_hi = np.full(n_cols, inf)
+    col_lo[:P * R] = 1.0 if single else 0.0
+    col_hi[:P * R] = np.repeat(upper, R)
+    if not single:
+        col_hi[P * R:T] = 1.0
+    h = quiet_highs()
+    h.addVars(n_cols, col_lo, col_hi)
+    h.changeColsCost(n_cols, np.arange(n_cols, dtype=np.int32), cost)
+    h.changeObjectiveOffset(float(offset))
+    n_int = P * R * (1 if single else 2)
+    h.changeColsIntegrality(n_int, np.arange(n_int, dtype=np.int32),
+                            np.full(n_int, highspy.HighsVarType.kInteger))
+    h.addRows(len(lower), np.array(lower), np.array(upper_b), len(index), np.array(starts, dtype=np.int32),
+              np.array(index, dtype=np.int32), np.array(value))
+    return h
 
 
 def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 0.01) -> SplitResult:
     """Solve the layer split (and recompute modes) of `sm` on HiGHS (single thread, no output)."""
     t0 = time.perf_counter()
-    model = build_model(sm)
-    silence_banner()
-    solver = SolverFactory("highs")
+    P, R = sm.n_stages, len(sm.modes)
     try:
-        res = solver.solve(model, time_limit=float(time_limit_s), rel_gap=float(rel_gap), load_solutions=False,
-                           raise_exception_on_nonoptimal_result=False, solver_options={"threads": 1})
+        h = build_model(sm)
+        for key, value in (("threads", 1), ("time_limit", float(time_limit_s)), ("mip_rel_gap", float(rel_gap))):
+            h.setOptionValue(key, value)
+        h.run()
+        model_status, info = h.getModelStatus(), h.getInfo()
     except Exception as exc:  # a solver failure must not kill the search: report it on this layout
         return SplitResult(f"error: {type(exc).__name__}: {exc}".splitlines()[0], None, None, None,
                            time.perf_counter() - t0)
-    status = _STATUS.get(res.termination_condition, str(res.termination_condition.name))
+    status = _STATUS.get(model_status, str(model_status.name))
     split = objective = modes = None
-    if res.incumbent_objective is not None and status not in ("infeasible",):
-        res.solution_loader.load_vars()
-        modes = tuple(max(sm.modes, key=lambda r: pyo.value(model.x[s, r])) for s in range(sm.n_stages))
-        split = np.array([int(round(sum(pyo.value(model.n[s, r]) for r in sm.modes))) for s in range(sm.n_stages)])
+    if info.primal_solution_status == 2 and status != "infeasible":
+        col = np.asarray(h.getSolution().col_value)
+        n = col[:P * R].reshape(P, R)
+        if R == 1:
+            modes = (sm.modes[0],) * P
+        else:
+            x = col[P * R:2 * P * R].reshape(P, R)
+            modes = tuple(sm.modes[int(np.argmax(x[s]))] for s in range(P))
+        split = np.rint(n.sum(axis=1)).astype(int)
         objective = sm.objective_s(split, modes)
-    bound = res.objective_bound if res.objective_bound is not None and np.isfinite(res.objective_bound) else None
+    bound = float(info.mip_dual_bound) if info.mip_node_count != -1 else None
+    bound = bound if bound is not None and np.isfinite(bound) else None
     return SplitResult(status, split, objective, bound, time.perf_counter() - t0, modes)
 
 
