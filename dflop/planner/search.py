@@ -312,8 +312,11 @@ def _unlisted(groups: pd.DataFrame, listed: dict) -> pd.DataFrame:
     count): the counts shrink, and a group with nothing left goes."""
     if not len(groups) or not listed:
         return groups
-    cols = [groups[c].tolist() for c in ("colocated", "tp_v", "pp_v", "tp_l", "pp_l", "m")]
-    taken = np.array([listed.get((bool(c), *map(int, rest)), 0) for c, *rest in zip(*cols)], dtype=np.int64)
+    # hundreds of thousands of groups against a few thousand listed keys: a join, not a lookup per group
+    keys = ["colocated", "tp_v", "pp_v", "tp_l", "pp_l", "m"]
+    counts = pd.DataFrame([(bool(k[0]), *map(int, k[1:]), n) for k, n in listed.items()], columns=keys + ["taken"])
+    left = pd.DataFrame({k: groups[k].to_numpy(dtype=bool if k == "colocated" else np.int64) for k in keys})
+    taken = left.merge(counts, on=keys, how="left")["taken"].fillna(0).to_numpy(dtype=np.int64)
     out = groups.assign(n_layouts=groups["n_layouts"] - taken, n_fit=np.maximum(groups["n_fit"] - taken, 0))
     return out[out["n_layouts"] > 0]
 
