@@ -60,102 +60,116 @@ class SplitResult:
         return self.split is not None
 
 
-def build_model(sm: StageModel) -> "highspy.Highs":
-    """The HiGHS model of `sm`'s layer split and per-stage recompute modes (module docstring), built
-    directly as columns and rows: Pyomo's model building cost about as much as HiGHS's branch and
-    bound on these small MILPs. Columns: ``n[s, r]`` (stage-major), then ``x[s, r]`` when there
-    are several modes, then ``T``, ``A``; with one mode ``x = 1`` and its terms are constants."""
-    P, R, M, modes = sm.n_stages, len(sm.modes), float(sm.memory_bytes), sm.modes
-    single = R == 1
+def build_model(sm: StageModel) -> tuple[highspy.Highs, dict]:
+    """The HiGHS model of `sm`'s layer split and per-stage recompute modes (module docstring), and
+    its columns by variable: ("n", s, r), ("x", s, r), ("T",), ("A",).
 
-    def coef(name: str) -> np.ndarray:  # [P, R] one coefficient per stage and mode
-        return np.stack([np.broadcast_to(np.asarray(getattr(sm.by_mode[r], name), float), (P,)) for r in modes],
-                        axis=1)
-
-    tf, tl, bf, bl = coef("time_fixed"), coef("time_layer"), coef("bwd_fixed"), coef("bwd_layer")
-    mf, ml = coef("mem_mean_fixed"), coef("mem_mean_layer")
-    xf, xl = coef("mem_max_fixed"), coef("mem_max_layer")
-    ar_fixed = np.broadcast_to(np.asarray(sm.ar_fixed, float), (P,))
-    ar_layer = np.broadcast_to(np.asarray(sm.ar_layer, float), (P,))
-    upper = np.where(sm.is_vision, sm.vision_layers, sm.llm_layers).astype(float)
-    n_col = lambda s, r: s * R + r  # noqa: E731
-    x_col = lambda s, r: P * R + s * R + r  # noqa: E731
-    T = P * R * (1 if single else 2)
-    A = T + 1
+    Built directly as columns and rows (Pyomo's model building cost as much as HiGHS's branch and
+    bound on many of these small MILPs) and laid out as Pyomo laid out the same model before:
+    columns in order of first appearance, each row ``body <= / == rhs`` with its terms in the order
+    written, a fixed ``x`` (one mode) kept as a fixed column with its terms moved into the bounds.
+    Branch and bound stops at ``mip_rel_gap``, so which split within the gap it returns depends on
+    that layout; keeping it kept every plan of the paper's searches as it was.
+    """
+    P, modes, M = sm.n_stages, sm.modes, float(sm.memory_bytes)
+    single = len(modes) == 1
+    c = sm.by_mode
+    upper = [float(sm.vision_layers if sm.is_vision[s] else sm.llm_layers) for s in range(P)]
     inf = highspy.kHighsInf
+    cols: dict = {}          # variable key -> column
+    col_lo: list = []
+    col_hi: list = []
+    col_int: list = []
     lower, upper_b, starts, index, value = [], [], [], [], []
 
-    def row(lo: float, hi: float, terms: dict) -> None:
-        starts.append(len(index))
-        for j, v in terms.items():
-            if v != 0.0:
-                index.append(j)
-                value.append(v)
-        lower.append(lo)
-        upper_b.append(hi)
+    def column(key) -> int:
+        if key not in cols:
+            cols[key] = len(cols)
+            kind = key[0]
+            if kind == "n":
+                lo, hi, integral = (1.0 if single else 0.0), upper[key[1]], True
+            elif kind == "x":
+                lo, hi, integral = (1.0 if single else 0.0), 1.0, True
+            else:
+                lo, hi, integral = 0.0, inf, False
+            col_lo.append(lo)
+            col_hi.append(hi)
+            col_int.append(integral)
+        return cols[key]
 
-    def stage(s: int, fixed: np.ndarray, layer: np.ndarray, scale: float = 1.0) -> tuple[dict, float]:
-        """sum_r fixed[s, r] x[s, r] + layer[s, r] n[s, r] (times scale): terms and constant."""
-        terms = {n_col(s, r): scale * layer[s, r] for r in range(R)}
-        if single:
-            return terms, scale * fixed[s, 0]
-        terms.update({x_col(s, r): scale * fixed[s, r] for r in range(R)})
-        return terms, 0.0
+    def collect(terms, const: float = 0.0) -> tuple[dict, float]:
+        """{column: coefficient} and the constant of a linear expression (fixed x = 1 folded in,
+        summed in the order written, after `const`)."""
+        linear = {}
+        for key, coef in terms:
+            j = column(key)
+            if single and key[0] == "x":
+                const += coef * 1.0
+            else:
+                linear[j] = linear.get(j, 0.0) + coef
+        return linear, const
+
+    def row(terms, lo: float, hi: float) -> None:
+        linear, const = collect(terms)
+        starts.append(len(index))
+        index.extend(linear)
+        value.extend(linear.values())
+        lower.append(lo - const if lo > -inf else -inf)
+        upper_b.append(hi - const if hi < inf else inf)
+
+    def coef(r: str, name: str, s: int) -> float:
+        return float(getattr(c[r], name)[s])
+
+    def linear(fixed: str, layer: str, s: int, scale: float = 1.0) -> list:
+        return [t for r in modes for t in ((("x", s, r), scale * coef(r, fixed, s)),
+                                           (("n", s, r), scale * coef(r, layer, s)))]
 
     if not single:
-        for s in range(P):
-            row(1.0, 1.0, {x_col(s, r): 1.0 for r in range(R)})                   # one mode per stage
-        for s in range(P):
-            for r in range(R):
-                row(-inf, 0.0, {n_col(s, r): 1.0, x_col(s, r): -upper[s]})        # n <= L x
-        for s in range(P):
-            for r in range(R):
-                row(0.0, inf, {n_col(s, r): 1.0, x_col(s, r): -1.0})              # n >= x
+        for s in range(P):                                                   # one mode per stage
+            row([(("x", s, r), 1.0) for r in modes], 1.0, 1.0)
+        for s in range(P):                                                   # n <= L x
+            for r in modes:
+                row([(("n", s, r), 1.0), (("x", s, r), -upper[s])], -inf, 0.0)
+        for s in range(P):                                                   # x <= n
+            for r in modes:
+                row([(("x", s, r), 1.0), (("n", s, r), -1.0)], -inf, 0.0)
     for is_vision, total in ((True, sm.vision_layers), (False, sm.llm_layers)):
         stages = [s for s in range(P) if bool(sm.is_vision[s]) == is_vision]
         if stages:
-            row(float(total), float(total), {n_col(s, r): 1.0 for s in stages for r in range(R)})
-    for s in range(P):                                                             # T >= t_s
-        terms, const = stage(s, tf, tl, -1.0)
-        row(-const, inf, {**terms, T: 1.0})
-    for fixed, layer in ((mf, ml), (xf, xl)):                                      # memory / M <= 1
-        for s in range(P):
-            terms, const = stage(s, fixed, layer, 1.0 / M)
-            row(-inf, 1.0 - const, terms)
-    for s in range(P):                                      # A >= ar_s(n_s) - sum_{q<s} b_q(n_q)
-        terms, const = {n_col(s, r): -ar_layer[s] for r in range(R)}, -float(ar_fixed[s])
-        for q in range(s):
-            t, c = stage(q, bf, bl)
-            for j, v in t.items():
-                terms[j] = terms.get(j, 0.0) + v
-            const += c
-        row(-const, inf, {**terms, A: 1.0})
-
-    n_cols = A + 1
+            row([(("n", s, r), 1.0) for s in stages for r in modes], float(total), float(total))
+    for s in range(P):                                                       # t_s - T <= 0
+        row(linear("time_fixed", "time_layer", s) + [(("T",), -1.0)], -inf, 0.0)
+    for fixed, layer in (("mem_mean_fixed", "mem_mean_layer"), ("mem_max_fixed", "mem_max_layer")):
+        for s in range(P):                                                   # memory / M <= 1
+            row(linear(fixed, layer, s, 1.0 / M), -inf, 1.0)
+    for s in range(P):                          # ar_s(n_s) - sum_{q<s} b_q(n_q) - A <= 0
+        ahead = [t for q in range(s) for t in linear("bwd_fixed", "bwd_layer", q)]
+        _, ahead_const = collect(ahead)  # the upstream backwards' constant, summed on its own
+        terms = [(("n", s, r), float(sm.ar_layer[s])) for r in modes] + [(k, -v) for k, v in ahead] + [(("A",), -1.0)]
+        linear_s, _ = collect(terms)
+        const = float(sm.ar_fixed[s]) - ahead_const
+        starts.append(len(index))
+        index.extend(linear_s)
+        value.extend(linear_s.values())
+        lower.append(-inf)
+        upper_b.append(0.0 - const)
+    objective = [(("T",), float(sm.layout.m - 1))] + \
+        [t for s in range(P) for t in linear("time_fixed", "time_layer", s)] + [(("A",), 1.0)]
+    cost_of, offset = collect(objective)
+    offset += 2 * (P - 1) * sm.latency_s
+    n_cols = len(cols)
     cost = np.zeros(n_cols)
-    offset = 2 * (P - 1) * sm.latency_s
-    for s in range(P):
-        terms, const = stage(s, tf, tl)
-        for j, v in terms.items():
-            cost[j] += v
-        offset += const
-    cost[T], cost[A] = sm.layout.m - 1, 1.0
-    col_lo = np.zeros(n_cols)
-    col_hi = np.full(n_cols, inf)
-    col_lo[:P * R] = 1.0 if single else 0.0
-    col_hi[:P * R] = np.repeat(upper, R)
-    if not single:
-        col_hi[P * R:T] = 1.0
+    for j, v in cost_of.items():
+        cost[j] = v
     h = quiet_highs()
-    h.addVars(n_cols, col_lo, col_hi)
+    h.addVars(n_cols, np.array(col_lo), np.array(col_hi))
     h.changeColsCost(n_cols, np.arange(n_cols, dtype=np.int32), cost)
     h.changeObjectiveOffset(float(offset))
-    n_int = P * R * (1 if single else 2)
-    h.changeColsIntegrality(n_int, np.arange(n_int, dtype=np.int32),
-                            np.full(n_int, highspy.HighsVarType.kInteger))
+    integer = np.flatnonzero(col_int).astype(np.int32)
+    h.changeColsIntegrality(len(integer), integer, np.full(len(integer), highspy.HighsVarType.kInteger))
     h.addRows(len(lower), np.array(lower), np.array(upper_b), len(index), np.array(starts, dtype=np.int32),
-              np.array(index, dtype=np.int32), np.array(value))
-    return h
+              np.array(index, dtype=np.int32), np.array(value, dtype=np.float64))
+    return h, cols
 
 
 def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 0.01) -> SplitResult:
@@ -163,7 +177,7 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
     t0 = time.perf_counter()
     P, R = sm.n_stages, len(sm.modes)
     try:
-        h = build_model(sm)
+        h, cols = build_model(sm)
         for key, value in (("threads", 1), ("time_limit", float(time_limit_s)), ("mip_rel_gap", float(rel_gap))):
             h.setOptionValue(key, value)
         h.run()
@@ -175,11 +189,11 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
     split = objective = modes = None
     if info.primal_solution_status == 2 and status != "infeasible":
         col = np.asarray(h.getSolution().col_value)
-        n = col[:P * R].reshape(P, R)
+        n = np.array([[col[cols["n", s, r]] for r in sm.modes] for s in range(P)])
         if R == 1:
             modes = (sm.modes[0],) * P
         else:
-            x = col[P * R:2 * P * R].reshape(P, R)
+            x = np.array([[col[cols["x", s, r]] for r in sm.modes] for s in range(P)])
             modes = tuple(sm.modes[int(np.argmax(x[s]))] for s in range(P))
         split = np.rint(n.sum(axis=1)).astype(int)
         objective = sm.objective_s(split, modes)
@@ -268,8 +282,8 @@ def _min_max(f: np.ndarray, total: int) -> float:
     return float(values[ok[0]]) if len(ok) else float("inf")
 
 
-def _min_sum(f: np.ndarray, total: int) -> float:
-    """min over n (>= 1 each, summing to `total`) of sum_s f[s, n_s - 1] (min-plus convolution)."""
+def _min_sums(f: np.ndarray, total: int) -> np.ndarray:
+    """[total] g[j]: min over n (>= 1 each, summing to j + 1) of sum_s f[s, n_s - 1] (min-plus convolution)."""
     g = f[0, :total]  # g[j]: least sum of the stages so far holding j + 1 layers
     n = len(g)
     for row in f[1:]:
@@ -279,7 +293,18 @@ def _min_sum(f: np.ndarray, total: int) -> float:
         z[:, :n] = np.add.outer(g, row[:n])
         out = z.ravel()[:n * (2 * n - 1)].reshape(n, 2 * n - 1).min(axis=0)
         g = np.r_[np.inf, out[:n - 1]]  # g[j] = out[j - 1]: j + 1 layers
-    return float(g[total - 1])
+    return g
+
+
+def _min_sum(f: np.ndarray, total: int) -> float:
+    """min over n (>= 1 each, summing to `total`) of sum_s f[s, n_s - 1]: the stages before the last
+    by `_min_sums`, then only the one column of the last convolution that holds `total` layers."""
+    if len(f) == 1:
+        return float(f[0, total - 1])
+    if total < len(f):
+        return float("inf")
+    g = _min_sums(f[:-1], total)
+    return float(np.min(g[:total - 1] + f[-1, :total - 1][::-1]))  # g[i]: i + 1 layers, the last the rest
 
 
 def objective_bound_s(sm: StageModel) -> float:
