@@ -64,8 +64,8 @@ def build_model(sm: StageModel) -> tuple[highspy.Highs, dict]:
     """The HiGHS model of `sm`'s layer split and per-stage recompute modes (module docstring), and
     its columns by variable: ("n", s, r), ("x", s, r), ("T",), ("A",).
 
-    Built directly as columns and rows (Pyomo's model building cost as much as HiGHS's branch and
-    bound on many of these small MILPs) and laid out as Pyomo laid out the same model before:
+    Built directly as columns and rows, without a modelling layer (Pyomo's expression trees, its
+    solver interface and its import), and laid out as Pyomo laid out the same model before:
     columns in order of first appearance, each row ``body <= / == rhs`` with its terms in the order
     written, a fixed ``x`` (one mode) kept as a fixed column with its terms moved into the bounds.
     Branch and bound stops at ``mip_rel_gap``, so which split within the gap it returns depends on
