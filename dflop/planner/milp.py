@@ -19,7 +19,7 @@ limit keeps its incumbent and reports ``time_limit``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import highspy
 import numpy as np
@@ -41,7 +41,8 @@ _STATUS = {
 class SplitResult:
     """Outcome of one MILP.
 
-    status: "optimal", "time_limit" (incumbent kept), "infeasible" or "error: <what>";
+    status: "optimal", "time_limit" (incumbent kept), "infeasible", "cutoff" (no split at or below the
+    cutoff asked for; bound_s is that cutoff) or "error: <what>";
     split: [P] layers per stage, or None without a solution; modes: [P] recompute mode per stage
     (None without a solution); objective_s: the mean-shape step of the split
     (`StageModel.objective_s`); bound_s: HiGHS's lower bound on it; solve_s: wall seconds of
@@ -172,8 +173,35 @@ def build_model(sm: StageModel) -> tuple[highspy.Highs, dict]:
     return h, cols
 
 
-def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 0.01) -> SplitResult:
-    """Solve the layer split (and recompute modes) of `sm` on HiGHS (single thread, no output)."""
+def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 0.01,
+                cutoff_s: float | None = None) -> SplitResult:
+    """Solve the layer split (and recompute modes) of `sm` on HiGHS (single thread, no output).
+
+    cutoff_s: first ask whether any split has an objective <= cutoff_s (the model plus that row);
+    when none does, return status "cutoff" (no split; bound_s = cutoff_s, the optimum is above it)
+    at the price of that proof, usually a fraction of the solve. Otherwise the model is solved
+    without the row, so the split returned is the one the plain solve finds (HiGHS's options have
+    no MIP cutoff: ``objective_bound`` only ends the dual simplex early)."""
+    t0 = time.perf_counter()
+    if cutoff_s is not None:
+        try:
+            h, _ = build_model(sm)
+            lp = h.getLp()
+            cost = np.asarray(lp.col_cost_)
+            nz = np.flatnonzero(cost).astype(np.int32)
+            h.addRow(-highspy.kHighsInf, float(cutoff_s) - float(lp.offset_), len(nz), nz, cost[nz])
+            for key, value in (("threads", 1), ("time_limit", float(time_limit_s)), ("mip_rel_gap", float(rel_gap))):
+                h.setOptionValue(key, value)
+            h.run()
+            if _STATUS.get(h.getModelStatus()) == "infeasible":
+                return SplitResult("cutoff", None, None, float(cutoff_s), time.perf_counter() - t0)
+        except Exception:  # noqa: BLE001 (the plain solve below reports whatever goes wrong)
+            pass
+    res = _solve(sm, time_limit_s, rel_gap)
+    return replace(res, solve_s=time.perf_counter() - t0)
+
+
+def _solve(sm: StageModel, time_limit_s: float, rel_gap: float) -> SplitResult:
     t0 = time.perf_counter()
     P, R = sm.n_stages, len(sm.modes)
     try:
