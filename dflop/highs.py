@@ -1,9 +1,9 @@
 """HiGHS without its copyright banner in the stages' logs.
 
 highspy 1.16 prints "Running HiGHS ... Copyright ..." to file descriptor 1 when a process builds
-its first `Highs` object, before any option (`output_flag`) can be set, and Pyomo's ``highs``
-interface builds one in its availability check. `silence_banner()` builds that first object with
-descriptor 1 on /dev/null; later ones print nothing. Every solve site calls it (or `quiet_highs`).
+its first `Highs` object, before any option (`output_flag`) can be set. `silence_banner()` builds
+that first object with descriptor 1 on /dev/null; later ones print nothing. Every solve site (the
+planner's layer-split MILP, the scheduler's ILPs) builds its models with `quiet_highs`.
 """
 
 from __future__ import annotations

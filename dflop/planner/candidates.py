@@ -73,54 +73,72 @@ def evaluation_columns(ev: Evaluation) -> dict:
             "batches": len(ev.step_s)}
 
 
+_NO_FIT = np.array(["no layer split fits in GPU memory on the " + side + " for any dp split"
+                    for side in ("vision stages", "llm stages", "llm and vision stages")], dtype=object)
+
+
 def group_rows(groups: pd.DataFrame) -> pd.DataFrame:
-    """Candidate rows of the screen's group summaries (`dflop.planner.screen.ScreenResult.groups`)."""
+    """Candidate rows of the screen's group summaries (`dflop.planner.screen.ScreenResult.groups`),
+    typed as `candidates_frame` types them. The screen has hundreds of thousands of groups at 1024
+    GPUs, so every text column is taken from a few constants by index, not built per row."""
     if groups.empty:
-        return pd.DataFrame(columns=list(COLUMNS))
+        return _typed(pd.DataFrame(columns=list(COLUMNS)))
     g = groups
     no_fit = g["n_fit"].to_numpy() == 0
-    side = np.where(~g["llm_fits"] & ~g["vision_fits"], "llm and vision stages",
-                    np.where(~g["llm_fits"], "llm stages", "vision stages"))
-    detail = np.where(no_fit, "no layer split fits in GPU memory on the " + side + " for any dp split",
-                      "lower bound above the plans kept")
+    side = (~g["llm_fits"].to_numpy(dtype=bool)).astype(np.int64) + 2 * (~g["vision_fits"].to_numpy(dtype=bool))
+    side = np.choose(side, [0, 1, 0, 2])  # vision only / llm only / (unused) / both
+    detail = np.where(no_fit, _NO_FIT[side], "lower bound above the plans kept")
     colocated = g["colocated"].to_numpy(dtype=bool)
     world = np.where(colocated, 0, g["tp_v"] * g["pp_v"] * g["dp_v"]) + g["tp_l"] * g["pp_l"] * g["dp_l"]
     has = g["dp_l"].to_numpy() >= 1
     out = pd.DataFrame({
-        "kind": "plan", "level": "group", "placement": np.where(colocated, "colocated", "disjoint"),
+        "kind": "plan", "level": "group", "placement": np.where(colocated, "colocated", "disjoint").astype(object),
         "tp_v": g["tp_v"], "pp_v": g["pp_v"], "dp_v": np.where(has, g["dp_v"], -1), "tp_l": g["tp_l"],
         "pp_l": g["pp_l"], "dp_l": np.where(has, g["dp_l"], -1), "m": g["m"], "world_size": np.where(has, world, -1),
-        "status": np.where(no_fit, "rejected", "pruned"), "reason": np.where(no_fit, "memory", "bound"),
-        "detail": detail, "n_layouts": g["n_layouts"], "bound_s": g["bound_s"],
+        "status": np.where(no_fit, "rejected", "pruned").astype(object),
+        "reason": np.where(no_fit, "memory", "bound").astype(object),
+        "detail": detail.astype(object), "n_layouts": g["n_layouts"], "bound_s": g["bound_s"],
     })
     for col in ("dp_v", "dp_l", "world_size"):
         out[col] = out[col].astype("Int64").mask(out[col] < 1)
-    return out
+    return _typed(out)
+
+
+def _typed(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with every documented column, in order, of its documented type (absent ones null, made
+    null of that type directly: converting hundreds of thousands of Nones cost more than the rest)."""
+    given = set(df.columns)
+    kinds = {**dict.fromkeys(STRING_COLUMNS, "string"), **dict.fromkeys(INT_COLUMNS, "Int64"),
+             **dict.fromkeys(FLOAT_COLUMNS, "float64"), **dict.fromkeys(BOOL_COLUMNS, "boolean")}
+    out = {}
+    for col in COLUMNS:
+        kind = kinds.get(col)
+        if col not in given:
+            if kind is None:  # a list column: None per row (an empty one has always read as float64)
+                out[col] = pd.Series(np.full(len(df), None, dtype=object) if len(df) else [], index=df.index,
+                                     dtype=object if len(df) else np.float64)
+            else:
+                out[col] = pd.Series(np.nan if kind == "float64" else pd.NA, index=df.index, dtype=kind)
+        elif kind in ("string", "boolean"):
+            out[col] = df[col].astype(kind)
+        elif kind is not None:
+            out[col] = pd.to_numeric(df[col], errors="coerce").astype(kind)
+        else:
+            kind_of = int if col in LIST_COLUMNS else str
+            out[col] = pd.Series([list(map(kind_of, v)) if isinstance(v, (list, tuple, np.ndarray)) else None
+                                  for v in df[col]], index=df.index, dtype=object)
+    return pd.DataFrame(out, index=df.index)
 
 
 def candidates_frame(rows: list[dict], groups: pd.DataFrame | None = None) -> pd.DataFrame:
-    """All rows in the documented column order and types."""
-    frames = [pd.DataFrame(rows)] if rows else []
+    """All rows in the documented column order and types (`rows`: dicts; `groups`: the screen's group
+    summaries, `group_rows`)."""
+    frames = [_typed(pd.DataFrame(rows))] if rows else []
     if groups is not None and len(groups):
         frames.append(group_rows(groups))
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    for col in COLUMNS:
-        if col not in df.columns:
-            df[col] = None
-    df = df[list(COLUMNS)].copy()
-    for col in STRING_COLUMNS:
-        df[col] = df[col].astype("string")
-    for col in INT_COLUMNS:
-        df[col] = pd.to_numeric(df[col], errors="coerce").astype("Int64")
-    for col in FLOAT_COLUMNS:
-        df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
-    for col in BOOL_COLUMNS:
-        df[col] = df[col].astype("boolean")
-    for col in LIST_COLUMNS:
-        df[col] = [list(map(int, v)) if isinstance(v, (list, tuple, np.ndarray)) else None for v in df[col]]
-    for col in MODE_COLUMNS:
-        df[col] = [list(map(str, v)) if isinstance(v, (list, tuple, np.ndarray)) else None for v in df[col]]
-    return df
+    if not frames:
+        return _typed(pd.DataFrame())
+    return pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
 
 
 def write_candidates(df: pd.DataFrame, path: str | Path) -> None:

@@ -1,4 +1,4 @@
-"""The layer split of one layout as a Pyomo MILP solved by HiGHS.
+"""The layer split of one layout as a MILP solved by HiGHS (highspy, no modelling layer).
 
 Given a layout (placement, degrees, m) the only choice left is how many layers each stage runs.
 Variables: integer ``n_s >= 1`` per stage, continuous bottleneck ``T`` and all-reduce tail ``A``
@@ -12,30 +12,28 @@ memory = 1 for numerical sanity). Objective: ``(m - 1) T + sum_s t_s + A`` plus 
 the mean-shape 1F1B step of `dflop.planner.stages`. Every other choice is fixed by the layout, so no
 binary variables are needed beyond the modes.
 
-Pyomo's ``highs`` interface (pyomo.contrib.solver) takes ``time_limit`` and ``rel_gap`` in
-``solve()``; a solve stopped by the time limit keeps its incumbent and reports ``time_limit``.
+HiGHS runs single-threaded with ``time_limit`` and ``mip_rel_gap``; a solve stopped by the time
+limit keeps its incumbent and reports ``time_limit``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import highspy
 import numpy as np
-import pyomo.environ as pyo
-from pyomo.contrib.solver.common.factory import SolverFactory
-from pyomo.contrib.solver.common.results import TerminationCondition
 
-from dflop.highs import silence_banner
+from dflop.highs import quiet_highs
 from dflop.planner.stages import StageModel
 
+_S = highspy.HighsModelStatus
 _STATUS = {
-    TerminationCondition.convergenceCriteriaSatisfied: "optimal",
-    TerminationCondition.maxTimeLimit: "time_limit",
-    TerminationCondition.iterationLimit: "iteration_limit",
-    TerminationCondition.provenInfeasible: "infeasible",
-    TerminationCondition.locallyInfeasible: "infeasible",
-    TerminationCondition.infeasibleOrUnbounded: "infeasible",
+    _S.kOptimal: "optimal",
+    _S.kTimeLimit: "time_limit",
+    _S.kIterationLimit: "iteration_limit",
+    _S.kInfeasible: "infeasible",
+    _S.kUnboundedOrInfeasible: "infeasible",
 }
 
 
@@ -43,7 +41,8 @@ _STATUS = {
 class SplitResult:
     """Outcome of one MILP.
 
-    status: "optimal", "time_limit" (incumbent kept), "infeasible" or "error: <what>";
+    status: "optimal", "time_limit" (incumbent kept), "infeasible", "cutoff" (no split at or below the
+    cutoff asked for; bound_s is that cutoff) or "error: <what>";
     split: [P] layers per stage, or None without a solution; modes: [P] recompute mode per stage
     (None without a solution); objective_s: the mean-shape step of the split
     (`StageModel.objective_s`); bound_s: HiGHS's lower bound on it; solve_s: wall seconds of
@@ -62,78 +61,172 @@ class SplitResult:
         return self.split is not None
 
 
-def build_model(sm: StageModel) -> pyo.ConcreteModel:
-    """The Pyomo model of `sm`'s layer split and per-stage recompute modes (module docstring)."""
-    P, M, modes = sm.n_stages, sm.memory_bytes, sm.modes
-    c = sm.by_mode
-    vision = [s for s in range(P) if sm.is_vision[s]]
-    llm = [s for s in range(P) if not sm.is_vision[s]]
-    model = pyo.ConcreteModel("layer_split")
-    model.S = pyo.RangeSet(0, P - 1)
-    model.R = pyo.Set(initialize=list(modes), ordered=True)
-    upper = {s: (sm.vision_layers if sm.is_vision[s] else sm.llm_layers) for s in range(P)}
+def build_model(sm: StageModel) -> tuple[highspy.Highs, dict]:
+    """The HiGHS model of `sm`'s layer split and per-stage recompute modes (module docstring), and
+    its columns by variable: ("n", s, r), ("x", s, r), ("T",), ("A",).
+
+    Built directly as columns and rows, without a modelling layer (Pyomo's expression trees, its
+    solver interface and its import), and laid out as Pyomo laid out the same model before:
+    columns in order of first appearance, each row ``body <= / == rhs`` with its terms in the order
+    written, a fixed ``x`` (one mode) kept as a fixed column with its terms moved into the bounds.
+    Branch and bound stops at ``mip_rel_gap``, so which split within the gap it returns depends on
+    that layout; keeping it kept every plan of the paper's searches as it was.
+    """
+    P, modes, M = sm.n_stages, sm.modes, float(sm.memory_bytes)
     single = len(modes) == 1
-    # n[s, r]: layers stage s runs in mode r; x[s, r] = 1 for the stage's one mode (fixed when only one)
-    model.n = pyo.Var(model.S, model.R, domain=pyo.Integers,
-                      bounds=lambda _, s, r: (1 if single else 0, upper[s]))
-    model.x = pyo.Var(model.S, model.R, domain=pyo.Binary)
-    if single:
-        for s in range(P):
-            model.x[s, modes[0]].fix(1)
-    else:
-        model.one_mode = pyo.Constraint(model.S, rule=lambda mdl, s: sum(mdl.x[s, r] for r in modes) == 1)
-        model.mode_on = pyo.Constraint(model.S, model.R, rule=lambda mdl, s, r: mdl.n[s, r] <= upper[s] * mdl.x[s, r])
-        model.mode_min = pyo.Constraint(model.S, model.R, rule=lambda mdl, s, r: mdl.n[s, r] >= mdl.x[s, r])
-    model.T = pyo.Var(domain=pyo.NonNegativeReals)
-    model.A = pyo.Var(domain=pyo.NonNegativeReals)
+    c = sm.by_mode
+    upper = [float(sm.vision_layers if sm.is_vision[s] else sm.llm_layers) for s in range(P)]
+    inf = highspy.kHighsInf
+    cols: dict = {}          # variable key -> column
+    col_lo: list = []
+    col_hi: list = []
+    col_int: list = []
+    lower, upper_b, starts, index, value = [], [], [], [], []
 
-    def linear(fixed: str, layer: str, s: int):
-        return sum(float(getattr(c[r], fixed)[s]) * model.x[s, r] + float(getattr(c[r], layer)[s]) * model.n[s, r]
-                   for r in modes)
+    def column(key) -> int:
+        if key not in cols:
+            cols[key] = len(cols)
+            kind = key[0]
+            if kind == "n":
+                lo, hi, integral = (1.0 if single else 0.0), upper[key[1]], True
+            elif kind == "x":
+                lo, hi, integral = (1.0 if single else 0.0), 1.0, True
+            else:
+                lo, hi, integral = 0.0, inf, False
+            col_lo.append(lo)
+            col_hi.append(hi)
+            col_int.append(integral)
+        return cols[key]
 
-    layers = {s: sum(model.n[s, r] for r in modes) for s in range(P)}
-    time_s = {s: linear("time_fixed", "time_layer", s) for s in range(P)}
-    bwd_s = {s: linear("bwd_fixed", "bwd_layer", s) for s in range(P)}
-    if vision:
-        model.vision_layers = pyo.Constraint(expr=sum(layers[s] for s in vision) == sm.vision_layers)
-    model.llm_layers = pyo.Constraint(expr=sum(layers[s] for s in llm) == sm.llm_layers)
-    model.bottleneck = pyo.Constraint(model.S, rule=lambda mdl, s: mdl.T >= time_s[s])
-    model.mem_mean = pyo.Constraint(
-        model.S, rule=lambda mdl, s: linear("mem_mean_fixed", "mem_mean_layer", s) / M <= 1.0)
-    model.mem_heaviest = pyo.Constraint(
-        model.S, rule=lambda mdl, s: linear("mem_max_fixed", "mem_max_layer", s) / M <= 1.0)
+    def collect(terms, const: float = 0.0) -> tuple[dict, float]:
+        """{column: coefficient} and the constant of a linear expression (fixed x = 1 folded in,
+        summed in the order written, after `const`)."""
+        linear = {}
+        for key, coef in terms:
+            j = column(key)
+            if single and key[0] == "x":
+                const += coef * 1.0
+            else:
+                linear[j] = linear.get(j, 0.0) + coef
+        return linear, const
 
-    def tail(mdl, s):
-        ahead = sum(bwd_s[q] for q in range(s)) if s else 0.0
-        return mdl.A >= float(sm.ar_fixed[s]) + float(sm.ar_layer[s]) * layers[s] - ahead
+    def row(terms, lo: float, hi: float) -> None:
+        linear, const = collect(terms)
+        starts.append(len(index))
+        index.extend(linear)
+        value.extend(linear.values())
+        lower.append(lo - const if lo > -inf else -inf)
+        upper_b.append(hi - const if hi < inf else inf)
 
-    model.tail = pyo.Constraint(model.S, rule=tail)
-    const = 2 * (P - 1) * sm.latency_s
-    model.step = pyo.Objective(expr=(sm.layout.m - 1) * model.T + sum(time_s.values()) + model.A + const,
-                               sense=pyo.minimize)
-    return model
+    def coef(r: str, name: str, s: int) -> float:
+        return float(getattr(c[r], name)[s])
+
+    def linear(fixed: str, layer: str, s: int, scale: float = 1.0) -> list:
+        return [t for r in modes for t in ((("x", s, r), scale * coef(r, fixed, s)),
+                                           (("n", s, r), scale * coef(r, layer, s)))]
+
+    if not single:
+        for s in range(P):                                                   # one mode per stage
+            row([(("x", s, r), 1.0) for r in modes], 1.0, 1.0)
+        for s in range(P):                                                   # n <= L x
+            for r in modes:
+                row([(("n", s, r), 1.0), (("x", s, r), -upper[s])], -inf, 0.0)
+        for s in range(P):                                                   # x <= n
+            for r in modes:
+                row([(("x", s, r), 1.0), (("n", s, r), -1.0)], -inf, 0.0)
+    for is_vision, total in ((True, sm.vision_layers), (False, sm.llm_layers)):
+        stages = [s for s in range(P) if bool(sm.is_vision[s]) == is_vision]
+        if stages:
+            row([(("n", s, r), 1.0) for s in stages for r in modes], float(total), float(total))
+    for s in range(P):                                                       # t_s - T <= 0
+        row(linear("time_fixed", "time_layer", s) + [(("T",), -1.0)], -inf, 0.0)
+    for fixed, layer in (("mem_mean_fixed", "mem_mean_layer"), ("mem_max_fixed", "mem_max_layer")):
+        for s in range(P):                                                   # memory / M <= 1
+            row(linear(fixed, layer, s, 1.0 / M), -inf, 1.0)
+    for s in range(P):                          # ar_s(n_s) - sum_{q<s} b_q(n_q) - A <= 0
+        ahead = [t for q in range(s) for t in linear("bwd_fixed", "bwd_layer", q)]
+        _, ahead_const = collect(ahead)  # the upstream backwards' constant, summed on its own
+        terms = [(("n", s, r), float(sm.ar_layer[s])) for r in modes] + [(k, -v) for k, v in ahead] + [(("A",), -1.0)]
+        linear_s, _ = collect(terms)
+        const = float(sm.ar_fixed[s]) - ahead_const
+        starts.append(len(index))
+        index.extend(linear_s)
+        value.extend(linear_s.values())
+        lower.append(-inf)
+        upper_b.append(0.0 - const)
+    objective = [(("T",), float(sm.layout.m - 1))] + \
+        [t for s in range(P) for t in linear("time_fixed", "time_layer", s)] + [(("A",), 1.0)]
+    cost_of, offset = collect(objective)
+    offset += 2 * (P - 1) * sm.latency_s
+    n_cols = len(cols)
+    cost = np.zeros(n_cols)
+    for j, v in cost_of.items():
+        cost[j] = v
+    h = quiet_highs()
+    h.addVars(n_cols, np.array(col_lo), np.array(col_hi))
+    h.changeColsCost(n_cols, np.arange(n_cols, dtype=np.int32), cost)
+    h.changeObjectiveOffset(float(offset))
+    integer = np.flatnonzero(col_int).astype(np.int32)
+    h.changeColsIntegrality(len(integer), integer, np.full(len(integer), highspy.HighsVarType.kInteger))
+    h.addRows(len(lower), np.array(lower), np.array(upper_b), len(index), np.array(starts, dtype=np.int32),
+              np.array(index, dtype=np.int32), np.array(value, dtype=np.float64))
+    return h, cols
 
 
-def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 0.01) -> SplitResult:
-    """Solve the layer split (and recompute modes) of `sm` on HiGHS (single thread, no output)."""
+def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 0.01,
+                cutoff_s: float | None = None) -> SplitResult:
+    """Solve the layer split (and recompute modes) of `sm` on HiGHS (single thread, no output).
+
+    cutoff_s: first ask whether any split has an objective <= cutoff_s (the model plus that row);
+    when none does, return status "cutoff" (no split; bound_s = cutoff_s, the optimum is above it)
+    at the price of that proof, usually a fraction of the solve. Otherwise the model is solved
+    without the row, so the split returned is the one the plain solve finds (HiGHS's options have
+    no MIP cutoff: ``objective_bound`` only ends the dual simplex early)."""
     t0 = time.perf_counter()
-    model = build_model(sm)
-    silence_banner()
-    solver = SolverFactory("highs")
+    if cutoff_s is not None:
+        try:
+            h, _ = build_model(sm)
+            lp = h.getLp()
+            cost = np.asarray(lp.col_cost_)
+            nz = np.flatnonzero(cost).astype(np.int32)
+            h.addRow(-highspy.kHighsInf, float(cutoff_s) - float(lp.offset_), len(nz), nz, cost[nz])
+            for key, value in (("threads", 1), ("time_limit", float(time_limit_s)), ("mip_rel_gap", float(rel_gap))):
+                h.setOptionValue(key, value)
+            h.run()
+            if _STATUS.get(h.getModelStatus()) == "infeasible":
+                return SplitResult("cutoff", None, None, float(cutoff_s), time.perf_counter() - t0)
+        except Exception:  # noqa: BLE001 (the plain solve below reports whatever goes wrong)
+            pass
+    res = _solve(sm, time_limit_s, rel_gap)
+    return replace(res, solve_s=time.perf_counter() - t0)
+
+
+def _solve(sm: StageModel, time_limit_s: float, rel_gap: float) -> SplitResult:
+    t0 = time.perf_counter()
+    P, R = sm.n_stages, len(sm.modes)
     try:
-        res = solver.solve(model, time_limit=float(time_limit_s), rel_gap=float(rel_gap), load_solutions=False,
-                           raise_exception_on_nonoptimal_result=False, solver_options={"threads": 1})
+        h, cols = build_model(sm)
+        for key, value in (("threads", 1), ("time_limit", float(time_limit_s)), ("mip_rel_gap", float(rel_gap))):
+            h.setOptionValue(key, value)
+        h.run()
+        model_status, info = h.getModelStatus(), h.getInfo()
     except Exception as exc:  # a solver failure must not kill the search: report it on this layout
         return SplitResult(f"error: {type(exc).__name__}: {exc}".splitlines()[0], None, None, None,
                            time.perf_counter() - t0)
-    status = _STATUS.get(res.termination_condition, str(res.termination_condition.name))
+    status = _STATUS.get(model_status, str(model_status.name))
     split = objective = modes = None
-    if res.incumbent_objective is not None and status not in ("infeasible",):
-        res.solution_loader.load_vars()
-        modes = tuple(max(sm.modes, key=lambda r: pyo.value(model.x[s, r])) for s in range(sm.n_stages))
-        split = np.array([int(round(sum(pyo.value(model.n[s, r]) for r in sm.modes))) for s in range(sm.n_stages)])
+    if info.primal_solution_status == 2 and status != "infeasible":
+        col = np.asarray(h.getSolution().col_value)
+        n = np.array([[col[cols["n", s, r]] for r in sm.modes] for s in range(P)])
+        if R == 1:
+            modes = (sm.modes[0],) * P
+        else:
+            x = np.array([[col[cols["x", s, r]] for r in sm.modes] for s in range(P)])
+            modes = tuple(sm.modes[int(np.argmax(x[s]))] for s in range(P))
+        split = np.rint(n.sum(axis=1)).astype(int)
         objective = sm.objective_s(split, modes)
-    bound = res.objective_bound if res.objective_bound is not None and np.isfinite(res.objective_bound) else None
+    bound = float(info.mip_dual_bound) if info.mip_node_count != -1 else None
+    bound = bound if bound is not None and np.isfinite(bound) else None
     return SplitResult(status, split, objective, bound, time.perf_counter() - t0, modes)
 
 
@@ -148,12 +241,16 @@ def tail_bound_s(sm: StageModel, iters: int = 60) -> float:
     downstream). Feasibility is monotone in ``A``: bisection, returning an infeasible end (so < the
     least ``A``)."""
     P = sm.n_stages
-    bwd_fixed = np.max([c.bwd_fixed for c in sm.by_mode.values()], axis=0) * np.ones(P)
-    bwd_layer = np.max([c.bwd_layer for c in sm.by_mode.values()], axis=0) * np.ones(P)
-    ar_fixed, ar_layer = np.asarray(sm.ar_fixed, float) * np.ones(P), np.asarray(sm.ar_layer, float) * np.ones(P)
+    # Python floats: the bisection calls `feasible` ~30 times per layout and numpy scalars' arithmetic
+    # is several times slower than floats' (the same IEEE operations, so the same result)
+    bwd_fixed = (np.max([c.bwd_fixed for c in sm.by_mode.values()], axis=0) * np.ones(P)).tolist()
+    bwd_layer = (np.max([c.bwd_layer for c in sm.by_mode.values()], axis=0) * np.ones(P)).tolist()
+    ar_fixed = (np.asarray(sm.ar_fixed, float) * np.ones(P)).tolist()
+    ar_layer = (np.asarray(sm.ar_layer, float) * np.ones(P)).tolist()
     vis = [bool(v) for v in sm.is_vision]
     total = {True: float(sm.vision_layers), False: float(sm.llm_layers)}
     later = [sum(1 for q in range(s + 1, P) if vis[q] == vis[s]) for s in range(P)]
+    inf = float("inf")
 
     def feasible(a: float) -> bool:
         left, ahead = dict(total), 0.0
@@ -162,7 +259,7 @@ def tail_bound_s(sm: StageModel, iters: int = 60) -> float:
             if ar_layer[s] > 0:
                 cap = (a - ar_fixed[s] + ahead) / ar_layer[s]
             else:
-                cap = np.inf if ar_fixed[s] - ahead <= a else -np.inf
+                cap = inf if ar_fixed[s] - ahead <= a else -inf
             n = room if later[s] == 0 else min(cap, room)
             if n < 1 or cap < n:
                 return False
@@ -172,7 +269,7 @@ def tail_bound_s(sm: StageModel, iters: int = 60) -> float:
 
     if feasible(0.0):
         return 0.0
-    lo, hi = 0.0, float(np.max(ar_fixed + ar_layer * np.array([total[v] for v in vis])))
+    lo, hi = 0.0, float(np.max(np.array(ar_fixed) + np.array(ar_layer) * np.array([total[v] for v in vis])))
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
         if feasible(mid):
@@ -213,8 +310,8 @@ def _min_max(f: np.ndarray, total: int) -> float:
     return float(values[ok[0]]) if len(ok) else float("inf")
 
 
-def _min_sum(f: np.ndarray, total: int) -> float:
-    """min over n (>= 1 each, summing to `total`) of sum_s f[s, n_s - 1] (min-plus convolution)."""
+def _min_sums(f: np.ndarray, total: int) -> np.ndarray:
+    """[total] g[j]: min over n (>= 1 each, summing to j + 1) of sum_s f[s, n_s - 1] (min-plus convolution)."""
     g = f[0, :total]  # g[j]: least sum of the stages so far holding j + 1 layers
     n = len(g)
     for row in f[1:]:
@@ -224,7 +321,18 @@ def _min_sum(f: np.ndarray, total: int) -> float:
         z[:, :n] = np.add.outer(g, row[:n])
         out = z.ravel()[:n * (2 * n - 1)].reshape(n, 2 * n - 1).min(axis=0)
         g = np.r_[np.inf, out[:n - 1]]  # g[j] = out[j - 1]: j + 1 layers
-    return float(g[total - 1])
+    return g
+
+
+def _min_sum(f: np.ndarray, total: int) -> float:
+    """min over n (>= 1 each, summing to `total`) of sum_s f[s, n_s - 1]: the stages before the last
+    by `_min_sums`, then only the one column of the last convolution that holds `total` layers."""
+    if len(f) == 1:
+        return float(f[0, total - 1])
+    if total < len(f):
+        return float("inf")
+    g = _min_sums(f[:-1], total)
+    return float(np.min(g[:total - 1] + f[-1, :total - 1][::-1]))  # g[i]: i + 1 layers, the last the rest
 
 
 def objective_bound_s(sm: StageModel) -> float:

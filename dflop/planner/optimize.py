@@ -60,7 +60,7 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
         if base.evaluation is not None else None,
         padded_baseline=result.padded_baseline.evaluation if result.padded_baseline is not None else None,
         global_batch=global_batch_size, cluster=cluster,
-        solver={"name": "highs (pyomo)", "status": result.milp.status, "time_s": result.stats["milp_s"],
+        solver={"name": "highs (highspy)", "status": result.milp.status, "time_s": result.stats["milp_s"],
                 "milps": result.stats["milps"], "statuses": result.stats["milp_statuses"],
                 "top_k_proven": result.stats["top_k_proven"], "layouts": result.stats["layouts"],
                 "feasible": result.stats["feasible"], "time_limit_s": p.time_limit_s, "rel_gap": p.rel_gap,

@@ -322,13 +322,17 @@ def screen(space: SearchSpace, vision: dict[int, ModuleMeans], llm: dict[int, Mo
         tiles_per_mb = B / full.m * space.mean_tiles
         dp_v_cap = np.maximum(1, np.floor(tiles_per_mb)).astype(np.int64)
         m_index = np.searchsorted(np.array(space.microbatches), full.m)
+        llm_ranks = full.tp * full.pp * full.dp
+        free = W - llm_ranks
+        launchable_dp = {}  # vision GPUs per replica (tv * pv) -> dp_v per LLM side: equal products, equal dp_v
         for tv in space.vision_tp:
             vm = vision[tv]
             table = _VisionTable(space, floor.vision[tv], tv, W, cluster.gpu_memory_bytes, floor)
             for pv in range(1, space.vision_layers + 1):
-                free = W - full.tp * full.pp * full.dp
-                dp_v_all = cluster.largest_launchable_vision_dp(np.minimum(free // (tv * pv), dp_v_cap), tv * pv,
-                                                                full.tp * full.pp * full.dp, full.tp)
+                if tv * pv not in launchable_dp:
+                    launchable_dp[tv * pv] = cluster.largest_launchable_vision_dp(
+                        np.minimum(free // (tv * pv), dp_v_cap), tv * pv, llm_ranks, full.tp)
+                dp_v_all = launchable_dp[tv * pv]
                 sel = np.flatnonzero(dp_v_all >= 1)
                 if len(sel) == 0:
                     if (free // (tv * pv)).max(initial=0) < 1:

@@ -56,7 +56,8 @@ class SearchSettings:
     chosen (default max(2 top_k, 16)); keep: layouts kept by the screen for the tighter bound
     (default max(2048, 8 prescreen)); max_milps:
     MILP solver calls at most (default max(64, 4 top_k)); baseline_simulate: data-blind layouts
-    simulated.
+    simulated; milp_cutoff: once n_prescreen objectives are known, each MILP first asks HiGHS for a
+    split at or below the n_prescreen-th best objective and is pruned (milp_bound) when none exists.
     """
 
     global_batch: int = 16
@@ -72,6 +73,7 @@ class SearchSettings:
     keep: int | None = None
     max_milps: int | None = None
     baseline_simulate: int = 4
+    milp_cutoff: bool = True
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     recompute: str = "auto"                 # memory techniques (`dflop.planner.technique_choice`):
     shard_optimizer: str | bool = "auto"    # auto = the planner chooses (for its plans and the
@@ -200,7 +202,7 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
         key = (r["placement"] == "colocated", r["tp_v"], r["pp_v"], r["tp_l"], r["pp_l"], r["m"])
         listed[key] = listed.get(key, 0) + 1
     candidates = candidates_frame(rows, _unlisted(screened.groups, listed))
-    milp_s = [x.result.solve_s for x in solved]
+    milp_s = [x.result.solve_s for x in solved] + [r["milp_solve_s"] for r in unsolved if "milp_solve_s" in r]
     stats = {
         "layouts": screened.n_layouts, "feasible": screened.n_feasible, "milps": len(solved),
         "milp_s": float(np.sum(milp_s)), "milp_statuses": _counts(x.result.status for x in solved),
@@ -249,6 +251,7 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueM
     objectives: list[float] = []
     proven = not truncated
     n_calls = 0
+    cut: list[dict] = []  # kept layouts HiGHS proved unable to reach the best want (rows, in solve order)
     stop = None  # (reason, the objective to beat) once the loop ends before the heap is empty
     while (item := next_layout()) is not None:
         bound, sm = item
@@ -271,8 +274,13 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueM
             split = np.array([sm.llm_layers] if lay.colocated else [sm.vision_layers, sm.llm_layers])
             res = SplitResult("single_split", split, None, None, 0.0)
         else:
-            res = solve_split(sm, time_limit_s=s.time_limit_s, rel_gap=s.rel_gap)
+            cutoff = sorted(objectives)[want - 1] if s.milp_cutoff and len(objectives) >= want else None
+            res = solve_split(sm, time_limit_s=s.time_limit_s, rel_gap=s.rel_gap, cutoff_s=cutoff)
             n_calls += 1
+            if res.status == "cutoff":  # its optimum, so its settled objective, is above the want-th best
+                cut.append(_unsolved_row(lay, cutoff, "milp_bound", cutoff, want, max_milps, solve_s=res.solve_s,
+                                         screened_s=bound))
+                continue
         settled = means.fit(lay, res.split, leanest_model=sm, **kw) if res.has_solution else None
         if settled is not None:
             sm, modes = settled
@@ -287,24 +295,33 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueM
         else:
             item.status, item.reason = "rejected", f"milp_{res.status}"
         solved.append(item)
-    unsolved = [] if stop is None else \
-        [_unsolved_row(sm.layout if sm is not None else layout_of(rows[i]), bound, *stop, want, max_milps)
-         for bound, i, sm in sorted(heap, key=lambda e: e[:2])]
+    unsolved = cut + ([] if stop is None else
+                      [_unsolved_row(sm.layout if sm is not None else layout_of(rows[i]), bound, *stop, want, max_milps)
+                       for bound, i, sm in sorted(heap, key=lambda e: e[:2])])
     return solved, proven, unsolved
 
 
-def _unsolved_row(lay: Layout, bound: float, why: str, kth: float, want: int, max_milps: int) -> dict:
+def _unsolved_row(lay: Layout, bound: float, why: str, kth: float, want: int, max_milps: int,
+                  solve_s: float | None = None, screened_s: float | None = None) -> dict:
     """Candidate row of a kept layout the loop did not solve: pruned by its bound (it cannot reach
-    the best `want`: ``bound >= kth``, the want-th best objective) or by the budget."""
-    if why == "milp_bound" or bound >= kth:
+    the best `want`: ``bound >= kth``, the want-th best objective) or by the budget. With `solve_s`
+    the bound is HiGHS's proof that no split reaches ``kth`` (`solve_split`'s cutoff), after the
+    lower bound `screened_s` had not ruled it out."""
+    if solve_s is not None:
+        detail = (f"MILP optimum >= {kth:.6g} s, the {want}th best MILP objective so far (HiGHS: no layer split "
+                  f"at or below it; lower bound {screened_s:.6g} s)")
+    elif why == "milp_bound" or bound >= kth:
         why, detail = "milp_bound", (f"mean-shape step lower bound {bound:.6g} s >= {kth:.6g} s, the {want}th best "
                                      f"MILP objective so far")
     else:
         detail = f"not solved: the {max_milps} MILP calls (planner.max_milps) were spent; lower bound {bound:.6g} s"
-    return {"kind": "plan", "level": "layout", "status": "pruned", "reason": why, "detail": detail,
-            "bound_s": bound, "n_layouts": 1, "placement": lay.placement, "tp_v": lay.tp_v, "pp_v": lay.pp_v,
-            "dp_v": lay.dp_v, "tp_l": lay.tp_l, "pp_l": lay.pp_l, "dp_l": lay.dp_l, "m": lay.m,
-            "world_size": lay.world_size}
+    row = {"kind": "plan", "level": "layout", "status": "pruned", "reason": why, "detail": detail,
+           "bound_s": bound, "n_layouts": 1, "placement": lay.placement, "tp_v": lay.tp_v, "pp_v": lay.pp_v,
+           "dp_v": lay.dp_v, "tp_l": lay.tp_l, "pp_l": lay.pp_l, "dp_l": lay.dp_l, "m": lay.m,
+           "world_size": lay.world_size}
+    if solve_s is not None:
+        row.update(milp_status="cutoff", milp_solve_s=solve_s)
+    return row
 
 
 def _unlisted(groups: pd.DataFrame, listed: dict) -> pd.DataFrame:
@@ -312,8 +329,11 @@ def _unlisted(groups: pd.DataFrame, listed: dict) -> pd.DataFrame:
     count): the counts shrink, and a group with nothing left goes."""
     if not len(groups) or not listed:
         return groups
-    cols = [groups[c].tolist() for c in ("colocated", "tp_v", "pp_v", "tp_l", "pp_l", "m")]
-    taken = np.array([listed.get((bool(c), *map(int, rest)), 0) for c, *rest in zip(*cols)], dtype=np.int64)
+    # hundreds of thousands of groups against a few thousand listed keys: a join, not a lookup per group
+    keys = ["colocated", "tp_v", "pp_v", "tp_l", "pp_l", "m"]
+    counts = pd.DataFrame([(bool(k[0]), *map(int, k[1:]), n) for k, n in listed.items()], columns=keys + ["taken"])
+    left = pd.DataFrame({k: groups[k].to_numpy(dtype=bool if k == "colocated" else np.int64) for k in keys})
+    taken = left.merge(counts, on=keys, how="left")["taken"].fillna(0).to_numpy(dtype=np.int64)
     out = groups.assign(n_layouts=groups["n_layouts"] - taken, n_fit=np.maximum(groups["n_fit"] - taken, 0))
     return out[out["n_layouts"] > 0]
 

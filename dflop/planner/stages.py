@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from functools import cached_property
+from functools import cached_property, lru_cache, reduce
 
 import numpy as np
 
@@ -109,7 +109,9 @@ def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: 
     module's reduce-scatter + all-gather move the same bytes), then its optimizer step on the
     parameter bytes the rank holds when `measured` has one. Affine in the bytes (the planner
     splits it into a per-stage and a per-layer part). `measured`: `CostModel.step_costs_on`."""
-    line = measured.allreduce.get(int(dp)) if bool(np.all(intra)) else None
+    line = measured.allreduce.get(int(dp))  # (looked up first: without measured lines, no np.all per call)
+    if line is not None and not bool(np.all(intra)):
+        line = None
     if line is not None:
         sync = line(grad_bytes)
     elif sharded:
@@ -196,7 +198,10 @@ class StageModel:
     @cached_property
     def lean(self) -> StageCoeffs:
         """Per coefficient the smallest over the modes: memory no choice of modes goes below."""
-        return StageCoeffs(**{f.name: np.min([getattr(c, f.name) for c in self.by_mode.values()], axis=0)
+        def least(arrays):  # np.minimum pairwise: np.min over a list cost more in call overhead than in work
+            return reduce(np.minimum, arrays) if len(arrays) > 1 else np.array(arrays[0], dtype=np.float64)
+
+        return StageCoeffs(**{f.name: least([getattr(c, f.name) for c in self.by_mode.values()])
                               for f in fields(StageCoeffs)})
 
     def stage_time_s(self, n, modes=None) -> np.ndarray:
@@ -336,6 +341,13 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
                       sequence_parallel=llm.sequence_parallel)
 
 
+@lru_cache(maxsize=4096)
+def _state_scale(dtype: str, dp: int) -> float:
+    """`sharded_state_scale` of one replica count as a float, cached: a search builds thousands of stage
+    models over a few hundred replica counts, and numpy's call overhead was most of the cost."""
+    return float(sharded_state_scale(dtype, dp))
+
+
 def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Links, B: int,
                   transfer: TransferMeans, granularity: Granularity, shard: tuple, dtype: str,
                   mode: str) -> StageCoeffs:
@@ -354,7 +366,7 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
     rows = []
     if n_v:
         nu_v = B / (m * lay.dp_v)
-        scale = float(sharded_state_scale(dtype, lay.dp_v)) if shard[0] else 1.0
+        scale = _state_scale(dtype, lay.dp_v) if shard[0] else 1.0
         hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
         out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
         parts = _PartScalars.of(vision.layers[mode or vision.modes[0]], nu_v, 1.0 / lay.dp_v, nu_v), \
@@ -364,7 +376,7 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
                                    hop if k > 0 else 0.0, hop if k < n_v - 1 else out))
     nu_l = B / (m * lay.dp_l)
     tnu = float(granularity.nu_time(nu_l, m))
-    scale = float(sharded_state_scale(dtype, lay.dp_l)) if shard[1] else 1.0
+    scale = _state_scale(dtype, lay.dp_l) if shard[1] else 1.0
     hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
     features = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
     # colocated: the whole vision tower rides on LLM stage 0

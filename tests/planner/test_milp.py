@@ -126,3 +126,22 @@ def test_infeasible_split_reports_infeasible():
     res = solve_split(sm)
     assert res.status == "infeasible" and not res.has_solution
     assert brute_force(sm) is None
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cutoff_proves_exactly_the_splits_above_it(case):
+    """solve_split(cutoff_s=c) returns status "cutoff" iff no split fits with objective <= c (brute
+    force), and otherwise the same split and objective as the solve without a cutoff."""
+    pp_v, pp_l, lv, ll, m, dp = case
+    for seed in range(3):
+        sm = random_stage_model(np.random.default_rng(20 + seed), pp_v=pp_v, pp_l=pp_l, vision_layers=lv,
+                                llm_layers=ll, m=m, dp=dp, latency=0.01)
+        best = brute_force(sm)
+        if best is None:
+            continue
+        plain = solve_split(sm, rel_gap=0.0)
+        below = solve_split(sm, rel_gap=0.0, cutoff_s=best[0] * (1 - 1e-6))
+        assert below.status == "cutoff" and below.split is None and below.bound_s == best[0] * (1 - 1e-6)
+        above = solve_split(sm, rel_gap=0.0, cutoff_s=best[0] * (1 + 1e-6))
+        assert above.status == plain.status == "optimal"
+        assert np.array_equal(above.split, plain.split) and above.objective_s == plain.objective_s

@@ -128,7 +128,7 @@ def test_pruned_search_keeps_the_plan_and_the_best_set(pool, monkeypatch, memory
         assert best is None or best >= r.bound_s * (1 - 1e-12)
 
     _unpruned(monkeypatch)
-    full = search(cost, SHAPE, pool, cluster, settings)
+    full = search(cost, SHAPE, pool, cluster, replace(settings, milp_cutoff=False))
     assert full.stats["milp_pruned"] == 0 and not (full.candidates["reason"] == "milp_bound").any()
     assert full.stats["milps"] > pruned.stats["milps"]
     assert full.chosen.plan == pruned.chosen.plan
@@ -136,3 +136,36 @@ def test_pruned_search_keeps_the_plan_and_the_best_set(pool, monkeypatch, memory
     assert _top(full.candidates, want) == _top(rows, want)
     ran = lambda df: set(_top(df[df["batches"].fillna(0) > 0], 10_000))  # noqa: E731 (the simulated plans)
     assert ran(full.candidates) == ran(rows)
+
+
+def test_milp_cutoff_keeps_the_plan_and_the_best_set(pool, monkeypatch):
+    """With every lower bound at -inf, each kept layout reaches HiGHS: the cutoff (once want objectives
+    are known) must then prune exactly layouts whose brute-force optimum is above the objective they
+    were cut against, and leave the chosen plan and the best set as the search without it."""
+    cost = toy_cost_model()
+    cluster = Cluster(nodes=2, gpus_per_node=4, gpu_memory_bytes=1.0e9, inter_node_bytes_per_s=2e9)
+    settings = SearchSettings(global_batch=B, microbatches=(1, 2, 4), sample_batches=2, top_k=2, prescreen=3,
+                              rel_gap=0.0, max_milps=100_000)
+    _unpruned(monkeypatch)
+    with_cut = search(cost, SHAPE, pool, cluster, settings)
+    without = search(cost, SHAPE, pool, cluster, replace(settings, milp_cutoff=False))
+    rows = with_cut.candidates
+    cut = rows[rows["milp_status"] == "cutoff"]
+    assert len(cut) >= 3 and set(cut["reason"]) == {"milp_bound"} and set(cut["status"]) == {"pruned"}
+    assert (cut["milp_solve_s"] > 0).all() and not (without.candidates["milp_status"] == "cutoff").any()
+    assert with_cut.stats["milps"] + len(cut) == without.stats["milps"]
+    assert with_cut.chosen.plan == without.chosen.plan and with_cut.chosen.mean_s == without.chosen.mean_s
+    assert _top(rows, settings.n_prescreen) == _top(without.candidates, settings.n_prescreen)
+
+    space, _ = build_space(SHAPE, cost, cluster, placements=settings.placements, microbatches=settings.microbatches,
+                           global_batch=B, mean_tiles=float(pool.n_tiles.mean()))
+    means = prepare_means(cost, SHAPE, pool, space, settings.technique_space)
+    sizes = TransferSizes.for_model(llm_hidden=SHAPE.llm_hidden, vision_hidden=SHAPE.vision_hidden,
+                                    vision_tokens_per_tile=SHAPE.vision_tokens_per_tile, dtype=cost.provenance.dtype)
+    kw = dict(cluster=cluster, global_batch=B, transfer=TransferMeans.of(pool, sizes),
+              granularity=bin_granularity(cost, pool, space))
+    for r in cut.itertuples():
+        lay = Layout(r.placement, r.tp_v, r.pp_v, r.dp_v, r.tp_l, r.pp_l, r.dp_l, r.m)
+        best = brute_force(means.stage_model(lay, means.leanest(lay), **kw))
+        assert best is None or best > r.bound_s * (1 - 1e-9)
+        assert float(re.search(r">= (\S+) s", r.detail).group(1)) == pytest.approx(r.bound_s, rel=1e-5)
