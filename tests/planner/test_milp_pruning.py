@@ -112,16 +112,9 @@ def test_pruned_search_keeps_the_plan_and_the_best_set(pool, monkeypatch, memory
     assert set(skipped["status"]) == {"pruned"} and skipped["bound_s"].notna().all()
 
     # every skipped layout's true optimum (brute force on its leanest stage model) >= the objective it was skipped against
-    space, _ = build_space(SHAPE, cost, cluster, placements=settings.placements, microbatches=settings.microbatches,
-                           global_batch=B, mean_tiles=float(pool.n_tiles.mean()))
-    means = prepare_means(cost, SHAPE, pool, space, settings.technique_space)
-    sizes = TransferSizes.for_model(llm_hidden=SHAPE.llm_hidden, vision_hidden=SHAPE.vision_hidden,
-                                    vision_tokens_per_tile=SHAPE.vision_tokens_per_tile, dtype=cost.provenance.dtype)
-    kw = dict(cluster=cluster, global_batch=B, transfer=TransferMeans.of(pool, sizes),
-              granularity=bin_granularity(cost, pool, space))
+    leanest = _leanest_stage_model(cost, cluster, pool, settings)
     for r in skipped.itertuples():
-        lay = Layout(r.placement, r.tp_v, r.pp_v, r.dp_v, r.tp_l, r.pp_l, r.dp_l, r.m)
-        sm = means.stage_model(lay, means.leanest(lay), **kw)
+        sm = leanest(Layout(r.placement, r.tp_v, r.pp_v, r.dp_v, r.tp_l, r.pp_l, r.dp_l, r.m))
         against = float(re.search(r">= (\S+) s", r.detail).group(1))
         best = brute_force(sm)
         assert best is None or best >= against * (1 - 1e-5)  # the detail prints 6 digits
@@ -157,6 +150,16 @@ def test_milp_cutoff_keeps_the_plan_and_the_best_set(pool, monkeypatch):
     assert with_cut.chosen.plan == without.chosen.plan and with_cut.chosen.mean_s == without.chosen.mean_s
     assert _top(rows, settings.n_prescreen) == _top(without.candidates, settings.n_prescreen)
 
+    leanest = _leanest_stage_model(cost, cluster, pool, settings)
+    for r in cut.itertuples():
+        best = brute_force(leanest(Layout(r.placement, r.tp_v, r.pp_v, r.dp_v, r.tp_l, r.pp_l, r.dp_l, r.m)))
+        assert best is None or best > r.bound_s * (1 - 1e-9)
+        assert float(re.search(r">= (\S+) s", r.detail).group(1)) == pytest.approx(r.bound_s, rel=1e-5)
+
+
+def _leanest_stage_model(cost, cluster, pool, settings):
+    """layout -> its stage model at the leanest technique setting, built as the search builds it
+    (the model whose brute-force optimum a pruned layout's bound must not exceed)."""
     space, _ = build_space(SHAPE, cost, cluster, placements=settings.placements, microbatches=settings.microbatches,
                            global_batch=B, mean_tiles=float(pool.n_tiles.mean()))
     means = prepare_means(cost, SHAPE, pool, space, settings.technique_space)
@@ -164,8 +167,4 @@ def test_milp_cutoff_keeps_the_plan_and_the_best_set(pool, monkeypatch):
                                     vision_tokens_per_tile=SHAPE.vision_tokens_per_tile, dtype=cost.provenance.dtype)
     kw = dict(cluster=cluster, global_batch=B, transfer=TransferMeans.of(pool, sizes),
               granularity=bin_granularity(cost, pool, space))
-    for r in cut.itertuples():
-        lay = Layout(r.placement, r.tp_v, r.pp_v, r.dp_v, r.tp_l, r.pp_l, r.dp_l, r.m)
-        best = brute_force(means.stage_model(lay, means.leanest(lay), **kw))
-        assert best is None or best > r.bound_s * (1 - 1e-9)
-        assert float(re.search(r">= (\S+) s", r.detail).group(1)) == pytest.approx(r.bound_s, rel=1e-5)
+    return lambda lay: means.stage_model(lay, means.leanest(lay), **kw)
