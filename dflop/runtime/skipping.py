@@ -164,15 +164,6 @@ def checked_load(plan: StepPlan, load: Callable[[], dict], device: torch.device)
     return loaded, FailureCheck(plan, loaded, device, fatal)
 
 
-def failures(plan: StepPlan, loaded: Mapping[int, LoadedSample], device: torch.device,
-             fatal: BaseException | None = None) -> dict[int, str]:
-    """{batch position: why it failed} of the samples that failed to load on any rank (collective:
-    every rank calls it with what it loaded; the result is the same everywhere). One all-reduce
-    of a flag per sample each step; the reasons are gathered only when something failed.
-    fatal: as `FailureCheck`."""
-    return FailureCheck(plan, loaded, device, fatal).result()
-
-
 def replacement_rows(n_pool: int, batch_rows: Sequence[int], positions: Sequence[int], excluded: set[int],
                      seed: int, step: int) -> np.ndarray:
     """`batch_rows` with the samples at `positions` replaced (module docstring, step 2)."""
@@ -189,7 +180,7 @@ def replacement_rows(n_pool: int, batch_rows: Sequence[int], positions: Sequence
     return rows
 
 
-def load_without_failures(plan: StepPlan, load: Callable[[], dict], *, skipped: SkippedSamples,
+def load_without_failures(plan: StepPlan, load: Callable[[], dict] | None, *, skipped: SkippedSamples,
                           describe: Callable[[int], str], replan: Callable[[StepPlan, np.ndarray], StepPlan],
                           reload: Callable[[StepPlan], dict], device: torch.device, n_pool: int,
                           seed: int, started: tuple[dict, FailureCheck] | None = None) -> tuple[StepPlan, dict, int]:

@@ -282,7 +282,7 @@ class Trainer:
             self.sharding.begin()
             result = self.executor.run(plan, inputs, before_last_backward=arm)
             if agreement is not None:
-                agreement.confirm()  # a rank that sent nothing and ran no backward
+                agreement.confirm()  # settled already before the last backward; kept so no path skips it
         finally:
             self.p2p.before_first_message = None
         pipeline_s = time.perf_counter() - t0
