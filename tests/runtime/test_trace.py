@@ -83,18 +83,21 @@ def test_trace_is_valid_trace_event_json(traced_run):
         assert isinstance(e.get("cat", ""), str) and isinstance(e.get("args", {}), dict), e
     assert named == {0: "rank 0 (vision0)", 1: "rank 1 (llm0)"}
 
-    # Complete events on one track must nest or be disjoint (viewers drop partial overlaps).
-    tracks: dict[tuple[int, int], list[dict]] = {}
+    # Complete events on one track must nest or be disjoint (viewers drop partial overlaps). Compared
+    # in whole nanoseconds, the recorder's unit: back-to-back spans (the sample loads) touch exactly
+    # there, while ts + dur in float microseconds can land one ulp past the next span's ts.
+    tracks: dict[tuple[int, int], list[tuple[int, int, dict]]] = {}
     for e in _spans(trace):
-        tracks.setdefault((e["pid"], e["tid"]), []).append(e)
+        start = round(e["ts"] * 1000)
+        tracks.setdefault((e["pid"], e["tid"]), []).append((start, start + round(e["dur"] * 1000), e))
     for track in tracks.values():
-        track.sort(key=lambda e: (e["ts"], -e["dur"]))
-        open_ends: list[float] = []
-        for e in track:
-            while open_ends and open_ends[-1] <= e["ts"]:
+        track.sort(key=lambda t: (t[0], t[0] - t[1]))
+        open_ends: list[int] = []
+        for start, end, e in track:
+            while open_ends and open_ends[-1] <= start:
                 open_ends.pop()
-            assert not open_ends or e["ts"] + e["dur"] <= open_ends[-1], f"partial overlap at {e}"
-            open_ends.append(e["ts"] + e["dur"])
+            assert not open_ends or end <= open_ends[-1], f"partial overlap at {e}"
+            open_ends.append(end)
 
     # Only the window's step; every rank has every kind of span; messages say their microbatch and size.
     spans = _spans(trace)
