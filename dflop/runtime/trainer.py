@@ -369,5 +369,5 @@ class Trainer:
         self.skipped.load_state_dict(extra.get("skipped", {}))
         correction = self.planner.correction if self.planner is not None else None
         if correction is not None and "correction" in extra and not correction.load_state_dict(extra["correction"]):
-            log.warning("checkpoint's adaptive correction does not fit this scheduler (other shape buckets); "
-                        "starting it afresh")
+            log.warning("checkpoint's adaptive correction does not fit this scheduler (other shape buckets, or saved "
+                        "before its noise terms); starting it afresh")

@@ -4,7 +4,18 @@ Predictions drift (other kernels, thermal limits, data the profile grid missed).
 reports measured per-stage, per-microbatch times; each is a constant plus a sum over the bin's
 (or microbatch's) samples, so a multiplicative factor per shape bucket (and one for the constant)
 is a linear least-squares problem. We keep exponentially decayed normal equations per module
-(vision, LLM), solve them with a ridge pull towards 1, and rescale costs with the factors.
+(vision, LLM) and rescale costs with the factors.
+
+The factors are a MAP estimate under a prior that each bucket's factor lies near the module's
+level (the one factor that best explains all its measurements) with a relative spread
+`PRIOR_SPREAD`: a ridge towards the level whose strength is the measurements' noise over the
+prior's variance (sigma^2 / (spread * level)^2), sigma^2 estimated from the fit's own residuals.
+Why: a step gives only 2 x m x dp equations for 25 unknowns, buckets share bins (collinear), and CPU
+stage times swing by 20-50 %; a fit pulled towards 1 only numerically (the earlier ridge of 1e-5)
+sent rarely seen buckets to 0.4x or 2.2x and the corrected step prediction of the next batch 25-50 %
+off (the demo, 2026-11-25). With exact measurements sigma^2 = 0 and every bucket is learned
+exactly; with noisy ones a bucket keeps its own factor only as far as its evidence outweighs the
+noise, and an unseen bucket takes the level.
 
 Stages of one module can drift apart (a stage's rank on a slower or busier core, a stage that
 holds the LM head): with ``per_stage`` each stage k of a module also gets a scale s_k, so stage k
@@ -34,6 +45,9 @@ from dflop.scheduler.partition import greedy_partition
 
 
 FACTOR_LIMIT = 8.0  # learned factors stay within [1/8, 8]
+#: Prior relative spread of a bucket's factor around its module's level (module docstring): a
+#: shape class 50 % off the rest of the module is plausible, 3x needs clear evidence.
+PRIOR_SPREAD = 0.5
 #: Steps at the start of a run that neither the correction learns from nor the steady-state
 #: comparisons count (`dflop.runtime.metrics.prediction_agreement`): they pay warm-up (allocator
 #: growth, thread pools, first collectives, the loader's first batch): the demo's steps 1-2 took
@@ -89,6 +103,12 @@ class CorrectionDecision:
     active: bool
 
 
+def _clip(factors):
+    """Factors as ratios of times: finite, within [1/FACTOR_LIMIT, FACTOR_LIMIT] (NaN -> 1)."""
+    factors = np.where(np.isfinite(factors), factors, 1.0)
+    return np.clip(factors, 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
+
+
 def _design(costs_x: np.ndarray, groups: np.ndarray, n_groups: int, buckets: np.ndarray,
             n_buckets: int, const: float, scale: float = 1.0) -> np.ndarray:
     """[n_groups, n_buckets + 1]: per group, predicted seconds per bucket, then the constant."""
@@ -103,7 +123,8 @@ class AdaptiveCorrection:
     Args:
         n_buckets: number of shape buckets (e.g. ``ShapeBuckets().n_buckets``).
         decay: weight of past observations per new one (forgetting for drift that moves).
-        ridge: pull of each factor towards 1, relative to the data's scale.
+        ridge: numerical floor of the pull of each factor towards 1, relative to the data's scale
+            (the statistical pull towards the module's level is `PRIOR_SPREAD`'s, module docstring).
         overhead_s: declared seconds per step that collecting the measurements costs (e.g. event
             synchronisation); added to the measured bookkeeping time in the cost-benefit check.
         min_rel_gain: the gain must also exceed this share of the step time (noise guard).
@@ -123,9 +144,13 @@ class AdaptiveCorrection:
         self.decay, self.ridge, self.overhead_s, self.min_rel_gain = decay, ridge, overhead_s, min_rel_gain
         self.min_drift, self.per_stage = min_drift, per_stage
         dim = self.n_buckets + 1
-        # Per-stage decayed normal equations: [pp, dim, dim] and [pp, dim] (pp known at the first step).
+        # Per-stage decayed normal equations: [pp, dim, dim] and [pp, dim] (pp known at the first
+        # step), and per stage the decayed sum of squared measurements and count of rows (the fit's
+        # residual noise, module docstring).
         self._gram = {k: np.zeros((0, dim, dim)) for k in ("vision", "llm")}
         self._rhs = {k: np.zeros((0, dim)) for k in ("vision", "llm")}
+        self._yy = {k: np.zeros(0) for k in ("vision", "llm")}
+        self._rows = {k: np.zeros(0) for k in ("vision", "llm")}
         self.factors_ = {k: np.ones(dim) for k in ("vision", "llm")}
         self.stage_scales_ = {k: np.ones(0) for k in ("vision", "llm")}
         self.n_obs_ = 0
@@ -135,7 +160,8 @@ class AdaptiveCorrection:
         self._overhead_w = 0.0  # decayed count of the steps behind step_overhead_s_
 
     #: Learned arrays by state-dict name -> the attribute holding {"vision": ..., "llm": ...}.
-    _STATE_ARRAYS = {"gram": "_gram", "rhs": "_rhs", "factors": "factors_", "stage_scales": "stage_scales_"}
+    _STATE_ARRAYS = {"gram": "_gram", "rhs": "_rhs", "yy": "_yy", "rows": "_rows", "factors": "factors_",
+                     "stage_scales": "stage_scales_"}
 
     def state_dict(self) -> dict:
         """The learned state as plain JSON-able values (saved in training checkpoints)."""
@@ -147,7 +173,7 @@ class AdaptiveCorrection:
     def load_state_dict(self, state: dict) -> bool:
         """Restore `state_dict()`'s output. False, with this object untouched, if the state was
         learned over other buckets or is malformed (missing keys, wrong shapes, a state saved before
-        per-stage learning)."""
+        per-stage learning or before the noise terms)."""
         dim = self.n_buckets + 1
         try:
             if int(state["n_buckets"]) != self.n_buckets:
@@ -160,7 +186,8 @@ class AdaptiveCorrection:
             return False
         for mod in ("vision", "llm"):
             pp = arrays[("stage_scales", mod)].shape[0] if arrays[("stage_scales", mod)].ndim == 1 else -1
-            shapes = {"gram": (pp, dim, dim), "rhs": (pp, dim), "factors": (dim,), "stage_scales": (pp,)}
+            shapes = {"gram": (pp, dim, dim), "rhs": (pp, dim), "yy": (pp,), "rows": (pp,), "factors": (dim,),
+                      "stage_scales": (pp,)}
             if any(arrays[(part, mod)].shape != shape for part, shape in shapes.items()):
                 return False
         for (part, mod), value in arrays.items():
@@ -200,43 +227,66 @@ class AdaptiveCorrection:
             if self._gram[mod].shape[0] != pp:  # first step (or the layout changed): start afresh
                 dim = nb + 1
                 self._gram[mod], self._rhs[mod] = np.zeros((pp, dim, dim)), np.zeros((pp, dim))
+                self._yy[mod], self._rows[mod] = np.zeros(pp), np.zeros(pp)
                 self.stage_scales_[mod] = np.ones(pp)
             for k in range(pp):
                 a = np.vstack(rows[mod][2 * k:2 * k + 2])
                 y = np.concatenate(ys[mod][2 * k:2 * k + 2])
                 self._gram[mod][k] = self.decay * self._gram[mod][k] + a.T @ a
                 self._rhs[mod][k] = self.decay * self._rhs[mod][k] + a.T @ y
+                self._yy[mod][k] = self.decay * self._yy[mod][k] + y @ y
+                self._rows[mod][k] = self.decay * self._rows[mod][k] + len(y)
             self._solve(mod)
         self.n_obs_ += 1
         self._track(time.perf_counter() - t0)
 
     def _solve(self, mod: str, iterations: int = 30) -> None:
-        """Refit `mod`'s bucket factors and stage scales from its normal equations (alternating
-        least squares from the last fit; module docstring)."""
+        """Refit `mod`'s bucket factors and stage scales from its normal equations (module
+        docstring): the ridge towards the level and the stage scales (alternating least squares,
+        from the last fit) are iterated to a fixed point."""
         grams, rhss = self._gram[mod], self._rhs[mod]
         pp, dim = grams.shape[0], grams.shape[1]
         scales = self.stage_scales_[mod].copy() if self.per_stage else np.ones(pp)
-        factors = self.factors_[mod]
-        for _ in range(iterations if self.per_stage and pp > 1 else 1):
+        factors, lam = self.factors_[mod], 0.0
+        for _ in range(iterations):
             g = np.einsum("k,kij->ij", scales ** 2, grams)
-            lam = self.ridge * max(np.trace(g) / dim, 1e-30)
-            factors = np.linalg.solve(g + lam * np.eye(dim), scales @ rhss + lam)
+            b = scales @ rhss
+            floor = self.ridge * max(np.trace(g) / dim, 1e-30)
+            level = float(_clip(b.sum() / g.sum())) if g.sum() > 0 else 1.0
             # A factor is a ratio of times: keep it positive and sane. Noisy measurements of
             # nearly collinear buckets can otherwise push one below zero (negative stage times).
-            factors = np.clip(np.where(np.isfinite(factors), factors, 1.0), 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
-            if not self.per_stage or pp == 1:
-                break
-            energy = np.einsum("i,kij,j->k", factors, grams, factors)  # sum of squared predictions per stage
-            mu = self.ridge * np.maximum(energy, 1e-30)
-            new = np.clip((rhss @ factors + mu) / (energy + mu), 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
-            level = float(energy @ new / energy.sum()) if energy.sum() > 0 else 1.0
-            new, factors = new / level, factors * level  # weighted mean scale 1: f keeps the module's level
-            done = np.abs(new - scales).max() < 1e-9
-            scales = new
+            factors = _clip(np.linalg.solve(g + (lam + floor) * np.eye(dim), b + (lam + floor) * level))
+            new_lam = self._noise_variance(mod, scales, factors, g, lam + floor, level) / (PRIOR_SPREAD * level) ** 2
+            new = scales
+            if self.per_stage and pp > 1:
+                energy = np.einsum("i,kij,j->k", factors, grams, factors)  # sum of squared predictions per stage
+                mu = self.ridge * np.maximum(energy, 1e-30)
+                new = np.clip((rhss @ factors + mu) / (energy + mu), 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
+                norm = float(energy @ new / energy.sum()) if energy.sum() > 0 else 1.0
+                new, factors = new / norm, factors * norm  # weighted mean scale 1: f keeps the module's level
+            done = np.abs(new - scales).max(initial=0.0) < 1e-9 and abs(new_lam - lam) <= 1e-6 * max(lam, new_lam, floor)
+            scales, lam = new, new_lam
             if done:
                 break
-        self.factors_[mod] = np.clip(factors, 1.0 / FACTOR_LIMIT, FACTOR_LIMIT)
+        self.factors_[mod] = _clip(factors)
         self.stage_scales_[mod] = scales
+
+    def _noise_variance(self, mod: str, scales: np.ndarray, factors: np.ndarray, g: np.ndarray, lam: float,
+                        level: float) -> float:
+        """sigma^2: the decayed mean squared residual of one measured op under the fit `factors`,
+        over the rows left after the fit's effective parameters (trace of its hat matrix). With
+        no rows to spare (the first steps: fewer ops than seen buckets), the residual of the
+        level alone, which cannot overfit."""
+        grams, rhss, yy = self._gram[mod], self._rhs[mod], self._yy[mod]
+        n = float(self._rows[mod].sum())
+
+        def rss(f: np.ndarray) -> float:
+            return float(np.sum(yy - 2 * scales * (rhss @ f) + scales ** 2 * np.einsum("i,kij,j->k", f, grams, f)))
+
+        p_eff = float(np.trace(np.linalg.solve(g + lam * np.eye(g.shape[0]), g)))
+        if n - p_eff >= 1.0:
+            return max(rss(factors), 0.0) / (n - p_eff)
+        return max(rss(np.full_like(factors, level)), 0.0) / max(n - 1.0, 1.0)
 
     def observe_step(self, step_s: float, simulated_s: float) -> None:
         """Add one step's wall seconds and its partition's 1F1B simulation with the corrected stage

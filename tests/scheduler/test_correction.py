@@ -281,3 +281,73 @@ def test_step_overhead_is_the_decayed_mean_of_the_unexplained_seconds():
     for step_s, simulated in ((1.0, 0.4), (2.0, 1.0), (0.5, 0.3)):  # unexplained: 0.6, 1.0, 0.2
         corr.observe_step(step_s, simulated)
     assert corr.step_overhead_s_ == pytest.approx((0.25 * 0.6 + 0.5 * 1.0 + 1.0 * 0.2) / (0.25 + 0.5 + 1.0))
+
+
+# -- few, noisy measurements per step (the demo: 16 samples, m = 2, dp = 2) ------------------------------
+
+DEMO_M, DEMO_DP, LEVEL = 2, 2, 1.4  # the hardware runs every op LEVEL x slower than profiled
+
+
+def _uniformly_slow(costs, k=LEVEL):
+    from dataclasses import replace
+
+    return replace(costs, **{name: getattr(costs, name) * k for name in (
+        "vision_fwd", "vision_bwd", "llm_fwd", "llm_bwd", "vision_fwd_const", "vision_bwd_const",
+        "llm_fwd_const", "llm_bwd_const")})
+
+
+def _demo_step_s(costs, part):
+    from dflop.scheduler.evaluate import simulate_times
+
+    st = stage_times(costs, part.microbatch, part.replica, DEMO_M, DEMO_DP, DEMO_DP)
+    return simulate_times(st, part.order).step_s
+
+
+def _learn_demo_steps(make_costs, noise: float, seed: int, steps: int = 10) -> AdaptiveCorrection:
+    """`steps` demo-sized steps on hardware LEVEL x slower than profiled, each op measured with a
+    log-normal error of `noise` (a CPU VM's stage times swing by 20-50 %)."""
+    rng = np.random.default_rng(seed)
+    buckets_def = ShapeBuckets()
+    corr = AdaptiveCorrection(buckets_def.n_buckets)
+    for step in range(steps):
+        shapes, costs = make_costs(16, seed=1000 * seed + step)
+        buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
+        part = greedy_partition(costs, DEMO_M, DEMO_DP, DEMO_DP)
+        st = stage_times(_uniformly_slow(costs), part.microbatch, part.replica, DEMO_M, DEMO_DP, DEMO_DP)
+        jitter = lambda x: x * np.exp(noise * rng.standard_normal(x.shape))  # noqa: E731
+        corr.observe(costs, part, buckets, MeasuredTimes(jitter(st.vision_fwd), jitter(st.vision_bwd),
+                                                         jitter(st.llm_fwd), jitter(st.llm_bwd)))
+    return corr
+
+
+def test_unseen_buckets_and_the_constant_take_the_modules_level(make_costs):
+    """Exact measurements of a uniform slowdown: every factor, of buckets the 10 steps never showed
+    and of the per-op constant included, is the slowdown, so a fresh batch's corrected step is the
+    true one exactly (closed form: LEVEL x the profiled step). A fit pulled towards 1 instead leaves
+    unseen buckets at 1 and the constant short (6 % off on these batches)."""
+    corr = _learn_demo_steps(make_costs, noise=0.0, seed=0)
+    for mod in ("vision", "llm"):
+        np.testing.assert_allclose(corr.factors_[mod], LEVEL, rtol=1e-6)
+    buckets_def = ShapeBuckets()
+    for seed in range(500, 505):
+        shapes, costs = make_costs(16, seed=seed)
+        part = greedy_partition(costs, DEMO_M, DEMO_DP, DEMO_DP)
+        fixed = corr.corrected(costs, buckets_def.assign(shapes.n_tiles, shapes.seq_len))
+        assert _demo_step_s(fixed, part) == pytest.approx(_demo_step_s(_uniformly_slow(costs), part), rel=1e-6)
+
+
+def test_noisy_demo_sized_steps_give_a_steady_corrected_prediction(make_costs):
+    """25 % noise per measured op, 10 learned steps of 4 bins each (fewer equations than buckets
+    per step): the corrected step of fresh batches stays within 10 % of the truth (LEVEL x profiled)
+    in 9 batches of 10, 5 % on average. The fit pulled towards 1 only numerically gave rarely seen
+    buckets factors of 0.12-4.4 and missed by 14 % at p90 (6.6 % mean) on these same batches."""
+    buckets_def = ShapeBuckets()
+    errors = []
+    for trial in range(8):
+        corr = _learn_demo_steps(make_costs, noise=0.25, seed=trial)
+        for k in range(10):
+            shapes, costs = make_costs(16, seed=1000 * trial + 500 + k)
+            part = greedy_partition(costs, DEMO_M, DEMO_DP, DEMO_DP)
+            fixed = corr.corrected(costs, buckets_def.assign(shapes.n_tiles, shapes.seq_len))
+            errors.append(abs(np.log(_demo_step_s(fixed, part) / _demo_step_s(_uniformly_slow(costs), part))))
+    assert np.percentile(errors, 90) < 0.10 and np.mean(errors) < 0.05, (np.percentile(errors, 90), np.mean(errors))
