@@ -361,13 +361,15 @@ class Plan:
 @dataclass(frozen=True)
 class PlanFile:
     """plan.yaml read back: the plan, the global batch it was made for, the data-blind baseline
-    (None without one) and the whole mapping (`doc`: predictions, solver, cluster, model, inputs)."""
+    (None without one), the whole mapping (`doc`: predictions, solver, cluster, model, inputs) and
+    the HF/LLaVA padded baseline (None without one; `baseline` is the Megatron-style packed one)."""
 
     plan: Plan
     global_batch_size: int
     baseline: Plan | None = None
     doc: Mapping[str, Any] = field(default_factory=dict, compare=False)
     source: str = "plan.yaml"
+    padded_baseline: Plan | None = None
 
     def model_spec(self) -> ModelSpec:
         """The model the plan was made for (its ``model`` record: arch, vision, llm, weights; the
@@ -477,9 +479,10 @@ def plan_from_dict(raw: Any, source: str = "plan.yaml") -> PlanFile:
     baseline = None
     if raw.get("baseline"):
         baseline, _ = _plan(raw["baseline"], source, "baseline.")
-    if raw.get("padded_baseline"):  # optional (newer files); checked, read from `doc` where needed
-        _plan(raw["padded_baseline"], source, "padded_baseline.")
-    return PlanFile(plan, batch, baseline, dict(raw), source)
+    padded = None
+    if raw.get("padded_baseline"):  # optional (newer files)
+        padded, _ = _plan(raw["padded_baseline"], source, "padded_baseline.")
+    return PlanFile(plan, batch, baseline, dict(raw), source, padded)
 
 
 def baseline_plan_doc(doc: Mapping[str, Any], source: str = "plan.yaml") -> dict:

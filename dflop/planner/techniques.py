@@ -123,17 +123,20 @@ def techniques_record(table: pd.DataFrame) -> list[dict]:
 
 def format_techniques(table: pd.DataFrame) -> str:
     """The per-stage technique table as aligned text (what `dflop simulate` prints and the report
-    shows), or one line when no technique is on."""
+    shows), or one line when no technique is on. Both prices are shown: recomputation's per
+    microbatch (+bwd ms/mb) and sharding's per step (shard ms/step, `shard_comm_extra_s`; negative
+    when the smaller optimizer step outweighs the extra synchronisation)."""
     on = (table["recompute"] != "none") | table["shard_optimizer"] | table["sequence_parallel"]
     if not on.any():
         return "memory techniques: none"
     gb = lambda x: f"{x / 1e9:.3g}"
     shared = table["stage"].duplicated(keep=False)  # colocated LLM stage 0: vision tower and LLM rows
-    header = ("stage", "recompute", "shard opt", "seq par", "+bwd ms/mb", "act saved GB", "state saved GB",
-              "SP saved GB", "peak GB")
+    header = ("stage", "recompute", "shard opt", "seq par", "+bwd ms/mb", "shard ms/step", "act saved GB",
+              "state saved GB", "SP saved GB", "peak GB")
     body = [(f"llm stage 0: {r.module}" if two else r.name, r.recompute, "yes" if r.shard_optimizer else "no",
              "yes" if r.sequence_parallel else "no", f"{r.recompute_extra_s * 1e3:.3g}",
-             gb(r.activation_saved_bytes), gb(r.state_saved_bytes), gb(r.sp_saved_bytes), gb(r.peak_bytes))
+             f"{r.shard_comm_extra_s * 1e3:.3g}", gb(r.activation_saved_bytes), gb(r.state_saved_bytes),
+             gb(r.sp_saved_bytes), gb(r.peak_bytes))
             for r, two in zip(table.itertuples(index=False), shared)]
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     fmt = lambda row: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))

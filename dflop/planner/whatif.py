@@ -1,8 +1,8 @@
 """`dflop simulate --plan plan.yaml [--gpus N] [--shapes other.parquet]`: re-evaluate a plan.
 
 Users ask this before buying GPU hours: how fast would this plan run on other data, or on N GPUs?
-The plan (and its data-blind baseline) is simulated over sampled global batches exactly as the
-optimizer did (`dflop.planner.expected`), with the cost model and cluster recorded in plan.yaml
+The plan (and its data-blind baselines: Megatron-style packed, HF/LLaVA padded) is simulated over
+sampled global batches exactly as the optimizer did (`dflop.planner.expected`), with the cost model and cluster recorded in plan.yaml
 unless overridden, and a Gantt chart of a median batch is drawn. The summary ends with what the
 plan's memory techniques cost and save per stage (`dflop.planner.techniques`), or says none is on.
 
@@ -10,7 +10,7 @@ With ``gpus=N`` the plan keeps its TP and PP degrees, layer split and microbatch
 data parallelism to fit N GPUs: colocated ``dp = N // (tp * pp)``; disjoint keeps the vision/LLM
 GPU ratio (LLM dp rounded, the vision tower takes what is left). The global batch scales with the
 GPUs (the plan's samples per GPU are kept) unless ``global_batch`` gives it; LLM dp is capped so
-every bin gets a sample, and the summary says how many GPUs the scaled plan really uses. The baseline is scaled
+every bin gets a sample, and the summary says how many GPUs the scaled plan really uses. Each baseline is scaled
 the same way, keeping its fixed-count microbatches (dp reduced to a divisor of the batch). Like the
 optimizer, scaling keeps only layouts `Cluster.launchable` allows (whole nodes, LLM TP groups
 inside a node), stepping dp down until one is.
@@ -32,7 +32,7 @@ from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
 from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.inputs import check_cost_model_matches
-from dflop.planner.planfile import check_plan_runs
+from dflop.planner.planfile import BASELINE_LABELS, check_plan_runs
 from dflop.planner.space import ModelShape
 from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.shapes import read_shapes
@@ -42,7 +42,8 @@ from dflop.costmodel.jsonio import load_cost_model
 
 @dataclass(frozen=True)
 class WhatIf:
-    """The re-evaluated plan and baseline (None when it cannot be scaled), the chart written, the
+    """The re-evaluated plan and baselines (Megatron-style packed `baseline`, HF/LLaVA
+    `padded_baseline`; None when plan.yaml has none or it cannot be scaled), the chart written, the
     plan's memory techniques with their costs per stage (`technique_costs`), which cost model priced
     it, what a training run of the plan measured against its predictions (if one was given), and
     whether the host's loading of the samples is charged (`loading_note`)."""
@@ -56,6 +57,7 @@ class WhatIf:
     cost_model: str = ""
     measured: str | None = None
     loading: str | None = None
+    padded_baseline: Evaluation | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
                   verbose: bool = True, shape: ModelShape | None = None, measured: str | None = None) -> WhatIf:
     """Re-evaluate plan.yaml (optionally on `gpus` GPUs and/or other shapes); draw the Gantt chart.
 
-    The plan (and its baseline) is first checked against the model and its recorded cluster
+    The plan (and its baselines) is first checked against the model and its recorded cluster
     (`check_plan_runs`). gpus: scale data parallelism to this many GPUs; global_batch: the global
     batch to simulate (default: plan.yaml's, scaled by gpus / the plan's world size when `gpus` is
     given). shapes_path / costmodel_path default to the ones recorded in plan.yaml;
@@ -170,9 +172,10 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
     pf, cost, pool, cluster, sizes, scheduler = ctx.plan_file, ctx.cost, ctx.pool, ctx.cluster, ctx.sizes, ctx.scheduler
     shapes_path = ctx.shapes_path
     check_plan_runs(pf.plan, ctx.shape, cluster, str(plan_path))
-    if pf.baseline is not None:
-        check_plan_runs(pf.baseline, ctx.shape, cluster, f"{plan_path}: baseline")
-    plan, baseline, notes = pf.plan, pf.baseline, []
+    bases = {policy: b for policy, b in (("megatron", pf.baseline), ("padded", pf.padded_baseline)) if b is not None}
+    for policy, b in bases.items():
+        check_plan_runs(b, ctx.shape, cluster, f"{plan_path}: {_BASELINE_KEY[policy]}")
+    plan, notes = pf.plan, []
     if gpus is not None:
         cluster = cluster.with_gpus(int(gpus))
     B = scaled_global_batch(pf, cluster if gpus is not None else None, global_batch, notes)
@@ -181,18 +184,19 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
         used = plan.layout.world_size
         notes.append(f"scaled to {cluster.world_size} GPUs: {plan.layout.describe()}"
                      + (f" (uses {used} of the {cluster.world_size} GPUs)" if used < cluster.world_size else ""))
-        if baseline is not None:
-            baseline = scale_baseline(baseline, cluster, B)
-            if baseline is None:
-                notes.append("baseline: no dp keeps fixed-count microbatches on this many GPUs")
+        for policy in list(bases):
+            bases[policy] = scale_baseline(bases[policy], cluster, B)
+            if bases[policy] is None:
+                notes.append(f"{_BASELINE_KEY[policy]}: no dp keeps fixed-count microbatches on this many GPUs")
     elif global_batch is not None:
         if B < plan.layout.m * plan.layout.dp_l:
             raise UserError(f"--global-batch {B} cannot fill the plan's m x llm dp = {plan.layout.m} x "
                             f"{plan.layout.dp_l} microbatch bins")
-        if baseline is not None and B % (baseline.layout.m * baseline.layout.dp_l):
-            notes.append(f"baseline: global batch {B} does not split into its fixed-count microbatches "
-                         f"(m x dp = {baseline.layout.m} x {baseline.layout.dp_l})")
-            baseline = None
+        for policy, b in list(bases.items()):
+            if B % (b.layout.m * b.layout.dp_l):
+                notes.append(f"{_BASELINE_KEY[policy]}: global batch {B} does not split into its fixed-count "
+                             f"microbatches (m x dp = {b.layout.m} x {b.layout.dp_l})")
+                bases[policy] = None
     if len(pool) < B:
         notes.append(f"{shapes_path} has {len(pool)} usable samples, fewer than the global batch of {B}: batches "
                      "are drawn with replacement")
@@ -202,13 +206,14 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
     ev = evaluate_plan(plan, cost, pool, batches, cluster, sizes, scheduler, seed=seed)
     if not ev.ok:
         raise UserError(f"plan {plan.describe()} cannot run on {shapes_path}: {ev.failure}")
-    base = None
-    if baseline is not None:
-        base = evaluate_plan(baseline, cost, pool, batches, cluster, sizes,
-                             replace(scheduler, policy="megatron"), seed=seed)
-        if not base.ok:
-            notes.append(f"baseline {baseline.describe()} cannot run: {base.failure}")
-            base = None
+    evaluated = {}
+    for policy, b in bases.items():
+        if b is None:
+            continue
+        evaluated[policy] = evaluate_plan(b, cost, pool, batches, cluster, sizes, replace(scheduler, policy=policy),
+                                          seed=seed)
+        if not evaluated[policy].ok:
+            notes.append(f"{_BASELINE_KEY[policy]} {b.describe()} cannot run: {evaluated.pop(policy).failure}")
     png = None
     if out_png is not None:
         median = int(sorted(range(len(ev.step_s)), key=lambda i: ev.step_s[i])[len(ev.step_s) // 2])
@@ -216,12 +221,15 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
         png = plot_gantt(timeline, out_png, title=f"{plan.layout.describe()}: step {timeline.step_s:.4g} s "
                          f"(median of {len(ev.step_s)} sampled batches), idle {100 * timeline.idle_fraction():.1f}%")
     techniques = technique_costs(plan, cost, pool, cluster, sizes, global_batch=B)
-    result = WhatIf(ev, base, cluster, png, tuple(notes), techniques,
+    result = WhatIf(ev, evaluated.get("megatron"), cluster, png, tuple(notes), techniques,
                     cost_model=f"{ctx.costmodel_path}: {cost.provenance.describe()}", measured=measured,
-                    loading=loading_note(cost, cluster, pool, B))
+                    loading=loading_note(cost, cluster, pool, B), padded_baseline=evaluated.get("padded"))
     if verbose:
         print(whatif_summary(result, B, shapes_path))
     return result
+
+
+_BASELINE_KEY = {"megatron": "baseline", "padded": "padded_baseline"}  # plan.yaml's section of each policy
 
 
 def loading_note(cost: CostModel, cluster: Cluster, pool: Pool, global_batch: int) -> str | None:
@@ -285,9 +293,11 @@ def whatif_summary(w: WhatIf, global_batch: int, shapes_path) -> str:
               f"utilisation {100 * ev.mean_utilisation:.1f}%",
               "           memory per stage (GB): " + ", ".join(
                   f"{ev.plan.stage_name(s)} {m / 1e9:.3g}" for s, m in enumerate(ev.memory_bytes))]
-    if w.baseline is not None:
-        lines += [f"  baseline {w.baseline.plan.describe()}: step {w.baseline.mean_s:.4g} s mean",
-                  f"  predicted speedup over the baseline: {w.baseline.mean_s / ev.mean_s:.2f}x"]
+    for base in (w.baseline, w.padded_baseline):
+        if base is not None:
+            label = BASELINE_LABELS[base.policy]
+            lines += [f"  baseline ({label}) {base.plan.describe()}: step {base.mean_s:.4g} s mean",
+                      f"  predicted speedup over the baseline: {base.mean_s / ev.mean_s:.2f}x vs {label}"]
     if w.techniques is not None:
         lines += ["  " + line for line in format_techniques(w.techniques).splitlines()]
     if w.gantt_png is not None:

@@ -1,10 +1,12 @@
 """The chosen plan vs the data-blind baseline, from plan.yaml (DESIGN.md §4), and a Gantt chart of
 a simulated step of each.
 
-The plan and its baseline are re-simulated exactly as the optimizer judged them
+The plan and its baselines are re-simulated exactly as the optimizer judged them
 (`dflop.planner.expected`: the same sampled global batches, seed, cost model and cluster, the
-online scheduler for the plan and fixed-count contiguous microbatches for the baseline), so the
-step times drawn here reproduce plan.yaml's ``predicted`` numbers. Figures:
+online scheduler for the plan and fixed-count contiguous microbatches for the baselines), so the
+step times drawn here reproduce plan.yaml's ``predicted`` numbers. The panels draw the
+Megatron-style packed baseline; the title gives the predicted speedup over it and over the
+HF/LLaVA padded one (`dflop.planner.planfile.BASELINE_LABELS`). Figures:
 
 - comparison: predicted step time over the sampled batches (bar: mean; dots: each batch; dotted:
   p90), predicted peak memory per stage against the GPU memory limit, and the compute load of
@@ -27,6 +29,7 @@ import pandas as pd
 from dflop.errors import UserError
 from dflop.plan import Plan
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
+from dflop.planner.planfile import BASELINE_LABELS
 from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.planner.whatif import load_plan_context
 from dflop.report.style import BASELINE_COLOUR, PLAN_COLOUR, save_figure
@@ -39,7 +42,8 @@ class LayoutStep:
 
     evaluation: step seconds [K] over the K sampled batches and peak memory [P] bytes per stage;
     median_step: the exact timeline of the plan's median batch under this layout;
-    stages: [P] stage names (vision stages first); label: "DFLOP plan" or "data-blind baseline".
+    stages: [P] stage names (vision stages first); label: "DFLOP plan" or "Megatron-style packed
+    data-blind baseline".
     """
 
     label: str
@@ -58,11 +62,12 @@ class LayoutStep:
 
 @dataclass(frozen=True)
 class PlanComparison:
-    """The plan and (when plan.yaml has one) its baseline, simulated on the same batches.
+    """The plan and (when plan.yaml has them) its baselines, simulated on the same batches.
 
-    median_batch: index (0..K-1) of the sampled batch whose plan step is the median;
-    memory_limit_bytes: GPU memory per rank the planner allowed; techniques: the plan's memory
-    techniques and their costs per stage (`technique_costs`).
+    baseline: the Megatron-style packed one, drawn; padded_baseline: the HF/LLaVA padded one's
+    evaluation (its speedup is in the title); median_batch: index (0..K-1) of the sampled batch
+    whose plan step is the median; memory_limit_bytes: GPU memory per rank the planner allowed;
+    techniques: the plan's memory techniques and their costs per stage (`technique_costs`).
     """
 
     plan: LayoutStep
@@ -71,11 +76,17 @@ class PlanComparison:
     memory_limit_bytes: float
     global_batch: int
     techniques: pd.DataFrame | None = None
+    padded_baseline: Evaluation | None = None
+
+    def speedups(self) -> dict[str, float]:
+        """Predicted mean-step speedup of the plan over each baseline present, by its label."""
+        bases = (self.baseline.evaluation if self.baseline is not None else None, self.padded_baseline)
+        return {BASELINE_LABELS[b.policy]: b.mean_s / self.plan.evaluation.mean_s for b in bases if b is not None}
 
 
 def compare_plan(plan_path: str | Path, *, shapes: str | Path | None = None,
                  costmodel: str | Path | None = None) -> PlanComparison:
-    """Re-simulate plan.yaml's plan and baseline as the optimizer did (module docstring).
+    """Re-simulate plan.yaml's plan and baselines as the optimizer did (module docstring).
 
     shapes / costmodel default to the paths recorded in plan.yaml (``inputs``).
     """
@@ -98,9 +109,18 @@ def compare_plan(plan_path: str | Path, *, shapes: str | Path | None = None,
     chosen, median = simulate("DFLOP plan", pf.plan, scheduler, None)
     baseline = None
     if pf.baseline is not None:
-        baseline, _ = simulate("data-blind baseline", pf.baseline, replace(scheduler, policy="megatron"), median)
+        baseline, _ = simulate(f"{BASELINE_LABELS['megatron']} baseline", pf.baseline,
+                               replace(scheduler, policy="megatron"), median)
+    padded = None
+    if pf.padded_baseline is not None:
+        padded = evaluate_plan(pf.padded_baseline, cost, pool, batches, cluster, sizes,
+                               replace(scheduler, policy="padded"), seed=seed)
+        if not padded.ok:
+            raise UserError(f"{plan_path}: padded baseline {pf.padded_baseline.describe()} cannot run on {shapes}: "
+                            f"{padded.failure}")
     techniques = technique_costs(pf.plan, cost, pool, cluster, sizes, global_batch=pf.global_batch_size)
-    return PlanComparison(chosen, baseline, median, cluster.gpu_memory_bytes, pf.global_batch_size, techniques)
+    return PlanComparison(chosen, baseline, median, cluster.gpu_memory_bytes, pf.global_batch_size, techniques,
+                          padded)
 
 
 def draw_plan_comparison(cmp: PlanComparison) -> plt.Figure:
@@ -122,14 +142,15 @@ def draw_plan_comparison(cmp: PlanComparison) -> plt.Figure:
     if cmp.baseline is None:
         axes[1, 1].axis("off")
         axes[1, 1].text(0.5, 0.5, "plan.yaml has no data-blind baseline", ha="center", va="center")
-    speedup = f", predicted speedup {cmp.baseline.evaluation.mean_s / cmp.plan.evaluation.mean_s:.2f}x" \
-        if cmp.baseline is not None else ""
     if table:
         text_ax = fig.add_subplot(grid[2, :])
         text_ax.axis("off")
         text_ax.text(0.0, 1.0, "\n".join(table), family="monospace", fontsize=9, va="top", ha="left",
                      transform=text_ax.transAxes)
-    fig.suptitle(f"Chosen plan vs data-blind baseline (global batch {cmp.global_batch}{speedup})", fontsize=13)
+    speedups = "; ".join(f"{x:.2f}x vs {label}" for label, x in cmp.speedups().items())
+    drawn = f" vs {cmp.baseline.label}" if cmp.baseline is not None else ""
+    fig.suptitle(f"Chosen plan{drawn} (global batch {cmp.global_batch})"
+                 + (f"\npredicted speedup {speedups}" if speedups else ""), fontsize=13)
     return fig
 
 

@@ -275,8 +275,10 @@ def _plan_text(inputs, out, shape, **sections) -> str:
 
 
 def test_simulate_states_its_spread_cost_model_and_measured_error(inputs, tmp_path, tiny_shape, capsys):
-    """The what-if names the cost model, gives p10/p50/p90 of the sampled batches, and repeats what a
-    training run measured against its predictions (the CLI's --metrics, or the workflow's run beside it)."""
+    """The what-if names the cost model, gives p10/p50/p90 of the sampled batches, repeats what a
+    training run measured against its predictions (the CLI's --metrics, or the workflow's run beside
+    it), and gives the speedup over each baseline by name: re-simulated on plan.yaml's batches, both
+    are the ones the optimizer wrote."""
     import numpy as np
 
     from dflop.cli import main
@@ -285,6 +287,13 @@ def test_simulate_states_its_spread_cost_model_and_measured_error(inputs, tmp_pa
     plan = tmp_path / "plan" / "plan.yaml"
     result = simulate_plan(plan, verbose=True, shape=tiny_shape, measured="run X: ratio 1.5")
     out = capsys.readouterr().out
+    doc = yaml.safe_load(plan.read_text())
+    for ev, key, speedup, label in ((result.baseline, "baseline", "speedup", "Megatron-style packed data-blind"),
+                                    (result.padded_baseline, "padded_baseline", "speedup_padded", "HF/LLaVA padded")):
+        assert ev.mean_s == pytest.approx(doc[key]["predicted"]["step_s"]["mean"], rel=1e-9)
+        assert f"predicted speedup over the baseline: {doc[speedup]:.2f}x vs {label}" in out
+        assert f"baseline ({label}) {ev.plan.describe()}: step {ev.mean_s:.4g} s mean" in out
+    assert f"{doc['speedup']:.2f}" != f"{doc['speedup_padded']:.2f}"  # so the lines cannot be swapped unseen
     steps = np.asarray(result.plan.step_s)
     p10, p50, p90 = np.percentile(steps, [10, 50, 90])
     assert f"step {p10:.4g} / {p50:.4g} / {p90:.4g} s p10 / p50 / p90 over {len(steps)} sampled batches" in out

@@ -6,6 +6,7 @@ test_technique_costs.py; here: where they show up, and that they survive the fil
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -13,6 +14,7 @@ import yaml
 from dflop.config import Config, deep_merge
 from dflop.costmodel.analytic import analytic_cost_model
 from dflop.costmodel.jsonio import save_cost_model
+from dflop.costmodel.model import BytesLine, CostModel, StepCosts
 from dflop.models.handle import ModelHandle
 from dflop.plan import read_plan
 from dflop.planner import optimize
@@ -28,8 +30,13 @@ def inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("technique_inputs")
     toy_shapes(200, seed=3).to_parquet(d / "shapes.parquet")
     model = ModelHandle.resolve(Config.from_dict({"model": DEMO}).model)
-    save_cost_model(analytic_cost_model(model.config, tp_degrees=[1], dtype="float32",
-                                        preset="llava_ov/siglip-tiny/qwen2.5-tiny"), d / "costmodel.json")
+    cost = analytic_cost_model(model.config, tp_degrees=[1], dtype="float32", preset="llava_ov/siglip-tiny/qwen2.5-tiny")
+    # A measured optimizer step gives sharding a time price (a sharded rank steps 1/dp of the
+    # parameters); without one its reduce-scatter + all-gather cost exactly the all-reduce, 0 extra.
+    # Measured on "cpu", so it holds on the tests' CPU cluster (`step_costs_on`).
+    cost = CostModel(cost.modules.values(), replace(cost.provenance, device="cpu"),
+                     StepCosts(optimizer=BytesLine(1e-4, 1e-9)))
+    save_cost_model(cost, d / "costmodel.json")
     return d
 
 
@@ -75,12 +82,17 @@ def test_simulate_prints_the_technique_table(full_plan, capsys):
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if "memory techniques (at the mean microbatch)" in line)
     header, rows = lines[start + 1], lines[start + 2:]
-    assert "+bwd ms/mb" in header and "act saved GB" in header and "state saved GB" in header
+    assert re.split(r"\s{2,}", header.strip()) == ["stage", "recompute", "shard opt", "seq par", "+bwd ms/mb",
+                                                   "shard ms/step", "act saved GB", "state saved GB", "SP saved GB",
+                                                   "peak GB"]
     record = read_plan(full_plan).doc["techniques"]
+    assert all(rec["shard_comm_extra_s"] < 0 for rec in record)  # dp 2 halves the optimizer step: a saving
     for row, rec in zip(rows, record):
-        mode, shard, sp, bwd_ms, act, state, sp_saved, peak = row.split()[-8:]
+        mode, shard, sp, bwd_ms, shard_ms, act, state, sp_saved, peak = row.split()[-9:]
         assert (mode, shard, sp, sp_saved) == ("full", "yes", "no", "0")
         assert bwd_ms == f"{rec['recompute_extra_s'] * 1e3:.3g}"
+        # sharding's price per step, as the record has it (seconds there, milliseconds here)
+        assert shard_ms == f"{rec['shard_comm_extra_s'] * 1e3:.3g}"
         assert (act, state, peak) == tuple(f"{rec[k] / 1e9:.3g}" for k in ("activation_saved_bytes",
                                                                           "state_saved_bytes", "peak_bytes"))
 

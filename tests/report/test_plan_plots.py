@@ -68,6 +68,9 @@ def test_resimulation_reproduces_the_predictions_in_plan_yaml(planned, compariso
         np.testing.assert_allclose(ev.memory_bytes, memory, rtol=1e-9)
         assert len(step.stages) == len(memory)
     assert comparison.memory_limit_bytes == doc["predicted"]["memory_limit_bytes"]
+    padded = doc["padded_baseline"]["predicted"]["step_s"]
+    assert comparison.padded_baseline.mean_s == pytest.approx(padded["mean"], rel=1e-9)
+    assert comparison.padded_baseline.p90_s == pytest.approx(padded["p90"], rel=1e-9)
     plan_steps = comparison.plan.evaluation.step_s
     assert plan_steps[comparison.median_batch] == sorted(plan_steps)[len(plan_steps) // 2]
 
@@ -92,6 +95,18 @@ def test_load_bars_are_the_devices_busy_time_of_the_median_step(comparison):
     plt.close(fig)
 
 
+def test_the_title_gives_the_speedup_over_both_baselines_by_name(planned, comparison):
+    """Issue 20: every speedup is reported against both data-blind trainers, each named; the
+    numbers are the ones the optimizer wrote into plan.yaml."""
+    doc = yaml.safe_load((planned / "plan.yaml").read_text())
+    fig = draw_plan_comparison(comparison)
+    title = fig.get_suptitle()
+    plt.close(fig)
+    assert f"{doc['speedup']:.2f}x vs Megatron-style packed data-blind" in title
+    assert f"{doc['speedup_padded']:.2f}x vs HF/LLaVA padded" in title
+    assert f"{doc['speedup']:.2f}" != f"{doc['speedup_padded']:.2f}"  # so swapped numbers would show
+
+
 def test_plot_plan_writes_the_comparison_and_both_gantt_charts(planned, tmp_path):
     paths = plot_plan(plan=planned / "plan.yaml", shapes=planned / "shapes.parquet", costmodel=planned / "costmodel.json",
                       out_png=tmp_path / "cmp.png", gantt_plan_png=tmp_path / "g_plan.png",
@@ -108,6 +123,7 @@ def test_plan_without_baseline(planned, tmp_path):
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     cmp = compare_plan(tmp_path / "plan.yaml", shapes=planned / "shapes.parquet", costmodel=planned / "costmodel.json")
     assert cmp.baseline is None
+    assert list(cmp.speedups()) == ["HF/LLaVA padded"]  # the padded one is still reported
     plot_plan(plan=tmp_path / "plan.yaml", shapes=planned / "shapes.parquet", costmodel=planned / "costmodel.json",
               out_png=tmp_path / "cmp.png", gantt_plan_png=tmp_path / "g_plan.png",
               gantt_baseline_png=tmp_path / "g_base.png")
