@@ -40,6 +40,7 @@ from dflop.models.handle import ModelHandle
 from dflop.models.tensor_parallel import is_tp_shard
 from dflop.plan import Plan, PlanFile
 from dflop.planner.cluster import Cluster
+from dflop.planner.expected import price
 from dflop.planner.means import Pool
 from dflop.planner.pricing import Pricing
 from dflop.runtime.agreement import rank0_result
@@ -84,9 +85,13 @@ def step_planner(settings: TrainSettings, pricing: Pricing, pool: pd.DataFrame, 
                  rules) -> StepPlanner:
     """Rank 0's online scheduler for `pricing`'s plan: every global batch priced by the one pricing
     path, partitioned with its send latency and all-reduces (``scheduler.ilp`` says whether the
-    portfolio's exact member runs)."""
+    portfolio's exact member runs). The padded baseline (``scheduler.pad_to_longest``) is priced as
+    the planner prices it (`dflop.planner.expected.price`): its fixed-count bins do not depend on
+    the costs, but its predicted step must pay the padding the executor computes."""
     sched = settings.scheduler
-    return StepPlanner(pool, batches, pricing.plan, lambda shapes: pricing.batch(Pool.from_shapes(shapes)).costs,
+    policy = "padded" if sched.pad_to_longest and sched.policy == "baseline" else sched.policy
+    return StepPlanner(pool, batches, pricing.plan,
+                       lambda shapes: price(pricing, Pool.from_shapes(shapes), policy).costs,
                        feature_rows_fn(rules), policy=sched.policy, budget_s=sched.budget_ms / 1e3,
                        prefetch=sched.prefetch, seed=settings.seed, total_steps=settings.train.steps,
                        adaptive=settings.adaptive_correction, p2p_s=pricing.p2p_s, allreduce_s=pricing.allreduce_s,

@@ -107,3 +107,49 @@ def test_the_trainers_stand_in_prices_sequence_parallel_activations():
     saving = sequence_parallel_saving(model.info.llm_hidden, 2, nbytes) * model.n_llm_layers * batch.seq_len
     np.testing.assert_allclose(off.llm_act_bytes[0] - on.llm_act_bytes[0], saving, rtol=1e-9)
     np.testing.assert_array_equal(off.llm_fwd, on.llm_fwd)
+
+
+@pytest.mark.parametrize("layout", [Layout("disjoint", 1, 1, 2, 1, 2, 1, 4), Layout("colocated", 1, 1, 2, 1, 1, 2, 2)])
+def test_the_padded_baselines_prediction_pays_its_padding(fitted, layout):
+    """The trainer's padded baseline (`scheduler.pad_to_longest`) predicts the step of its own bins
+    with every sample's sequence raised to its bin's longest, as the executor runs it: rebuilt here
+    from the StepPlan's bins (not from the baseline's bin rule), priced per sample and simulated
+    (1F1B, the pricing's send latency and all-reduces). Priced packed, the prediction missed the
+    padding: bench_trainer's padded variant measured 1.98x its prediction, the packed ones 1.42x."""
+    from dataclasses import replace
+
+    from dflop.scheduler.evaluate import simulate_times, stage_times
+
+    cfg = Config.from_dict({"model": MODEL, "train": {"global_batch_size": 16},
+                            "scheduler": {"policy": "baseline", "pad_to_longest": True}})
+    settings = TrainSettings.from_config(cfg, adaptive_correction=False)
+    model = ModelHandle.resolve(cfg.model)
+    plan = Plan.uniform(layout, model.n_vision_layers, model.n_llm_layers)
+    pricing = training_pricing(plan, model, fitted, Cluster.from_section(cfg.cluster))
+    shapes = llava_ov_mix(200, seed=4)
+    batches = GlobalBatches(len(shapes), 16, settings.seed)
+    planner = step_planner(settings, pricing, shapes, batches, model.sample_rules())
+    try:
+        for step in range(3):
+            online = planner.get(step)
+            batch = Pool.from_shapes(shapes.iloc[list(online.rows)].reset_index(drop=True))
+            microbatch, replica = np.zeros(len(batch), dtype=np.int64), np.zeros(len(batch), dtype=np.int64)
+            longest = batch.seq_len.copy()
+            for position, bins in enumerate(online.bins):
+                for r, members in enumerate(bins):
+                    members = list(members)
+                    microbatch[members], replica[members] = online.microbatch_ids[position], r
+                    longest[members] = batch.seq_len[members].max()
+            assert (longest > batch.seq_len).any()  # this batch has padding to pay
+            lay = plan.layout
+
+            def step_s(pool):
+                times = stage_times(pricing.batch(pool).costs, microbatch, replica, lay.m, lay.dp_l,
+                                    lay.vision_replicas)
+                return simulate_times(times, np.asarray(online.microbatch_ids), p2p_s=pricing.p2p_s,
+                                      allreduce_s=pricing.allreduce_s).step_s
+
+            assert online.predicted_step_s == pytest.approx(step_s(replace(batch, seq_len=longest)), rel=1e-9)
+            assert online.predicted_step_s > step_s(batch) * 1.01
+    finally:
+        planner.close()
