@@ -145,3 +145,29 @@ def test_cutoff_proves_exactly_the_splits_above_it(case):
         above = solve_split(sm, rel_gap=0.0, cutoff_s=best[0] * (1 + 1e-6))
         assert above.status == plain.status == "optimal"
         assert np.array_equal(above.split, plain.split) and above.objective_s == plain.objective_s
+
+
+def too_small(kind):
+    """A stage model no split fits: "fixed", below a stage's fixed memory; "sum", every stage fits
+    one layer but together they hold fewer than the LLM's layers (only the sum is short)."""
+    sm = random_stage_model(np.random.default_rng(0), pp_v=1, pp_l=2, vision_layers=2, llm_layers=4, m=2)
+    if kind == "fixed":
+        return replace(sm, memory_bytes=0.2)
+    fixed, per_layer = np.full(3, 0.2), np.full(3, 0.5)   # 0.2 + 0.5 n <= 1 iff n <= 1
+    c = replace(sm.coeffs, mem_mean_fixed=fixed, mem_mean_layer=per_layer, mem_max_fixed=fixed,
+                mem_max_layer=per_layer)
+    return replace(sm, by_mode={"none": c}, memory_bytes=1.0)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "sum"])
+@pytest.mark.parametrize("cutoff_s", [0.0, 1e9])
+def test_cutoff_on_an_infeasible_model_reports_infeasible(kind, cutoff_s):
+    """With the cutoff row HiGHS reports infeasible for this layout whatever the cutoff, but no
+    split fits at all: it is infeasible, not cut (a cut row would claim its optimum >= the cutoff)."""
+    sm = too_small(kind)
+    assert brute_force(sm) is None
+    if kind == "sum":
+        assert sm.fits(np.ones(sm.n_stages, int))  # one layer each fits: only the sum is short
+    res = solve_split(sm, cutoff_s=cutoff_s)
+    assert res.status == "infeasible" and not res.has_solution and res.bound_s is None
+

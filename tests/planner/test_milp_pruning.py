@@ -11,7 +11,7 @@ import pytest
 import dflop.planner.search as search_module
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.milp import objective_bound_s, tail_bound_s
+from dflop.planner.milp import objective_bound_s, some_split_fits, tail_bound_s
 from dflop.planner.search import SearchSettings, bin_granularity, prepare_means, search
 from dflop.planner.space import build_space
 from dflop.planner.stages import TransferMeans, split_bound_s
@@ -47,6 +47,7 @@ def test_objective_bound_is_below_the_optimum_and_exact_for_a_single_split(case,
         # memory: the GPU limit as a share of the random model's bytes (0.45 forces recompute or infeasibility)
         sm = replace(sm, memory_bytes=memory)
         best, bound = brute_force(sm), objective_bound_s(sm)
+        assert some_split_fits(sm) == (best is not None)  # what tells solve_split's cutoff from infeasible
         if best is None:
             assert bound == np.inf
             continue
