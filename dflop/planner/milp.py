@@ -181,7 +181,8 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
     when none does, return status "cutoff" (no split; bound_s = cutoff_s, the optimum is above it)
     at the price of that proof, usually a fraction of the solve. Otherwise the model is solved
     without the row, so the split returned is the one the plain solve finds (HiGHS's options have
-    no MIP cutoff: ``objective_bound`` only ends the dual simplex early).
+    no MIP cutoff: ``objective_bound`` only ends the dual simplex early). The proof and the solve
+    share `time_limit_s`: the solve gets what the proof left.
 
     "Infeasible with the row" is also what a model no split fits says, so it is "cutoff" only when
     `some_split_fits` (numpy, no solve); else the plain solve reports it. The search never pays that
@@ -201,7 +202,7 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
                 return SplitResult("cutoff", None, None, float(cutoff_s), time.perf_counter() - t0)
         except Exception:  # noqa: BLE001 (the plain solve below reports whatever goes wrong)
             pass
-    res = _solve(sm, time_limit_s, rel_gap)
+    res = _solve(sm, max(0.0, time_limit_s - (time.perf_counter() - t0)), rel_gap)
     return replace(res, solve_s=time.perf_counter() - t0)
 
 

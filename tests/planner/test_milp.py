@@ -1,10 +1,12 @@
 """The layer-split MILP against brute-force enumeration of every split."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import dflop.planner.milp as milp
 from dflop.planner.milp import solve_split
 from dflop.planner.stages import min_peak_split, split_bound_s
 from planner_testlib import all_splits, random_stage_model
@@ -171,3 +173,21 @@ def test_cutoff_on_an_infeasible_model_reports_infeasible(kind, cutoff_s):
     res = solve_split(sm, cutoff_s=cutoff_s)
     assert res.status == "infeasible" and not res.has_solution and res.bound_s is None
 
+
+def test_plain_solve_after_the_cutoff_gets_only_the_time_left(monkeypatch):
+    """The cutoff proof and the plain solve share one time_limit_s: on a clock where the proof took
+    3 s of 5, the plain solve is given 2 s (a layout must not take twice the limit)."""
+    sm = random_stage_model(np.random.default_rng(1), pp_v=1, pp_l=3, vision_layers=4, llm_layers=7, m=4, dp=2)
+    plain = solve_split(sm, rel_gap=0.0)
+    clock = iter([100.0])  # solve_split's start; every later reading 3 s on
+    monkeypatch.setattr(milp, "time", SimpleNamespace(perf_counter=lambda: next(clock, 103.0)))
+    given, solve = [], milp._solve
+
+    def spy(sm, time_limit_s, rel_gap):
+        given.append(time_limit_s)
+        return solve(sm, time_limit_s, rel_gap)
+
+    monkeypatch.setattr(milp, "_solve", spy)
+    res = solve_split(sm, time_limit_s=5.0, rel_gap=0.0, cutoff_s=2 * plain.objective_s)
+    assert given == [pytest.approx(2.0)]
+    assert res.status == "optimal" and np.array_equal(res.split, plain.split) and res.solve_s == pytest.approx(3.0)
