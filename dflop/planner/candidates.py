@@ -15,11 +15,13 @@ One row per (columns in this order; missing values are null):
   the tower's heads with zero heads, reason vision_heads_padded);
 - ``reason``: why rejected or pruned: tp_not_dividing_heads, tp_not_profiled, tp_not_within_node,
   divisibility, memory, bound (a group's screen bound), milp_bound (a kept layout's MILP lower
-  bound, `dflop.planner.milp.objective_bound_s`, >= the objective of the plans kept; detail names
-  both), max_milps (left unsolved when the MILP budget ran out), prescreen, racing, milp_<status>;
+  bound, `dflop.planner.milp.objective_bound_s`, or HiGHS's proof that no split reaches it
+  (milp_status "cutoff"), >= the objective of the plans kept; detail names both), max_milps (left
+  unsolved when the MILP budget ran out), prescreen, racing, milp_<status>;
   ``detail``: the same in words;
 - ``n_layouts`` (a group row counts only the layouts not listed on layout rows of their own); ``bound_s`` (lower bound of the mean-shape step); ``mean_shape_step_s`` (MILP
-  objective: the 1F1B step under mean shapes); ``milp_status``; ``milp_solve_s``;
+  objective: the 1F1B step under mean shapes); ``milp_status`` (null on layouts that never
+  reached the MILP step; plan.yaml's solver.milps counts the plan rows with one); ``milp_solve_s``;
 - ``vision_layers``, ``llm_layers``: layers per stage; ``vision_recompute``, ``llm_recompute``: the
   recompute mode of each stage; ``shard_vision``, ``shard_llm``: optimizer state sharded over the
   module's replicas; ``sequence_parallel`` (the LLM's);

@@ -181,7 +181,12 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
     when none does, return status "cutoff" (no split; bound_s = cutoff_s, the optimum is above it)
     at the price of that proof, usually a fraction of the solve. Otherwise the model is solved
     without the row, so the split returned is the one the plain solve finds (HiGHS's options have
-    no MIP cutoff: ``objective_bound`` only ends the dual simplex early)."""
+    no MIP cutoff: ``objective_bound`` only ends the dual simplex early). The proof and the solve
+    share `time_limit_s`: the solve gets what the proof left.
+
+    "Infeasible with the row" is also what a model no split fits says, so it is "cutoff" only when
+    `some_split_fits` (numpy, no solve); else the plain solve reports it. The search never pays that
+    solve: it cuts only layouts with a finite `objective_bound_s`, i.e. a fitting split."""
     t0 = time.perf_counter()
     if cutoff_s is not None:
         try:
@@ -193,11 +198,11 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
             for key, value in (("threads", 1), ("time_limit", float(time_limit_s)), ("mip_rel_gap", float(rel_gap))):
                 h.setOptionValue(key, value)
             h.run()
-            if _STATUS.get(h.getModelStatus()) == "infeasible":
+            if _STATUS.get(h.getModelStatus()) == "infeasible" and some_split_fits(sm):
                 return SplitResult("cutoff", None, None, float(cutoff_s), time.perf_counter() - t0)
         except Exception:  # noqa: BLE001 (the plain solve below reports whatever goes wrong)
             pass
-    res = _solve(sm, time_limit_s, rel_gap)
+    res = _solve(sm, max(0.0, time_limit_s - (time.perf_counter() - t0)), rel_gap)
     return replace(res, solve_s=time.perf_counter() - t0)
 
 
@@ -296,6 +301,16 @@ def stage_times_by_layers(sm: StageModel) -> np.ndarray:
     out = np.where(mem <= sm.memory_bytes * (1 + 1e-9), t, np.inf).min(axis=0)
     module = np.where(sm.is_vision, sm.vision_layers, sm.llm_layers)[:, None]
     return np.where(n[None, :] <= module, out, np.inf)
+
+
+def some_split_fits(sm: StageModel) -> bool:
+    """Whether some split and choice of modes fits in memory (the MILP is feasible): a stage that
+    fits n layers fits fewer (`stage_times_by_layers`), so each module's stages must fit one layer
+    each and together all of its layers. At the memory test's 1e-9 tolerance, below HiGHS's: True
+    means HiGHS's model is feasible too."""
+    f = np.isfinite(stage_times_by_layers(sm))
+    return all(f[sm.is_vision == v, 0].all() and f[sm.is_vision == v].sum() >= layers
+               for v, layers in ((True, sm.vision_layers), (False, sm.llm_layers)) if (sm.is_vision == v).any())
 
 
 def _min_max(f: np.ndarray, total: int) -> float:

@@ -32,7 +32,10 @@ Top-level keys::
                sample, policy "padded"; its predicted.mean_shape_step_s is null: the mean-shape step
                packs), or null; absent from files written before it existed
     speedup_padded: padded_baseline mean step / plan mean step (null without one)
-    solver: {name, status, time_s, milps, statuses, top_k_proven, layouts, feasible, wall_s}
+    solver: {name, status, time_s, milps, statuses, top_k_proven, layouts, feasible, time_limit_s, rel_gap,
+             wall_s}: status is the chosen plan's MILP status; milps counts the layouts that reached the
+             MILP step (solved, single split, or pruned by the cutoff proof: status "cutoff"), statuses
+             them by status (summing to milps), time_s their solver seconds
     evaluation: {sample_batches, seed, racing, scheduler: {policy, budget_s, ilp}}
     cluster: the cluster section it was planned for (config units)
     model: {arch, vision, llm, weights, dtype}

@@ -108,8 +108,10 @@ class SearchSettings:
 class SearchResult:
     """The chosen plan and baseline, every candidate row, and search statistics.
 
-    stats: layouts, feasible, milps, milp_s (sum of solve walls), milp_statuses, top_k_proven,
-    milp_pruned (kept layouts skipped by `milp.objective_bound_s`), simulated, screen_s, milp_wall_s, simulate_s, baseline_s, wall_s.
+    stats: layouts, feasible, milps (layouts that reached the MILP step: solved, single split or cut
+    by the cutoff proof), milp_s (sum of their solve walls), milp_statuses (milps by status; "cutoff"
+    for the cut), top_k_proven, milp_pruned (kept layouts pruned with reason milp_bound: skipped by
+    `milp.objective_bound_s`, or cut), simulated, screen_s, milp_wall_s, simulate_s, baseline_s, wall_s.
     """
 
     chosen: Evaluation
@@ -202,10 +204,12 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
         key = (r["placement"] == "colocated", r["tp_v"], r["pp_v"], r["tp_l"], r["pp_l"], r["m"])
         listed[key] = listed.get(key, 0) + 1
     candidates = candidates_frame(rows, _unlisted(screened.groups, listed))
-    milp_s = [x.result.solve_s for x in solved] + [r["milp_solve_s"] for r in unsolved if "milp_solve_s" in r]
+    cut = [r for r in unsolved if r.get("milp_status") == "cutoff"]  # reached HiGHS, pruned by its proof
+    milp_s = [x.result.solve_s for x in solved] + [r["milp_solve_s"] for r in cut]
     stats = {
-        "layouts": screened.n_layouts, "feasible": screened.n_feasible, "milps": len(solved),
-        "milp_s": float(np.sum(milp_s)), "milp_statuses": _counts(x.result.status for x in solved),
+        "layouts": screened.n_layouts, "feasible": screened.n_feasible, "milps": len(solved) + len(cut),
+        "milp_s": float(np.sum(milp_s)),
+        "milp_statuses": _counts([x.result.status for x in solved] + [r["milp_status"] for r in cut]),
         "top_k_proven": proven, "milp_pruned": sum(r["reason"] == "milp_bound" for r in unsolved),
         "simulated": sum(x.evaluation is not None for x in solved),
         "screen_s": t_screen - t0, "milp_wall_s": t_milp - t_screen, "simulate_s": t_sim - t_milp,

@@ -1,10 +1,12 @@
 """The layer-split MILP against brute-force enumeration of every split."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import dflop.planner.milp as milp
 from dflop.planner.milp import solve_split
 from dflop.planner.stages import min_peak_split, split_bound_s
 from planner_testlib import all_splits, random_stage_model
@@ -145,3 +147,47 @@ def test_cutoff_proves_exactly_the_splits_above_it(case):
         above = solve_split(sm, rel_gap=0.0, cutoff_s=best[0] * (1 + 1e-6))
         assert above.status == plain.status == "optimal"
         assert np.array_equal(above.split, plain.split) and above.objective_s == plain.objective_s
+
+
+def too_small(kind):
+    """A stage model no split fits: "fixed", below a stage's fixed memory; "sum", every stage fits
+    one layer but together they hold fewer than the LLM's layers (only the sum is short)."""
+    sm = random_stage_model(np.random.default_rng(0), pp_v=1, pp_l=2, vision_layers=2, llm_layers=4, m=2)
+    if kind == "fixed":
+        return replace(sm, memory_bytes=0.2)
+    fixed, per_layer = np.full(3, 0.2), np.full(3, 0.5)   # 0.2 + 0.5 n <= 1 iff n <= 1
+    c = replace(sm.coeffs, mem_mean_fixed=fixed, mem_mean_layer=per_layer, mem_max_fixed=fixed,
+                mem_max_layer=per_layer)
+    return replace(sm, by_mode={"none": c}, memory_bytes=1.0)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "sum"])
+@pytest.mark.parametrize("cutoff_s", [0.0, 1e9])
+def test_cutoff_on_an_infeasible_model_reports_infeasible(kind, cutoff_s):
+    """With the cutoff row HiGHS reports infeasible for this layout whatever the cutoff, but no
+    split fits at all: it is infeasible, not cut (a cut row would claim its optimum >= the cutoff)."""
+    sm = too_small(kind)
+    assert brute_force(sm) is None
+    if kind == "sum":
+        assert sm.fits(np.ones(sm.n_stages, int))  # one layer each fits: only the sum is short
+    res = solve_split(sm, cutoff_s=cutoff_s)
+    assert res.status == "infeasible" and not res.has_solution and res.bound_s is None
+
+
+def test_plain_solve_after_the_cutoff_gets_only_the_time_left(monkeypatch):
+    """The cutoff proof and the plain solve share one time_limit_s: on a clock where the proof took
+    3 s of 5, the plain solve is given 2 s (a layout must not take twice the limit)."""
+    sm = random_stage_model(np.random.default_rng(1), pp_v=1, pp_l=3, vision_layers=4, llm_layers=7, m=4, dp=2)
+    plain = solve_split(sm, rel_gap=0.0)
+    clock = iter([100.0])  # solve_split's start; every later reading 3 s on
+    monkeypatch.setattr(milp, "time", SimpleNamespace(perf_counter=lambda: next(clock, 103.0)))
+    given, solve = [], milp._solve
+
+    def spy(sm, time_limit_s, rel_gap):
+        given.append(time_limit_s)
+        return solve(sm, time_limit_s, rel_gap)
+
+    monkeypatch.setattr(milp, "_solve", spy)
+    res = solve_split(sm, time_limit_s=5.0, rel_gap=0.0, cutoff_s=2 * plain.objective_s)
+    assert given == [pytest.approx(2.0)]
+    assert res.status == "optimal" and np.array_equal(res.split, plain.split) and res.solve_s == pytest.approx(3.0)

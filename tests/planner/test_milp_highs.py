@@ -75,13 +75,23 @@ def lp_arrays(lp) -> dict:
 
 
 def pyomo_lp(sm):
-    """The HiGHS LP Pyomo's highs interface passes for `pyomo_model(sm)` (its persistent model)."""
-    from pyomo.contrib.solver.common.factory import SolverFactory
+    """The HiGHS LP Pyomo's highs interface passes for `pyomo_model(sm)` (its persistent model).
 
-    solver = SolverFactory("highs")
-    solver._active_config = solver.config  # what solve() sets before set_instance
-    solver.set_instance(pyomo_model(sm))
-    return solver._solver_model.getLp()
+    It reads Pyomo's private ``_active_config`` / ``_solver_model`` (pyproject leaves pyomo
+    unpinned): a Pyomo without them skips this test, naming why, instead of erroring."""
+    model = pyomo_model(sm)
+    try:
+        from pyomo.contrib.solver.common.factory import SolverFactory
+
+        solver = SolverFactory("highs")
+        solver._active_config = solver.config  # what solve() sets before set_instance
+        solver.set_instance(model)
+        highs = solver._solver_model
+    except (ImportError, AttributeError) as exc:
+        from pyomo.version import version
+
+        pytest.skip(f"Pyomo {version}'s highs interface lacks the internals this comparison reads: {exc}")
+    return highs.getLp()
 
 
 CASES = list(itertools.product((0, 1, 3), (1, 2, 4), (("none",), ("none", "full"), ("none", "selective", "full"))))

@@ -11,7 +11,7 @@ import pytest
 import dflop.planner.search as search_module
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.milp import objective_bound_s, tail_bound_s
+from dflop.planner.milp import objective_bound_s, some_split_fits, tail_bound_s
 from dflop.planner.search import SearchSettings, bin_granularity, prepare_means, search
 from dflop.planner.space import build_space
 from dflop.planner.stages import TransferMeans, split_bound_s
@@ -47,6 +47,7 @@ def test_objective_bound_is_below_the_optimum_and_exact_for_a_single_split(case,
         # memory: the GPU limit as a share of the random model's bytes (0.45 forces recompute or infeasibility)
         sm = replace(sm, memory_bytes=memory)
         best, bound = brute_force(sm), objective_bound_s(sm)
+        assert some_split_fits(sm) == (best is not None)  # what tells solve_split's cutoff from infeasible
         if best is None:
             assert bound == np.inf
             continue
@@ -131,14 +132,16 @@ def test_pruned_search_keeps_the_plan_and_the_best_set(pool, monkeypatch, memory
     assert ran(full.candidates) == ran(rows)
 
 
+CUT_CLUSTER = Cluster(nodes=2, gpus_per_node=4, gpu_memory_bytes=1.0e9, inter_node_bytes_per_s=2e9)
+CUT_SETTINGS = SearchSettings(global_batch=B, microbatches=(1, 2, 4), sample_batches=2, top_k=2, prescreen=3,
+                              rel_gap=0.0, max_milps=100_000)
+
+
 def test_milp_cutoff_keeps_the_plan_and_the_best_set(pool, monkeypatch):
     """With every lower bound at -inf, each kept layout reaches HiGHS: the cutoff (once want objectives
     are known) must then prune exactly layouts whose brute-force optimum is above the objective they
     were cut against, and leave the chosen plan and the best set as the search without it."""
-    cost = toy_cost_model()
-    cluster = Cluster(nodes=2, gpus_per_node=4, gpu_memory_bytes=1.0e9, inter_node_bytes_per_s=2e9)
-    settings = SearchSettings(global_batch=B, microbatches=(1, 2, 4), sample_batches=2, top_k=2, prescreen=3,
-                              rel_gap=0.0, max_milps=100_000)
+    cost, cluster, settings = toy_cost_model(), CUT_CLUSTER, CUT_SETTINGS
     _unpruned(monkeypatch)
     with_cut = search(cost, SHAPE, pool, cluster, settings)
     without = search(cost, SHAPE, pool, cluster, replace(settings, milp_cutoff=False))
@@ -146,7 +149,7 @@ def test_milp_cutoff_keeps_the_plan_and_the_best_set(pool, monkeypatch):
     cut = rows[rows["milp_status"] == "cutoff"]
     assert len(cut) >= 3 and set(cut["reason"]) == {"milp_bound"} and set(cut["status"]) == {"pruned"}
     assert (cut["milp_solve_s"] > 0).all() and not (without.candidates["milp_status"] == "cutoff").any()
-    assert with_cut.stats["milps"] + len(cut) == without.stats["milps"]
+    assert with_cut.stats["milps"] == without.stats["milps"]  # the cut ones are MILP entries too
     assert with_cut.chosen.plan == without.chosen.plan and with_cut.chosen.mean_s == without.chosen.mean_s
     assert _top(rows, settings.n_prescreen) == _top(without.candidates, settings.n_prescreen)
 
@@ -155,6 +158,19 @@ def test_milp_cutoff_keeps_the_plan_and_the_best_set(pool, monkeypatch):
         best = brute_force(leanest(Layout(r.placement, r.tp_v, r.pp_v, r.dp_v, r.tp_l, r.pp_l, r.dp_l, r.m)))
         assert best is None or best > r.bound_s * (1 - 1e-9)
         assert float(re.search(r">= (\S+) s", r.detail).group(1)) == pytest.approx(r.bound_s, rel=1e-5)
+
+
+def test_solver_counts_include_the_cut_layouts(pool, monkeypatch):
+    """plan.yaml's solver block (milps, statuses, time_s) counts every layout that reached HiGHS,
+    the ones cut by the cutoff proof too: its time is in time_s, so it must be in the counts."""
+    _unpruned(monkeypatch)
+    result = search(toy_cost_model(), SHAPE, pool, CUT_CLUSTER, CUT_SETTINGS)
+    rows, st = result.candidates, result.stats
+    entries = rows[(rows["kind"] == "plan") & rows["milp_status"].notna()]  # solved + cut
+    assert (entries["milp_status"] == "cutoff").sum() >= 3
+    assert st["milp_statuses"] == entries["milp_status"].value_counts().to_dict()
+    assert st["milps"] == len(entries) == sum(st["milp_statuses"].values())
+    assert st["milp_s"] == pytest.approx(entries["milp_solve_s"].sum(), rel=1e-12)
 
 
 def _leanest_stage_model(cost, cluster, pool, settings):
