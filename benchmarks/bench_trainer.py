@@ -101,12 +101,24 @@ def splits(layout: str, n_layers: int) -> list[list[int]]:
     return [[half, n_layers - half]] + [[k, n_layers - k] for k in range(n_layers + 1) if k != half]
 
 
+def compute_cost_model(path: str | None):
+    """The cost model at `path` (None: None, the trainer's stand-in) without its sample-load line:
+    the timed step excludes loading (module docstring), so the split, the partitions and the
+    predictions price compute alone, or they would charge loads the measurement leaves out."""
+    from dflop.costmodel.jsonio import load_cost_model
+
+    if path is None:
+        return None
+    cost = load_cost_model(path)
+    cost.step_costs = dataclasses.replace(cost.step_costs, loading=None)
+    return cost
+
+
 def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches: int, batch: int, seed: int,
                  layout: str, vision_layers: int, llm_layers: int) -> list[int]:
     """The LLM layer split with the best mean predicted step over sampled batches (the plan),
     priced as the trainer prices (`training_pricing`)."""
     from dflop.config import Config
-    from dflop.costmodel.jsonio import load_cost_model
     from dflop.models.handle import ModelHandle
     from dflop.plan import plan_from_dict
     from dflop.planner.cluster import Cluster
@@ -119,7 +131,7 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
 
     cfg = Config.from_dict(config)
     settings, model = TrainSettings.from_config(cfg), ModelHandle.resolve(cfg.model)
-    cost = load_cost_model(costmodel) if costmodel is not None else None
+    cost = compute_cost_model(costmodel)
     pool = read_shapes(shapes)
     batches = GlobalBatches(len(pool), batch, seed)
     best = None
@@ -211,18 +223,13 @@ def worker(spec_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from dflop.costmodel.jsonio import load_cost_model
     from dflop.plan import plan_from_dict
     from dflop.data.training import pool_samples
     from dflop.runtime.settings import TrainSettings
     from dflop.runtime.trainer import Trainer
 
     spec, device, cfg, pool = worker_inputs(spec_path)
-    cost = load_cost_model(spec["costmodel"]) if spec["costmodel"] is not None else None
-    if cost is not None and cost.step_costs.loading is not None:
-        # The timed step excludes loading (module docstring): price and partition compute alone,
-        # or the predictions would charge loads that the measurement leaves out.
-        cost.step_costs = dataclasses.replace(cost.step_costs, loading=None)
+    cost = compute_cost_model(spec["costmodel"])
     trainers = {}
     for name in VARIANTS:
         policy = "dflop" if name == "dflop" else "baseline"
