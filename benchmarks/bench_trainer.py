@@ -124,6 +124,7 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
     from dflop.planner.cluster import Cluster
     from dflop.planner.expected import SchedulerSettings, run_partition
     from dflop.planner.means import Pool
+    from dflop.scheduler.greedy import MemoryGuardError
     from dflop.scheduler.online import GlobalBatches
     from dflop.runtime.settings import TrainSettings
     from dflop.runtime.trainer import training_pricing
@@ -138,10 +139,16 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
     for split in splits(layout, llm_layers):
         plan = plan_from_dict(plan_dict(layout, vision_layers, split, microbatches, batch)).plan
         pricing = training_pricing(plan, model, cost, Cluster.from_section(settings.cluster))
-        steps = [run_partition(pricing.batch(Pool.from_shapes(pool.iloc[batches.rows(s)])), pricing,
-                               SchedulerSettings(budget_s=0.05, ilp="never")).step_s for s in range(8)]
+        try:
+            steps = [run_partition(pricing.batch(Pool.from_shapes(pool.iloc[batches.rows(s)])), pricing,
+                                   SchedulerSettings(budget_s=0.05, ilp="never")).step_s for s in range(8)]
+        except MemoryGuardError:  # some sampled batch does not fit this split's stages: not a plan
+            continue
         if best is None or np.mean(steps) < best[0]:
             best = (float(np.mean(steps)), split)
+    if best is None:
+        raise SystemExit(f"no LLM layer split of the {layout} layout fits every sampled batch in "
+                         f"cluster.gpu_memory_gb = {settings.cluster.gpu_memory_gb} per rank")
     return best[1]
 
 
