@@ -2,9 +2,10 @@
 
 Users ask this before buying GPU hours: how fast would this plan run on other data, or on N GPUs?
 The plan (and its data-blind baselines: Megatron-style packed, HF/LLaVA padded) is simulated over
-sampled global batches exactly as the optimizer did (`dflop.planner.expected`), with the cost model and cluster recorded in plan.yaml
-unless overridden, and a Gantt chart of a median batch is drawn. The summary ends with what the
-plan's memory techniques cost and save per stage (`dflop.planner.techniques`), or says none is on.
+sampled global batches exactly as the optimizer did (`dflop.planner.expected`), with the cost
+model and cluster recorded in plan.yaml unless overridden, and a Gantt chart of a median batch is
+drawn. The summary ends with what the plan's memory techniques cost and save per stage
+(`dflop.planner.techniques`), or says none is on.
 
 With ``gpus=N`` the plan keeps its TP and PP degrees, layer split and microbatch count and scales
 data parallelism to fit N GPUs: colocated ``dp = N // (tp * pp)``; disjoint keeps the vision/LLM
