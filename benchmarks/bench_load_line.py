@@ -1,6 +1,7 @@
 """How well the cost model's per-sample load line predicts what a step's samples take to load.
 
     python benchmarks/bench_load_line.py --workdir DIR [--co-runners 2] [--batch 8] [--batches 500]
+    python benchmarks/bench_load_line.py --workdir DIR --profiles N
 
 DIR is a finished demo working directory (`make demo`: results/data/shapes.parquet,
 results/profile/load_profile.parquet, results/costmodel/costmodel.json, config/config.yaml).
@@ -10,6 +11,11 @@ untimed first), then compares the cost model's line (fitted on the profile's few
 modality) with those timings: per sample (median relative error per modality) and summed over
 random batches of `--batch` samples drawn from the samples the line was NOT fitted on (what a rank
 loads per step: 8 = the demo's 16-sample global batch over 2 replicas).
+
+With ``--profiles N`` it instead takes the workflow's load profile N times again, as rule
+profile_loading does (same samples, config and co-runners), and prints each one's summed load
+against the workflow's: how far the line's level moves from one profile to the next on this
+machine. To compare two versions of the profiler, alternate runs of each (PYTHONPATH=<worktree>).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ def main() -> None:
     parser.add_argument("--co-runners", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=500)
+    parser.add_argument("--profiles", type=int, default=0, help="re-take the workflow's load profile this many times")
     args = parser.parse_args()
 
     from dflop.config import load
@@ -38,6 +45,8 @@ def main() -> None:
     w = args.workdir.resolve()
     os.chdir(w)  # the config's dataset paths are relative to the working directory, as for Snakemake
     cfg = load(w / "config/config.yaml")
+    if args.profiles:
+        return repeat_profiles(cfg, w, args.profiles, args.co_runners)
     shapes = pd.read_parquet(w / "results/data/shapes.parquet")
     usable = shapes[shapes["status"] == "ok"]
     every = dict(cfg.raw)
@@ -67,6 +76,26 @@ def main() -> None:
     print(f"predicted / measured load of {args.batches} random {args.batch}-sample batches of the {len(held_out)} "
           f"held-out samples: median {np.median(ratios):.3f}, p10 {np.quantile(ratios, 0.1):.3f}, "
           f"p90 {np.quantile(ratios, 0.9):.3f}")
+
+
+def repeat_profiles(cfg, w: Path, count: int, co_runners: int) -> None:
+    """Re-take the workflow's load profile `count` times; print each one's total against it."""
+    import time
+
+    from dflop.profiling.load_profiler import profile_loading
+
+    workflow = pd.read_parquet(w / "results/profile/load_profile.parquet")["load_s"].sum()
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in range(count):
+            began = time.perf_counter()
+            table = profile_loading(cfg, w / "results/data/shapes.parquet", Path(tmp) / f"{k}.parquet",
+                                    co_runners=co_runners)
+            ratios.append(table["load_s"].sum() / workflow)
+            print(f"profile {k + 1}/{count}: {len(table)} samples, summed load {table['load_s'].sum():.3f} s, "
+                  f"{ratios[-1]:.3f}x the workflow's; {time.perf_counter() - began:.1f} s", flush=True)
+    print(f"summed load / the workflow's over {count} profiles: {min(ratios):.3f}-{max(ratios):.3f} "
+          f"(max / min {max(ratios) / min(ratios):.2f})")
 
 
 if __name__ == "__main__":

@@ -185,12 +185,13 @@ class DataSection:
     max_skip_frac: float
     workers: int
     load_profile_samples: int
+    load_profile_seconds: float
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DataSection":
         return cls(datasets=tuple(DatasetSpec.from_dict(x) for x in d["datasets"]), demo=_typed(DemoSection, d["demo"]),
                    max_skip_frac=d["max_skip_frac"], workers=d["workers"],
-                   load_profile_samples=d["load_profile_samples"])
+                   load_profile_samples=d["load_profile_samples"], load_profile_seconds=d["load_profile_seconds"])
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ def smaller_demo(config: dict) -> None:
     """The demo config made quick for tests: 60 samples, a short model and load profile, 2 training steps."""
     config["data"]["demo"]["n_samples"] = 60
     config["data"]["load_profile_samples"] = 3
+    config["data"]["load_profile_seconds"] = 0  # two passes: the tests check the chain, not the profile's level
     config["profile"] = {"repeats": 2, "warmup": 1, "max_seq_len": 256, "max_tiles": 8, "time_budget_s": 10}
     config.setdefault("train", {}).update(steps=2, checkpoint_every=2)
 

@@ -6,9 +6,16 @@ cluster it runs on the very cores that compute, so a step pays its samples' load
 stage compute measured 2x its co-running module profile with the loader beside it, and 1.0-1.1x
 with the loader run between steps.) This times the trainer's own code path,
 `dflop.data.training.TrainingData` with pixels and tokens, on a seeded subsample of shapes.parquet
-taken per modality, one thread, median of two loads after an untimed first pass (imports, codecs,
-page cache), and writes load_profile.parquet (`LOAD_PROFILE_COLUMNS`); `dflop fit --loading` fits
-the per-sample `dflop.costmodel.model.LoadLine` from it.
+taken per modality, one thread, and writes load_profile.parquet (`LOAD_PROFILE_COLUMNS`); `dflop fit
+--loading` fits the per-sample `dflop.costmodel.model.LoadLine` from it.
+
+A sample's time is the mean of its loads over interleaved passes (`time_loads`) that together take
+at least ``data.load_profile_seconds``. The CPU machines this charges loads on change speed for
+seconds at a time (DEVELOPERS.md): the demo's 64 samples used to load in ~4 s, one or two phases
+of the machine, and five such profiles, interleaved with five of 20 s, summed to 0.79-1.33x the
+workflow's profile against 0.98-1.24x (`benchmarks/bench_load_line.py --profiles`): a level error
+that every step's predicted loads inherit. The mean over the passes is what a run of steps pays
+(the median would keep the common, faster phase).
 
 Like the model profiler, it loads on ``co_runners`` processes at once, in lockstep, and keeps the
 first one's timings: the training ranks of a node load their samples at the same time, and on
@@ -18,6 +25,7 @@ this 2-core VM two loaders at once took 1.4-1.5x as long as one alone (video dec
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import threading
 import time
@@ -38,7 +46,8 @@ log = logging.getLogger(__name__)
 
 LOAD_PROFILE_COLUMNS = ("dataset", "sample_id", "modality", "n_tiles", "n_frames", "n_images", "text_tokens",
                         "media_pixels", "load_s")
-TIMED_LOADS = 2
+MIN_PASSES = 2  # timed passes over the samples, at least (and the count a zero time budget gives)
+MAX_PASSES = 16
 BARRIER_TIMEOUT_S = 300  # the co-runners' start (imports) and one sample's loads
 
 
@@ -52,26 +61,51 @@ def pick_samples(shapes: pd.DataFrame, per_modality: int, seed: int) -> pd.DataF
     return shapes.loc[sorted(keep)].reset_index(drop=True)
 
 
-def time_loads(data: TrainingData, *, repeats: int = TIMED_LOADS, show_progress: bool = True,
-               barrier=None) -> np.ndarray:
-    """Seconds of one full load (layout, tokens, pixels) of every sample of `data`: the median of
-    `repeats` timed loads after one untimed load; with a `barrier`, every process starts each
-    sample together."""
-    seconds = np.empty(len(data))
-    with progress(len(data), "profile_loading", "sample", enabled=show_progress) as bar:
-        for i in range(len(data)):
-            request = Request(i, layout=True, tokens=True, pixels=True)
-            data[request]
-            if barrier is not None:
-                barrier.wait()
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
+def time_loads(data: TrainingData, *, seconds: float = 0.0, show_progress: bool = True, barrier=None,
+               shared_passes=None, leads: bool = True, clock=time.perf_counter) -> np.ndarray:
+    """Seconds of one full load (layout, tokens, pixels) of every sample of `data`: the mean over
+    timed passes through all samples, after one untimed pass (imports, codecs, page cache).
+
+    There are `MIN_PASSES` timed passes, or as many as fill `seconds` of timed loading at the
+    first pass's pace (at most `MAX_PASSES`): each sample's loads then lie far apart, so they
+    sample the machine's slow and fast phases as the steps of a training run do. With a `barrier`,
+    every process starts each sample together, and the pass count is the leading process's (`leads`),
+    handed to the others in `shared_passes` (a ``multiprocessing.Value``).
+    """
+    requests = [Request(i, layout=True, tokens=True, pixels=True) for i in range(len(data))]
+    for request in requests:
+        data[request]
+    totals = np.zeros(len(data))
+    passes, done = MIN_PASSES, 0
+    with progress(None, "profile_loading", "sample", enabled=show_progress) as bar:
+        while done < passes:
+            for i, request in enumerate(requests):
+                if barrier is not None:
+                    barrier.wait()
+                start = clock()
                 data[request]
-                times.append(time.perf_counter() - start)
-            seconds[i] = float(np.median(times))
-            bar.update(1)
-    return seconds
+                totals[i] += clock() - start
+                bar.update(1)
+            done += 1
+            if done == 1:
+                passes = _agree_passes(float(totals.sum()), seconds, barrier, shared_passes, leads)
+    if leads:
+        log.info("%d samples timed in %d interleaved passes, %.1f s of loading", len(data), done, totals.sum())
+    return totals / done
+
+
+def _agree_passes(first_pass_s: float, seconds: float, barrier, shared_passes, leads: bool) -> int:
+    """The timed passes of the profile: enough to fill `seconds` at the first pass's pace, within
+    [MIN_PASSES, MAX_PASSES]; the leading process decides and its co-runners read its answer."""
+    if barrier is not None and not leads:
+        barrier.wait()
+        return int(shared_passes.value)
+    wanted = math.ceil(seconds / first_pass_s) if first_pass_s > 0 else MIN_PASSES
+    passes = min(max(wanted, MIN_PASSES), MAX_PASSES)
+    if barrier is not None:
+        shared_passes.value = passes
+        barrier.wait()
+    return passes
 
 
 def _training_data(raw_config: dict, picked: pd.DataFrame) -> TrainingData:
@@ -79,15 +113,17 @@ def _training_data(raw_config: dict, picked: pd.DataFrame) -> TrainingData:
     return TrainingData(pool_samples(picked, cfg.datasets, cfg.seed), ModelHandle.resolve(cfg.model).sample_rules())
 
 
-def _co_runner(raw_config: dict, picked: pd.DataFrame, barrier) -> None:
+def _co_runner(raw_config: dict, picked: pd.DataFrame, barrier, shared_passes) -> None:
     """A second (third, ...) loader beside the timed one, in step with it (its timings are dropped)."""
     torch.set_num_threads(1)
-    time_loads(_training_data(raw_config, picked), show_progress=False, barrier=barrier)
+    time_loads(_training_data(raw_config, picked), show_progress=False, barrier=barrier,
+               shared_passes=shared_passes, leads=False)
 
 
 def profile_loading(cfg: Config, shapes_path: str | Path, out_path: str | Path, *, co_runners: int = 1) -> pd.DataFrame:
     """Time the loads of `cfg.data.load_profile_samples` samples per modality of shapes.parquet on
-    `co_runners` processes at once and write load_profile.parquet atomically (module docstring)."""
+    `co_runners` processes at once, over `cfg.data.load_profile_seconds`, and write
+    load_profile.parquet atomically (module docstring)."""
     shapes = read_shapes(shapes_path)
     picked = pick_samples(shapes, cfg.data.load_profile_samples, cfg.seed)
     data = _training_data(dict(cfg.raw), picked)
@@ -95,12 +131,14 @@ def profile_loading(cfg: Config, shapes_path: str | Path, out_path: str | Path, 
     torch.set_num_threads(1)  # as each training rank runs (torchrun sets OMP_NUM_THREADS=1 per worker)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(co_runners, timeout=BARRIER_TIMEOUT_S) if co_runners > 1 else None
-    others = [ctx.Process(target=_co_runner, args=(dict(cfg.raw), picked, barrier), daemon=True)
+    shared_passes = ctx.Value("i", 0) if co_runners > 1 else None
+    others = [ctx.Process(target=_co_runner, args=(dict(cfg.raw), picked, barrier, shared_passes), daemon=True)
               for _ in range(co_runners - 1)]
     try:
         for process in others:
             process.start()
-        seconds = time_loads(data, barrier=barrier)
+        seconds = time_loads(data, seconds=cfg.data.load_profile_seconds, barrier=barrier,
+                             shared_passes=shared_passes)
     except BaseException as exc:
         if barrier is not None:  # co-runners waiting for this process would wait out their timeout
             barrier.abort()

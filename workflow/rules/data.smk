@@ -46,7 +46,7 @@ rule profile_data:
 PROFILE_LOADING_SETTINGS = RuleSettings(
     run={"seed": config["run"]["seed"]},
     model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "tokenizer", config["model"]["arch"])},
-    data={k: config["data"][k] for k in ("datasets", "load_profile_samples")},
+    data={k: config["data"][k] for k in ("datasets", "load_profile_samples", "load_profile_seconds")},
     profile={"co_runners": profile_co_runners()},  # the node's ranks load at once, as in training
 )
 
