@@ -142,15 +142,21 @@ def scale_plan(plan: Plan, cluster: Cluster, global_batch: int) -> Plan:
 
 def scale_baseline(plan: Plan, cluster: Cluster, global_batch: int) -> Plan | None:
     """The data-blind baseline on the GPUs of `cluster`, or None if no launchable dp keeps
-    fixed-count microbatches."""
+    fixed-count microbatches.
+
+    It keeps its form (`dflop.planner.baseline`): colocated, or Megatron-Core's encoder stage, one
+    vision tower of its own TP before each LLM replica (``dp_v = dp_l``), and takes as many
+    replicas as `Cluster.launchable` allows and the global batch splits into."""
     lay = plan.layout
-    per_replica = lay.tp_l * lay.pp_l
-    dps = cluster.launchable_dps(per_replica, cluster.world_size // per_replica, lay.tp_l)
+    vision_per_replica = lay.tp_v * lay.pp_v if not lay.colocated else 0
+    per_replica = vision_per_replica + lay.tp_l * lay.pp_l
+    dps = np.arange(cluster.world_size // per_replica, 0, -1)
+    dps = dps[cluster.launchable(dps * per_replica, dps * vision_per_replica, lay.tp_l)]
     dps = dps[global_batch % (lay.m * dps) == 0]
     if len(dps) == 0:
         return None
     dp = int(dps[0])
-    new = Layout("colocated", lay.tp_l, 1, dp, lay.tp_l, lay.pp_l, dp, lay.m)
+    new = Layout(lay.placement, lay.tp_v, lay.pp_v, dp, lay.tp_l, lay.pp_l, dp, lay.m)
     return Plan(new, plan.vision_layers, plan.llm_layers, plan.source, plan.vision_techniques, plan.llm_techniques)
 
 

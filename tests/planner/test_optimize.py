@@ -320,3 +320,27 @@ def test_simulate_states_its_spread_cost_model_and_measured_error(inputs, tmp_pa
         pd.DataFrame({"step": [1]}).to_parquet(tmp_path / "bad.parquet")
         assert main(["simulate", "--plan", str(plan), "--metrics", str(metrics)]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_baseline_with_its_own_encoder_stage_scales_in_that_form():
+    """Megatron-Core's encoder stage (InternViT-6B's 25 heads: vision TP 1 beside LLM TP 4) scaled
+    to 64 GPUs stays an encoder stage per LLM replica, and is a layout the planner's own baseline
+    search lists for that cluster; turned colocated, its vision TP would become the LLM's 4."""
+    from dflop.planner.baseline import baseline_layouts
+    from dflop.planner.cluster import Cluster
+    from dflop.planner.screen import SearchSpace
+    from dflop.plan import Layout, Plan
+    from dflop.planner.whatif import scale_baseline
+
+    baseline = Plan(Layout("disjoint", 1, 1, 1, 4, 1, 1, 2), (4,), (8,))  # 1 + 4 = 5 GPUs
+    cluster = Cluster(nodes=8, gpus_per_node=8, gpu_memory_bytes=80e9)
+    scaled = scale_baseline(baseline, cluster, global_batch=128)
+    lay = scaled.layout
+    assert (lay.placement, lay.tp_v, lay.pp_v, lay.tp_l, lay.pp_l, lay.m) == ("disjoint", 1, 1, 4, 1, 2)
+    # 12 replicas (60 GPUs) would not fill whole nodes; 8 replicas of 1 + 4 (40 GPUs, 5 nodes) do,
+    # and 128 samples split into 8 x 2 fixed-count bins
+    assert lay.dp_v == lay.dp_l == 8 and lay.world_size == 40
+    space = SearchSpace(vision_tp=(1,), llm_tp=(4,), colocated_tp=(), shared_tp=(4,), microbatches=(2,),
+                        placements=("disjoint",), vision_layers=4, llm_layers=8, global_batch=128, mean_tiles=1.0)
+    layouts, _ = baseline_layouts(space, cluster)
+    assert lay in [l for l in layouts if not l.colocated]
