@@ -188,9 +188,10 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
     `some_split_fits` (numpy, no solve); else the plain solve reports it. The search never pays that
     solve: it cuts only layouts with a finite `objective_bound_s`, i.e. a fitting split."""
     t0 = time.perf_counter()
+    proof = None
     if cutoff_s is not None:
         try:
-            h, _ = build_model(sm)
+            h, cols = build_model(sm)
             lp = h.getLp()
             cost = np.asarray(lp.col_cost_)
             nz = np.flatnonzero(cost).astype(np.int32)
@@ -200,24 +201,34 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
             h.run()
             if _STATUS.get(h.getModelStatus()) == "infeasible" and some_split_fits(sm):
                 return SplitResult("cutoff", None, None, float(cutoff_s), time.perf_counter() - t0)
+            proof = _read_result(h, cols, sm, 0.0)
         except Exception:  # noqa: BLE001 (the plain solve below reports whatever goes wrong)
             pass
     res = _solve(sm, max(0.0, time_limit_s - (time.perf_counter() - t0)), rel_gap)
+    if res.split is None and proof is not None and proof.split is not None:
+        # the proof used up the time, and found a split at or below the cutoff: keep that one
+        # (its dual bound holds for the whole model, whose optimum also lies below the cutoff)
+        res = replace(proof, status="time_limit")
     return replace(res, solve_s=time.perf_counter() - t0)
 
 
 def _solve(sm: StageModel, time_limit_s: float, rel_gap: float) -> SplitResult:
     t0 = time.perf_counter()
-    P, R = sm.n_stages, len(sm.modes)
     try:
         h, cols = build_model(sm)
         for key, value in (("threads", 1), ("time_limit", float(time_limit_s)), ("mip_rel_gap", float(rel_gap))):
             h.setOptionValue(key, value)
         h.run()
-        model_status, info = h.getModelStatus(), h.getInfo()
+        return _read_result(h, cols, sm, t0)
     except Exception as exc:  # a solver failure must not kill the search: report it on this layout
         return SplitResult(f"error: {type(exc).__name__}: {exc}".splitlines()[0], None, None, None,
                            time.perf_counter() - t0)
+
+
+def _read_result(h, cols: dict, sm: StageModel, t0: float) -> SplitResult:
+    """The status, split, modes and dual bound of a solved `build_model` model (with rows added or not)."""
+    P, R = sm.n_stages, len(sm.modes)
+    model_status, info = h.getModelStatus(), h.getInfo()
     status = _STATUS.get(model_status, str(model_status.name))
     split = objective = modes = None
     if info.primal_solution_status == 2 and status != "infeasible":

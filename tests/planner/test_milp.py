@@ -191,3 +191,17 @@ def test_plain_solve_after_the_cutoff_gets_only_the_time_left(monkeypatch):
     res = solve_split(sm, time_limit_s=5.0, rel_gap=0.0, cutoff_s=2 * plain.objective_s)
     assert given == [pytest.approx(2.0)]
     assert res.status == "optimal" and np.array_equal(res.split, plain.split) and res.solve_s == pytest.approx(3.0)
+
+
+def test_a_split_the_cutoff_proof_found_is_kept_when_no_time_is_left_for_the_plain_solve(monkeypatch):
+    """When the proof spends the time limit, the plain solve gets none and finds nothing; the split
+    the proof found (at or below the cutoff) is returned instead of losing the layout, with its
+    objective the brute-force best (the proof ran to optimality here) and status time_limit."""
+    sm = random_stage_model(np.random.default_rng(1), pp_v=1, pp_l=3, vision_layers=4, llm_layers=7, m=4, dp=2)
+    best = brute_force(sm)
+    out_of_time = milp.SplitResult("time_limit", None, None, None, 0.0)
+    monkeypatch.setattr(milp, "_solve", lambda sm, time_limit_s, rel_gap: out_of_time)
+    res = solve_split(sm, rel_gap=0.0, cutoff_s=2 * best[0])
+    assert res.status == "time_limit" and res.has_solution and sm.fits(res.split)
+    assert res.objective_s == pytest.approx(best[0], rel=1e-9) and res.objective_s <= 2 * best[0]
+    assert res.bound_s is not None and res.bound_s <= res.objective_s * (1 + 1e-9)
