@@ -100,9 +100,15 @@ class Evaluation:
 
 
 def sample_batches(n_pool: int, k: int, global_batch: int, seed: int) -> list[np.ndarray]:
-    """`k` global batches of indices into the pool (without replacement inside a batch when possible)."""
+    """`k` global batches of indices into the pool (without replacement inside a batch when possible),
+    each in random order, as the trainer's shuffled batches come (`dflop.scheduler.online.GlobalBatches`).
+
+    The order matters to the data-blind baselines, which cut microbatches from the batch in order:
+    the pool lists its datasets one after the other, so a batch sorted by pool index would put one
+    dataset's samples (say, the videos) in the same microbatches and price the baseline as more
+    unbalanced than a shuffling trainer ever runs it."""
     rng = np.random.default_rng(seed)
-    return [np.sort(rng.choice(n_pool, size=global_batch, replace=n_pool < global_batch)) for _ in range(k)]
+    return [rng.choice(n_pool, size=global_batch, replace=n_pool < global_batch) for _ in range(k)]
 
 
 def peak_memory(pc: PlanCosts, part: Partition, plan: Plan, memory_bytes: float) -> np.ndarray:

@@ -129,3 +129,25 @@ def test_encoder_stage_layouts_by_hand():
                         placements=("disjoint",), vision_layers=2, llm_layers=4, global_batch=16, mean_tiles=1.0)
     got = {(lay.tp_v, lay.tp_l, lay.pp_l, lay.dp_l, lay.m) for lay in _encoder_stage_layouts(wider, cluster)}
     assert got == {(2, 2, 1, 4, m) for m in (1, 2, 4)} | {(2, 2, 2, 1, m) for m in (1, 2, 4)}
+
+
+def test_sampled_batches_come_in_the_trainers_shuffled_order():
+    """The data-blind baseline cuts microbatches from the batch in order, so the planner must see
+    batches ordered as the trainer draws them. A pool of two datasets one after the other (150
+    cheap samples, then 150 heavy ones): the heaviest of 4 contiguous microbatches holds as many
+    heavy samples, on average over batches, as with the trainer's `GlobalBatches`; sorted by pool
+    index, one microbatch would hold nearly only heavy samples."""
+    from dflop.scheduler.baselines import megatron
+    from dflop.scheduler.online import GlobalBatches
+
+    n, batch, m, k = 300, 16, 4, 600
+    heavy = np.arange(n) >= 150
+
+    def heaviest_microbatch(rows):
+        return np.bincount(megatron(batch, m, 1), weights=heavy[rows], minlength=m).max()
+
+    planned = np.mean([heaviest_microbatch(rows) for rows in sample_batches(n, k, batch, seed=0)])
+    trainer = GlobalBatches(n, batch, seed=0)
+    trained = np.mean([heaviest_microbatch(trainer.rows(step)) for step in range(k)])
+    assert planned == pytest.approx(trained, rel=0.05)
+    assert trained < 0.85 * (batch // m)  # the sorted order would give ~ batch // m
