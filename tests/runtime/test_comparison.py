@@ -9,15 +9,16 @@ from dflop.errors import UserError
 from dflop.runtime.comparison import compare_runs, planned_steps, write_summary
 
 
-def _frame(step_s, idle, steps=None):
+def _frame(step_s, idle, predicted, steps=None):
     steps = steps or list(range(1, len(step_s) + 1))
-    # predicted_step_s as a corrected run has it: must not enter the comparison.
-    return pd.DataFrame({"step": steps, "step_s": step_s, "predicted_step_s": 99.0, "idle_frac": idle})
+    return pd.DataFrame({"step": steps, "step_s": step_s, "predicted_step_s": predicted, "idle_frac": idle})
 
 
 # Steps 1-2 are warm-up (huge, and must not count); steps 3-6 are steady.
-PLAN = _frame([9.0, 4.0, 0.50, 0.70, 0.60, 0.40], [0.9, 0.8, 0.10, 0.30, 0.20, 0.40])
-BASE = _frame([1.0, 1.0, 0.90, 0.80, 1.20, 1.00], [0.1, 0.1, 0.50, 0.40, 0.60, 0.70])
+PLAN = _frame([9.0, 4.0, 0.50, 0.70, 0.60, 0.40], [0.9, 0.8, 0.10, 0.30, 0.20, 0.40],
+              [50.0, 50.0, 0.40, 0.50, 0.30, 0.60])
+BASE = _frame([1.0, 1.0, 0.90, 0.80, 1.20, 1.00], [0.1, 0.1, 0.50, 0.40, 0.60, 0.70],
+              [0.01, 0.01, 0.70, 0.60, 0.50, 0.40])
 PLAN_YAML = {"predicted": {"step_s": {"mean": 0.2, "p50": 5.0}},
              "baseline": {"predicted": {"step_s": {"mean": 0.3, "p50": 7.0}}}}
 
@@ -32,11 +33,15 @@ def test_against_a_hand_computation():
     # Predicted: plan.yaml's means, 0.3 / 0.2 (not the p50s, not the runs' predicted_step_s).
     assert (c.plan_predicted_s, c.baseline_predicted_s) == (0.2, 0.3)
     assert c.predicted_speedup == pytest.approx(1.5)
+    # On the trained batches: the runs' own predicted_step_s over the steady steps, medians
+    # plan (0.4 + 0.5) / 2 = 0.45, baseline (0.5 + 0.6) / 2 = 0.55 -> 1.222 (warm-up rows excluded).
+    assert c.trained_predicted_speedup == pytest.approx(0.55 / 0.45)
     # Idle medians: plan 0.1, 0.3, 0.2, 0.4 -> 0.25; baseline 0.5, 0.4, 0.6, 0.7 -> 0.55.
     assert c.plan_idle_frac == pytest.approx(0.25) and c.baseline_idle_frac == pytest.approx(0.55)
     lines = c.lines()
     assert len(lines) == 3
     assert "1.73x" in lines[0] and "steps 3-6" in lines[0] and "1.50x" in lines[1]
+    assert "1.22x on the trained steps' batches" in lines[1]
     assert "plan 25.0%" in lines[2] and "baseline 55.0%" in lines[2]
 
 
