@@ -6,8 +6,8 @@
 DIR is a finished demo working directory (`make demo`: results/data/shapes.parquet,
 results/profile/load_profile.parquet, results/costmodel/costmodel.json, config/config.yaml).
 Times the load of EVERY usable sample the way `dflop profile-loading` times its subsample (the
-trainer's `TrainingData` path, `--co-runners` processes in lockstep, median of two loads after an
-untimed first), then compares the cost model's line (fitted on the profile's few samples per
+trainer's `TrainingData` path, `--co-runners` processes in lockstep, the mean over interleaved
+passes that fill the config's `data.load_profile_seconds`), then compares the cost model's line (fitted on the profile's few samples per
 modality) with those timings: per sample (median relative error per modality) and summed over
 random batches of `--batch` samples drawn from the samples the line was NOT fitted on (what a rank
 loads per step: 8 = the demo's 16-sample global batch over 2 replicas).
@@ -32,7 +32,8 @@ import pandas as pd
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--co-runners", type=int, default=2)
+    parser.add_argument("--co-runners", type=int, default=None,
+                        help="loaders at once (default: the config's, as rule profile_loading runs it)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=500)
     parser.add_argument("--profiles", type=int, default=0, help="re-take the workflow's load profile this many times")
@@ -45,6 +46,8 @@ def main() -> None:
     w = args.workdir.resolve()
     os.chdir(w)  # the config's dataset paths are relative to the working directory, as for Snakemake
     cfg = load(w / "config/config.yaml")
+    if args.co_runners is None:
+        args.co_runners = cfg.profile.co_runners_on(cfg.cluster)
     if args.profiles:
         return repeat_profiles(cfg, w, args.profiles, args.co_runners)
     shapes = pd.read_parquet(w / "results/data/shapes.parquet")

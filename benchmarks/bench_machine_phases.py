@@ -58,7 +58,7 @@ def main() -> None:
     workers = [ctx.Process(target=work_times, args=(args.seconds, queue)) for _ in range(args.processes)]
     for w in workers:
         w.start()
-    runs = [queue.get() for _ in workers]
+    runs = [queue.get(timeout=args.seconds + 120) for _ in workers]  # a worker that died: an error, not a hang
     for w in workers:
         w.join()
     for k, (starts, durations) in enumerate(runs):

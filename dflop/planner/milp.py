@@ -182,7 +182,8 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
     at the price of that proof, usually a fraction of the solve. Otherwise the model is solved
     without the row, so the split returned is the one the plain solve finds (HiGHS's options have
     no MIP cutoff: ``objective_bound`` only ends the dual simplex early). The proof and the solve
-    share `time_limit_s`: the solve gets what the proof left.
+    share `time_limit_s`: the solve gets what the proof left, and when that is too little for it
+    to find a split, the split the proof found (at or below the cutoff) is returned instead.
 
     "Infeasible with the row" is also what a model no split fits says, so it is "cutoff" only when
     `some_split_fits` (numpy, no solve); else the plain solve reports it. The search never pays that
@@ -205,7 +206,7 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
         except Exception:  # noqa: BLE001 (the plain solve below reports whatever goes wrong)
             pass
     res = _solve(sm, max(0.0, time_limit_s - (time.perf_counter() - t0)), rel_gap)
-    if res.split is None and proof is not None and proof.split is not None:
+    if res.status == "time_limit" and res.split is None and proof is not None and proof.split is not None:
         # the proof used up the time, and found a split at or below the cutoff: keep that one
         # (its dual bound holds for the whole model, whose optimum also lies below the cutoff)
         res = replace(proof, status="time_limit")

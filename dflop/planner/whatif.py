@@ -11,8 +11,9 @@ With ``gpus=N`` the plan keeps its TP and PP degrees, layer split and microbatch
 data parallelism to fit N GPUs: colocated ``dp = N // (tp * pp)``; disjoint keeps the vision/LLM
 GPU ratio (LLM dp rounded, the vision tower takes what is left). The global batch scales with the
 GPUs (the plan's samples per GPU are kept) unless ``global_batch`` gives it; LLM dp is capped so
-every bin gets a sample, and the summary says how many GPUs the scaled plan really uses. Each baseline is scaled
-the same way, keeping its fixed-count microbatches (dp reduced to a divisor of the batch). Like the
+every bin gets a sample, and the summary says how many GPUs the scaled plan really uses. Each baseline
+keeps its form (`scale_baseline`: colocated, or one encoder stage per LLM replica) and its
+fixed-count microbatches (dp reduced to a divisor of the batch). Like the
 optimizer, scaling keeps only layouts `Cluster.launchable` allows (whole nodes, LLM TP groups
 inside a node), stepping dp down until one is.
 """

@@ -48,7 +48,7 @@ LOAD_PROFILE_COLUMNS = ("dataset", "sample_id", "modality", "n_tiles", "n_frames
                         "media_pixels", "load_s")
 MIN_PASSES = 2  # timed passes over the samples, at least (and the count a zero time budget gives)
 MAX_PASSES = 16
-BARRIER_TIMEOUT_S = 300  # the co-runners' start (imports) and one sample's loads
+BARRIER_TIMEOUT_S = 300  # the co-runners' start (imports) and untimed pass, and one sample's loads
 
 
 def pick_samples(shapes: pd.DataFrame, per_modality: int, seed: int) -> pd.DataFrame:
@@ -77,7 +77,7 @@ def time_loads(data: TrainingData, *, seconds: float = 0.0, show_progress: bool 
         data[request]
     totals = np.zeros(len(data))
     passes, done = MIN_PASSES, 0
-    with progress(None, "profile_loading", "sample", enabled=show_progress) as bar:
+    with progress(None, "profile_loading", "sample-load", enabled=show_progress) as bar:
         while done < passes:
             for i, request in enumerate(requests):
                 if barrier is not None:
@@ -89,6 +89,7 @@ def time_loads(data: TrainingData, *, seconds: float = 0.0, show_progress: bool 
             done += 1
             if done == 1:
                 passes = _agree_passes(float(totals.sum()), seconds, barrier, shared_passes, leads)
+                bar.total = len(data) * passes  # known from here on: the log's lines give a share
     if leads:
         log.info("%d samples timed in %d interleaved passes, %.1f s of loading", len(data), done, totals.sum())
     return totals / done
@@ -100,7 +101,7 @@ def _agree_passes(first_pass_s: float, seconds: float, barrier, shared_passes, l
     if barrier is not None and not leads:
         barrier.wait()
         return int(shared_passes.value)
-    wanted = math.ceil(seconds / first_pass_s) if first_pass_s > 0 else MIN_PASSES
+    wanted = math.ceil(min(seconds / first_pass_s, MAX_PASSES)) if first_pass_s > 0 else MIN_PASSES
     passes = min(max(wanted, MIN_PASSES), MAX_PASSES)
     if barrier is not None:
         shared_passes.value = passes

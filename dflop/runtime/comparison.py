@@ -91,7 +91,8 @@ def compare_runs(plan: pd.DataFrame, baseline: pd.DataFrame, predicted: tuple[fl
     plan_pred, base_pred = (float(x) for x in predicted)
     trained = None
     if "predicted_step_s" in p and "predicted_step_s" in b:
-        plan_trained, base_trained = float(np.median(p["predicted_step_s"])), float(np.median(b["predicted_step_s"]))
+        plan_trained = float(np.nanmedian(p["predicted_step_s"])) if p["predicted_step_s"].notna().any() else np.nan
+        base_trained = float(np.nanmedian(b["predicted_step_s"])) if b["predicted_step_s"].notna().any() else np.nan
         trained = base_trained / plan_trained if plan_trained > 0 and np.isfinite(base_trained) else None
     return RunComparison(steps, plan_step, base_step, base_step / plan_step, plan_pred, base_pred,
                          base_pred / plan_pred, float(np.median(p["idle_frac"])), float(np.median(b["idle_frac"])),

@@ -87,3 +87,26 @@ def test_loads_are_timed_in_interleaved_passes_that_fill_the_time_budget_and_ave
     data = _PhasedLoads(base, 0, 0, 1.0)
     time_loads(data, seconds=1e6, show_progress=False, clock=data.clock)
     assert len(data.order) == 3 * (1 + MAX_PASSES)
+
+
+def test_co_running_loaders_follow_the_leaders_pass_count():
+    """Two loaders in lockstep (threads here, processes in the profiler) with one barrier: the
+    follower runs the passes the leader decided from its own first pass, not a count of its own
+    (it has no time budget: alone it would stop after the minimum), so the barriers stay paired
+    and neither waits out its timeout."""
+    import threading
+    from types import SimpleNamespace
+
+    from dflop.profiling.load_profiler import time_loads
+
+    base = [0.125, 0.25, 0.375]
+    leader, follower = _PhasedLoads(base, 0, 0, 1.0), _PhasedLoads(base, 0, 0, 1.0)
+    barrier, shared = threading.Barrier(2, timeout=10), SimpleNamespace(value=0)
+    thread = threading.Thread(target=time_loads, args=(follower,), daemon=True,
+                              kwargs=dict(seconds=0.0, show_progress=False, barrier=barrier, shared_passes=shared,
+                                          leads=False, clock=follower.clock))
+    thread.start()
+    time_loads(leader, seconds=3.0, show_progress=False, barrier=barrier, shared_passes=shared, clock=leader.clock)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and shared.value == 4
+    assert leader.order == follower.order == [0, 1, 2] * 5
