@@ -189,7 +189,7 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
     `some_split_fits` (numpy, no solve); else the plain solve reports it. The search never pays that
     solve: it cuts only layouts with a finite `objective_bound_s`, i.e. a fitting split."""
     t0 = time.perf_counter()
-    proof = None
+    proof = None  # the cutoff proof's result when it found a split at or below the cutoff
     if cutoff_s is not None:
         try:
             h, cols = build_model(sm)
@@ -202,7 +202,7 @@ def solve_split(sm: StageModel, *, time_limit_s: float = 10.0, rel_gap: float = 
             h.run()
             if _STATUS.get(h.getModelStatus()) == "infeasible" and some_split_fits(sm):
                 return SplitResult("cutoff", None, None, float(cutoff_s), time.perf_counter() - t0)
-            proof = _read_result(h, cols, sm, 0.0)
+            proof = _read_result(h, cols, sm, t0)
         except Exception:  # noqa: BLE001 (the plain solve below reports whatever goes wrong)
             pass
     res = _solve(sm, max(0.0, time_limit_s - (time.perf_counter() - t0)), rel_gap)
