@@ -34,6 +34,7 @@ from dflop.scheduler.correction import WARMUP_STEPS, AdaptiveCorrection, Measure
 from dflop.scheduler.evaluate import lower_bound, simulate_times, stage_times
 from dflop.scheduler.partition import Partition, greedy_partition, partition
 from dflop.scheduler.service import SchedulerService
+from dflop.shapes import numpy_backed
 
 POLICIES = {"dflop": "dflop", "baseline": "megatron"}
 
@@ -83,13 +84,21 @@ class GlobalBatches:
             raise UserError(f"train.global_batch_size is {batch_size} but the data has only {n_samples} usable samples")
         self.n_samples, self.batch_size, self.seed, self.shuffle = n_samples, batch_size, seed, shuffle
         self.per_epoch = n_samples // batch_size
+        self._cached: tuple[int | None, np.ndarray | None] = (None, None)
 
     def rows(self, step: int) -> np.ndarray:
         """[batch_size] pool indices of global batch `step`."""
         epoch, index = divmod(step, self.per_epoch)
-        order = (np.random.default_rng([self.seed, epoch]).permutation(self.n_samples) if self.shuffle
-                 else np.arange(self.n_samples))
-        return order[index * self.batch_size:(index + 1) * self.batch_size]
+        return self._order(epoch)[index * self.batch_size:(index + 1) * self.batch_size].copy()
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """The pool's order in `epoch`; the last one is kept (seeding a generator costs ~1 ms, and
+        rank 0 asks for each step's rows more than once on the step's critical path)."""
+        if self._cached[0] != epoch:
+            order = (np.random.default_rng([self.seed, epoch]).permutation(self.n_samples) if self.shuffle
+                     else np.arange(self.n_samples))
+            self._cached = (epoch, order)
+        return self._cached[1]
 
 
 def share_by_cost(indices: Sequence[int], cost: np.ndarray, n_replicas: int) -> list[tuple[int, ...]]:
@@ -142,7 +151,7 @@ class StepPlanner:
                  ilp: str = "never"):
         if policy not in POLICIES:
             raise UserError(f"scheduler.policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
-        self.pool, self.batches, self.plan = pool.reset_index(drop=True), batches, plan
+        self.pool, self.batches, self.plan = numpy_backed(pool.reset_index(drop=True)), batches, plan
         self.costs_fn, self.feature_rows_fn = costs_fn, feature_rows_fn
         self.policy, self.prefetch, self.total_steps = policy, prefetch, total_steps
         self.buckets = ShapeBuckets()
@@ -158,12 +167,14 @@ class StepPlanner:
         self._submitted = -1
         self._first: int | None = None
         self._costs: dict[int, tuple[BatchCosts, np.ndarray, Partition | None]] = {}
+        self._shapes: dict[int, pd.DataFrame] = {}  # submitted batches' rows, until `get` takes them
 
     def _submit_through(self, step: int) -> None:
         last = step if self.total_steps is None else min(step, self.total_steps - 1)
         while self._submitted < last:
             s = self._submitted + 1
             shapes = self.pool.iloc[self.batches.rows(s)].reset_index(drop=True)
+            self._shapes[s] = shapes
             costs = self.costs_fn(shapes)
             buckets = self.buckets.assign(shapes["n_tiles"].to_numpy(), shapes["seq_len"].to_numpy())
             if self.service is not None:
@@ -195,7 +206,9 @@ class StepPlanner:
                 timeout_s = self.budget_s + 1.0 if step == self._first else 0.0
             part = self.service.get(step, timeout_s=timeout_s)
         rows = self.batches.rows(step)
-        shapes = self.pool.iloc[rows].reset_index(drop=True)
+        shapes = self._shapes.pop(step)
+        for old in [s for s in self._shapes if s < step]:
+            del self._shapes[old]
         self._costs[step] = (costs, buckets, part)
         plan = step_plan_from_partition(step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
                                         costs.vision_total())

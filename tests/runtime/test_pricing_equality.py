@@ -18,6 +18,7 @@ import pytest
 
 from dflop.config import Config
 from dflop.costmodel.analytic import analytic_cost_model
+from dflop.errors import UserError
 from dflop.costmodel.fit import fit_profile
 from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
@@ -153,3 +154,25 @@ def test_the_padded_baselines_prediction_pays_its_padding(fitted, layout):
             assert online.predicted_step_s > step_s(batch) * 1.01
     finally:
         planner.close()
+
+
+def test_the_trainers_scheduler_takes_only_usable_rows():
+    """Rows of a global batch are priced without a second check (`Pool.from_shapes(checked=True)`),
+    so a table with a failed sample must be refused up front: priced, it would train a sample the
+    profiler could not read; filtered per batch (as before), the costs would cover fewer samples
+    than the batch."""
+    cfg = Config.from_dict({"model": MODEL, "train": {"global_batch_size": 16}})
+    settings = TrainSettings.from_config(cfg, adaptive_correction=False)
+    model = ModelHandle.resolve(cfg.model)
+    plan = Plan.uniform(Layout("colocated", 1, 1, 2, 1, 1, 2, 2), model.n_vision_layers, model.n_llm_layers)
+    plan_file = plan_from_dict({**plan.to_dict(16), "cluster": Cluster.from_section(cfg.cluster).to_config()},
+                               "plan.yaml")
+    pricing = training_pricing(plan_file.plan, model, None, plan_cluster(plan_file, settings))
+    shapes = llava_ov_mix(40, seed=1)
+    shapes["status"] = "ok"
+    shapes.loc[7, "status"] = "error: unreadable image"
+    with pytest.raises(UserError, match="status is not ok"):
+        step_planner(settings, pricing, shapes, GlobalBatches(len(shapes), 16, 0), model.sample_rules())
+    planner = step_planner(settings, pricing, shapes.drop(index=7).reset_index(drop=True),
+                           GlobalBatches(39, 16, 0), model.sample_rules())
+    planner.close()

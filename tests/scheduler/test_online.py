@@ -11,6 +11,7 @@ import pytest
 from dflop.errors import UserError
 from dflop.plan import plan_from_dict
 from dflop.scheduler.online import GlobalBatches, StepPlanner, share_by_cost
+from dflop.shapes import numpy_backed
 from synthetic_costs import AnalyticCostModel, StageLayout, batch_costs_from_shapes
 
 
@@ -25,6 +26,38 @@ def test_global_batches_are_seeded_and_cover_each_epoch_once():
     assert not np.array_equal(GlobalBatches(50, 8, seed=4).rows(0), batches.rows(0))
     with pytest.raises(UserError, match="global_batch_size is 8 but the data has only 5"):
         GlobalBatches(5, 8, 0)
+
+
+def test_global_batches_rows_are_each_epochs_own_permutation_in_any_order():
+    """Rows against a generator seeded afresh for every call (what `rows` computed before it kept
+    the last epoch's order): steps asked across epochs and back, and a caller that writes into
+    the rows it got does not change the next answer."""
+    batches = GlobalBatches(n_samples=30, batch_size=7, seed=5)  # 4 batches per epoch, 2 samples left over
+
+    def reference(step):
+        epoch, index = divmod(step, 4)
+        return np.random.default_rng([5, epoch]).permutation(30)[index * 7:(index + 1) * 7]
+
+    for step in [0, 1, 5, 4, 2, 9, 3, 8, 0]:
+        rows = batches.rows(step)
+        np.testing.assert_array_equal(rows, reference(step))
+        rows[:] = -1
+        np.testing.assert_array_equal(batches.rows(step), reference(step))
+
+
+def test_string_columns_become_objects_and_nothing_else_changes():
+    import pyarrow as pa
+
+    table = pa.table({"sample_id": ["a", "b", "c"], "dataset": ["d", "d", "e"], "n_tiles": pa.array([0, 5, 1], pa.int32()),
+                      "seq_len": [10, 20, 30]})
+    shapes = table.to_pandas()
+    plain = numpy_backed(shapes)
+    assert plain["sample_id"].dtype == object and plain["dataset"].dtype == object
+    assert plain["n_tiles"].dtype == shapes["n_tiles"].dtype and plain["seq_len"].dtype == shapes["seq_len"].dtype
+    assert list(plain.columns) == list(shapes.columns)
+    for column in shapes.columns:
+        assert plain[column].tolist() == shapes[column].tolist()
+    assert plain.iloc[[2, 0]]["sample_id"].tolist() == ["c", "a"]
 
 
 def _best_split(costs: np.ndarray, k: int) -> float:
