@@ -51,6 +51,7 @@ def test_string_columns_become_objects_and_nothing_else_changes():
     table = pa.table({"sample_id": ["a", "b", "c"], "dataset": ["d", "d", "e"], "n_tiles": pa.array([0, 5, 1], pa.int32()),
                       "seq_len": [10, 20, 30]})
     shapes = table.to_pandas()
+    assert shapes["sample_id"].dtype != object  # pandas 3: Arrow-backed strings (else this checks nothing)
     plain = numpy_backed(shapes)
     assert plain["sample_id"].dtype == object and plain["dataset"].dtype == object
     assert plain["n_tiles"].dtype == shapes["n_tiles"].dtype and plain["seq_len"].dtype == shapes["seq_len"].dtype
@@ -122,6 +123,24 @@ def test_step_plan_covers_the_batch_once(placement, policy):
                 assert plan.member == "megatron"
             elif step == 0:  # the first step waits for the portfolio; later ones may fall back
                 assert not plan.member.startswith("fallback")
+    finally:
+        planner.close()
+
+
+@pytest.mark.parametrize("policy", ["dflop", "baseline"])
+def test_a_step_asked_again_or_out_of_order_gets_its_own_batch(policy):
+    """Rank 0 keeps each submitted batch's rows until `get` takes them; a step asked a second
+    time, after a later step, or after `replan` must still get its own global batch."""
+    planner, pool = _planner("colocated", policy)
+    try:
+        for step in (0, 2, 1, 1):
+            plan = planner.get(step)
+            assert list(plan.rows) == list(planner.batches.rows(step))
+            assert list(plan.seq_len) == pool["seq_len"].to_numpy()[list(plan.rows)].tolist()
+        replaced = planner.replan(plan, planner.batches.rows(3))
+        assert list(replaced.rows) == list(planner.batches.rows(3))
+        again = planner.get(1)
+        assert list(again.seq_len) == pool["seq_len"].to_numpy()[list(planner.batches.rows(1))].tolist()
     finally:
         planner.close()
 
