@@ -48,16 +48,10 @@ class Pool:
                 object.__setattr__(self, name, np.zeros(len(self.seq_len), dtype=np.int64))
 
     @classmethod
-    def from_shapes(cls, shapes: pd.DataFrame, *, where: str = "shapes", llm_tokens_per_tile: int = 0,
-                    checked: bool = False) -> "Pool":
+    def from_shapes(cls, shapes: pd.DataFrame, *, where: str = "shapes", llm_tokens_per_tile: int = 0) -> "Pool":
         """The pool from the usable rows of a shapes table (`dflop.shapes.usable`); `vision_tokens`
-        falls back to tiles x llm_tokens_per_tile where the table has no such column.
-
-        checked: `shapes` are rows of a table that already passed `usable` (the trainer's global
-        batches): take them as they are. Checking them again cost ~4 ms a step on the host, on
-        the critical path of a CPU step."""
-        if not checked:
-            shapes = usable(shapes, where)
+        falls back to tiles x llm_tokens_per_tile where the table has no such column."""
+        shapes = usable(shapes, where)
         tiles = shapes["n_tiles"].to_numpy(dtype=np.int64)
         vis = (shapes["vision_tokens"].to_numpy(dtype=np.int64) if "vision_tokens" in shapes.columns
                else tiles * llm_tokens_per_tile)

@@ -57,7 +57,6 @@ from dflop.runtime.sharding import StepSharding, is_sharded_parameter
 from dflop.runtime.skipping import FailureCheck, SkippedSamples, StepAborted, checked_load, load_without_failures
 from dflop.runtime.topology import LLM, VISION, Topology
 from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner
-from dflop.shapes import usable
 
 log = logging.getLogger("dflop.train")
 
@@ -91,10 +90,10 @@ def step_planner(settings: TrainSettings, pricing: Pricing, pool: pd.DataFrame, 
     the costs, but its predicted step must pay the padding the executor computes."""
     sched = settings.scheduler
     policy = "padded" if sched.pad_to_longest and sched.policy == "baseline" else sched.policy
-    if len(usable(pool, "the trainer's shapes")) != len(pool):  # checked once here, not every step
+    whole = Pool.from_shapes(pool, where="the trainer's shapes")  # checked once, each batch a take of it
+    if len(whole) != len(pool):
         raise UserError("the trainer's shapes hold rows whose status is not ok: pass `read_shapes`' table")
-    return StepPlanner(pool, batches, pricing.plan,
-                       lambda shapes: price(pricing, Pool.from_shapes(shapes, checked=True), policy).costs,
+    return StepPlanner(pool, batches, pricing.plan, lambda rows: price(pricing, whole.take(rows), policy).costs,
                        feature_rows_fn(rules), policy=sched.policy, budget_s=sched.budget_ms / 1e3,
                        prefetch=sched.prefetch, seed=settings.seed, total_steps=settings.train.steps,
                        adaptive=settings.adaptive_correction, p2p_s=pricing.p2p_s, allreduce_s=pricing.allreduce_s,

@@ -136,8 +136,9 @@ def step_plan_from_partition(step: int, rows: np.ndarray, shapes: pd.DataFrame, 
 class StepPlanner:
     """Rank 0's side of the data path: global batches -> costs -> scheduler service -> StepPlans.
 
-    costs_fn: shapes rows of one batch -> BatchCosts for the plan's layout (the trainer's: the one
-        pricing path, `dflop.planner.pricing`).
+    costs_fn: [n] pool indices of one global batch (in batch order) -> BatchCosts for the plan's
+        layout (the trainer's: the one pricing path, `dflop.planner.pricing`, on a `Pool` built and
+        checked once).
     feature_rows_fn: shapes rows -> [n] feature rows per sample.
     policy: "dflop" (portfolio) or "baseline" (fixed count per microbatch in batch order).
     p2p_s, allreduce_s: the pipeline send latency and the [P] per-stage gradient all-reduce seconds
@@ -147,7 +148,7 @@ class StepPlanner:
     """
 
     def __init__(self, pool: pd.DataFrame, batches: GlobalBatches, plan: Plan,
-                 costs_fn: Callable[[pd.DataFrame], BatchCosts], feature_rows_fn: Callable[[pd.DataFrame], np.ndarray],
+                 costs_fn: Callable[[np.ndarray], BatchCosts], feature_rows_fn: Callable[[pd.DataFrame], np.ndarray],
                  *, policy: str = "dflop", budget_s: float = 0.2, prefetch: int = 2, seed: int = 0,
                  total_steps: int | None = None, adaptive: bool = True, p2p_s: float = 0.0, allreduce_s=0.0,
                  ilp: str = "never"):
@@ -169,15 +170,14 @@ class StepPlanner:
         self._submitted = -1
         self._first: int | None = None
         self._costs: dict[int, tuple[BatchCosts, np.ndarray, Partition | None]] = {}
-        self._shapes: dict[int, pd.DataFrame] = {}  # submitted batches' rows, until `get` takes them
 
     def _submit_through(self, step: int) -> None:
         last = step if self.total_steps is None else min(step, self.total_steps - 1)
         while self._submitted < last:
             s = self._submitted + 1
-            shapes = self.pool.iloc[self.batches.rows(s)].reset_index(drop=True)
-            self._shapes[s] = shapes
-            costs = self.costs_fn(shapes)
+            rows = self.batches.rows(s)
+            shapes = self.pool.iloc[rows].reset_index(drop=True)
+            costs = self.costs_fn(rows)
             buckets = self.buckets.assign(shapes["n_tiles"].to_numpy(), shapes["seq_len"].to_numpy())
             if self.service is not None:
                 self.service.submit(s, costs, buckets)
@@ -208,11 +208,7 @@ class StepPlanner:
                 timeout_s = self.budget_s + 1.0 if step == self._first else 0.0
             part = self.service.get(step, timeout_s=timeout_s)
         rows = self.batches.rows(step)
-        shapes = self._shapes.pop(step, None)
-        if shapes is None:  # asked again, or after `replan` or a later step took it
-            shapes = self.pool.iloc[rows].reset_index(drop=True)
-        for old in [s for s in self._shapes if s < step]:
-            del self._shapes[old]
+        shapes = self.pool.iloc[rows].reset_index(drop=True)
         self._costs[step] = (costs, buckets, part)
         plan = step_plan_from_partition(step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
                                         costs.vision_total())
@@ -242,7 +238,7 @@ class StepPlanner:
         `dflop.runtime.skipping`): partitioned now by the greedy portfolio (the baseline: fixed
         counts). The adaptive correction does not learn from such a step."""
         shapes = self.pool.iloc[rows].reset_index(drop=True)
-        costs = self.costs_fn(shapes)
+        costs = self.costs_fn(rows)
         dp_vision = self.plan.vision_replicas
         if self.service is None:
             part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron",

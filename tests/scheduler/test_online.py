@@ -98,7 +98,8 @@ def _planner(placement="disjoint", policy="dflop", vision_dp=2):
     layout = StageLayout(vision_layer_share=(1.0,), llm_layer_share=(0.5, 0.5))
     pool = _pool()
     return StepPlanner(pool, GlobalBatches(len(pool), 12, seed=1), plan,
-                       lambda s: batch_costs_from_shapes(s, layout, AnalyticCostModel()),
+                       lambda rows: batch_costs_from_shapes(pool.iloc[rows].reset_index(drop=True), layout,
+                                                            AnalyticCostModel()),
                        lambda s: s["vision_tokens"].to_numpy(), policy=policy, budget_s=0.05, total_steps=4), pool
 
 
