@@ -139,7 +139,9 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
                                               padded_v if vision else heads_l, T, t, flops_per_ms, skipped_ms,
                                               attn_scale if vision else 1.0)
             coef = {target: tuple(float(values.get(f, 0.0)) for f in features) for target, values in targets}
-            modules.append(ModuleCosts(name, int(t), features, coef, float(params * nbytes / t), 0, (1, 1), (1, 1)))
+            tied = info.llm_embed_params if name == "llm_head" and info.tied_embeddings else 0
+            modules.append(ModuleCosts(name, int(t), features, coef, float(params * nbytes / t), 0, (1, 1), (1, 1),
+                                       tied_param_bytes=float(tied * nbytes / t)))
     return CostModel(modules, Provenance(preset=preset or info.arch, device=f"analytic {achieved_tflops:g} TFLOP/s",
                                          dtype=dtype))
 

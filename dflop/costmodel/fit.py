@@ -99,6 +99,7 @@ def fit_profile(
             features=features,
             coef=coef,
             param_bytes=float(shapes["param_bytes"].median()),
+            tied_param_bytes=float(shapes["tied_bytes"].median()),
             n_shapes=len(shapes),
             profiled_batch=(int(shapes["batch"].min()), int(shapes["batch"].max())),
             profiled_seq_len=(int(shapes["seq_len"].min()), int(shapes["seq_len"].max())),

@@ -33,6 +33,8 @@ samples are defined in `dflop.costmodel.features` (``tokens`` = sum of lengths, 
 runs per sample (CPU profiles only), ``tiles`` = sum of tiles, ``const`` = 1). Layer modules are
 per layer; a module's feature list is one of `dflop.costmodel.features.allowed_features`. Layer
 modules may also carry ``bwd_ms:<mode>`` / ``act_bytes:<mode>`` for recompute selective / full.
+``llm_head`` may carry ``tied_param_bytes``: its bytes that are the token embedding's (a model with
+tied embeddings), counted once on a stage holding both (absent: 0).
 Floats are written with Python's shortest round-trip repr, so a loaded model predicts bit-identically.
 """
 
@@ -117,6 +119,7 @@ SCHEMA = {
                         "additionalProperties": False,
                     },
                     "param_bytes": {"type": "number", "minimum": 0},
+                    "tied_param_bytes": {"type": "number", "minimum": 0},
                     "n_shapes": {"type": "integer", "minimum": 0},
                     "profiled_batch": _range,
                     "profiled_seq_len": _range,
@@ -147,6 +150,7 @@ def cost_model_to_dict(model: CostModel) -> dict:
                 "features": list(m.features),
                 "coef": {t: [float(c) for c in m.coef[t]] for t in TARGETS + OPTIONAL_TARGETS if t in m.coef},
                 "param_bytes": float(m.param_bytes),
+                **({"tied_param_bytes": float(m.tied_param_bytes)} if m.tied_param_bytes else {}),
                 "n_shapes": m.n_shapes,
                 "profiled_batch": [int(v) for v in m.profiled_batch],
                 "profiled_seq_len": [int(v) for v in m.profiled_seq_len],
@@ -229,6 +233,7 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
             coef={t: tuple(float(c) for c in entry["coef"][t]) for t in TARGETS + OPTIONAL_TARGETS
                   if t in entry["coef"]},
             param_bytes=float(entry["param_bytes"]),
+            tied_param_bytes=float(entry.get("tied_param_bytes", 0.0)),
             n_shapes=int(entry.get("n_shapes", 0)),
             profiled_batch=tuple(entry.get("profiled_batch", (0, 0))),
             profiled_seq_len=tuple(entry.get("profiled_seq_len", (0, 0))),

@@ -17,9 +17,9 @@ bytes saved for backward. A stage's ``recompute`` mode (none | selective | full)
 them, `dflop.costmodel.activations` gives the bytes; a model fitted on a profile that measured the
 modes has them too). Not modelled: transient workspace (the CUDA
 allocator peak the profiler records is not used; recomputation adds one layer's activations of one
-microbatch while that layer's backward runs), so keep a margin in the memory limit; and tied input/output embeddings are
-counted on both the first and the last LLM stage, as pipelines replicate them, which counts the
-table twice when one stage is both.
+microbatch while that layer's backward runs), so keep a margin in the memory limit. Tied input/output
+embeddings are counted on both the first and the last LLM stage, as pipelines replicate them, and
+once on a stage that is both (``ModuleCosts.tied_param_bytes``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ class ModuleCosts:
 
     coef maps each target (fwd_ms, bwd_ms, act_bytes) to non-negative coefficients, one per feature.
     param_bytes: bytes of this module's parameters on one rank, in the profiled dtype.
+    tied_param_bytes: bytes of those that are the token embedding's (the LM head of a model with
+        tied embeddings; 0 otherwise): a stage that holds ``llm_embed`` too holds them once.
     profiled_batch / profiled_seq_len: (min, max) of the profiled grid, to judge extrapolation.
     """
 
@@ -66,6 +68,7 @@ class ModuleCosts:
     n_shapes: int
     profiled_batch: tuple[int, int]
     profiled_seq_len: tuple[int, int]
+    tied_param_bytes: float = 0.0
 
     @property
     def kind(self) -> ShapeKind:
@@ -389,7 +392,15 @@ class CostModel:
         """Training state of a stage: parameters counted from their bytes in the profiled dtype;
         with the state sharded over `shard_over` replicas, what a rank holds at the step's peak
         (`dflop.costmodel.memory.training_state_bytes`)."""
-        n_params = sum(mult * m.param_bytes for m, mult in parts) / self.state_bytes.param
+        return self._state_of(sum(mult * m.param_bytes for m, mult in parts) - _held_twice_bytes(parts), shard_over)
+
+    def tied_llm_state(self, tp: int, shard_over: int = 1) -> StageMemory:
+        """Training state that an LLM stage holding both the token embedding and a tied LM head
+        holds once, not twice (zeros for a model without tied embeddings)."""
+        return self._state_of(self.module("llm_head", tp).tied_param_bytes, shard_over)
+
+    def _state_of(self, param_bytes: float, shard_over: int) -> StageMemory:
+        n_params = param_bytes / self.state_bytes.param
         state = self.state_bytes if shard_over == 1 else training_state_bytes(self.provenance.dtype, shard_over)
         return StageMemory(
             param_bytes=float(n_params * state.param),
@@ -447,6 +458,14 @@ class CostModel:
             act_bytes=per_sample["act_bytes"],
             static=self._static(parts, shard_over),
         )
+
+
+def _held_twice_bytes(parts: list[tuple[ModuleCosts, int]]) -> float:
+    """Bytes the parts count twice: a tied LM head's weight on a stage that holds the token
+    embedding too (one tensor there, like its gradient and optimizer state)."""
+    if not any(m.module == "llm_embed" for m, _ in parts):
+        return 0.0
+    return float(sum(m.tied_param_bytes for m, _ in parts if m.module == "llm_head"))
 
 
 def _stage_time(parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray) -> StageTime:

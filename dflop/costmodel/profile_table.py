@@ -4,7 +4,8 @@ The profile (DESIGN.md §4) has one row per measurement: ``module, tp, batch, se
 fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes, device, dtype, repeat`` (extra columns are
 ignored), and optionally the layer modules' recompute targets ``bwd_ms:<mode>`` /
 ``act_bytes:<mode>`` (`OPTIONAL_TARGETS`; NaN where not measured: other modules, and repeats past
-the mode's fewer runs). Layer modules may be profiled as a stack of ``n_layers`` layers; costs are
+the mode's fewer runs), and ``tied_bytes`` (the LM head's bytes that are the token embedding's;
+absent in older profiles: 0). Layer modules may be profiled as a stack of ``n_layers`` layers; costs are
 divided by ``n_layers`` here so every fitted layer cost is per layer.
 """
 
@@ -36,7 +37,7 @@ class ProfileSummary:
     """Per-shape medians of a profile and where it came from.
 
     shapes: one row per (module, tp, batch, seq_len) with columns module, tp, batch, seq_len,
-        fwd_ms, bwd_ms, act_bytes, param_bytes (per layer for layer modules), n_repeats, and the
+        fwd_ms, bwd_ms, act_bytes, param_bytes (per layer for layer modules), tied_bytes, n_repeats, and the
         `OPTIONAL_TARGETS` the profile has (median of the measured repeats; NaN for a shape
         without any).
     step_costs: the step's costs outside the modules (`dflop.profiling.step_costs`), one row per
@@ -78,6 +79,8 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     if table.empty:
         raise UserError(f"{source}: no known modules; expected some of {', '.join(MODULE_FEATURES)}")
     optional = [c for c in OPTIONAL_TARGETS if c in table.columns]
+    if "tied_bytes" not in table.columns:
+        table = table.assign(tied_bytes=0.0)
     _check_values(table, source, optional)
 
     per_layer = table.copy()
@@ -88,7 +91,7 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
 
     keys = ["module", "tp", "batch", "seq_len"]
     grouped = per_layer.groupby(keys, sort=True)
-    shapes = grouped[[*TARGETS, *optional, "param_bytes"]].median()  # skips NaN
+    shapes = grouped[[*TARGETS, *optional, "param_bytes", "tied_bytes"]].median()  # skips NaN
     shapes["n_repeats"] = grouped.size()
     shapes = shapes.reset_index()
     for column in ("tp", "batch", "seq_len"):
@@ -134,7 +137,7 @@ def _single_value(table: pd.DataFrame, column: str, source: str) -> str:
 
 def _check_values(table: pd.DataFrame, source: str, optional: list[str]) -> None:
     """Required numbers finite and in range; optional targets may be missing (NaN), not infinite or negative."""
-    numeric = ["tp", "batch", "seq_len", "n_layers", *TARGETS, "param_bytes", *optional]
+    numeric = ["tp", "batch", "seq_len", "n_layers", *TARGETS, "param_bytes", "tied_bytes", *optional]
     for column in numeric:
         values = pd.to_numeric(table[column], errors="coerce").to_numpy(dtype=np.float64)
         minimum = 1 if column in ("tp", "batch", "seq_len", "n_layers") else 0

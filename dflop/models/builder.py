@@ -43,6 +43,12 @@ def model_config(arch: str, vision: str, llm: str, *, weights_dir: str | Path | 
     return spec.make_config(vision_p, llm_preset(llm))
 
 
+def ties_embeddings(config: PreTrainedConfig) -> bool:
+    """Whether the model's LM head is its token embedding (one tensor where a stage holds both)."""
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False)
+                or getattr(config, "tie_word_embeddings", False))
+
+
 def build_model(arch: str, vision: str, llm: str, *, weights_dir: str | Path | None = None,
                 **options) -> PreTrainedModel:
     """The model of (arch, vision preset, LLM preset), or the one in `weights_dir`: `build_from_config`

@@ -18,7 +18,7 @@ from dflop.config import ModelSpec
 from dflop.data.training import SampleRules
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
-from dflop.models.builder import build_from_config, model_config
+from dflop.models.builder import build_from_config, model_config, ties_embeddings
 from dflop.models.info import ModelInfo, info_of
 from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.presets import tower_arch_params
@@ -56,8 +56,7 @@ class ModelHandle:
 
     @property
     def tied_embeddings(self) -> bool:
-        return bool(getattr(self.config.get_text_config(), "tie_word_embeddings", False)
-                    or getattr(self.config, "tie_word_embeddings", False))
+        return ties_embeddings(self.config)
 
     # -- inputs ------------------------------------------------------------------------------------
 

@@ -156,7 +156,8 @@ class ModuleMeans:
 
     layers: one layer under each recompute mode the search may use, cheapest in time first
     (none, selective, full); sequence_parallel: whether these LLM layers run sequence-parallel
-    (their activations are priced so).
+    (their activations are priced so); tied: the training state a stage holding both the first and
+    the last parts holds once, not twice (a tied LM head: `CostModel.tied_llm_state`; else zeros).
     """
 
     module: str
@@ -166,6 +167,7 @@ class ModuleMeans:
     first: PartMeans
     last: PartMeans
     sequence_parallel: bool = False
+    tied: PartMeans = PartMeans()
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -178,7 +180,7 @@ class ModuleMeans:
 
     def whole(self, mode: str | None = None) -> PartMeans:
         """The whole module on one stage (what the colocated first LLM stage carries)."""
-        return self.layers[mode or self.modes[0]].scaled(self.n_layers) + self.first + self.last
+        return self.layers[mode or self.modes[0]].scaled(self.n_layers) + self.first + self.last + self.tied.scaled(-1.0)
 
 
 def module_means(cost: CostModel, module: str, tp: int, pool: Pool, n_layers: int, *,
@@ -206,8 +208,12 @@ def module_means(cost: CostModel, module: str, tp: int, pool: Pool, n_layers: in
             error = exc
     if not layers:
         raise error or UserError(f"no recompute mode to price among {list(modes)}")
+    tied = PartMeans()
+    if module == "llm":
+        state = cost.tied_llm_state(tp)
+        tied = PartMeans(static_bytes=state.static_bytes, grad_bytes=state.grad_bytes)
     return ModuleMeans(module, int(tp), int(n_layers), layers, first=part(0, True, False), last=part(0, False, True),
-                       sequence_parallel=bool(extra))
+                       sequence_parallel=bool(extra), tied=tied)
 
 
 @dataclass(frozen=True)

@@ -373,7 +373,7 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
             _PartScalars.of(vision.first, nu_v, 1.0 / lay.dp_v, nu_v), _PartScalars.of(vision.last, nu_v, 1.0 / lay.dp_v, nu_v)
         for k in range(n_v):
             rows.append(_stage_row(*parts, None, float(k == 0), float(k == n_v - 1), 0.0, in_flight[k], scale,
-                                   hop if k > 0 else 0.0, hop if k < n_v - 1 else out))
+                                   hop if k > 0 else 0.0, hop if k < n_v - 1 else out, vision.tied))
     nu_l = B / (m * lay.dp_l)
     tnu = float(granularity.nu_time(nu_l, m))
     scale = _state_scale(dtype, lay.dp_l) if shard[1] else 1.0
@@ -385,7 +385,7 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
              _PartScalars.of(llm.last, nu_l, 1.0, tnu))
     for j in range(pp_l):
         rows.append(_stage_row(*parts, extra, float(j == 0), float(j == pp_l - 1), float(j == 0), in_flight[n_v + j],
-                               scale, hop if j > 0 else features, hop if j < pp_l - 1 else 0.0))
+                               scale, hop if j > 0 else features, hop if j < pp_l - 1 else 0.0, llm.tied))
     table = np.array(rows, dtype=np.float64).T  # [fields, P]
     return StageCoeffs(*table)
 
@@ -411,12 +411,14 @@ class _PartScalars:
 
 def _stage_row(layer: _PartScalars, first_part: _PartScalars, last_part: _PartScalars, extra: _PartScalars | None,
                first: float, last: float, extra_on: float, in_flight: float, scale: float, fwd_s: float,
-               bwd_s: float) -> tuple[float, ...]:
-    """One stage's `StageCoeffs` values in field order (the transfers `fwd_s` / `bwd_s` added last)."""
+               bwd_s: float, tied: PartMeans) -> tuple[float, ...]:
+    """One stage's `StageCoeffs` values in field order (the transfers `fwd_s` / `bwd_s` added last);
+    a stage with both the first and the last part holds `tied`'s state once (`ModuleMeans.tied`)."""
     F, H = first_part, last_part
     f_time, f_bwd = first * F.time + last * H.time, first * F.bwd + last * H.bwd
     f_mean, f_max = first * F.act_mean + last * H.act_mean, first * F.act_heaviest + last * H.act_heaviest
-    f_static, f_grad = first * F.static + last * H.static, first * F.grad + last * H.grad
+    f_static = first * F.static + last * H.static - first * last * tied.static_bytes
+    f_grad = first * F.grad + last * H.grad - first * last * tied.grad_bytes
     if extra is not None:
         E = extra
         f_time, f_bwd = f_time + extra_on * E.time, f_bwd + extra_on * E.bwd

@@ -30,6 +30,7 @@ from transformers import PreTrainedConfig
 
 from dflop import plan
 from dflop.models.architectures import Architecture, new_llm_layer, new_llm_norm, new_rotary_embedding
+from dflop.models.builder import ties_embeddings
 from dflop.models.llm_parts import CausalLMHead, TokenEmbedding, run_decoder_layers
 from dflop.models.packing import PackedSequence, packed_attention_forward
 from dflop.models.recompute import checkpointed_call, set_core_recompute
@@ -37,6 +38,7 @@ from dflop.models.tensor_parallel import (
     TPGroup,
     VocabParallelCausalLMHead,
     VocabParallelEmbedding,
+    local_tensor,
     shard_llm_layer,
     shard_projector,
     shard_vision_layer,
@@ -60,6 +62,8 @@ class ModuleBench:
     make_inputs: float inputs that get gradients are leaves with ``requires_grad``.
     recompute: for vision_layer and llm_layer, ``recompute(mode)`` switches the module to a recompute
         mode (none | selective | full) and returns the forward a stage in that mode runs.
+    tied_bytes: bytes of this rank's parameters that are the token embedding's in the model (the
+        LM head of a model with tied embeddings): a stage holding both holds them once.
     """
 
     name: str
@@ -67,6 +71,7 @@ class ModuleBench:
     make_inputs: Callable[[int, int], tuple]
     forward: Callable[..., torch.Tensor]
     recompute: Callable[[str], Callable[..., torch.Tensor]] | None = None
+    tied_bytes: int = 0
 
     @property
     def recompute_modes(self) -> tuple[str, ...]:
@@ -224,10 +229,12 @@ class _BenchFactory:
         lm_head = nn.Linear(width, vocab, bias=False)
         norm = new_llm_norm(self.text_cfg)
         module = CausalLMHead(norm, lm_head) if self.tp.size == 1 else VocabParallelCausalLMHead(norm, lm_head, self.tp)
+        weight = local_tensor(module.lm_head.weight)
+        tied = weight.numel() * weight.element_size() if ties_embeddings(self.config) else 0
 
         def inputs(batch, seq):
             packed = self._packed(batch, seq)
             labels = torch.randint(0, vocab, (packed.total_tokens,), device=self.device)
             return self._randn(1, packed.total_tokens, width), packed.shift_labels(labels)
 
-        return ModuleBench("llm_head", module, inputs, module)
+        return ModuleBench("llm_head", module, inputs, module, tied_bytes=tied)

@@ -4,7 +4,8 @@ for each tensor-parallel degree -> ``model_profile.parquet`` (DESIGN.md §4).
 One row per measured repeat:
     module, tp, batch, seq_len, n_layers, fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes,
     device, dtype, repeat
-plus grad_bytes, optim_bytes (Adam), preset, threads, co_runners and round (0 = coarse grid, k = k-th
+plus grad_bytes, optim_bytes (Adam), tied_bytes (the LM head's weight when the model ties it to the
+token embedding, else 0: `ModuleBench.tied_bytes`), preset, threads, co_runners and round (0 = coarse grid, k = k-th
 refinement), and for the layer modules a stage may recompute (vision_layer, llm_layer)
 ``bwd_ms:<mode>`` and ``act_bytes:<mode>`` for recompute selective and full (NaN for the other
 modules; `_measure_round` says how many of a shape's rows have a ``bwd_ms:<mode>``). Modules and
@@ -78,7 +79,7 @@ from dflop.profiling.step_costs import LINK_MODULES, link_rows, optimizer_step_m
 log = logging.getLogger(__name__)
 
 COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
-           "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "preset", "threads", "co_runners",
+           "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "tied_bytes", "preset", "threads", "co_runners",
            "round", "optim_ms", "bytes",
            *(column for mode in RECOMPUTE_MODES for column in RECOMPUTE_TARGETS[mode]))
 
@@ -479,7 +480,7 @@ def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: 
     leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     if not shape.sizes:
         shape.sizes = dict(param_bytes=param_bytes(bench.module), grad_bytes=grad_bytes(bench.module),
-                           optim_bytes=adam_state_bytes(bench.module))
+                           optim_bytes=adam_state_bytes(bench.module), tied_bytes=bench.tied_bytes)
     cuda = timer.cuda
     timed_runs = shape.timed if mode == "none" else shape.recompute_timed.setdefault(mode, [])
 

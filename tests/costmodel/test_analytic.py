@@ -139,3 +139,21 @@ def test_fitted_model_without_recompute_costs_says_so(config):
     plain.llm_stage_time([10], n_layers=1, first=False, last=False, tp=1)
     with pytest.raises(UserError, match="no full-recompute costs for llm_layer"):
         plain.llm_stage_time([10], n_layers=1, first=False, last=False, tp=1, recompute="full")
+
+
+@pytest.mark.parametrize("arch", [("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
+                                  ("internvl", "internvit-tiny", "llama3-tiny")], ids=["tied", "untied"])
+def test_one_stage_holding_the_whole_model_prices_its_distinct_parameters(arch):
+    """Reference: the transformers model's distinct parameters (a tied LM head is the embedding).
+    Within 0.1 %: the stages do not run the SigLIP tower's post-layernorm (128 parameters); a tied table
+    counted twice would be 30 % over."""
+    from dflop.models.builder import build_model, model_config
+    from dflop.models.info import info_of
+
+    config = model_config(*arch)
+    info = info_of(config)
+    cost = analytic_cost_model(config, tp_degrees=(1,), dtype="float32")
+    memory = cost.colocated_stage_memory([1], [16], vision_layers=info.vision_layers, llm_layers=info.llm_layers,
+                                         last=True, tp_v=1, tp_l=1, in_flight=1)
+    distinct = {id(p): p.numel() for p in build_model(*arch).parameters()}
+    assert memory.param_bytes == pytest.approx(4 * sum(distinct.values()), rel=1e-3)

@@ -93,3 +93,23 @@ def test_recompute_costs_survive_the_round_trip(tmp_path):
         kw = dict(n_layers=2, first=False, last=False, tp=1, recompute=mode)
         assert loaded.llm_stage_time([30, 7], **kw) == model.llm_stage_time([30, 7], **kw)
         assert loaded.vision_stage_memory([3], in_flight=2, **kw) == model.vision_stage_memory([3], in_flight=2, **kw)
+
+
+def test_a_tied_heads_bytes_survive_the_round_trip_and_older_files_have_none(model, tmp_path):
+    """`tied_param_bytes` is written where set and read back (the stage holding both LLM ends
+    prices it once); a file without the key (older fits) loads with 0."""
+    from dataclasses import replace
+
+    from dflop.costmodel.model import CostModel
+
+    tied = CostModel([replace(m, tied_param_bytes=m.param_bytes) if m.module == "llm_head" else m
+                      for m in model.modules.values()], model.provenance, model.step_costs)
+    path = tmp_path / "tied.json"
+    save_cost_model(tied, path)
+    loaded = load_cost_model(path)
+    assert loaded.module("llm_head", 1).tied_param_bytes == model.module("llm_head", 1).param_bytes
+    both = dict(seq_lens=[100], n_layers=2, first=True, last=True, tp=1, in_flight=1)
+    assert loaded.llm_stage_memory(**both) == tied.llm_stage_memory(**both) != model.llm_stage_memory(**both)
+    data = cost_model_to_dict(model)
+    assert all("tied_param_bytes" not in m for m in data["modules"])
+    assert load_cost_model(_write(tmp_path, data)).module("llm_head", 1).tied_param_bytes == 0.0

@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from dflop.costmodel.model import CostModel
 from dflop.plan import in_flight_1f1b
 from dflop.planner.cluster import Cluster
 from dflop.plan import Layout
@@ -125,3 +126,31 @@ def test_granularity_is_the_expected_heaviest_of_a_microbatch():
         assert g.ratio[m] == pytest.approx(exact, rel=1e-12)
     assert g.nu_time(np.array([0.5, 4.0]), 2) == pytest.approx([g.ratio[2], 4.0])
     assert Granularity.none().nu_time(0.5, 2) == 0.5
+
+
+@pytest.mark.parametrize("layout", [Layout("disjoint", 1, 2, 2, 1, 1, 2, 4), Layout("colocated", 1, 1, 2, 1, 1, 2, 2),
+                                    Layout("disjoint", 1, 1, 2, 1, 2, 2, 4)], ids=["disjoint", "colocated", "pp_l=2"])
+def test_a_tied_lm_head_is_held_once_where_one_stage_holds_both_ends(cost_model, uniform_pool, layout):
+    """The planner's stage memory and gradient bytes against the cost model's stage API, with the
+    LM head tied to the embedding: held once on an LLM stage that is first and last, on each end of
+    a split (the reference `CostModel` is tested against the transformers model's own parameters)."""
+    tied = CostModel([replace(m, tied_param_bytes=m.param_bytes) if m.module == "llm_head" else m
+                      for m in cost_model.modules.values()], cost_model.provenance)
+    sm = _model(tied, uniform_pool, layout)
+    n_v, pp_l = layout.n_vision_stages, layout.pp_l
+    split = np.array([3, 3][:n_v] + [8 // pp_l] * pp_l)
+    in_flight = layout.in_flight()
+    per_bin = 32 // (layout.m * layout.dp_l)
+    for j in range(pp_l):
+        n, last, flight = int(split[n_v + j]), j == pp_l - 1, in_flight[n_v + j]
+        if layout.colocated:
+            want = tied.colocated_stage_memory([TILES] * per_bin, [SEQ] * per_bin, vision_layers=6, llm_layers=n,
+                                               last=last, tp_v=1, tp_l=1, in_flight=flight)
+        else:
+            want = tied.llm_stage_memory([SEQ] * per_bin, n_layers=n, first=j == 0, last=last, tp=1, in_flight=flight)
+        assert sm.memory_at(split)[n_v + j] == pytest.approx(want.total_bytes, rel=1e-12)
+        grad = sm.coeffs.grad_fixed[n_v + j] + sm.coeffs.grad_layer[n_v + j] * n
+        assert grad == pytest.approx(want.grad_bytes, rel=1e-12)
+    untied = _model(cost_model, uniform_pool, layout).memory_at(split)[n_v]
+    head_state = cost_model.llm_stage_memory([SEQ], n_layers=0, first=False, last=True, tp=1, in_flight=1).static_bytes
+    assert untied - sm.memory_at(split)[n_v] == pytest.approx(head_state if pp_l == 1 else 0.0, rel=1e-12, abs=1e-3)

@@ -4,7 +4,7 @@ concatenated (the library's form before the float path, kept as this test's refe
 Bit-identical, not approximately equal: the search compares these numbers across layouts, and the
 speed-up must not move any plan."""
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import pytest
@@ -64,6 +64,8 @@ def stage_coeffs(means, *, nu, heaviest_share, first, last, in_flight, extra=Non
     layer = _PartAt.of(means.layers[mode or means.modes[0]], nu, heaviest_share, tnu)
     fixed = _PartAt.of(means.first, nu, heaviest_share, tnu).scaled(first) + \
         _PartAt.of(means.last, nu, heaviest_share, tnu).scaled(last)
+    fixed = replace(fixed, static=fixed.static - first * last * means.tied.static_bytes,
+                    grad=fixed.grad - first * last * means.tied.grad_bytes)
     if extra is not None:
         fixed = fixed + _PartAt.of(extra, extra_nu, 1.0, tnu).scaled(np.asarray(extra_on, dtype=np.float64))
     return StageCoeffs(

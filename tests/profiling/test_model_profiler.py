@@ -267,3 +267,29 @@ def test_recompute_modes_run_after_each_pass_of_mode_none():
     row = shape.recompute_columns(1)
     assert row["bwd_ms:full"] == shape.recompute_timed["full"][1]["bwd_ms"] and row["act_bytes:full"] == 128
     assert math.isnan(shape.recompute_columns(2)["bwd_ms:selective"])  # mode none's third run has no partner
+
+
+def test_a_stage_holding_the_whole_llm_prices_its_distinct_parameters(profiled):
+    """Reference: the distinct parameters of the transformers model's language model and LM head (a
+    tied head is the embedding: one tensor). The cost model fitted on the profile prices an LLM
+    stage holding every layer, the embedding and the head at exactly those bytes, and the two
+    stages of a split at the embedding's copy more (pipelines replicate a tied table)."""
+    from dflop.costmodel.fit import fit_profile
+    from dflop.costmodel.profile_table import read_profile
+    from dflop.models.builder import build_model
+
+    (arch, vision, llm), out, table = profiled
+    model = build_model(arch, vision, llm)
+    distinct = {id(p): p.numel() for p in [*model.model.language_model.parameters(), *model.lm_head.parameters()]}
+    tied = model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    head = table[table["module"] == "llm_head"]["tied_bytes"].unique().tolist()
+    assert head == [4 * model.lm_head.weight.numel() if tied else 0]
+    cost, _ = fit_profile(read_profile(out))
+    layers = model.config.get_text_config().num_hidden_layers
+
+    def param_bytes(n, first, last):
+        return cost.llm_stage_memory([16], n_layers=n, first=first, last=last, tp=1, in_flight=1).param_bytes
+
+    assert param_bytes(layers, True, True) == 4 * sum(distinct.values())
+    split = param_bytes(1, True, False) + param_bytes(layers - 1, False, True)
+    assert split == 4 * sum(distinct.values()) + (4 * model.lm_head.weight.numel() if tied else 0)
