@@ -30,7 +30,7 @@ from dflop.models.handle import ModelHandle
 from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.stages import links, stage_tail_s
+from dflop.planner.stages import links, stage_modules, stage_tail_s
 from dflop.costmodel.batch import batch_costs
 
 
@@ -87,8 +87,10 @@ class Pricing:
         link = self._links
         grads, params = self._stage_grad_bytes(), self._stage_grad_bytes("param_bytes")
         n_v = lay.n_vision_stages
+        modules = stage_modules(lay)
         parts = [stage_tail_s(grads[sl], params[sl], dp, intra, sharded=module.techniques.shard_optimizer,
-                              cluster=self.cluster, measured=self._measured)  # colocated: plan.llm's flags (n_v = 0)
+                              cluster=self.cluster, measured=self._measured, modules=modules[sl])
+                 # colocated: plan.llm's flags (n_v = 0)
                  for module, sl, dp, intra in ((self.plan.vision, slice(0, n_v), lay.dp_v, link.vision_allreduce_intra),
                                                (self.plan.llm, slice(n_v, None), lay.dp_l, link.llm_allreduce_intra))]
         return np.r_[parts[0], parts[1]]

@@ -103,17 +103,21 @@ def links(cluster: Cluster, *, colocated, tp_v, pp_v, dp_v, tp_l, pp_l, dp_l,
 
 
 def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: Cluster,
-                 measured: StepCosts) -> np.ndarray:
-    """Seconds a stage spends after its last backward: its data-parallel gradient synchronisation
-    (the measured all-reduce line for `dp` inside a node, else the cluster's ring formula; a sharded
-    module's reduce-scatter + all-gather move the same bytes), then its optimizer step on the
-    parameter bytes the rank holds when `measured` has one. Affine in the bytes (the planner
-    splits it into a per-stage and a per-layer part). `measured`: `CostModel.step_costs_on`."""
+                 measured: StepCosts, modules=1) -> np.ndarray:
+    """Seconds a stage spends after its last backward: its data-parallel gradient synchronisation,
+    then its optimizer step on the parameter bytes the rank holds when `measured` has one. The sync
+    is the measured all-reduce line for `dp` inside a node, its constant paid once for each of the
+    stage's `modules` modules (`stage_modules`: the trainer buckets each module's gradients apart),
+    or for a sharded module once for its reduce-scatter and once for its all-gather, which together
+    move the same bytes; else the cluster's ring formula over the whole gradient. Affine in the
+    bytes (the planner splits it into a per-stage and a per-layer part).
+    `measured`: `CostModel.step_costs_on`."""
     line = measured.allreduce.get(int(dp))  # (looked up first: without measured lines, no np.all per call)
     if line is not None and not bool(np.all(intra)):
         line = None
-    if line is not None:
-        sync = line(grad_bytes)
+    if line is not None:  # sharded: one reduce-scatter and one all-gather per module (one FSDP group each)
+        calls = np.asarray(modules, dtype=np.float64) * (2.0 if sharded else 1.0)
+        sync = line.const_s * calls + line.per_byte_s * np.asarray(grad_bytes, dtype=np.float64)
     elif sharded:
         sync = cluster.reduce_scatter_s(grad_bytes, dp, intra) + cluster.reduce_scatter_s(param_bytes, dp, intra)
     else:
@@ -121,6 +125,19 @@ def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: 
     if measured.optimizer is not None:
         sync = sync + measured.optimizer(np.asarray(param_bytes, dtype=np.float64) / (dp if sharded else 1))
     return np.asarray(sync, dtype=np.float64)
+
+
+def stage_modules(layout: Layout) -> np.ndarray:
+    """[P] modules each stage holds (vision stages first): 2 on a colocated layout's first LLM
+    stage (the vision tower and the LLM: their gradients sync in separate buckets), else 1.
+
+    A module's gradients larger than one bucket (`dflop.runtime.optim.GradientSync`, ~25 MB; tensors
+    larger than that alone) sync in several all-reduces: the pricing charges the constant of one
+    (a lower bound; the count depends on the tensors' sizes, which the cost model does not hold)."""
+    modules = np.ones(layout.n_vision_stages + layout.pp_l)
+    if layout.colocated:
+        modules[0] = 2.0
+    return modules
 
 
 @dataclass(frozen=True)
@@ -322,17 +339,19 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
     c = by_mode[modes[0]]
     n_v = lay.n_vision_stages
 
-    def allreduce(grad_fixed, grad_layer, dp, intra, sharded):
+    def allreduce(grad_fixed, grad_layer, dp, intra, sharded, modules):
         # the tail is affine in the bytes: a per-stage part and one per layer; parameters and
         # gradients share a dtype, so the gradient bytes are the parameter bytes too
         def tail(nbytes):
-            return stage_tail_s(nbytes, nbytes, dp, intra, sharded=sharded, cluster=cluster, measured=step_costs)
+            return stage_tail_s(nbytes, nbytes, dp, intra, sharded=sharded, cluster=cluster, measured=step_costs,
+                                modules=modules)
         return tail(grad_fixed), tail(grad_layer) - tail(np.zeros_like(grad_layer))
 
     ar = []
     if n_v:
-        ar.append(allreduce(c.grad_fixed[:n_v], c.grad_layer[:n_v], lay.dp_v, link.vision_allreduce_intra, shard[0]))
-    ar.append(allreduce(c.grad_fixed[n_v:], c.grad_layer[n_v:], lay.dp_l, link.llm_allreduce_intra, shard[1]))
+        ar.append(allreduce(c.grad_fixed[:n_v], c.grad_layer[:n_v], lay.dp_v, link.vision_allreduce_intra, shard[0], 1))
+    ar.append(allreduce(c.grad_fixed[n_v:], c.grad_layer[n_v:], lay.dp_l, link.llm_allreduce_intra, shard[1],
+                        stage_modules(lay)[n_v:]))
     return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(lay.pp_l, dtype=bool)],
                       by_mode=by_mode, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64),
                       ar_layer=np.concatenate([np.broadcast_to(a[1], np.shape(a[0])) for a in ar]).astype(np.float64),
