@@ -137,6 +137,7 @@ def _merge(a: "StageTerms", b: "StageTerms") -> "StageTerms":
         bwd_s=a.bwd_s + b.bwd_s,
         act_bytes=a.act_bytes + b.act_bytes,
         static=a.static + b.static,
+        optimizer_s=a.optimizer_s + b.optimizer_s,
     )
 
 

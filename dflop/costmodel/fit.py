@@ -77,6 +77,7 @@ def fit_profile(
     """Fit every (module, tp) of a profile summary; returns the model and the validation table."""
     modules = []
     rows = []
+    optimizer_s = module_optimizer_s(summary.step_costs)
     for (module, tp), shapes in summary.shapes.groupby(["module", "tp"], sort=True):
         features = module_features(module, summary.device)
         if len(shapes) < len(features):
@@ -100,6 +101,7 @@ def fit_profile(
             coef=coef,
             param_bytes=float(shapes["param_bytes"].median()),
             tied_param_bytes=float(shapes["tied_bytes"].median()),
+            optimizer_s=optimizer_s.get((module, int(tp))),
             n_shapes=len(shapes),
             profiled_batch=(int(shapes["batch"].min()), int(shapes["batch"].max())),
             profiled_seq_len=(int(shapes["seq_len"].min()), int(shapes["seq_len"].max())),
@@ -132,9 +134,23 @@ def fit_step_costs(rows: pd.DataFrame | None) -> StepCosts:
     if rows is None:
         return StepCosts()
     allreduce = {int(ranks): line(group) for ranks, group in rows[rows["kind"] == "allreduce"].groupby("ranks")}
+    call = rows.loc[rows["kind"] == "optimizer_call", "ms"]
     return StepCosts(optimizer=line(rows[rows["kind"] == "optimizer"]),
                      allreduce={ranks: fitted for ranks, fitted in allreduce.items() if fitted is not None},
-                     p2p=line(rows[rows["kind"] == "p2p"]))
+                     p2p=line(rows[rows["kind"] == "p2p"]),
+                     optimizer_call_s=float(call.median()) * 1e-3 if len(call) else None)
+
+
+def module_optimizer_s(rows: pd.DataFrame | None) -> dict[tuple[str, int], float]:
+    """{(module, tp): seconds of the optimizer step on its parameters beyond the step's own cost}
+    (`ModuleCosts.optimizer_s`: its measured step less the one-element step, per layer for layer
+    modules, at least 0); empty for a profile without the one-element step."""
+    if rows is None or not (rows["kind"] == "optimizer_call").any():
+        return {}
+    call = float(rows.loc[rows["kind"] == "optimizer_call", "ms"].median())
+    modules = rows[rows["kind"] == "optimizer"]
+    return {(str(r.module), int(r.tp)): max(0.0, float(r.ms) - call) / max(float(r.n_layers), 1.0) * 1e-3
+            for r in modules.itertuples(index=False)}
 
 
 def fit_load_line(table: pd.DataFrame, *, where: str = "load profile") -> LoadLine:

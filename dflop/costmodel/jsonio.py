@@ -13,7 +13,7 @@ Layout (``version`` 1)::
          "param_bytes": 3.1e6, "n_shapes": 24, "profiled_batch": [1, 8], "profiled_seq_len": [16, 2048]},
         ...
       ],
-      "step_costs": {"optimizer": {"const_s": ..., "per_byte_s": ...},
+      "step_costs": {"optimizer": {"const_s": ..., "per_byte_s": ...}, "optimizer_call_s": ...,
                      "allreduce": [{"ranks": 2, "const_s": ..., "per_byte_s": ...}, ...],
                      "p2p": {"const_s": ..., "per_byte_s": ...},
                      "loading": {"features": ["const", "n_tiles", "n_frames", "n_images", "text_tokens",
@@ -34,7 +34,9 @@ runs per sample (CPU profiles only), ``tiles`` = sum of tiles, ``const`` = 1). L
 per layer; a module's feature list is one of `dflop.costmodel.features.allowed_features`. Layer
 modules may also carry ``bwd_ms:<mode>`` / ``act_bytes:<mode>`` for recompute selective / full.
 ``llm_head`` may carry ``tied_param_bytes``: its bytes that are the token embedding's (a model with
-tied embeddings), counted once on a stage holding both (absent: 0).
+tied embeddings), counted once on a stage holding both (absent: 0). A module may carry
+``optimizer_s``: its optimizer step's seconds beyond ``step_costs.optimizer_call_s``
+(`dflop.costmodel.model.ModuleCosts.optimizer_s`; absent: not measured, the bytes line prices it).
 Floats are written with Python's shortest round-trip repr, so a loaded model predicts bit-identically.
 """
 
@@ -71,6 +73,7 @@ SCHEMA = {
             "type": "object",
             "properties": {
                 "optimizer": _line,
+                "optimizer_call_s": {"type": "number", "minimum": 0},
                 "p2p": _line,
                 "loading": {"type": "object", "required": ["features", "coef_s", "n_samples"],
                             "properties": {"features": {"const": list(LOAD_FEATURES)},
@@ -120,6 +123,7 @@ SCHEMA = {
                     },
                     "param_bytes": {"type": "number", "minimum": 0},
                     "tied_param_bytes": {"type": "number", "minimum": 0},
+                    "optimizer_s": {"type": "number", "minimum": 0},
                     "n_shapes": {"type": "integer", "minimum": 0},
                     "profiled_batch": _range,
                     "profiled_seq_len": _range,
@@ -151,6 +155,7 @@ def cost_model_to_dict(model: CostModel) -> dict:
                 "coef": {t: [float(c) for c in m.coef[t]] for t in TARGETS + OPTIONAL_TARGETS if t in m.coef},
                 "param_bytes": float(m.param_bytes),
                 **({"tied_param_bytes": float(m.tied_param_bytes)} if m.tied_param_bytes else {}),
+                **({"optimizer_s": float(m.optimizer_s)} if m.optimizer_s is not None else {}),
                 "n_shapes": m.n_shapes,
                 "profiled_batch": [int(v) for v in m.profiled_batch],
                 "profiled_seq_len": [int(v) for v in m.profiled_seq_len],
@@ -163,7 +168,7 @@ def cost_model_to_dict(model: CostModel) -> dict:
 
 def _has_step_costs(costs: StepCosts) -> bool:
     return (costs.optimizer is not None or costs.p2p is not None or bool(costs.allreduce)
-            or costs.loading is not None)
+            or costs.loading is not None or costs.optimizer_call_s is not None)
 
 
 def _line_to_dict(line: BytesLine) -> dict:
@@ -178,6 +183,8 @@ def _step_costs_to_dict(costs: StepCosts) -> dict:
     out = {}
     if costs.optimizer is not None:
         out["optimizer"] = _line_to_dict(costs.optimizer)
+    if costs.optimizer_call_s is not None:
+        out["optimizer_call_s"] = float(costs.optimizer_call_s)
     if costs.allreduce:
         out["allreduce"] = [{"ranks": ranks, **_line_to_dict(line)} for ranks, line in sorted(costs.allreduce.items())]
     if costs.p2p is not None:
@@ -195,6 +202,7 @@ def _step_costs_from_dict(data: dict, source: str) -> StepCosts:
     return StepCosts(optimizer=_line_from_dict(data["optimizer"]) if "optimizer" in data else None,
                      allreduce={int(e["ranks"]): _line_from_dict(e) for e in data.get("allreduce", [])},
                      p2p=_line_from_dict(data["p2p"]) if "p2p" in data else None,
+                     optimizer_call_s=float(data["optimizer_call_s"]) if "optimizer_call_s" in data else None,
                      loading=(LoadLine(tuple(float(c) for c in data["loading"]["coef_s"]), int(data["loading"]["n_samples"]))
                               if "loading" in data else None))
 
@@ -234,6 +242,7 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
                   if t in entry["coef"]},
             param_bytes=float(entry["param_bytes"]),
             tied_param_bytes=float(entry.get("tied_param_bytes", 0.0)),
+            optimizer_s=float(entry["optimizer_s"]) if "optimizer_s" in entry else None,
             n_shapes=int(entry.get("n_shapes", 0)),
             profiled_batch=tuple(entry.get("profiled_batch", (0, 0))),
             profiled_seq_len=tuple(entry.get("profiled_seq_len", (0, 0))),

@@ -57,6 +57,9 @@ class ModuleCosts:
     param_bytes: bytes of this module's parameters on one rank, in the profiled dtype.
     tied_param_bytes: bytes of those that are the token embedding's (the LM head of a model with
         tied embeddings; 0 otherwise): a stage that holds ``llm_embed`` too holds them once.
+    optimizer_s: seconds the trainer's optimizer step spends on these parameters beyond the step's
+        own cost (`StepCosts.optimizer_call_s`), measured over the module's real tensors
+        (`dflop.profiling.step_costs`); None when the profile did not measure it.
     profiled_batch / profiled_seq_len: (min, max) of the profiled grid, to judge extrapolation.
     """
 
@@ -69,6 +72,7 @@ class ModuleCosts:
     profiled_batch: tuple[int, int]
     profiled_seq_len: tuple[int, int]
     tied_param_bytes: float = 0.0
+    optimizer_s: float | None = None
 
     @property
     def kind(self) -> ShapeKind:
@@ -117,6 +121,8 @@ class StepCosts:
     (`dflop.profiling.step_costs`; None where the profile did not measure them).
 
     optimizer: one AdamW step (with the global-norm pass) over a rank's parameter bytes;
+    optimizer_call_s: that step's cost beyond any tensor: with the modules' own
+        `ModuleCosts.optimizer_s` a stage's step is this plus theirs (the bytes line is the fallback);
     allreduce: per group size, one sum all-reduce of a message of n bytes;
     p2p: one pipeline message of n bytes, sent and received;
     loading: one sample's load on the host CPU (`LoadLine`): it shares the cores with compute on a
@@ -125,6 +131,7 @@ class StepCosts:
 
     optimizer: BytesLine | None = None
     allreduce: dict[int, BytesLine] = field(default_factory=dict)
+    optimizer_call_s: float | None = None
     p2p: BytesLine | None = None
     loading: LoadLine | None = None
 
@@ -222,7 +229,7 @@ class StageTerms:
 
     Time of a set S of samples = ``fwd_const_s + fwd_s[S].sum()`` (likewise bwd and activations).
     fwd_s, bwd_s: [n] seconds; act_bytes: [n] bytes; static: training state (in_flight=1, no
-    activations).
+    activations); optimizer_s: its modules' `ModuleCosts.optimizer_s` (NaN when not measured).
     """
 
     fwd_const_s: float
@@ -232,6 +239,7 @@ class StageTerms:
     bwd_s: np.ndarray
     act_bytes: np.ndarray
     static: StageMemory = field(repr=False)
+    optimizer_s: float = float("nan")
 
 
 _MS = 1e-3
@@ -399,6 +407,10 @@ class CostModel:
         holds once, not twice (zeros for a model without tied embeddings)."""
         return self._state_of(self.module("llm_head", tp).tied_param_bytes, shard_over)
 
+    def tied_llm_optimizer_s(self, tp: int) -> float:
+        """Optimizer seconds such a stage spends once, not twice (`tied_llm_state`; NaN unmeasured)."""
+        return _tied_share_optimizer_s(self.module("llm_head", tp))
+
     def _state_of(self, param_bytes: float, shard_over: int) -> StageMemory:
         n_params = param_bytes / self.state_bytes.param
         state = self.state_bytes if shard_over == 1 else training_state_bytes(self.provenance.dtype, shard_over)
@@ -457,6 +469,7 @@ class CostModel:
             bwd_s=per_sample["bwd_ms"] * _MS,
             act_bytes=per_sample["act_bytes"],
             static=self._static(parts, shard_over),
+            optimizer_s=_optimizer_s(parts),
         )
 
 
@@ -466,6 +479,24 @@ def _held_twice_bytes(parts: list[tuple[ModuleCosts, int]]) -> float:
     if not any(m.module == "llm_embed" for m, _ in parts):
         return 0.0
     return float(sum(m.tied_param_bytes for m, _ in parts if m.module == "llm_head"))
+
+
+def _optimizer_s(parts: list[tuple[ModuleCosts, int]]) -> float:
+    """The parts' optimizer seconds (`ModuleCosts.optimizer_s`), a tied head's weight stepped once
+    on a stage holding the embedding too; NaN when a part was not measured."""
+    total = sum(mult * (np.nan if m.optimizer_s is None else m.optimizer_s) for m, mult in parts)
+    if any(m.module == "llm_embed" for m, _ in parts):
+        total -= sum(_tied_share_optimizer_s(m) for m, _ in parts if m.module == "llm_head")
+    return float(total)
+
+
+def _tied_share_optimizer_s(head: ModuleCosts) -> float:
+    """The head's optimizer seconds on its tied weight (its share of the head's bytes)."""
+    if not head.tied_param_bytes:
+        return 0.0
+    if head.optimizer_s is None:
+        return float("nan")
+    return head.optimizer_s * head.tied_param_bytes / head.param_bytes
 
 
 def _stage_time(parts: list[tuple[ModuleCosts, int]], sizes: np.ndarray) -> StageTime:

@@ -41,9 +41,10 @@ class ProfileSummary:
         `OPTIONAL_TARGETS` the profile has (median of the measured repeats; NaN for a shape
         without any).
     step_costs: the step's costs outside the modules (`dflop.profiling.step_costs`), one row per
-        measured point: ``kind`` (optimizer | allreduce | p2p), ``ranks``, ``bytes``, ``ms``
-        (medians; optimizer: a module's parameter bytes on one rank and its AdamW step); None for
-        a profile without them.
+        measured point: ``kind`` (optimizer | optimizer_call | allreduce | p2p), ``ranks``,
+        ``bytes``, ``ms`` (medians; optimizer: a module's parameter bytes on one rank and its AdamW
+        step, with its ``module``, ``tp`` and ``n_layers``, NaN on the other kinds; optimizer_call:
+        that step over one one-element parameter, 4 bytes); None for a profile without them.
     """
 
     shapes: pd.DataFrame
@@ -108,9 +109,13 @@ def _step_costs(table: pd.DataFrame, source: str) -> pd.DataFrame | None:
     if "optim_ms" in table.columns:
         modules = table[table["module"].isin(list(MODULE_FEATURES)) & table["optim_ms"].notna()
                         & (table["param_bytes"] > 0)]
-        optim = modules.groupby(["module", "tp"])[["param_bytes", "optim_ms"]].median().reset_index()
+        optim = modules.groupby(["module", "tp"])[["param_bytes", "optim_ms", "n_layers"]].median().reset_index()
         parts.append(pd.DataFrame({"kind": "optimizer", "ranks": 1, "bytes": optim["param_bytes"],
-                                   "ms": optim["optim_ms"]}))
+                                   "ms": optim["optim_ms"], "module": optim["module"], "tp": optim["tp"],
+                                   "n_layers": optim["n_layers"]}))
+        if "optim_call_ms" in table.columns and table["optim_call_ms"].notna().any():
+            parts.append(pd.DataFrame({"kind": ["optimizer_call"], "ranks": [1], "bytes": [4.0],
+                                       "ms": [float(table["optim_call_ms"].median())]}))
     if "bytes" in table.columns:
         links = table[table["module"].isin(list(LINK_MODULES))]
         links = links.groupby(["module", "batch", "bytes"])["fwd_ms"].median().reset_index()

@@ -99,7 +99,9 @@ class PartMeans:
 
     Seconds (forward, backward) and bytes (activations kept until the backward, per rank);
     act_max_bytes is the largest single sample's activation bytes; static_bytes is parameters +
-    gradients + optimizer state, grad_bytes the gradients alone (what the all-reduce moves).
+    gradients + optimizer state, grad_bytes the gradients alone (what the all-reduce moves);
+    optimizer_s the optimizer step's seconds on its parameters (`StageTerms.optimizer_s`, NaN
+    when not measured).
     """
 
     fwd_const_s: float = 0.0
@@ -111,6 +113,7 @@ class PartMeans:
     act_max_bytes: float = 0.0
     static_bytes: float = 0.0
     grad_bytes: float = 0.0
+    optimizer_s: float = 0.0
 
     @classmethod
     def from_terms(cls, terms: StageTerms) -> "PartMeans":
@@ -120,6 +123,7 @@ class PartMeans:
             act_const_bytes=terms.act_const_bytes, act_mean_bytes=float(np.mean(terms.act_bytes)),
             act_max_bytes=float(np.max(terms.act_bytes)),
             static_bytes=terms.static.static_bytes, grad_bytes=terms.static.grad_bytes,
+            optimizer_s=terms.optimizer_s,
         )
 
     def time_s(self, nu):
@@ -146,7 +150,7 @@ class PartMeans:
 
 def _values(p: PartMeans) -> tuple[float, ...]:
     return (p.fwd_const_s, p.bwd_const_s, p.fwd_mean_s, p.bwd_mean_s, p.act_const_bytes, p.act_mean_bytes,
-            p.act_max_bytes, p.static_bytes, p.grad_bytes)
+            p.act_max_bytes, p.static_bytes, p.grad_bytes, p.optimizer_s)
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,8 @@ def module_means(cost: CostModel, module: str, tp: int, pool: Pool, n_layers: in
     tied = PartMeans()
     if module == "llm":
         state = cost.tied_llm_state(tp)
-        tied = PartMeans(static_bytes=state.static_bytes, grad_bytes=state.grad_bytes)
+        tied = PartMeans(static_bytes=state.static_bytes, grad_bytes=state.grad_bytes,
+                         optimizer_s=cost.tied_llm_optimizer_s(tp))
     return ModuleMeans(module, int(tp), int(n_layers), layers, first=part(0, True, False), last=part(0, False, True),
                        sequence_parallel=bool(extra), tied=tied)
 

@@ -86,10 +86,12 @@ class Pricing:
         lay = self.plan.layout
         link = self._links
         grads, params = self._stage_grad_bytes(), self._stage_grad_bytes("param_bytes")
+        optimizer_s = np.array([optim for _, optim in self._stage_state], dtype=np.float64)
         n_v = lay.n_vision_stages
         modules = stage_modules(lay)
         parts = [stage_tail_s(grads[sl], params[sl], dp, intra, sharded=module.techniques.shard_optimizer,
-                              cluster=self.cluster, measured=self._measured, modules=modules[sl])
+                              cluster=self.cluster, measured=self._measured, modules=modules[sl],
+                              optimizer_s=optimizer_s[sl])
                  # colocated: plan.llm's flags (n_v = 0)
                  for module, sl, dp, intra in ((self.plan.vision, slice(0, n_v), lay.dp_v, link.vision_allreduce_intra),
                                                (self.plan.llm, slice(n_v, None), lay.dp_l, link.llm_allreduce_intra))]
@@ -157,13 +159,19 @@ class Pricing:
     def _stage_grad_bytes(self, kind: str = "grad_bytes") -> np.ndarray:
         """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves), or
         its parameter bytes (`kind` "param_bytes": what a sharded stage all-gathers)."""
+        return np.array([getattr(static, kind) for static, _ in self._stage_state], dtype=np.float64)
+
+    @cached_property
+    def _stage_state(self) -> list[tuple]:
+        """[P] (training state, optimizer seconds `StageTerms.optimizer_s`) of every stage, one rank."""
         plan, lay, cost = self.plan, self.plan.layout, self.cost
-        vision = [cost.vision_stage_terms([0], n_layers=n, first=k == 0, last=k == lay.pp_v - 1, tp=lay.tp_v).static
+        vision = [cost.vision_stage_terms([0], n_layers=n, first=k == 0, last=k == lay.pp_v - 1, tp=lay.tp_v)
                   for k, n in enumerate(plan.vision_layers)]
-        llm = [cost.llm_stage_terms([1], n_layers=n, first=j == 0, last=j == lay.pp_l - 1, tp=lay.tp_l).static
+        llm = [cost.llm_stage_terms([1], n_layers=n, first=j == 0, last=j == lay.pp_l - 1, tp=lay.tp_l)
                for j, n in enumerate(plan.llm_layers)]
+        state = [(t.static, t.optimizer_s) for t in vision + llm]
         if lay.colocated:
-            llm[0] = llm[0] + vision[0]
-            vision = []
-        return np.array([getattr(s, kind) for s in vision + llm], dtype=np.float64)
+            (v_static, v_optim), (l_static, l_optim) = state[0], state[len(vision)]
+            state = [(l_static + v_static, l_optim + v_optim)] + state[len(vision) + 1:]
+        return state
 

@@ -51,6 +51,8 @@ class StageCoeffs:
     mem_max_layer: np.ndarray
     grad_fixed: np.ndarray
     grad_layer: np.ndarray
+    optim_fixed: np.ndarray  # seconds of the optimizer on the stage's parameters (NaN: not measured)
+    optim_layer: np.ndarray
 
     def max_layers(self, memory_bytes):
         """Most layers each stage can hold within `memory_bytes` (may be negative: not even 0 fit)."""
@@ -103,15 +105,18 @@ def links(cluster: Cluster, *, colocated, tp_v, pp_v, dp_v, tp_l, pp_l, dp_l,
 
 
 def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: Cluster,
-                 measured: StepCosts, modules=1) -> np.ndarray:
+                 measured: StepCosts, modules=1, optimizer_s=np.nan) -> np.ndarray:
     """Seconds a stage spends after its last backward: its data-parallel gradient synchronisation,
-    then its optimizer step on the parameter bytes the rank holds when `measured` has one. The sync
+    then its optimizer step when `measured` has one. The sync
     is the measured all-reduce line for `dp` inside a node, its constant paid once for each of the
     stage's `modules` modules (`stage_modules`: the trainer buckets each module's gradients apart),
     or for a sharded module once for its reduce-scatter and once for its all-gather, which together
-    move the same bytes; else the cluster's ring formula over the whole gradient. Affine in the
-    bytes (the planner splits it into a per-stage and a per-layer part).
-    `measured`: `CostModel.step_costs_on`."""
+    move the same bytes; else the cluster's ring formula over the whole gradient. The optimizer
+    step is the measured call plus the stage's modules' `optimizer_s` where the cost model has
+    them (not NaN) and the module is not sharded, else the measured bytes line on the rank's
+    parameter bytes. Affine in the bytes and `optimizer_s` (the planner splits it into a
+    per-stage and a per-layer part). `measured`: `CostModel.step_costs_on`."""
+    sharded = sharded and int(dp) > 1  # state sharded over one replica is all of it
     line = measured.allreduce.get(int(dp))  # (looked up first: without measured lines, no np.all per call)
     if line is not None and not bool(np.all(intra)):
         line = None
@@ -122,7 +127,10 @@ def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: 
         sync = cluster.reduce_scatter_s(grad_bytes, dp, intra) + cluster.reduce_scatter_s(param_bytes, dp, intra)
     else:
         sync = cluster.allreduce_s(grad_bytes, dp, intra)
-    if measured.optimizer is not None:
+    optimizer_s = np.asarray(optimizer_s, dtype=np.float64)
+    if measured.optimizer_call_s is not None and not sharded and not np.isnan(optimizer_s).any():
+        sync = sync + measured.optimizer_call_s + optimizer_s
+    elif measured.optimizer is not None:
         sync = sync + measured.optimizer(np.asarray(param_bytes, dtype=np.float64) / (dp if sharded else 1))
     return np.asarray(sync, dtype=np.float64)
 
@@ -339,19 +347,20 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
     c = by_mode[modes[0]]
     n_v = lay.n_vision_stages
 
-    def allreduce(grad_fixed, grad_layer, dp, intra, sharded, modules):
-        # the tail is affine in the bytes: a per-stage part and one per layer; parameters and
-        # gradients share a dtype, so the gradient bytes are the parameter bytes too
-        def tail(nbytes):
+    def allreduce(sl, dp, intra, sharded, modules):
+        # the tail is affine in the bytes and optimizer seconds: a per-stage part and one per layer;
+        # parameters and gradients share a dtype, so the gradient bytes are the parameter bytes too
+        def tail(nbytes, optim):
             return stage_tail_s(nbytes, nbytes, dp, intra, sharded=sharded, cluster=cluster, measured=step_costs,
-                                modules=modules)
-        return tail(grad_fixed), tail(grad_layer) - tail(np.zeros_like(grad_layer))
+                                modules=modules, optimizer_s=optim)
+        layer = c.optim_layer[sl]
+        return (tail(c.grad_fixed[sl], c.optim_fixed[sl]),
+                tail(c.grad_layer[sl], layer) - tail(np.zeros_like(c.grad_layer[sl]), layer * 0.0))  # NaN stays NaN
 
     ar = []
     if n_v:
-        ar.append(allreduce(c.grad_fixed[:n_v], c.grad_layer[:n_v], lay.dp_v, link.vision_allreduce_intra, shard[0], 1))
-    ar.append(allreduce(c.grad_fixed[n_v:], c.grad_layer[n_v:], lay.dp_l, link.llm_allreduce_intra, shard[1],
-                        stage_modules(lay)[n_v:]))
+        ar.append(allreduce(slice(0, n_v), lay.dp_v, link.vision_allreduce_intra, shard[0], 1))
+    ar.append(allreduce(slice(n_v, None), lay.dp_l, link.llm_allreduce_intra, shard[1], stage_modules(lay)[n_v:]))
     return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(lay.pp_l, dtype=bool)],
                       by_mode=by_mode, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64),
                       ar_layer=np.concatenate([np.broadcast_to(a[1], np.shape(a[0])) for a in ar]).astype(np.float64),
@@ -421,11 +430,12 @@ class _PartScalars:
     act_heaviest: float
     static: float
     grad: float
+    optim: float
 
     @classmethod
     def of(cls, part: PartMeans, nu: float, heaviest_share: float, time_nu: float) -> "_PartScalars":
         return cls(part.time_s(time_nu), part.bwd_s(time_nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
-                   part.static_bytes, part.grad_bytes)
+                   part.static_bytes, part.grad_bytes, part.optimizer_s)
 
 
 def _stage_row(layer: _PartScalars, first_part: _PartScalars, last_part: _PartScalars, extra: _PartScalars | None,
@@ -438,15 +448,17 @@ def _stage_row(layer: _PartScalars, first_part: _PartScalars, last_part: _PartSc
     f_mean, f_max = first * F.act_mean + last * H.act_mean, first * F.act_heaviest + last * H.act_heaviest
     f_static = first * F.static + last * H.static - first * last * tied.static_bytes
     f_grad = first * F.grad + last * H.grad - first * last * tied.grad_bytes
+    f_optim = first * F.optim + last * H.optim - (tied.optimizer_s if first and last else 0.0)
     if extra is not None:
         E = extra
         f_time, f_bwd = f_time + extra_on * E.time, f_bwd + extra_on * E.bwd
         f_mean, f_max = f_mean + extra_on * E.act_mean, f_max + extra_on * E.act_heaviest
         f_static, f_grad = f_static + extra_on * E.static, f_grad + extra_on * E.grad
+        f_optim = f_optim + extra_on * E.optim
     return (f_time + fwd_s + bwd_s, layer.time, f_bwd + bwd_s, layer.bwd,
             scale * f_static + in_flight * f_mean, scale * layer.static + in_flight * layer.act_mean,
             scale * f_static + in_flight * f_max, scale * layer.static + in_flight * layer.act_heaviest,
-            f_grad, layer.grad)
+            f_grad, layer.grad, f_optim, layer.optim)
 
 
 def min_peak_split(sm: StageModel) -> tuple[np.ndarray, np.ndarray]:

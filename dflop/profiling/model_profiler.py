@@ -20,7 +20,8 @@ shapes, so a seconds-long slow phase of the machine touches one repeat of many s
 every repeat of one (`_measure_round`). Before the first shape, every curve's largest shape runs
 once untimed, so the process's memory is warmed up before anything is timed.
 
-Each module's rows also carry ``optim_ms`` (its parameters' AdamW step), and a profile taken by
+Each module's rows also carry ``optim_ms`` (its parameters' AdamW step) and ``optim_call_ms`` (that
+step's cost beyond any tensor), and a profile taken by
 several ranks has ``allreduce`` and ``p2p`` rows (``batch`` = ranks, ``bytes`` = message size,
 ``fwd_ms`` = time; the shape, byte-count and recompute columns NaN): the step's costs outside the modules,
 `dflop.profiling.step_costs`.
@@ -74,13 +75,13 @@ from dflop.profiling._memory import adam_state_bytes, grad_bytes, param_bytes, s
 from dflop.profiling._timing import Timer
 from dflop.profiling.model_grid import AdaptiveCurve, geometric_points
 from dflop.profiling.model_modules import MODULES, RECOMPUTE_MODES, TILE_MODULES, ModuleBench, build_benches
-from dflop.profiling.step_costs import LINK_MODULES, link_rows, optimizer_step_ms
+from dflop.profiling.step_costs import LINK_MODULES, link_rows, optimizer_call_ms, optimizer_step_ms
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
            "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "tied_bytes", "preset", "threads", "co_runners",
-           "round", "optim_ms", "bytes",
+           "round", "optim_ms", "optim_call_ms", "bytes",
            *(column for mode in RECOMPUTE_MODES for column in RECOMPUTE_TARGETS[mode]))
 
 
@@ -295,7 +296,8 @@ def _with_step_costs(rows: list[dict], benches, sync: _RankSync, timer: Timer, c
     (`dflop.profiling.step_costs`)."""
     optim = {bench.name: optimizer_step_ms(bench.module, timer, repeats=repeats, barrier=sync.barrier)
              for bench in benches}
-    rows = [dict(row, optim_ms=optim[row["module"]]) for row in rows]
+    call = optimizer_call_ms(device, timer, repeats=repeats, barrier=sync.barrier)
+    rows = [dict(row, optim_ms=optim[row["module"]], optim_call_ms=call) for row in rows]
     if sync.size > 1:
         rows += link_rows(device, timer, common, repeats=repeats)
     return rows

@@ -2,8 +2,14 @@
 profiler on the device, and with the ranks, it profiles with (`dflop.profiling.model_profiler`).
 
 - ``optim_ms`` (a column of every module's rows): one step of the trainer's AdamW
-  (`dflop.models.optimizer.build_optimizer`) over the module's parameters on this rank, plus the
-  squared-gradient sum the trainer's global norm takes over them (`dflop.runtime.optim`).
+  (`dflop.models.optimizer.build_optimizer`) over the module's parameters on this rank, plus what
+  the trainer does to each gradient before it (`dflop.runtime.optim`): the scaling by the batch's
+  answer tokens and the squared sum of the global norm. Per tensor, so the module's own tensor
+  sizes and count set it (on CPU a step over a layer's dozen tensors costs ~0.05 ms per tensor
+  beyond its bytes, and one large flat tensor more per byte than several smaller ones).
+- ``optim_call_ms`` (the same on every row): that step over one one-element parameter, the cost of
+  the call itself, which a stage pays once however many modules it steps. A stage's optimizer
+  is this plus, per module, its ``optim_ms`` less this (`dflop.costmodel.model.ModuleCosts.optimizer_s`).
 - Module ``allreduce`` rows (profiling worlds of 2+ ranks only): one in-place sum all-reduce of
   ``bytes`` float32 bytes over the first ``batch`` ranks, as the trainer's gradient buckets are
   reduced over a data-parallel group; ``fwd_ms`` is world rank 0's time.
@@ -38,8 +44,9 @@ P2P_HEADER_ELEMENTS = 9
 
 
 def optimizer_step_ms(module: nn.Module, timer: Timer, *, repeats: int, barrier: Callable[[], None]) -> float:
-    """Median milliseconds of one AdamW step (with the global-norm pass) over `module`'s parameters;
-    0 for a module without any. The module's weights move by the steps (timing only needs shapes)."""
+    """Median milliseconds of one AdamW step (with the gradient scaling and global-norm pass) over
+    `module`'s parameters; 0 for a module without any. The module's weights move by the steps
+    (timing only needs shapes)."""
     params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not params:
         return 0.0
@@ -49,6 +56,8 @@ def optimizer_step_ms(module: nn.Module, timer: Timer, *, repeats: int, barrier:
 
     def step() -> None:
         total = torch.zeros((), dtype=torch.float64, device=params[0][1].device)
+        for _, p in params:
+            local_tensor(p.grad).mul_(1.0)  # the trainer's scaling by 1 / answer tokens
         for _, p in params:
             total += local_tensor(p.grad).double().pow(2).sum()
         float(total)  # the trainer reads the norm on the host before clipping
@@ -63,6 +72,11 @@ def optimizer_step_ms(module: nn.Module, timer: Timer, *, repeats: int, barrier:
         p.grad = None
     optimizer.state.clear()
     return float(statistics.median(times))
+
+
+def optimizer_call_ms(device: torch.device, timer: Timer, *, repeats: int, barrier: Callable[[], None]) -> float:
+    """`optimizer_step_ms` over a single one-element parameter: what one step costs beyond its tensors."""
+    return optimizer_step_ms(nn.Linear(1, 1, bias=False, device=device), timer, repeats=repeats, barrier=barrier)
 
 
 def link_sizes(device: torch.device) -> list[int]:

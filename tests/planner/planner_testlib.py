@@ -78,7 +78,8 @@ def random_stage_model(rng, *, pp_v, pp_l, vision_layers, llm_layers, m, memory=
     coeffs = StageCoeffs(time_fixed=fixed, time_layer=per_layer, bwd_fixed=bwd_share * fixed,
                          bwd_layer=bwd_share * per_layer, mem_mean_fixed=mem_fixed[0], mem_mean_layer=mem_layer[0],
                          mem_max_fixed=mem_fixed[1], mem_max_layer=mem_layer[1],
-                         grad_fixed=rng.uniform(0, 1, P), grad_layer=rng.uniform(0, 1, P))
+                         grad_fixed=rng.uniform(0, 1, P), grad_layer=rng.uniform(0, 1, P),
+                         optim_fixed=np.zeros(P), optim_layer=np.zeros(P))
     ar_fixed = rng.uniform(0.0, 3.0, P) if dp > 1 else np.zeros(P)
     ar_layer = rng.uniform(0.0, 0.5, P) if dp > 1 else np.zeros(P)
     by_mode = {"none": coeffs}
@@ -95,7 +96,8 @@ def random_stage_model(rng, *, pp_v, pp_l, vision_layers, llm_layers, m, memory=
             bwd_layer=bwd_share * per_layer + per_layer * extra,
             mem_mean_fixed=np.where(fixed_on, mem_fixed[0] * keep, mem_fixed[0]), mem_mean_layer=mem_layer[0] * keep,
             mem_max_fixed=np.where(fixed_on, mem_fixed[1] * keep, mem_fixed[1]), mem_max_layer=mem_layer[1] * keep,
-            grad_fixed=coeffs.grad_fixed, grad_layer=coeffs.grad_layer)
+            grad_fixed=coeffs.grad_fixed, grad_layer=coeffs.grad_layer,
+            optim_fixed=coeffs.optim_fixed, optim_layer=coeffs.optim_layer)
     by_mode = {mode: by_mode[mode] for mode in ("none", "selective", "full") if mode in by_mode}
     return StageModel(layout, is_vision, by_mode, ar_fixed, ar_layer, vision_layers, llm_layers, latency, memory)
 

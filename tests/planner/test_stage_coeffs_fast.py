@@ -11,6 +11,7 @@ import pytest
 
 from dflop.costmodel.analytic import analytic_cost_model
 from dflop.costmodel.memory import sharded_state_scale
+from dflop.costmodel.model import CostModel, StepCosts
 from dflop.models.builder import model_config
 from dflop.models.info import model_info
 from dflop.plan import Layout
@@ -42,11 +43,12 @@ class _PartAt:
     act_heaviest: np.ndarray
     static: np.ndarray
     grad: np.ndarray
+    optim: np.ndarray
 
     @classmethod
     def of(cls, part: PartMeans, nu, heaviest_share, time_nu) -> "_PartAt":
         return cls(part.time_s(time_nu), part.bwd_s(time_nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
-                   part.static_bytes, part.grad_bytes)
+                   part.static_bytes, part.grad_bytes, part.optimizer_s)
 
     def scaled(self, k) -> "_PartAt":
         return _PartAt(*(k * getattr(self, f.name) for f in fields(self)))
@@ -65,7 +67,8 @@ def stage_coeffs(means, *, nu, heaviest_share, first, last, in_flight, extra=Non
     fixed = _PartAt.of(means.first, nu, heaviest_share, tnu).scaled(first) + \
         _PartAt.of(means.last, nu, heaviest_share, tnu).scaled(last)
     fixed = replace(fixed, static=fixed.static - first * last * means.tied.static_bytes,
-                    grad=fixed.grad - first * last * means.tied.grad_bytes)
+                    grad=fixed.grad - first * last * means.tied.grad_bytes,
+                    optim=fixed.optim - np.where((first == 1) & (last == 1), means.tied.optimizer_s, 0.0))
     if extra is not None:
         fixed = fixed + _PartAt.of(extra, extra_nu, 1.0, tnu).scaled(np.asarray(extra_on, dtype=np.float64))
     return StageCoeffs(
@@ -75,7 +78,7 @@ def stage_coeffs(means, *, nu, heaviest_share, first, last, in_flight, extra=Non
         mem_mean_layer=state_scale * layer.static + in_flight * layer.act_mean,
         mem_max_fixed=state_scale * fixed.static + in_flight * fixed.act_heaviest,
         mem_max_layer=state_scale * layer.static + in_flight * layer.act_heaviest,
-        grad_fixed=fixed.grad, grad_layer=layer.grad,
+        grad_fixed=fixed.grad, grad_layer=layer.grad, optim_fixed=fixed.optim, optim_layer=layer.optim,
     )
 
 
@@ -111,6 +114,10 @@ def analytic():
     """A cost model that prices every recompute mode (the analytic one, tiny preset) and a small mix."""
     arch = ("llava_ov", "siglip-small", "qwen2.5-small")
     cost = analytic_cost_model(model_config(*arch), tp_degrees=(1, 2), dtype="bfloat16")
+    # with measured optimizer seconds per module (the analytic model has none), its tied LM head's share too
+    cost = CostModel([replace(m, optimizer_s=1e-5 + 3e-12 * m.param_bytes) for m in cost.modules.values()],
+                     cost.provenance, StepCosts(optimizer_call_s=2e-5))
+    assert cost.module("llm_head", 1).tied_param_bytes > 0
     return cost, Pool.from_shapes(llava_ov_mix(300, seed=0))
 
 

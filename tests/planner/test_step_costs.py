@@ -157,14 +157,23 @@ def test_unmeasured_group_sizes_and_groups_across_nodes_use_the_cluster():
     assert np.allclose(across.allreduce_s, across_plain.allreduce_s + 4e-4 + 1e-9 * params, rtol=1e-12)
 
 
-@pytest.mark.parametrize("layout", [Layout("disjoint", 1, 1, 1, 1, 2, 2, 2), Layout("colocated", 1, 1, 2, 1, 2, 2, 2)])
+@pytest.mark.parametrize("layout", [Layout("disjoint", 1, 1, 1, 1, 2, 2, 2), Layout("colocated", 1, 1, 2, 1, 2, 2, 2),
+                                    Layout("colocated", 1, 1, 2, 1, 1, 2, 2)])
 @pytest.mark.parametrize("shard", [False, True])
-def test_the_planners_stage_model_charges_the_same_tail_and_latency_as_pricing(layout, shard):
-    """The MILP's per-stage + per-layer tail, at the plan's split, is what the pricing path charges."""
+@pytest.mark.parametrize("module_steps", [False, True], ids=["bytes line", "module steps"])
+def test_the_planners_stage_model_charges_the_same_tail_and_latency_as_pricing(layout, shard, module_steps):
+    """The MILP's per-stage + per-layer tail, at the plan's split, is what the pricing path charges,
+    with the optimizer priced by its bytes line or by the modules' measured steps (a tied head)."""
     from dflop.planner.means import module_means
     from dflop.planner.stages import TransferMeans, build_stage_model
 
     pricing, model = _pricing(MEASURED, layout, shard=shard)
+    if module_steps:
+        model = CostModel([replace(m, optimizer_s=1e-4 + 1e-10 * m.param_bytes,
+                                   tied_param_bytes=m.param_bytes / 2 if m.module == "llm_head" else 0.0)
+                           for m in model.modules.values()], model.provenance,
+                          replace(model.step_costs, optimizer_call_s=5e-5))
+        pricing = Pricing(pricing.plan, model, pricing.cluster, pricing.sizes)
     pool = Pool.from_shapes(toy_shapes(64, seed=2))
     vision = module_means(model, "vision", 1, pool, 4)
     llm = module_means(model, "llm", 1, pool, 4)
@@ -175,3 +184,42 @@ def test_the_planners_stage_model_charges_the_same_tail_and_latency_as_pricing(l
     n = sm.split_of(pricing.plan)
     assert np.allclose(sm.ar_fixed + sm.ar_layer * n, pricing.allreduce_s, rtol=1e-12)
     assert sm.latency_s == pricing.p2p_s == 3e-4
+
+
+@pytest.mark.parametrize("layout", [Layout("colocated", 1, 1, 2, 1, 1, 2, 2), Layout("disjoint", 1, 2, 1, 1, 2, 2, 2)],
+                         ids=["colocated pp_l=1", "disjoint pp 2+2"])
+def test_a_stages_optimizer_is_one_call_plus_its_modules_measured_steps(layout):
+    """A profile with per-module optimizer steps and the one-element step: each module's share is its
+    step less the call (per layer for a layer stacked n_layers deep), a stage pays the call once
+    plus its modules' shares, a tied head's weight once where the embedding is on the stage too
+    (by hand from the profile's numbers); the bytes line is no longer what prices it."""
+    from dflop.costmodel.fit import fit_profile
+
+    profile = synthetic_profile(patches_per_tile=16, preset="llava_ov/siglip-tiny/qwen2.5-tiny")
+    step_ms = {"vision_embed": 0.3, "vision_layer": 1.1, "projector": 0.5, "llm_embed": 0.2, "llm_layer": 1.9,
+               "llm_head": 0.7}
+    profile["optim_ms"] = profile["module"].map(step_ms).fillna(0.0)
+    profile["optim_call_ms"] = 0.05
+    profile["n_layers"] = np.where(profile["module"] == "llm_layer", 2, profile["n_layers"])  # a stack of 2 layers
+    head = profile["module"] == "llm_head"
+    profile.loc[head, "tied_bytes"] = profile.loc[head, "param_bytes"] / 2  # half the head is the tied table
+    profile["tied_bytes"] = profile["tied_bytes"].fillna(0.0)
+    cost, _ = fit_profile(summarize_profile(profile))
+    share = {m: (ms - 0.05) * 1e-3 for m, ms in step_ms.items()}
+    share["llm_layer"] /= 2
+    assert cost.module("llm_layer", 1).optimizer_s == pytest.approx(share["llm_layer"], rel=1e-12)
+    assert cost.step_costs.optimizer_call_s == pytest.approx(0.05e-3)
+    cost = CostModel(cost.modules.values(), cost.provenance,
+                     replace(cost.step_costs, optimizer=BytesLine(1.0, 1.0), allreduce={}))  # a line that would show
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory_bytes=80e9, device=cost.provenance.device)
+    plan = Plan.uniform(layout, 4, 4)
+    sizes = TransferSizes.for_model(llm_hidden=64, vision_hidden=32, vision_tokens_per_tile=16, dtype="float32")
+    pricing = Pricing(plan, cost, cluster, sizes)
+    tied_share = share["llm_head"] / 2
+    vision = [share["vision_embed"] * (k == 0) + n * share["vision_layer"] + share["projector"] * (k == len(
+        plan.vision_layers) - 1) for k, n in enumerate(plan.vision_layers)]
+    llm = [share["llm_embed"] * (j == 0) + n * share["llm_layer"] + share["llm_head"] * (j == layout.pp_l - 1)
+           - tied_share * (layout.pp_l == 1) for j, n in enumerate(plan.llm_layers)]
+    optimizer = np.array(([vision[0] + llm[0]] + llm[1:]) if layout.colocated else vision + llm) + 0.05e-3
+    plain = Pricing(plan, CostModel(cost.modules.values(), cost.provenance, StepCosts()), cluster, sizes)
+    assert np.allclose(pricing.allreduce_s - plain.allreduce_s, optimizer, rtol=1e-12)

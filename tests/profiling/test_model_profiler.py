@@ -293,3 +293,17 @@ def test_a_stage_holding_the_whole_llm_prices_its_distinct_parameters(profiled):
     assert param_bytes(layers, True, True) == 4 * sum(distinct.values())
     split = param_bytes(1, True, False) + param_bytes(layers - 1, False, True)
     assert split == 4 * sum(distinct.values()) + (4 * model.lm_head.weight.numel() if tied else 0)
+
+
+def test_the_optimizer_is_measured_per_module_and_per_call(profiled):
+    """Every module with parameters gets its own optimizer step (`ModuleCosts.optimizer_s`) and the
+    profile the one-element step, so a stage is priced as one call plus its modules' steps."""
+    from dflop.costmodel.fit import fit_profile
+    from dflop.costmodel.profile_table import read_profile
+
+    _, out, table = profiled
+    assert table["optim_call_ms"].nunique() == 1 and float(table["optim_call_ms"].iloc[0]) > 0
+    cost, _ = fit_profile(read_profile(out))
+    assert cost.step_costs.optimizer_call_s == pytest.approx(float(table["optim_call_ms"].iloc[0]) * 1e-3)
+    for (module, _), m in cost.modules.items():
+        assert (m.optimizer_s is not None and m.optimizer_s >= 0) == (m.param_bytes > 0), module
