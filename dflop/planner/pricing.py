@@ -30,7 +30,7 @@ from dflop.models.handle import ModelHandle
 from dflop.plan import Plan
 from dflop.planner.cluster import Cluster
 from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.stages import links, stage_modules, stage_tail_s
+from dflop.planner.stages import links, step_extras_s, stage_modules, stage_tail_s
 from dflop.costmodel.batch import batch_costs
 
 
@@ -77,7 +77,8 @@ class Pricing:
     def allreduce_s(self) -> np.ndarray:
         """[P] seconds each stage spends after its last backward (vision stages first): its
         data-parallel gradient synchronisation, then its optimizer step when the cost model measured
-        one (`dflop.planner.stages.stage_tail_s`, which the planner's stage model uses too).
+        one (`dflop.planner.stages.stage_tail_s`, which the planner's stage model uses too), and the
+        step's world all-reduces and tied-embedding sum (`step_extras_s`).
 
         A module with ``shard_optimizer`` (`dflop.runtime.sharding`) instead all-gathers its
         parameters once per step and reduce-scatters its gradients once: both priced here, as
@@ -88,14 +89,17 @@ class Pricing:
         grads, params = self._stage_grad_bytes(), self._stage_grad_bytes("param_bytes")
         optimizer_s = np.array([optim for _, optim in self._stage_state], dtype=np.float64)
         n_v = lay.n_vision_stages
-        modules = stage_modules(lay)
+        tied_bytes = self.cost.tied_llm_state(lay.tp_l).grad_bytes
+        sharded_llm = self.plan.llm.techniques.shard_optimizer
+        modules = stage_modules(lay, tied_bucket=tied_bytes > 0 and not sharded_llm)
         parts = [stage_tail_s(grads[sl], params[sl], dp, intra, sharded=module.techniques.shard_optimizer,
                               cluster=self.cluster, measured=self._measured, modules=modules[sl],
                               optimizer_s=optimizer_s[sl])
                  # colocated: plan.llm's flags (n_v = 0)
                  for module, sl, dp, intra in ((self.plan.vision, slice(0, n_v), lay.dp_v, link.vision_allreduce_intra),
                                                (self.plan.llm, slice(n_v, None), lay.dp_l, link.llm_allreduce_intra))]
-        return np.r_[parts[0], parts[1]]
+        extras = step_extras_s(lay, tied_bytes, cluster=self.cluster, measured=self._measured)
+        return np.r_[parts[0], parts[1]] + extras
 
     @property
     def sp_hidden(self) -> int:

@@ -135,17 +135,49 @@ def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: 
     return np.asarray(sync, dtype=np.float64)
 
 
-def stage_modules(layout: Layout) -> np.ndarray:
-    """[P] modules each stage holds (vision stages first): 2 on a colocated layout's first LLM
-    stage (the vision tower and the LLM: their gradients sync in separate buckets), else 1.
+def stage_modules(layout: Layout, tied_bucket: bool = False) -> np.ndarray:
+    """[P] gradient buckets each stage syncs at least (vision stages first): one per module it
+    holds, 2 on a colocated layout's first LLM stage (the vision tower and the LLM are bucketed
+    apart, `dflop.runtime.optim.GradientSync`), and with `tied_bucket` (a tied embedding held on two
+    LLM stages, pp_l > 1, not sharded) one more on each of those two for the table's own bucket.
 
-    A module's gradients larger than one bucket (`dflop.runtime.optim.GradientSync`, ~25 MB; tensors
-    larger than that alone) sync in several all-reduces: the pricing charges the constant of one
-    (a lower bound; the count depends on the tensors' sizes, which the cost model does not hold)."""
+    A module's gradients larger than one bucket (~25 MB; tensors larger than that alone) sync in
+    several all-reduces: the pricing charges the constant of one (a lower bound; the count depends
+    on the tensors' sizes, which the cost model does not hold)."""
     modules = np.ones(layout.n_vision_stages + layout.pp_l)
     if layout.colocated:
         modules[0] = 2.0
+    if tied_bucket and layout.pp_l > 1:
+        modules[layout.n_vision_stages] += 1.0
+        modules[-1] += 1.0
     return modules
+
+
+def step_extras_s(layout: Layout, tied_grad_bytes: float, *, cluster: Cluster, measured: StepCosts) -> np.ndarray:
+    """[P] seconds each stage's tail pays besides its own gradient sync and optimizer step:
+
+    - the step's two world all-reduces of a few numbers (the loss and answer-token totals, the
+      global gradient norm; `dflop.runtime.trainer`), at the measured all-reduce constant of the
+      world's size where the whole world sits in one node (not charged elsewhere: a ring formula
+      would charge a few-byte message ~2 x world latencies);
+    - on the first and the last LLM stage of a pipeline (pp_l > 1) with tied embeddings, the sum
+      of the table's gradient over those two ranks (`tied_grad_bytes` per rank): the measured
+      two-rank line inside a node, else the cluster's ring formula. With the LLM's state sharded
+      each rank sums only its shard; priced whole all the same, so that sharding never shortens the
+      step here (`dflop.planner.technique_choice.settle` switches a technique off wherever the
+      split fits without it, taking techniques to cost time).
+    """
+    extras = np.zeros(layout.n_vision_stages + layout.pp_l)
+    world = measured.allreduce.get(int(layout.world_size))
+    if world is not None and bool(cluster.in_one_node(0, layout.world_size)):
+        extras += 2.0 * world.const_s
+    if tied_grad_bytes > 0 and layout.pp_l > 1:
+        intra = bool(cluster.in_one_node(layout.vision_gpus, layout.llm_gpus))
+        pair = measured.allreduce.get(2)
+        tied = pair(tied_grad_bytes) if pair is not None and intra else cluster.allreduce_s(tied_grad_bytes, 2, intra)
+        extras[layout.n_vision_stages] += float(tied)
+        extras[-1] += float(tied)
+    return extras
 
 
 @dataclass(frozen=True)
@@ -357,12 +389,15 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
         return (tail(c.grad_fixed[sl], c.optim_fixed[sl]),
                 tail(c.grad_layer[sl], layer) - tail(np.zeros_like(c.grad_layer[sl]), layer * 0.0))  # NaN stays NaN
 
+    tied_bytes = llm.tied.grad_bytes
     ar = []
     if n_v:
         ar.append(allreduce(slice(0, n_v), lay.dp_v, link.vision_allreduce_intra, shard[0], 1))
-    ar.append(allreduce(slice(n_v, None), lay.dp_l, link.llm_allreduce_intra, shard[1], stage_modules(lay)[n_v:]))
+    ar.append(allreduce(slice(n_v, None), lay.dp_l, link.llm_allreduce_intra, shard[1],
+                        stage_modules(lay, tied_bucket=tied_bytes > 0 and not shard[1])[n_v:]))
+    extras = step_extras_s(lay, tied_bytes, cluster=cluster, measured=step_costs)
     return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(lay.pp_l, dtype=bool)],
-                      by_mode=by_mode, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64),
+                      by_mode=by_mode, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64) + extras,
                       ar_layer=np.concatenate([np.broadcast_to(a[1], np.shape(a[0])) for a in ar]).astype(np.float64),
                       vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=float(link.p2p_latency_s),
                       memory_bytes=cluster.gpu_memory_bytes, shard=shard,

@@ -223,3 +223,34 @@ def test_a_stages_optimizer_is_one_call_plus_its_modules_measured_steps(layout):
     optimizer = np.array(([vision[0] + llm[0]] + llm[1:]) if layout.colocated else vision + llm) + 0.05e-3
     plain = Pricing(plan, CostModel(cost.modules.values(), cost.provenance, StepCosts()), cluster, sizes)
     assert np.allclose(pricing.allreduce_s - plain.allreduce_s, optimizer, rtol=1e-12)
+
+
+def test_the_step_pays_its_world_all_reduces_and_the_tied_tables_sum():
+    """By hand: a world inside one node whose all-reduce was measured pays two of its constants (the
+    loss totals, the global norm) on every stage; with a tied embedding on two LLM stages (pp_l 2)
+    those two stages also sum the table's gradient over their pair (the measured 2-rank line) and
+    sync it in its own data-parallel bucket (one more constant)."""
+    costs = StepCosts(allreduce={2: BytesLine(6e-4, 2e-9), 4: BytesLine(9e-4, 3e-9)})
+    layout = Layout("colocated", 1, 1, 2, 1, 2, 2, 2)  # world 4: LLM stages of 2 replicas
+    untied, model = _pricing(costs, layout)
+    head = model.module("llm_head", 1)
+    tied_model = CostModel([replace(m, tied_param_bytes=m.param_bytes) if m.module == "llm_head" else m
+                            for m in model.modules.values()], model.provenance, costs)
+    tied = Pricing(untied.plan, tied_model, untied.cluster, untied.sizes)
+    plain, _ = _pricing(StepCosts(), layout)
+    p = {name: model.module(name, 1).param_bytes for name in ("vision_embed", "vision_layer", "projector",
+                                                                "llm_embed", "llm_layer", "llm_head")}
+    stages = [p["vision_embed"] + 4 * p["vision_layer"] + p["projector"] + p["llm_embed"] + 2 * p["llm_layer"],
+              2 * p["llm_layer"] + p["llm_head"]]
+    world = 2 * 9e-4
+    by_hand = [6e-4 * calls + 2e-9 * b + world for calls, b in zip((2, 1), stages)]
+    assert np.allclose(untied.allreduce_s, by_hand, rtol=1e-12)
+    pair = 6e-4 + 2e-9 * head.param_bytes  # float32: the gradient's bytes are the parameter's
+    assert np.allclose(tied.allreduce_s - untied.allreduce_s, [pair + 6e-4, pair + 6e-4], rtol=1e-12)
+    # the world spread over two nodes (2 GPUs a node; each data-parallel pair still in one): the
+    # world's all-reduce was not measured there, so the step pays none
+    spread, _ = _pricing(costs, layout, gpus_per_node=2)
+    pairs_only, _ = _pricing(StepCosts(allreduce={2: costs.allreduce[2]}), layout, gpus_per_node=2)
+    assert np.allclose(spread.allreduce_s, pairs_only.allreduce_s, rtol=1e-12)
+    assert np.allclose(untied.allreduce_s - spread.allreduce_s, world, rtol=1e-12)
+    assert np.all(plain.allreduce_s < untied.allreduce_s)

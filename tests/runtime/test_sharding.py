@@ -54,8 +54,13 @@ def test_sharded_stage_priced_as_all_gather_plus_reduce_scatter():
     sharded = Pricing.of(sharded_llm, cost, model, cluster)
     stage = cost.llm_stage_terms([1], n_layers=plan.llm_layers[0], first=True, last=False, tp=1).static
     dp, bw, lat = 4, cluster.bandwidth(sharded._links.llm_allreduce_intra), cluster.p2p_latency_s
-    # ring all-gather of the parameters + ring reduce-scatter of the gradients
-    expected = (dp - 1) / dp * (stage.param_bytes + stage.grad_bytes) / bw + 2 * (dp - 1) * lat
+    # ring all-gather of the parameters + ring reduce-scatter of the gradients, plus (both plans) the
+    # tied embedding's sum over the first and last LLM stage: a 2-rank ring of the table's float32
+    # gradient, across nodes (12 ranks on nodes of 2)
+    text = model.config.get_text_config()
+    table = text.vocab_size * text.hidden_size * 4
+    tied = 2 * (1 / 2) * table / cluster.bandwidth(False) + 2 * lat
+    expected = (dp - 1) / dp * (stage.param_bytes + stage.grad_bytes) / bw + 2 * (dp - 1) * lat + tied
     assert sharded.allreduce_s[1] == pytest.approx(expected)
     assert sharded.allreduce_s[0] == plain.allreduce_s[0]  # vision not sharded: its all-reduce
     # float32 everywhere: the same bytes as the all-reduce (2 (dp-1)/dp x grads)
