@@ -101,7 +101,8 @@ def fit_profile(
             coef=coef,
             param_bytes=float(shapes["param_bytes"].median()),
             tied_param_bytes=float(shapes["tied_bytes"].median()),
-            optimizer_s=optimizer_s.get((module, int(tp))),
+            optimizer_s=optimizer_s.get((module, int(tp)), 0.0 if optimizer_s and not shapes["param_bytes"].median()
+                                        else None),  # no parameters: nothing to step
             n_shapes=len(shapes),
             profiled_batch=(int(shapes["batch"].min()), int(shapes["batch"].max())),
             profiled_seq_len=(int(shapes["seq_len"].min()), int(shapes["seq_len"].max())),
@@ -149,7 +150,10 @@ def module_optimizer_s(rows: pd.DataFrame | None) -> dict[tuple[str, int], float
         return {}
     call = float(rows.loc[rows["kind"] == "optimizer_call", "ms"].median())
     modules = rows[rows["kind"] == "optimizer"]
-    return {(str(r.module), int(r.tp)): max(0.0, float(r.ms) - call) / max(float(r.n_layers), 1.0) * 1e-3
+    def layers(n) -> float:  # a stacked layer module's step covers n_layers layers; other modules one
+        return float(n) if np.isfinite(float(n)) and float(n) > 1 else 1.0
+
+    return {(str(r.module), int(r.tp)): max(0.0, float(r.ms) - call) / layers(r.n_layers) * 1e-3
             for r in modules.itertuples(index=False)}
 
 

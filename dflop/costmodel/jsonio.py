@@ -228,6 +228,10 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
                 f"{source}: modules/{i} ({entry['module']}) has features {list(features)}, "
                 f"expected {' or '.join(str(list(e)) for e in expected)}"
             )
+        tied = entry.get("tied_param_bytes", 0.0)
+        if tied and (entry["module"] != "llm_head" or tied > entry["param_bytes"]):
+            raise UserError(f"{source}: modules/{i}/tied_param_bytes ({tied:g}) must be on llm_head and at most "
+                            f"its param_bytes ({entry['param_bytes']:g}); {entry['module']} has it")
         for target in (t for t in TARGETS + OPTIONAL_TARGETS if t in entry["coef"]):
             if len(entry["coef"][target]) != len(features):
                 raise UserError(

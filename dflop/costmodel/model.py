@@ -131,9 +131,9 @@ class StepCosts:
 
     optimizer: BytesLine | None = None
     allreduce: dict[int, BytesLine] = field(default_factory=dict)
-    optimizer_call_s: float | None = None
     p2p: BytesLine | None = None
     loading: LoadLine | None = None
+    optimizer_call_s: float | None = None
 
 
 def loads_share_compute_cores(device: str) -> bool:

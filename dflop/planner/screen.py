@@ -139,7 +139,7 @@ def module_fits(means: ModuleMeans, n_layers: int, memory: float, *, nu, heavies
     first, last, valid = (k == 0), (k == pp - 1), (k < pp)
     F, H, Ly = means.first, means.last, means.layer
     scale = np.asarray(state_scale, dtype=np.float64).reshape(-1, 1) if np.ndim(state_scale) else float(state_scale)
-    static = first * F.static_bytes + last * H.static_bytes
+    static = first * F.static_bytes + last * H.static_bytes - (first & last) * means.tied.static_bytes
     act_mean = first * F.act_mean(nu) + last * H.act_mean(nu)
     act_max = first * F.act_heaviest(share) + last * H.act_heaviest(share)
     if extra is not None:

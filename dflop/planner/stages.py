@@ -112,10 +112,12 @@ def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: 
     stage's `modules` modules (`stage_modules`: the trainer buckets each module's gradients apart),
     or for a sharded module once for its reduce-scatter and once for its all-gather, which together
     move the same bytes; else the cluster's ring formula over the whole gradient. The optimizer
-    step is the measured call plus the stage's modules' `optimizer_s` where the cost model has
-    them (not NaN) and the module is not sharded, else the measured bytes line on the rank's
-    parameter bytes. Affine in the bytes and `optimizer_s` (the planner splits it into a
-    per-stage and a per-layer part). `measured`: `CostModel.step_costs_on`."""
+    step is the measured call plus the stages' `optimizer_s` where every stage of the call has
+    them (none NaN) and the module is not sharded, else the measured bytes line on the rank's
+    parameter bytes (also for a sharded module: the bytes line / dp, which leaves out the
+    per-tensor cost each rank still pays for its shards, so sharding's optimizer is priced low on
+    CPU, `benchmarks/bench_optimizer_pricing.py`). Affine in the bytes and `optimizer_s` (the
+    planner splits it into a per-stage and a per-layer part). `measured`: `CostModel.step_costs_on`."""
     sharded = sharded and int(dp) > 1  # state sharded over one replica is all of it
     line = measured.allreduce.get(int(dp))  # (looked up first: without measured lines, no np.all per call)
     if line is not None and not bool(np.all(intra)):
@@ -201,8 +203,9 @@ class StageModel:
 
     is_vision: [P]; by_mode: {recompute mode: coefficients [P] with every stage in that mode},
     modes cheapest in time first (a colocated LLM stage 0 runs the vision tower in its own mode
-    too: a stage is recomputed as a whole); ar_fixed / ar_layer: [P] all-reduce seconds
-    (``fixed + per_layer * n``); vision_layers / llm_layers: layers of each module (the colocated
+    too: a stage is recomputed as a whole); ar_fixed / ar_layer: [P] seconds of each stage's tail
+    after its last backward (``fixed + per_layer * n``: gradient sync, optimizer step and the
+    step's world all-reduces, as `Pricing.allreduce_s` charges them); vision_layers / llm_layers: layers of each module (the colocated
     vision tower is inside LLM stage 0's fixed terms); memory_bytes: the per-GPU limit;
     shard: (vision, llm) whether the coefficients hold the optimizer state sharded over the
     module's replicas; sequence_parallel: whether the LLM layers run sequence-parallel.
@@ -385,9 +388,12 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
         def tail(nbytes, optim):
             return stage_tail_s(nbytes, nbytes, dp, intra, sharded=sharded, cluster=cluster, measured=step_costs,
                                 modules=modules, optimizer_s=optim)
-        layer = c.optim_layer[sl]
-        return (tail(c.grad_fixed[sl], c.optim_fixed[sl]),
-                tail(c.grad_layer[sl], layer) - tail(np.zeros_like(c.grad_layer[sl]), layer * 0.0))  # NaN stays NaN
+        # one module's steps unmeasured: the module's every stage on the bytes line, as `Pricing` prices it
+        fixed, layer = c.optim_fixed[sl], c.optim_layer[sl]
+        if np.isnan(fixed).any() or np.isnan(layer).any():
+            fixed = layer = np.full(np.shape(fixed), np.nan)
+        return (tail(c.grad_fixed[sl], fixed),
+                tail(c.grad_layer[sl], layer) - tail(np.zeros_like(c.grad_layer[sl]), layer * 0.0))
 
     tied_bytes = llm.tied.grad_bytes
     ar = []

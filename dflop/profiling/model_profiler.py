@@ -285,18 +285,18 @@ def profile_rank(job: dict, *, progress: bool, tp: TPGroup | None = None,
         first = not dist.is_initialized() or dist.get_rank() == 0
         sync, timer = _RankSync(device), Timer(device)
         rows = _sweep(benches, spec, config, settings, sync, timer, common, progress=progress and first)
-        return _with_step_costs(rows, benches, sync, timer, common, device, repeats=settings.repeats)
+        return _with_step_costs(rows, benches, sync, timer, common, device, dtype, repeats=settings.repeats)
     finally:
         torch.set_num_threads(threads)
 
 
 def _with_step_costs(rows: list[dict], benches, sync: _RankSync, timer: Timer, common: dict,
-                     device: torch.device, *, repeats: int) -> list[dict]:
+                     device: torch.device, dtype: torch.dtype, *, repeats: int) -> list[dict]:
     """`rows` with each module's ``optim_ms``, and the link rows when several ranks profile
     (`dflop.profiling.step_costs`)."""
     optim = {bench.name: optimizer_step_ms(bench.module, timer, repeats=repeats, barrier=sync.barrier)
              for bench in benches}
-    call = optimizer_call_ms(device, timer, repeats=repeats, barrier=sync.barrier)
+    call = optimizer_call_ms(device, dtype, timer, repeats=repeats, barrier=sync.barrier)
     rows = [dict(row, optim_ms=optim[row["module"]], optim_call_ms=call) for row in rows]
     if sync.size > 1:
         rows += link_rows(device, timer, common, repeats=repeats)

@@ -7,8 +7,8 @@ profiler on the device, and with the ranks, it profiles with (`dflop.profiling.m
   answer tokens and the squared sum of the global norm. Per tensor, so the module's own tensor
   sizes and count set it (on CPU a step over a layer's dozen tensors costs ~0.05 ms per tensor
   beyond its bytes, and one large flat tensor more per byte than several smaller ones).
-- ``optim_call_ms`` (the same on every row): that step over one one-element parameter, the cost of
-  the call itself, which a stage pays once however many modules it steps. A stage's optimizer
+- ``optim_call_ms`` (the same on every row): that step over a one-element weight and bias, the cost
+  of the call itself, which a stage pays once however many modules it steps. A stage's optimizer
   is this plus, per module, its ``optim_ms`` less this (`dflop.costmodel.model.ModuleCosts.optimizer_s`).
 - Module ``allreduce`` rows (profiling worlds of 2+ ranks only): one in-place sum all-reduce of
   ``bytes`` float32 bytes over the first ``batch`` ranks, as the trainer's gradient buckets are
@@ -74,9 +74,13 @@ def optimizer_step_ms(module: nn.Module, timer: Timer, *, repeats: int, barrier:
     return float(statistics.median(times))
 
 
-def optimizer_call_ms(device: torch.device, timer: Timer, *, repeats: int, barrier: Callable[[], None]) -> float:
-    """`optimizer_step_ms` over a single one-element parameter: what one step costs beyond its tensors."""
-    return optimizer_step_ms(nn.Linear(1, 1, bias=False, device=device), timer, repeats=repeats, barrier=barrier)
+def optimizer_call_ms(device: torch.device, dtype: torch.dtype, timer: Timer, *, repeats: int,
+                      barrier: Callable[[], None]) -> float:
+    """`optimizer_step_ms` over one-element parameters in the profile's dtype: what one step costs
+    beyond its tensors. A 1 x 1 weight and a bias, so the step has the decayed and the undecayed
+    parameter group a layer has (`build_optimizer`; on CUDA each group is one multi-tensor launch)."""
+    probe = nn.Linear(1, 1, bias=True, device=device, dtype=dtype)
+    return optimizer_step_ms(probe, timer, repeats=repeats, barrier=barrier)
 
 
 def link_sizes(device: torch.device) -> list[int]:

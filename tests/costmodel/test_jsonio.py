@@ -113,3 +113,25 @@ def test_a_tied_heads_bytes_survive_the_round_trip_and_older_files_have_none(mod
     data = cost_model_to_dict(model)
     assert all("tied_param_bytes" not in m for m in data["modules"])
     assert load_cost_model(_write(tmp_path, data)).module("llm_head", 1).tied_param_bytes == 0.0
+
+
+def test_measured_optimizer_steps_survive_the_round_trip_and_a_misplaced_tie_is_refused(model, tmp_path):
+    """Per-module `optimizer_s` and `step_costs.optimizer_call_s` are read back exactly (the stage's
+    optimizer price depends on both); a ``tied_param_bytes`` off the LM head or above its bytes is a
+    one-line error naming the entry."""
+    from dataclasses import replace
+
+    from dflop.costmodel.model import CostModel
+
+    stepped = CostModel([replace(m, optimizer_s=1e-4 * (i + 1)) for i, m in enumerate(model.modules.values())],
+                        model.provenance, replace(model.step_costs, optimizer_call_s=3e-4))
+    path = tmp_path / "stepped.json"
+    save_cost_model(stepped, path)
+    loaded = load_cost_model(path)
+    assert loaded.step_costs.optimizer_call_s == 3e-4
+    assert {k: m.optimizer_s for k, m in loaded.modules.items()} == {k: m.optimizer_s for k, m in stepped.modules.items()}
+    data = cost_model_to_dict(model)
+    layer = next(i for i, m in enumerate(data["modules"]) if m["module"] == "llm_layer")
+    data["modules"][layer]["tied_param_bytes"] = 1.0
+    with pytest.raises(UserError, match=rf"modules/{layer}/tied_param_bytes .* llm_layer has it"):
+        load_cost_model(_write(tmp_path, data))
