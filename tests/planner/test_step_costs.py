@@ -160,16 +160,18 @@ def test_unmeasured_group_sizes_and_groups_across_nodes_use_the_cluster():
 @pytest.mark.parametrize("layout", [Layout("disjoint", 1, 1, 1, 1, 2, 2, 2), Layout("colocated", 1, 1, 2, 1, 2, 2, 2),
                                     Layout("colocated", 1, 1, 2, 1, 1, 2, 2)])
 @pytest.mark.parametrize("shard", [False, True])
-@pytest.mark.parametrize("module_steps", [False, True], ids=["bytes line", "module steps"])
+@pytest.mark.parametrize("module_steps", [None, "all", "llm_embed", "vision_layer"],
+                         ids=["bytes line", "module steps", "embedding unmeasured", "vision layer unmeasured"])
 def test_the_planners_stage_model_charges_the_same_tail_and_latency_as_pricing(layout, shard, module_steps):
     """The MILP's per-stage + per-layer tail, at the plan's split, is what the pricing path charges,
-    with the optimizer priced by its bytes line or by the modules' measured steps (a tied head)."""
+    with the optimizer priced by its bytes line, by the modules' measured steps (a tied head), or
+    with one module's step missing (that module's stages fall back to the line in both)."""
     from dflop.planner.means import module_means
     from dflop.planner.stages import TransferMeans, build_stage_model
 
     pricing, model = _pricing(MEASURED, layout, shard=shard)
     if module_steps:
-        model = CostModel([replace(m, optimizer_s=1e-4 + 1e-10 * m.param_bytes,
+        model = CostModel([replace(m, optimizer_s=None if m.module == module_steps else 1e-4 + 1e-10 * m.param_bytes,
                                    tied_param_bytes=m.param_bytes / 2 if m.module == "llm_head" else 0.0)
                            for m in model.modules.values()], model.provenance,
                           replace(model.step_costs, optimizer_call_s=5e-5))
