@@ -83,8 +83,9 @@ def main() -> None:
                              "ms": [ms[n] for n in benches], "module": list(benches), "tp": 1, "n_layers": 1.0})
         rows = pd.concat([rows, pd.DataFrame({"kind": ["optimizer_call"], "ranks": [1], "bytes": [4.0],
                                               "ms": [ms["call"]]})], ignore_index=True)
-        line_ms = fit_step_costs(rows).optimizer(whole_bytes) * 1e3
-        cost = stage_cost_model(benches, nbytes, module_optimizer_s(rows))
+        step_costs = fit_step_costs(rows)
+        line_ms = step_costs.optimizer(whole_bytes) * 1e3
+        cost = stage_cost_model(benches, nbytes, module_optimizer_s(rows, step_costs.optimizer_call_s))
         terms = (cost.vision_stage_terms([1], n_layers=count["vision_layer"], first=True, last=True, tp=1),
                  cost.llm_stage_terms([1], n_layers=count["llm_layer"], first=True, last=True, tp=1))
         modules_ms = ms["call"] + sum(t.optimizer_s for t in terms) * 1e3

@@ -77,7 +77,8 @@ def fit_profile(
     """Fit every (module, tp) of a profile summary; returns the model and the validation table."""
     modules = []
     rows = []
-    optimizer_s = module_optimizer_s(summary.step_costs)
+    step_costs = fit_step_costs(summary.step_costs)
+    optimizer_s = module_optimizer_s(summary.step_costs, step_costs.optimizer_call_s)
     for (module, tp), shapes in summary.shapes.groupby(["module", "tp"], sort=True):
         features = module_features(module, summary.device)
         if len(shapes) < len(features):
@@ -101,8 +102,8 @@ def fit_profile(
             coef=coef,
             param_bytes=float(shapes["param_bytes"].median()),
             tied_param_bytes=float(shapes["tied_bytes"].median()),
-            optimizer_s=optimizer_s.get((module, int(tp)), 0.0 if optimizer_s and not shapes["param_bytes"].median()
-                                        else None),  # no parameters: nothing to step
+            optimizer_s=optimizer_s.get((module, int(tp)),  # no parameters: nothing to step
+                                        0.0 if optimizer_s and not shapes["param_bytes"].median() else None),
             n_shapes=len(shapes),
             profiled_batch=(int(shapes["batch"].min()), int(shapes["batch"].max())),
             profiled_seq_len=(int(shapes["seq_len"].min()), int(shapes["seq_len"].max())),
@@ -118,7 +119,7 @@ def fit_profile(
         dflop_version=_dflop_version(),
     )
     validation = pd.DataFrame(rows, columns=list(VALIDATION_COLUMNS))
-    return CostModel(modules, provenance, fit_step_costs(summary.step_costs)), validation
+    return CostModel(modules, provenance, step_costs), validation
 
 
 def fit_step_costs(rows: pd.DataFrame | None) -> StepCosts:
@@ -142,19 +143,19 @@ def fit_step_costs(rows: pd.DataFrame | None) -> StepCosts:
                      optimizer_call_s=float(call.median()) * 1e-3 if len(call) else None)
 
 
-def module_optimizer_s(rows: pd.DataFrame | None) -> dict[tuple[str, int], float]:
-    """{(module, tp): seconds of the optimizer step on its parameters beyond the step's own cost}
-    (`ModuleCosts.optimizer_s`: its measured step less the one-element step, per layer for layer
-    modules, at least 0); empty for a profile without the one-element step."""
-    if rows is None or not (rows["kind"] == "optimizer_call").any():
+def module_optimizer_s(rows: pd.DataFrame | None, call_s: float | None) -> dict[tuple[str, int], float]:
+    """{(module, tp): seconds of the optimizer step on its parameters beyond the step's own cost
+    `call_s` (`StepCosts.optimizer_call_s`)}: `ModuleCosts.optimizer_s`, the module's measured step
+    less the call, per layer for layer modules, at least 0; empty without a measured call. A module
+    without parameters has no step in the profile (`fit_profile` gives it 0)."""
+    if rows is None or call_s is None:
         return {}
-    call = float(rows.loc[rows["kind"] == "optimizer_call", "ms"].median())
-    modules = rows[rows["kind"] == "optimizer"]
+
     def layers(n) -> float:  # a stacked layer module's step covers n_layers layers; other modules one
         return float(n) if np.isfinite(float(n)) and float(n) > 1 else 1.0
 
-    return {(str(r.module), int(r.tp)): max(0.0, float(r.ms) - call) / layers(r.n_layers) * 1e-3
-            for r in modules.itertuples(index=False)}
+    return {(str(r.module), int(r.tp)): max(0.0, float(r.ms) * 1e-3 - call_s) / layers(r.n_layers)
+            for r in rows[rows["kind"] == "optimizer"].itertuples(index=False)}
 
 
 def fit_load_line(table: pd.DataFrame, *, where: str = "load profile") -> LoadLine:

@@ -473,21 +473,26 @@ class CostModel:
         )
 
 
-def _held_twice_bytes(parts: list[tuple[ModuleCosts, int]]) -> float:
-    """Bytes the parts count twice: a tied LM head's weight on a stage that holds the token
-    embedding too (one tensor there, like its gradient and optimizer state)."""
+def _head_beside_embedding(parts: list[tuple[ModuleCosts, int]]) -> ModuleCosts | None:
+    """The LM head among `parts` when they hold the token embedding too: a tied head's weight is
+    then the embedding's tensor (counted, stepped and synced once)."""
     if not any(m.module == "llm_embed" for m, _ in parts):
-        return 0.0
-    return float(sum(m.tied_param_bytes for m, _ in parts if m.module == "llm_head"))
+        return None
+    return next((m for m, _ in parts if m.module == "llm_head"), None)
+
+
+def _held_twice_bytes(parts: list[tuple[ModuleCosts, int]]) -> float:
+    """Bytes the parts count twice: a tied head's weight beside the embedding."""
+    head = _head_beside_embedding(parts)
+    return 0.0 if head is None else float(head.tied_param_bytes)
 
 
 def _optimizer_s(parts: list[tuple[ModuleCosts, int]]) -> float:
     """The parts' optimizer seconds (`ModuleCosts.optimizer_s`), a tied head's weight stepped once
-    on a stage holding the embedding too; NaN when a part was not measured."""
+    beside the embedding; NaN when a part was not measured."""
     total = sum(mult * (np.nan if m.optimizer_s is None else m.optimizer_s) for m, mult in parts)
-    if any(m.module == "llm_embed" for m, _ in parts):
-        total -= sum(_tied_share_optimizer_s(m) for m, _ in parts if m.module == "llm_head")
-    return float(total)
+    head = _head_beside_embedding(parts)
+    return float(total if head is None else total - _tied_share_optimizer_s(head))
 
 
 def _tied_share_optimizer_s(head: ModuleCosts) -> float:
