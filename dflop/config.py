@@ -1,7 +1,7 @@
 """Load, default and validate the workflow configuration.
 
-The schema lives in ``workflow/schemas/config.schema.yaml`` (``dflop/config.schema.yaml`` is a link to
-it, so an installed package carries the same file). The Snakefile validates with the same schema,
+The schema lives in the package, ``dflop/config.schema.yaml`` (so any install, editable or not,
+carries it; ``workflow/schemas/config.schema.yaml`` is a link to it). The Snakefile validates with the same schema,
 so a config accepted by one is accepted by the other. Errors are one line that names the key and
 the schema rule it broke, e.g. ``config error: data.max_skip_frac: 2 is greater than the maximum of 1
 (rule: maximum)``.
@@ -205,6 +205,7 @@ class ModelSpec:
     weights: str | None
     tokenizer: str
     dtype: str
+    packed_attention: str
     freeze_vision: bool
     freeze_projector: bool
     freeze_llm: bool
@@ -213,7 +214,7 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
         return cls(arch=d["arch"], vision=d["vision"], llm=d["llm"], weights=d["weights"], tokenizer=d["tokenizer"],
-                   dtype=d["dtype"], freeze_vision=d["freeze"]["vision"], freeze_projector=d["freeze"]["projector"],
+                   dtype=d["dtype"], packed_attention=d["packed_attention"], freeze_vision=d["freeze"]["vision"], freeze_projector=d["freeze"]["projector"],
                    freeze_llm=d["freeze"]["llm"], arch_params=dict(d[d["arch"]]))
 
     @property

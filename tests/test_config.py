@@ -15,7 +15,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_schema_is_the_workflow_file():
-    # One schema: the package's copy is a link to the workflow's file, not a second file.
+    # One schema: the workflow's copy is a link to the package's file, not a second file, and the
+    # package's is a real file (a link would dangle in a wheel or a copied tree).
+    assert not cfgmod.SCHEMA_PATH.is_symlink()
     assert cfgmod.SCHEMA_PATH.resolve() == (REPO / "workflow/schemas/config.schema.yaml").resolve()
 
 
