@@ -136,13 +136,13 @@ def test_packed_cpu_attention_runs_the_kernel_these_features_count():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from dflop.models.packing import _sdpa_per_sample
+    from dflop.models.packing import PackedSequence, _sdpa
 
-    for boundaries in ([0, 100, 300], [0, 150, 300]):  # per-sample calls; one batched call
+    for lengths in ([100, 200], [150, 150]):  # per-sample calls; one batched call
         q = torch.randn(1, 4, 300, 16, requires_grad=True)
         k, v = (torch.randn(1, 2, 300, 16, requires_grad=True) for _ in range(2))
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            _sdpa_per_sample(q, k, v, torch.tensor(boundaries), True, None, 0.0).sum().backward()
+            _sdpa(q, k, v, PackedSequence.from_lengths(lengths), True, None, 0.0).sum().backward()
         ops = {event.key for event in prof.key_averages()}
         assert {"aten::_scaled_dot_product_flash_attention_for_cpu",
-                "aten::_scaled_dot_product_flash_attention_for_cpu_backward"} <= ops, boundaries
+                "aten::_scaled_dot_product_flash_attention_for_cpu_backward"} <= ops, lengths

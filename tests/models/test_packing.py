@@ -112,3 +112,82 @@ def test_packing_without_boundaries_would_differ():
         alone = reference(input_ids=b[None], use_cache=False).logits[0]
         row = reference(input_ids=torch.cat([a, b])[None], use_cache=False).logits[0, 6:]
     assert not torch.allclose(alone, row, atol=1e-3)
+
+
+# -- the kernels (model.packed_attention) ------------------------------------------------------------
+
+def _qkv(lengths, heads=4, kv_heads=2, dim=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    return [torch.randn(1, h, total, dim, generator=g, dtype=dtype).requires_grad_() for h in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("lengths", [(5, 1, 9, 3), (4, 4, 4), (33, 130, 7)], ids=["mixed", "equal", "blocks"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_kernel_equals_brute_force(lengths, causal):
+    """flex_attention with the document mask (forward: CPU has no flex backward) against the explicit
+    block-diagonal softmax; lengths past flex's 128-token blocks included."""
+    from dflop.models.packing import _flex
+
+    q, k, v = (t.detach() for t in _qkv(lengths))
+    packed = PackedSequence.from_lengths(lengths)
+    with torch.no_grad():
+        got = _flex(q, k, v, packed, causal, 8**-0.5, 0.0)
+    torch.testing.assert_close(got, _brute_force_attention(q, k, v, lengths, causal), rtol=1e-5, atol=1e-5)
+    assert ("flex_block_mask", causal, q.device) in packed.cache  # built once per row, reused by each layer
+
+
+def test_packed_attention_reads_lengths_from_the_host(monkeypatch):
+    """With the row's PackedSequence (as every stage passes it) no kernel reads the boundaries back
+    from the device: `.tolist()` / `.item()` would sync the host once per layer on CUDA."""
+    from dflop.models import packing
+
+    lengths = (5, 1, 9, 3)
+    q, k, v = _qkv(lengths)
+    packed = PackedSequence.from_lengths(lengths)
+
+    def sync(*_):
+        raise AssertionError("packed attention synced the host")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", sync)
+    monkeypatch.setattr(torch.Tensor, "item", sync)
+    out, _ = packing.packed_attention_forward(_Causal(), q, k, v, None, scaling=8**-0.5, **packed.attention_kwargs())
+    monkeypatch.undo()
+    torch.testing.assert_close(out, _brute_force_attention(q, k, v, lengths, True), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_inputs_share_the_autocast_dtype(monkeypatch):
+    """Under bf16 autocast rotary leaves query and key in float32 while value comes from a bf16 matmul:
+    the kernel must get all three in bf16 (flash-style kernels take one half-precision dtype)."""
+    from dflop.models import packing
+
+    seen = {}
+
+    def spy(query, key, value, packed, causal, scaling, dropout):
+        seen["dtypes"] = (query.dtype, key.dtype, value.dtype)
+        return torch.zeros(1, query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
+
+    monkeypatch.setitem(packing._KERNELS, "sdpa", spy)
+    q, k, v = _qkv((3, 4))
+    packed = PackedSequence.from_lengths((3, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        packing.packed_attention_forward(_Causal(), q, k, v.bfloat16(), None, **packed.attention_kwargs())
+    assert seen["dtypes"] == (torch.bfloat16,) * 3
+    packing.packed_attention_forward(_Causal(), q, k, v, None, **packed.attention_kwargs())
+    assert seen["dtypes"] == (torch.float32,) * 3  # no autocast: as given
+
+
+def test_kernel_choice():
+    from dflop.models import packing
+
+    q = torch.zeros(1, 2, 4, 8)
+    assert packing.kernel_for(q, "auto") == "sdpa"  # CPU: the per-sample SDPA
+    assert packing.kernel_for(q, "flex") == "flex"
+    with pytest.raises(UserError, match="CUDA in half precision"):
+        packing.kernel_for(q, "varlen")
+    with pytest.raises(UserError, match="unknown kernel"):
+        packing.select_packed_kernel("fastest")
+    if packing.flash_attn_varlen_func is None:
+        with pytest.raises(UserError, match="flash-attn package is not installed"):
+            packing.select_packed_kernel("flash_attn")
+    assert packing.selected_packed_kernel() == "auto"
