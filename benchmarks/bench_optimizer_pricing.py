@@ -37,6 +37,7 @@ from dflop.models.info import info_of
 from dflop.models.architectures import architecture
 from dflop.models.tensor_parallel import TPGroup
 from dflop.profiling._timing import Timer
+from dflop.models.precision import Precision
 from dflop.profiling.model_modules import build_benches
 from dflop.profiling.step_costs import optimizer_call_ms, optimizer_step_ms
 
@@ -58,7 +59,8 @@ def main() -> None:
     info = info_of(config)
     device = torch.device("cpu")
     benches = {b.name: b for b in build_benches(architecture(args.arch), config, modules=STAGE_MODULES,
-                                                 tp=TPGroup(rank=0, size=1), device=device, dtype=torch.float32)}
+                                                 tp=TPGroup(rank=0, size=1), device=device,
+                                                 precision=Precision(torch.float32))}
     model = build_model(args.arch, args.vision, args.llm)
     timer = Timer(device)
     count = {"vision_embed": 1, "vision_layer": info.vision_layers, "projector": 1, "llm_embed": 1,

@@ -34,7 +34,10 @@ shapes and a stated achieved throughput:
   sample) and keeps what none keeps less the core's float32 log-sum-exp ``4 H / t`` per token
   (`dflop.costmodel.activations`; with flash attention the core's output stays, as the output
   projection's input);
-- parameters: the model's exact counts (`dflop.models.info`) x dtype bytes / t;
+- parameters: the model's exact counts (`dflop.models.info`) x 4 bytes / t (float32 master
+  weights under every ``dtype``, `dflop.models.precision`); with bfloat16 each microbatch also keeps
+  autocast's bf16 copy of every matmul's weights (``2 P / t``, a per-microbatch constant of the
+  activations, dropped by full recomputation);
 - zero-head padding: at a TP degree t that does not divide the vision heads H, the tower is priced
   as the padded one the runtime trains (H' = `dflop.models.info.padded_vision_heads`, NVIDIA's
   recipe for InternViT-6B: 25 -> 32 at TP 8): its attention part grows by H'/H — q/k/v/o
@@ -53,13 +56,16 @@ from transformers import PreTrainedConfig
 
 from dflop.costmodel import activations
 from dflop.costmodel.features import MODULE_FEATURES
-from dflop.costmodel.memory import canonical_dtype
+from dflop.costmodel.memory import canonical_dtype, training_state_bytes
 from dflop.costmodel.model import CostModel, ModuleCosts, Provenance
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.info import info_of, padded_vision_heads
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Modules whose matmuls / convolutions autocast runs in bf16, keeping a bf16 copy of their weights
+#: per microbatch until its backward (the token embedding is a lookup: no copy).
+AUTOCAST_WEIGHT_MODULES = frozenset({"vision_embed", "vision_layer", "projector", "llm_layer", "llm_head"})
 
 
 def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), achieved_tflops: float = 400.0,
@@ -77,7 +83,9 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
     info = info_of(config)
     arch = architecture_of(config)
     flops_per_ms = achieved_tflops * 1e12 / 1e3
-    nbytes = _DTYPE_BYTES[canonical_dtype(dtype)]
+    nbytes = _DTYPE_BYTES[canonical_dtype(dtype)]  # compute dtype: activations
+    param_nbytes = training_state_bytes(dtype).param  # float32 master weights (dflop.models.precision)
+    mixed = nbytes != param_nbytes
     text = config.get_text_config()
     vision_mlp, llm_mlp = config.vision_config.intermediate_size, text.intermediate_size
     heads_v, heads_l = config.vision_config.num_attention_heads, text.num_attention_heads
@@ -120,6 +128,8 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
         }
         for name, (flops, comm_ms, act, params) in parts.items():
             features = MODULE_FEATURES[name][1]
+            if mixed and name in AUTOCAST_WEIGHT_MODULES:  # each microbatch's bf16 copy of the weights
+                act = dict(act, const=act.get("const", 0.0) + nbytes * params / t)
             unit = "tiles" if "tiles" in features else "tokens"
             fwd = {f: v / flops_per_ms for f, v in flops.items()}
             bwd = {f: 2 * v for f, v in fwd.items()}
@@ -140,8 +150,8 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
                                               attn_scale if vision else 1.0)
             coef = {target: tuple(float(values.get(f, 0.0)) for f in features) for target, values in targets}
             tied = info.llm_embed_params if name == "llm_head" and info.tied_embeddings else 0
-            modules.append(ModuleCosts(name, int(t), features, coef, float(params * nbytes / t), 0, (1, 1), (1, 1),
-                                       tied_param_bytes=float(tied * nbytes / t)))
+            modules.append(ModuleCosts(name, int(t), features, coef, float(params * param_nbytes / t), 0, (1, 1),
+                                       (1, 1), tied_param_bytes=float(tied * param_nbytes / t)))
     return CostModel(modules, Provenance(preset=preset or info.arch, device=f"analytic {achieved_tflops:g} TFLOP/s",
                                          dtype=dtype))
 
@@ -160,5 +170,5 @@ def _recompute_targets(name, fwd, bwd, act, dtype, h, heads, tiles_tokens, t, fl
     selective_bwd = {f: bwd.get(f, 0.0) + core_fwd.get(f, 0.0) for f in set(bwd) | set(core_fwd)}
     kept_selective = act[unit] - activations.core_saving_per_token(heads, t) * per_unit
     kept_full = activations.layer_input_bytes_per_token(h, dtype) * per_unit
-    return [("bwd_ms:selective", selective_bwd), ("act_bytes:selective", {unit: kept_selective}),
+    return [("bwd_ms:selective", selective_bwd), ("act_bytes:selective", {unit: kept_selective, "const": act.get("const", 0.0)}),
             ("bwd_ms:full", full_bwd), ("act_bytes:full", {unit: kept_full})]

@@ -1,17 +1,20 @@
 """Bytes of training state per parameter, and how many microbatches 1F1B keeps in flight.
 
-Training state per parameter with AdamW (no ZeRO/FSDP sharding; each DP replica holds it all):
+Training state per parameter with AdamW (no ZeRO/FSDP sharding; each DP replica holds it all),
+under the one precision contract (`dflop.models.precision`: float32 master weights, bf16 autocast
+for ``model.dtype`` bfloat16):
 
 =============  =====  ====  =========================================  =====
-dtype          param  grad  optimizer state                            total
+model.dtype    param  grad  optimizer state                            total
 =============  =====  ====  =========================================  =====
 float32        4      4     8  (exp_avg + exp_avg_sq, fp32)              16
-bfloat16       2      2     12 (fp32 master copy 4 + two fp32 moments 8)  16
-float16        2      2     12 (same as bfloat16)                       16
+bfloat16       4      4     8  (the same: parameters stay float32)       16
 =============  =====  ====  =========================================  =====
 
-Mixed precision keeps gradients in the compute dtype (as PyTorch DDP does) and an fp32 master copy
-of the weights inside the optimizer. Megatron's fp32 ``main_grad`` would add 2 bytes per param.
+With bfloat16 each microbatch in flight also holds the bf16 copy of its stage's weights that
+autocast made for its forward (2 bytes per parameter): an activation of the microbatch, not state.
+Profiled cost models measure it with the layer's other saved tensors; the analytic one adds it
+(`dflop.costmodel.analytic`).
 
 Sharded over ``dp`` data-parallel replicas (``shard_optimizer``: FSDP2, ZeRO-2 as
 `dflop.runtime.sharding` runs it), per parameter, at the peak of a step (end of its last backward,
@@ -62,8 +65,8 @@ class TrainingStateBytes:
 
 _STATE_BYTES = {
     "float32": TrainingStateBytes(param=4, grad=4, optimizer=8),
-    "bfloat16": TrainingStateBytes(param=2, grad=2, optimizer=12),
-    "float16": TrainingStateBytes(param=2, grad=2, optimizer=12),
+    "bfloat16": TrainingStateBytes(param=4, grad=4, optimizer=8),
+    "float16": TrainingStateBytes(param=4, grad=4, optimizer=8),
 }
 
 

@@ -14,6 +14,7 @@ class Timer:
     """``result, ms = timer(fn)``. On CUDA the time is the GPU stream time between two events."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def __call__(self, fn: Callable[[], T]) -> tuple[T, float]:

@@ -21,6 +21,7 @@ also run as a stage with recompute selective / full runs them (`dflop.models.rec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -33,6 +34,7 @@ from dflop.models.architectures import Architecture, new_llm_layer, new_llm_norm
 from dflop.models.builder import ties_embeddings
 from dflop.models.llm_parts import CausalLMHead, TokenEmbedding, run_decoder_layers
 from dflop.models.packing import PackedSequence, packed_attention_forward
+from dflop.models.precision import Precision
 from dflop.models.recompute import checkpointed_call, set_core_recompute
 from dflop.models.tensor_parallel import (
     TPGroup,
@@ -64,6 +66,8 @@ class ModuleBench:
         mode (none | selective | full) and returns the forward a stage in that mode runs.
     tied_bytes: bytes of this rank's parameters that are the token embedding's in the model (the
         LM head of a model with tied embeddings): a stage holding both holds them once.
+    precision: the contract the forward runs under (float32 parameters, the autocast of
+        ``model.dtype``), as the stages run it.
     """
 
     name: str
@@ -72,6 +76,7 @@ class ModuleBench:
     forward: Callable[..., torch.Tensor]
     recompute: Callable[[str], Callable[..., torch.Tensor]] | None = None
     tied_bytes: int = 0
+    precision: Precision = Precision(torch.float32)
 
     @property
     def recompute_modes(self) -> tuple[str, ...]:
@@ -115,15 +120,16 @@ def _building(device: torch.device, dtype: torch.dtype):
 
 
 def build_benches(arch: Architecture, config: PreTrainedConfig, *, modules=MODULES, tp: TPGroup,
-                  device: torch.device, dtype: torch.dtype, seed: int = 0) -> list[ModuleBench]:
+                  device: torch.device, precision: Precision, seed: int = 0) -> list[ModuleBench]:
     """The requested modules of `config` as this rank's shard, parameters initialised from `seed`
-    (the same on every rank, so shards are slices of one module)."""
-    factory = _BenchFactory(arch, config, tp, device, dtype)
+    (the same on every rank, so shards are slices of one module), in `precision`'s parameter dtype;
+    hidden-state inputs come in its residual-stream dtype, and forwards run under its autocast."""
+    factory = _BenchFactory(arch, config, tp, device, precision.stream_dtype)
     benches = []
     for name in modules:
         torch.manual_seed(seed)
-        with _building(device, dtype):
-            benches.append(getattr(factory, name)())
+        with _building(device, precision.param_dtype):
+            benches.append(dataclasses.replace(getattr(factory, name)(), precision=precision))
     return benches
 
 

@@ -67,7 +67,9 @@ from dflop.errors import UserError
 from dflop.io import atomic_path
 from dflop.progress import progress as progress_counter
 from dflop.models.architectures import Architecture, architecture
-from dflop.models.builder import model_config, resolve_dtype
+from dflop.models.builder import model_config
+from dflop.models.packing import select_packed_kernel
+from dflop.models.precision import Precision
 from dflop.models.handle import ModelHandle
 from dflop.models.info import llm_tp_divides, projector_tp_divides, vision_tp_divides
 from dflop.models.tensor_parallel import TPGroup
@@ -160,10 +162,12 @@ def profile_model(model: ModelHandle, profile: ProfileSection, out_path: str | P
                                max_repeats=profile.max_repeats, time_budget_s=profile.time_budget_s)
     settings.check()
     spec, config, tp_degrees = model.spec, model.config, profile.tp_degrees
-    resolve_dtype(spec.dtype)
+    Precision.of(spec.dtype)
+    select_packed_kernel(spec.packed_attention)  # refuses a kernel this machine lacks, before any work
     _check_device(profile.device, tp_degrees, co_runners)
     job = dict(arch=spec.arch, vision=spec.vision, llm=spec.llm, weights_dir=spec.weights, device=profile.device,
-               dtype=spec.dtype, settings=asdict(settings), cpu_threads=cpu_threads, seed=seed, preset=spec.preset,
+               dtype=spec.dtype, packed_attention=spec.packed_attention, settings=asdict(settings),
+               cpu_threads=cpu_threads, seed=seed, preset=spec.preset,
                co_runners=max(1, int(co_runners)))
     began = time.perf_counter()
     frames = []
@@ -271,13 +275,14 @@ def profile_rank(job: dict, *, progress: bool, tp: TPGroup | None = None,
     if config is None:
         config = model_config(job["arch"], job["vision"], job["llm"], weights_dir=job["weights_dir"])
     device = _rank_device(job["device"])
-    dtype = resolve_dtype(job["dtype"])
+    precision = Precision.of(job["dtype"])
+    select_packed_kernel(job.get("packed_attention", "auto"))
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(job["cpu_threads"])
         reuse_large_cpu_allocations()  # as the CPU trainer does, so the profile is what it will see
     try:
-        benches = build_benches(spec, config, modules=job["modules"], tp=tp, device=device, dtype=dtype,
+        benches = build_benches(spec, config, modules=job["modules"], tp=tp, device=device, precision=precision,
                                 seed=job["seed"])
         common = dict(tp=tp.size, device=_device_name(device), dtype=job["dtype"], preset=job["preset"],
                       threads=torch.get_num_threads() if device.type == "cpu" else 0,
@@ -285,7 +290,8 @@ def profile_rank(job: dict, *, progress: bool, tp: TPGroup | None = None,
         first = not dist.is_initialized() or dist.get_rank() == 0
         sync, timer = _RankSync(device), Timer(device)
         rows = _sweep(benches, spec, config, settings, sync, timer, common, progress=progress and first)
-        return _with_step_costs(rows, benches, sync, timer, common, device, dtype, repeats=settings.repeats)
+        return _with_step_costs(rows, benches, sync, timer, common, device, precision.param_dtype,
+                                repeats=settings.repeats)
     finally:
         torch.set_num_threads(threads)
 
@@ -495,6 +501,10 @@ def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: 
         else:
             shape.recompute_act_bytes[mode] = n
 
+    def run_forward(forward) -> torch.Tensor:
+        with bench.precision.autocast(timer.device):  # as the stages run (`dflop.models.precision`)
+            return forward(*inputs)
+
     def run(forward) -> dict:
         for t in params + leaves:
             t.grad = None
@@ -505,10 +515,10 @@ def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: 
             torch.cuda.reset_peak_memory_stats()
         if counted_bytes() is None:
             with saved_tensor_bytes(exclude=params) as saved:
-                out, fwd_ms = timer(lambda: forward(*inputs))
+                out, fwd_ms = timer(lambda: run_forward(forward))
             keep_bytes(saved.bytes)
         else:
-            out, fwd_ms = timer(lambda: forward(*inputs))
+            out, fwd_ms = timer(lambda: run_forward(forward))
         seed = None if out.dim() == 0 else torch.randn_like(out)
         sync.barrier()
         _, bwd_ms = timer(functools.partial(out.backward, seed))

@@ -30,6 +30,7 @@ import torch
 
 from dflop.data.training import LoadedSample
 from dflop.models.packing import IGNORE_INDEX, PackedSequence
+from dflop.models.precision import Precision
 from dflop.scheduler.online import StepPlan
 from dflop.models.handle import ModelHandle
 from dflop.runtime.model import RankModules
@@ -140,19 +141,20 @@ class PipelineExecutor:
     arch, tokens: the model's architecture name and its image / video placeholder ids.
     pad_to_longest: baseline variant padding every sample of a bin to the bin's longest sample
         (as batch padding would): pad tokens follow each sample, get no loss, and change no result.
-    autocast_dtype: bf16 autocast on CUDA (None: compute in the parameters' dtype).
+    precision: the mixed-precision contract (`dflop.models.precision`): forwards under its autocast,
+        received stage inputs cast back to its residual-stream dtype.
     spans: where forward / backward spans go when tracing (`dflop.runtime.spans`; None: nowhere).
     """
 
     def __init__(self, topo: Topology, modules: RankModules, model: ModelHandle, p2p: P2P, *, image_token_id: int,
                  video_token_id: int, schedule: str = "1f1b", pad_to_longest: bool = False,
-                 autocast_dtype: torch.dtype | None = None, device: torch.device = torch.device("cpu"),
+                 precision: Precision = Precision(torch.float32), device: torch.device = torch.device("cpu"),
                  spans: SpanRecorder | None = None):
         self.topo, self.modules, self.model, self.p2p = topo, modules, model, p2p
         self.spans = spans if spans is not None else SpanRecorder()
         self.image_token_id, self.video_token_id = image_token_id, video_token_id
         self.schedule, self.pad_to_longest = schedule, pad_to_longest
-        self.autocast_dtype, self.device = autocast_dtype, device
+        self.precision, self.device = precision, device
         self.vision_runner = VisionRunner(modules.vision, modules.full) if modules.vision is not None else None
         role = topo.vision_role
         self.vision_backward = role is not None and model.vision_stage_backward(role.stage, role.n_stages)
@@ -205,9 +207,7 @@ class PipelineExecutor:
             self._llm_backward(p)
 
     def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return self.precision.autocast(self.device)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -247,7 +247,7 @@ class PipelineExecutor:
         if stage.is_first:
             x = self._pixels(share)
         else:
-            x = self.p2p.recv_forward(self.topo.prev_rank(role), p)
+            x = self.p2p.recv_forward(self.topo.prev_rank(role), p).to(self.precision.stream_dtype)
             x.requires_grad_(self.vision_backward and self.model.vision_sends_input_grad())
         layouts = self._layouts(share) if stage.is_last else None
         with self._timer.measure("F", p), torch.set_grad_enabled(self.vision_backward), self._autocast():
@@ -332,7 +332,8 @@ class PipelineExecutor:
             features = self._features(p, bin_)
             self._tokens += sum(self._plan.seq_len[i] for i in bin_)
         else:
-            x = self.p2p.recv_forward(self.topo.prev_rank(role), p).requires_grad_(True)
+            x = self.p2p.recv_forward(self.topo.prev_rank(role), p).to(self.precision.stream_dtype)
+            x.requires_grad_(True)
         kwargs = {"image_features": features} if stage.is_first else {}
         if stage.is_last:
             labels = self._padded([self._inputs[i].labels for i in bin_], lengths, IGNORE_INDEX)

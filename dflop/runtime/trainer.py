@@ -37,6 +37,8 @@ from dflop.data.readers import RawSample
 from dflop.data.training import ExpectedShape, TrainingData
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
+from dflop.models.packing import select_packed_kernel
+from dflop.models.precision import Precision
 from dflop.models.tensor_parallel import is_tp_shard
 from dflop.plan import Plan, PlanFile
 from dflop.planner.cluster import Cluster
@@ -124,14 +126,15 @@ class Trainer:
         self.rules = model.sample_rules()
         self._setup_parameters()
         train, sched = settings.train, settings.scheduler
-        autocast = torch.bfloat16 if (self.device.type == "cuda" and model.spec.dtype == "bfloat16") else None
+        precision = Precision.of(model.spec.dtype)
+        select_packed_kernel(model.spec.packed_attention)  # the kernel the profile timed
         self.spans = SpanRecorder(trace_window(train.trace_steps, train.steps), self.device)
-        self.p2p = P2P(self.device, autocast or torch.float32)
+        self.p2p = P2P(self.device, precision.compute_dtype)
         self.p2p.spans = self.spans
         self.executor = PipelineExecutor(self.topo, self.modules, model, self.p2p,
                                          image_token_id=self.rules.image_token_id,
                                          video_token_id=self.rules.video_token_id, schedule=train.schedule,
-                                         pad_to_longest=sched.pad_to_longest, autocast_dtype=autocast,
+                                         pad_to_longest=sched.pad_to_longest, precision=precision,
                                          device=self.device, spans=self.spans)
         self.pool = pool
         expected = [ExpectedShape(int(t), int(v), int(s)) for t, v, s in

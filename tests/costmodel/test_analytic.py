@@ -68,7 +68,7 @@ def test_tensor_parallel_splits_flops_and_adds_communication(config, tiny):
     allreduce_ms = 2 * (2 * (2 - 1) / 2 * 2 * h / 100e9) * 1e3  # two ring all-reduces of bf16 hidden states
     assert two["tokens"] == pytest.approx(one["tokens"] / 2 + allreduce_ms, rel=1e-12)
     assert two["sq_tokens"] == pytest.approx(one["sq_tokens"] / 2, rel=1e-12)
-    assert cost.module("llm_layer", 2).param_bytes == pytest.approx(tiny.llm_layer_params * 2 / 2)
+    assert cost.module("llm_layer", 2).param_bytes == pytest.approx(tiny.llm_layer_params * 4 / 2)  # fp32 masters
     assert cost.provenance.preset == "llava_ov/siglip-tiny/qwen2.5-tiny"
 
 
@@ -112,6 +112,11 @@ def test_recompute_selective_and_full_memory_and_time(config, tiny):
         assert full.activation_bytes == pytest.approx(3 * 120 * 2 * tiny.llm_hidden)  # bf16 layer inputs
         heads = config.text_config.num_attention_heads
         assert none.activation_bytes - sel.activation_bytes == pytest.approx(3 * 120 * 4 * heads / t)
+        # autocast's bf16 weight copies: 2 bytes per layer parameter per microbatch in flight (2 here),
+        # kept by none and selective, dropped by full (the one per-microbatch constant of a layer)
+        copies = 2 * 3 * 2 * tiny.llm_layer_params / t
+        assert cost.module("llm_layer", t).coefficients("act_bytes")[-1] == pytest.approx(2 * tiny.llm_layer_params / t)
+        assert none.activation_bytes - full.activation_bytes > copies
         assert full.static_bytes == none.static_bytes
         times = {m: cost.llm_stage_time(lens, n_layers=3, first=False, last=False, tp=t, recompute=m)
                  for m in ("none", "selective", "full")}

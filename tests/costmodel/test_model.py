@@ -47,7 +47,7 @@ def test_llm_stage_time_uses_per_sample_squared_lengths_not_the_packed_length():
 
 @pytest.mark.parametrize("dtype, grad_per_param_byte, optimizer_per_param_byte", [
     ("float32", 4 / 4, 8 / 4),       # 4 B param, 4 B grad, 8 B moments
-    ("bfloat16", 2 / 2, 12 / 2),     # 2 B param, 2 B grad, 4 B master + 8 B moments
+    ("bfloat16", 4 / 4, 8 / 4),      # the same: float32 master weights under bf16 autocast
 ])
 def test_llm_stage_memory_is_training_state_plus_in_flight_activations(dtype, grad_per_param_byte, optimizer_per_param_byte):
     got = hand_model(dtype).llm_stage_memory([10, 20], n_layers=4, first=True, last=False, tp=1, in_flight=3)

@@ -64,8 +64,8 @@ def test_padded_layer_priced_by_hand():
     cost = analytic_cost_model(config, tp_degrees=(1, 2), achieved_tflops=TFLOPS, tp_gbps=300.0, op_overhead_ms=0.0)
     layer = cost.module("vision_layer", 2)
     params = padded_siglip_layer_params(4)
-    assert layer.param_bytes == pytest.approx(2 * params / 2)  # bf16, split over 2 ranks
-    assert cost.module("vision_layer", 1).param_bytes == pytest.approx(2 * padded_siglip_layer_params(3))
+    assert layer.param_bytes == pytest.approx(4 * params / 2)  # float32 masters, split over 2 ranks
+    assert cost.module("vision_layer", 1).param_bytes == pytest.approx(4 * padded_siglip_layer_params(3))
     fwd = dict(zip(layer.features, layer.coefficients("fwd_ms")))
     flops = (2 * params * T + 4 * T * T * 4 * D) / 2  # the core's QK^T and AV over 4 heads of D
     allreduce_ms = 2 * (2 * (2 - 1) / 2 * 2 * T * H / 300e9 * 1e3)  # two ring all-reduces of the h-wide output
@@ -74,6 +74,7 @@ def test_padded_layer_priced_by_hand():
     # per token, bf16: q, k, v, attention output 4 x 64/2 x 2 = 256; MLP in/out 2 x 256/2 x 2 = 512;
     # input, norm outputs, residual 4 x 48 x 2 = 384; float32 mean + rstd x 2 = 16; log-sum-exp 4 x 4/2 = 8
     assert act["tiles"] == pytest.approx(T * (256 + 512 + 384 + 16 + 8))
+    assert act["const"] == pytest.approx(2 * params / 2)  # autocast's bf16 copy of the rank's weights
     sel = dict(zip(layer.features, layer.coefficients("act_bytes:selective")))
     assert sel["tiles"] == pytest.approx(T * (256 + 512 + 384 + 16))
 
@@ -86,7 +87,7 @@ def test_internvit_6b_layer_at_tp8_counts_32_heads():
     rest = 2 * h + (2 * mlp * h + mlp + h) + 2 * h  # layer scales, MLP, two norms
     assert attention + rest == 134_388_992
     cost = analytic_cost_model(model_config("internvl", "internvit-6b", "qwen2.5-72b"), tp_degrees=(8,))
-    assert cost.module("vision_layer", 8).param_bytes == pytest.approx(2 * 134_388_992 / 8)
+    assert cost.module("vision_layer", 8).param_bytes == pytest.approx(4 * 134_388_992 / 8)
 
 
 def test_colocated_plan_pays_the_padded_share():
@@ -121,12 +122,14 @@ def test_colocated_plan_pays_the_padded_share():
             assert describe_plan(sm.plan(split), shape) == sm.plan(split).describe()
 
     zero_head = 3 * (D * H + D) + H * D  # one head's q/k/v weights and biases and its output columns
-    state = 2 + 2 + 12  # bf16 weight + gradient + AdamW's float32 master, m, v per parameter
+    state = 4 + 4 + 8  # float32 weight + gradient + AdamW's m, v per parameter (bf16 autocast)
     static = LV * zero_head / 2 * state  # per rank at TP 2
+    copies = LV * zero_head / 2 * 2  # autocast's bf16 weight copy of the one microbatch in flight
     tokens = T * tiles * n  # one microbatch of the whole batch
     # kept per token and layer, bf16 at TP 2: q/k/v/output 4 x (64 - 48)/2 x 2 = +64; log-sum-exp
     # 4 x (4 - 6)/2 = -4 (the twin has more, narrower heads)
-    expected_memory = {"full": static, "none": static + LV * tokens * (64 - 4), "selective": static + LV * tokens * 64}
+    expected_memory = {"full": static, "none": static + copies + LV * tokens * (64 - 4),
+                       "selective": static + copies + LV * tokens * 64}
     for mode, bytes_ in expected_memory.items():
         assert priced[3][mode][0] - priced[6][mode][0] == pytest.approx(bytes_, rel=1e-9), mode
     # forward FLOPs per tile and layer of the zero head: its projections 2 x zero_head x T and its
