@@ -16,7 +16,8 @@ run the row belongs to, `dflop.runtime.run_identity`: a run resumed with more st
 then ``lr``, ``grad_norm``, ``data_wait_s`` (rank 0's wait for the step's samples: on GPUs the
 prefetch's remainder and the ranks' agreement that every load succeeded; on CPU its own loads,
 the agreement then overlapping its compute, `dflop.runtime.trainer.Trainer.gradients`), ``member``, ``skipped_samples`` (samples that failed
-to load in this step and were replaced, `dflop.runtime.skipping`), and per pipeline stage
+to load in this step and were replaced, `dflop.runtime.skipping`), ``peak_bytes`` (rank 0's CUDA
+allocator peak during the step; NaN on CPU), and per pipeline stage
 ``busy_s_<stage>`` / ``idle_s_<stage>`` (mean over the stage's ranks; stages named vision0.., llm0..).
 
 The file is rewritten atomically after every step. A resumed run first drops rows after its

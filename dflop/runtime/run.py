@@ -17,6 +17,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dflop.plan import read_plan
@@ -93,6 +94,8 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
         spans = trainer.spans
         for step in range(start, last):
             spans.begin_step(step + 1)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             with spans.span("data", "data wait"):
                 if prefetch:
@@ -123,6 +126,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
             if trainer.rank == 0:
                 row = metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm, lr)
                 row["skipped_samples"] = n_skipped
+                row["peak_bytes"] = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else np.nan
                 metrics.append(row)
                 trainer.planner.report(step, measured_times(trainer.topo, times, plan_now), step_s=step_s)
                 bar.update(1)
