@@ -116,6 +116,8 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
             if not prefetch and step + 1 < last:  # a collective: after every rank's agreement wait
                 with spans.span("data", "next plan"):
                     plan_next = trainer.next_plan(step + 1)
+            if device.type == "cuda":  # the optimizer's kernels are still queued: count them in this step
+                torch.cuda.synchronize(device)
             step_s = time.perf_counter() - t0
             spans.end_step()
             if spans.window and step + 1 == spans.window[-1]:
