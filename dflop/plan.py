@@ -485,13 +485,15 @@ def plan_from_dict(raw: Any, source: str = "plan.yaml") -> PlanFile:
     return PlanFile(plan, batch, baseline, dict(raw), source, padded)
 
 
-def baseline_plan_doc(doc: Mapping[str, Any], source: str = "plan.yaml") -> dict:
-    """plan.yaml's data-blind baseline as a plan document of its own (its ``baseline`` section at
-    the top level, with the file's cluster, model and inputs records), so the trainer runs it as
-    it runs the plan (`dflop train --baseline`)."""
-    section = doc.get("baseline")
+def baseline_plan_doc(doc: Mapping[str, Any], source: str = "plan.yaml", *, padded: bool = False) -> dict:
+    """plan.yaml's data-blind baseline as a plan document of its own (its ``baseline`` section, or
+    with `padded` its ``padded_baseline``, at the top level, with the file's cluster, model and
+    inputs records), so the trainer runs it as it runs the plan (`dflop train --baseline [--pad]`).
+    The padded baseline has layouts of its own (padding needs more microbatches for the same memory)."""
+    key = "padded_baseline" if padded else "baseline"
+    section = doc.get(key)
     if not isinstance(section, Mapping) or not section:
-        raise UserError(f"{source}: baseline: missing (re-run `dflop optimize` to get the data-blind baseline)")
+        raise UserError(f"{source}: {key}: missing (re-run `dflop optimize` to get the data-blind baseline)")
     out = dict(section)
     for key in ("cluster", "model", "inputs"):
         if key in doc:

@@ -28,11 +28,12 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -195,8 +196,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results directory")
     parser.add_argument("--cpu", action="store_true", help="tiny presets on the CPU (gloo): the suite's check")
+    parser.add_argument("--reuse", type=Path, default=None,
+                        help="a finished run's work directory: take its attention.json and fitted cost models "
+                             "instead of measuring them again (a re-run of the planning and training parts)")
+    parser.add_argument("--memory-gb", type=float, default=None, help="cluster.gpu_memory_gb to plan for")
     args = parser.parse_args(argv)
     mode = CPU if args.cpu else GPU
+    if args.memory_gb is not None:
+        mode = replace(mode, memory_gb=args.memory_gb)
     run = Run(args.out.resolve(), mode)
     llm = mode.llms[0]
     cli = ["-m", "dflop.cli"]
@@ -205,14 +212,23 @@ def main(argv=None) -> int:
     # 2. attention kernels on the device; the demo data on the CPU cores meanwhile
     write_config(run, "config_data.yaml", config_for(mode, llm))
     data = run.command("data", ["-c", DATA_SCRIPT % {"n": mode.demo_samples}], mode.limits["data"], background=True)
-    run.command("attention", [str(ROOT / "benchmarks/gpu/bench_attention.py"), "--out", "attention.json",
-                              "--device", mode.device, *mode.attention_args], mode.limits["attention"])
+    if args.reuse is not None:
+        for name in ["attention.json", *(f"costmodel_{m}.json" for m in mode.llms)]:
+            if (args.reuse / name).exists():
+                shutil.copy(args.reuse / name, run.work / name)
+        run.status["reused"] = {"state": f"attention.json and cost models from {args.reuse}"}
+    else:
+        run.command("attention", [str(ROOT / "benchmarks/gpu/bench_attention.py"), "--out", "attention.json",
+                                  "--device", mode.device, *mode.attention_args], mode.limits["attention"])
 
     # 3. profile + fit of the trained model, with the kernel the bench found fastest (and equal)
     kernel = measured_kernel(run.work / "attention.json", llm)
     run.status["packed_attention"] = {"state": f"model.packed_attention: {kernel}"}
     write_config(run, "config.yaml", config_for(mode, llm, kernel))
-    profiled = profile_and_fit(run, cli, llm, "profile", kernel)
+    if args.reuse is not None:
+        profiled = (run.work / f"costmodel_{llm}.json").exists()
+    else:
+        profiled = profile_and_fit(run, cli, llm, "profile", kernel)
     have_data = run.wait(data)
 
     # 4. plan, then train the plan and the padded baseline on the same batches
@@ -235,7 +251,7 @@ def main(argv=None) -> int:
         run.skip("train_padded", "no plan")
 
     # 5. the larger LLM's profile
-    for other in mode.llms[1:]:
+    for other in mode.llms[1:] if args.reuse is None else ():
         profile_and_fit(run, cli, other, f"profile_{other}", measured_kernel(run.work / "attention.json", other))
     run.save()
     print(summary_markdown(summarize(run)))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU check (issue 36): set-up, then benchmarks/gpu/validate.py's parts.
 #
-#   benchmarks/gpu/validate.sh [--cpu] [--out DIR]    (DIR default: $OUT, else results/validate)
+#   benchmarks/gpu/validate.sh [--cpu] [--out DIR] [validate.py's options]
+#                                    (DIR default: $OUT, else results/validate)
 #
 # Set-up (GPU): the wheels in .whl/ (benchmarks/gpu/fetch_wheels.sh, fetched where PyPI is reachable)
 # go into a target directory on PYTHONPATH beside the image's own packages, with this checkout first
@@ -10,12 +11,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODE=()
+EXTRA=()  # passed on to validate.py (--reuse DIR, --memory-gb N)
 DIR=${OUT:-results/validate}
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) MODE=(--cpu); shift ;;
         --out) DIR=$2; shift 2 ;;
-        *) echo "validate.sh: unknown argument $1 (use --cpu, --out DIR)" >&2; exit 2 ;;
+        *) EXTRA+=("$1"); shift ;;
     esac
 done
 mkdir -p "$DIR"
@@ -29,4 +31,4 @@ if [ ${#MODE[@]} -eq 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
     echo "set-up: wheels installed in $(( $(date +%s) - began )) s" | tee "$DIR/setup.log"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PYTHON" benchmarks/gpu/validate.py --out "$DIR" "${MODE[@]}"
+exec "$PYTHON" benchmarks/gpu/validate.py --out "$DIR" "${MODE[@]}" "${EXTRA[@]}"

@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if path is not None and not Path(path).exists():
                     raise UserError(f"--{flag}: file not found: {path}")
             if args.baseline:  # the workers train the baseline section, written as a plan of its own
-                args.plan, args.policy = write_baseline_plan(args.plan, args.out_dir), "baseline"
+                args.plan, args.policy = write_baseline_plan(args.plan, args.out_dir, padded=bool(args.pad)), "baseline"
             from dflop.config import load
 
             check_before_launch(load(args.config, args.settings), args.plan)
@@ -193,13 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def write_baseline_plan(plan_path: str | Path, out_dir: str | Path) -> Path:
-    """`out_dir`/baseline_plan.yaml: plan.yaml's data-blind baseline as a plan of its own."""
+def write_baseline_plan(plan_path: str | Path, out_dir: str | Path, *, padded: bool = False) -> Path:
+    """`out_dir`/baseline_plan.yaml: plan.yaml's data-blind baseline (with `padded`, its padded
+    baseline) as a plan of its own."""
     from dflop.io import read_yaml
     from dflop.plan import baseline_plan_doc, write_plan
 
     path = Path(out_dir) / "baseline_plan.yaml"
-    write_plan(baseline_plan_doc(read_yaml(plan_path, missing_hint="run `dflop optimize` first"), str(plan_path)), path)
+    doc = read_yaml(plan_path, missing_hint="run `dflop optimize` first")
+    write_plan(baseline_plan_doc(doc, str(plan_path), padded=padded), path)
     return path
 
 
