@@ -127,7 +127,7 @@ class Run:
         with tarfile.open(self.out / "results.tar.gz.tmp", "w:gz") as tar:
             for path in sorted(self.work.rglob("*")):
                 if path.is_file() and path.suffix in (".parquet", ".json", ".yaml", ".log") \
-                        and "checkpoints" not in path.parts and path.stat().st_size < 8 * 2**20:
+                        and path.stat().st_size < 8 * 2**20:
                     tar.add(path, arcname=str(path.relative_to(self.work)))
         os.replace(self.out / "results.tar.gz.tmp", self.out / "results.tar.gz")
 
@@ -141,7 +141,7 @@ def config_for(mode: Mode, llm: str, kernel: str = "auto") -> dict:
                  "max_skip_frac": 0.05},
         "profile": mode.profile,
         "cluster": {"device": mode.device, "nodes": 1, "gpus_per_node": 1, "gpu_memory_gb": mode.memory_gb},
-        "train": {"global_batch_size": mode.global_batch, "steps": mode.steps, "checkpoint_every": 1000},
+        "train": {"global_batch_size": mode.global_batch, "steps": mode.steps, "checkpoint_every": 0},
     }
 
 
@@ -327,6 +327,8 @@ def summarize(run: Run) -> dict:
         out.setdefault("profiles", {})[llm] = profile_summary(work, llm, run.status)
     for name in ("train_plan", "train_padded"):
         metrics = work / name / "metrics.parquet"
+        if not metrics.exists():  # a run cut short: the rows it wrote as it went
+            metrics = work / name / "checkpoints" / "metrics.parquet"
         if metrics.exists():
             out.setdefault("training", {})[name] = training_summary(metrics, mode)
     plan = work / "plan.yaml"

@@ -136,7 +136,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                          "lr %.2e", step + 1, total, row["loss"], step_s, 100 * row["idle_frac"], row["sched_ms"],
                          row["sched_gap"], row["predicted_step_s"], row["corrected_step_s"], row["lr"])
             done = step + 1
-            if done % settings.train.checkpoint_every == 0 or done == total:
+            if checkpoint_due(done, total, settings.train.checkpoint_every):
                 save_checkpoint(ckpt_dir, done, trainer.train_state())
             if step + 1 < last:
                 plan_now = plan_next
@@ -151,6 +151,12 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
         bar.close()
         trainer.close()
     return out_dir / "metrics.parquet"
+
+
+def checkpoint_due(done: int, total: int, every: int) -> bool:
+    """Whether a checkpoint follows step `done` of `total`: every `every` steps and after the last;
+    never with `every` 0 (``train.checkpoint_every``)."""
+    return every > 0 and (done % every == 0 or done == total)
 
 
 def _progress_bar(total: int, start: int, enabled: bool):

@@ -199,3 +199,11 @@ def test_train_refuses_a_plan_it_cannot_run_before_starting_anything(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("dflop train: ") and message in err, err
     assert not out.exists()
+
+
+def test_checkpoints_follow_checkpoint_every_and_zero_turns_them_off():
+    from dflop.runtime.run import checkpoint_due
+
+    assert [d for d in range(1, 8) if checkpoint_due(d, 7, 3)] == [3, 6, 7]  # every 3, and the last
+    assert [d for d in range(1, 5) if checkpoint_due(d, 4, 1)] == [1, 2, 3, 4]
+    assert not any(checkpoint_due(d, 7, 0) for d in range(1, 8))  # benchmark runs: none, not even the last
