@@ -3,14 +3,13 @@
 `ModelHandle.resolve` turns the section's names (presets, or a local weights directory) into the
 transformers config once; everything downstream asks the handle: its structure (`info`, layer
 counts, tied embeddings), how samples become its inputs (`sample_rules`), which parts learn (the
-freeze flags), and the model itself: `build` (whole), or `build_on_meta` + `materialize` (a rank's part).
+freeze flags), and the model itself: `build` (whole), or `build_on_meta` + `materializer` (a rank's part).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterable
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
@@ -21,7 +20,7 @@ from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.builder import build_from_config, build_on_meta, model_config, open_weights, ties_embeddings
 from dflop.models.info import ModelInfo, info_of
-from dflop.models.materialize import materialize
+from dflop.models.materialize import Materializer
 from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.presets import tower_arch_params
 
@@ -102,12 +101,10 @@ class ModelHandle:
                                  llm_attention=llm_attention)
 
     def build_on_meta(self, *, dtype: str = "float32", llm_attention: str = PACKED_ATTENTION) -> PreTrainedModel:
-        """The model on the meta device (no memory): take a rank's views of it, then `materialize` them."""
+        """The model on the meta device (no memory): take a rank's views of it, then fill them (`materializer`)."""
         return build_on_meta(self.config, dtype=dtype, llm_attention=llm_attention)
 
-    def materialize(self, model: PreTrainedModel, names: Iterable[str], *, seed: int, device: torch.device | str,
-                    optional: Iterable[str] = ()) -> None:
-        """Give the tensors `names` of `model` (from `build_on_meta`) their values on `device`: random
-        by name from `seed`, or read from `spec.weights`, which must hold them all but `optional`."""
-        materialize(model, names, device=device, seed=seed, weights=open_weights(self.spec.weights, model),
-                    optional=optional)
+    def materializer(self, model: PreTrainedModel, *, seed: int, device: torch.device | str) -> Materializer:
+        """What fills the tensors a rank keeps of `model` (from `build_on_meta`) on `device`: random by
+        name from `seed`, or read from `spec.weights`."""
+        return Materializer(model, device=device, seed=seed, weights=open_weights(self.spec.weights, model))

@@ -35,7 +35,8 @@ class WeightsDirectory:
         self.path = Path(path)
         self.files = sorted(self.path.glob("*.safetensors"))
         if not self.files:
-            raise UserError(f"model.weights: {self.path} has no *.safetensors files (pickled checkpoints are not loaded)")
+            raise UserError(f"model.weights: {self.path} has no *.safetensors files "
+                            f"(pickled checkpoints are not loaded)")
         transforms = get_model_conversion_mapping(model)
         self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]

@@ -39,7 +39,6 @@ from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.handle import ModelHandle
 from dflop.models.info import llm_tp_degrees, vision_tp_degrees
-from dflop.models.materialize import tensor_names
 from dflop.models.stages import LLMStage, VisionStage, build_llm_stage, build_vision_stage
 from dflop.models.tensor_parallel import shard_stage
 from dflop.runtime.param_names import full_model_on_meta, untrained_parameter_names
@@ -104,12 +103,12 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
         role = topo.llm_role
         llm = build_llm_stage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage],
                               recompute=plan.llm.techniques.recompute[role.stage])
-    stages = [stage for stage in (vision, llm) if stage is not None]
-    handle.materialize(model, tensor_names(model, stages) | untrained, seed=seed, device=device, optional=untrained)
-    if vision is not None:
-        shard_stage(vision, topo.vision_tp, plan.vision_techniques.sequence_parallel)
+    fill = handle.materializer(model, seed=seed, device=device)
+    fill(untrained, optional=untrained)
+    if vision is not None:  # each part filled just before it is sharded: one unsharded part at a time
+        shard_stage(vision, topo.vision_tp, plan.vision_techniques.sequence_parallel, materialize=fill.module)
     if llm is not None:
-        shard_stage(llm, topo.llm_tp, plan.llm_techniques.sequence_parallel)
+        shard_stage(llm, topo.llm_tp, plan.llm_techniques.sequence_parallel, materialize=fill.module)
     modules = RankModules(model, vision, llm)
     freeze(modules, handle.spec)
     modules.sharded = shard_stages(topo, model, {"vision": vision, "llm": llm}, torch.device(device).type)
