@@ -493,13 +493,26 @@ def shard_stage(stage: VisionStage | LLMStage, tp: TPGroup, sequence_parallel: b
         stage.sequence_sharding = SequenceSharding(tp)
     tied = (stage.embedding is not None and stage.head is not None
             and stage.head.lm_head.weight is stage.embedding.embed_tokens.weight)
+    replaced = None
     if stage.embedding is not None:
         fill(stage.embedding)
-        stage.embedding.embed_tokens = VocabParallelEmbedding(stage.embedding.embed_tokens, tp)
+        replaced = stage.embedding.embed_tokens
+        stage.embedding.embed_tokens = VocabParallelEmbedding(replaced, tp)
     if stage.head is not None:
         fill(stage.head)
         stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp, sequence_parallel)
         if tied:  # the same vocabulary slice on this rank: keep one tensor
             stage.head.lm_head.weight = stage.embedding.embed_tokens.weight
+    if replaced is not None:
+        _release(replaced.weight)
     fill(stage)
     return stage
+
+
+def _release(param: nn.Parameter) -> None:
+    """Free a whole tensor a sharded wrapper replaced (the full model's token embedding table, [V, d]
+    on every TP rank): the same object stays registered, so global names still resolve, on the
+    meta device."""
+    with torch.no_grad():
+        torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device="meta"),
+                                                     requires_grad=param.requires_grad))

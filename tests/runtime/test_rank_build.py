@@ -5,6 +5,8 @@ and name, or a local safetensors directory read tensor by tensor), whatever the 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,19 @@ def test_a_directory_without_safetensors_is_refused(tmp_path):
     (path / "model.safetensors").rename(path / "pytorch_model.bin")
     with pytest.raises(UserError, match=r"has no \*\.safetensors files \(pickled checkpoints are not loaded\)$"):
         build_rank_modules(Topology(LAYOUTS["colocated"], 0, 1), _handle("llava_ov", path), seed=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_tensor_parallel_ranks_hold_only_their_shards(arch, tmp_path):
+    # tp = 2 over the whole model (colocated; LLaVA-OV's tied embedding and head on one stage): each
+    # rank's full model registers no real tensor beyond its own shards, whose gathered values are the
+    # whole model's
+    worker = Path(__file__).with_name("rank_build_worker.py")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(worker), str(tmp_path), arch], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        assert report["beyond"] == {} and report["differ"] == []
+        assert report["held"] < 0.6 * report["whole"]  # half of each sharded matrix, norms and biases replicated
