@@ -1,6 +1,6 @@
 """Random initial values that depend on the seed and each tensor's name, not on the layout.
 
-A rank materialises only its own stages' tensors (`dflop.models.builder.materialize`), so one
+A rank materialises only its own stages' tensors (`dflop.models.materialize`), so one
 tensor's values must not depend on which others are built beside it, or in what order: a layer is
 then bitwise the same whichever pipeline split or rank builds it, and the same as in the whole
 model built in one process. Each tensor therefore draws from the global generator seeded from
