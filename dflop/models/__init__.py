@@ -2,6 +2,6 @@
 packed sequences and tensor-parallel shards.
 
 Main entry points: `presets.vision_preset` / `presets.llm_preset`, `builder.build_model`,
-`info.model_info`, `stages.build_vision_stage` / `stages.build_llm_stage`,
+`builder.build_on_meta` + `materialize.Materializer` (a rank's part only), `info.model_info`, `stages.build_vision_stage` / `stages.build_llm_stage`,
 `tensor_parallel.shard_stage`.
 """

@@ -4,6 +4,11 @@ The result is the transformers model itself (`LlavaOnevisionForConditionalGenera
 `InternVLForConditionalGeneration`); pipeline stages (`dflop.models.stages`) are views of it.
 The LLM attention is ``dflop_packed`` (packed-row aware, plain SDPA otherwise) unless asked
 otherwise; vision towers use SDPA.
+
+Every build starts on the meta device (`build_on_meta`); a trainer rank then materialises only its
+own stages' tensors (`dflop.models.materialize`, `dflop.runtime.model`), and `build_from_config`
+all of them: with the same values, since a tensor's random init depends only on the seed and its
+name, and weights are read tensor by tensor from the directory.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
 
 from dflop.errors import UserError
 from dflop.models.architectures import Architecture, architecture, architecture_of, check_compatible
+from dflop.models.materialize import materialize
 from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.presets import llm_preset, vision_preset
+from dflop.models.weights_dir import WeightsDirectory
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,29 +74,35 @@ def build_from_config(
     seed: int | None = None,
     llm_attention: str = PACKED_ATTENTION,
 ) -> PreTrainedModel:
-    """The model of `config` (from `model_config`): random weights, or the weights in `weights_dir`.
+    """The whole model of `config` (from `model_config`) on `device`: `build_on_meta`, then every
+    tensor materialised (`dflop.models.materialize`), so it holds exactly the values a rank's
+    stages get under any layout.
 
     weights_dir: a local Hugging Face model directory (config.json + *.safetensors); nothing is
         downloaded and pickled checkpoints are refused. The presets then only name the model.
-    seed: seeds the random init (the global torch RNG state is restored afterwards).
+    seed: seeds the random init, per tensor by its name (`dflop.models.init_by_name`); None draws
+        one from torch's global generator. The global RNG state is left as it was otherwise.
     llm_attention: attention of the LLM layers; keep ``dflop_packed`` (or a flash-attention
         implementation) for packed pipeline stages. The vision tower always uses SDPA.
     """
-    spec = architecture_of(config)
-    torch_dtype = resolve_dtype(dtype)
+    model = build_on_meta(config, dtype=dtype, llm_attention=llm_attention)
+    materialize(model, device=device, seed=seed, weights=open_weights(weights_dir, model))
+    return model
+
+
+def build_on_meta(config: PreTrainedConfig, *, dtype: str | torch.dtype = "float32",
+                  llm_attention: str = PACKED_ATTENTION) -> PreTrainedModel:
+    """The model of `config` on the meta device: every name, shape and dtype, no memory and no
+    init (a 7B model in well under a second). `materialize` fills the tensors a rank keeps."""
     attn = {"text_config": llm_attention, "vision_config": "sdpa", "": "sdpa"}
-    if weights_dir is not None:
-        path = _weights_path(weights_dir)
-        if not any(path.glob("*.safetensors")):
-            raise UserError(f"model.weights: {path} has no *.safetensors files (pickled checkpoints are not loaded)")
-        model = spec.model_class.from_pretrained(path, local_files_only=True, use_safetensors=True,
-                                                 dtype=torch_dtype, attn_implementation=attn)
-        return model.to(device)
-    with torch.random.fork_rng(devices=[]):
-        if seed is not None:
-            torch.manual_seed(seed)
-        model = spec.model_class._from_config(config, attn_implementation=attn, dtype=torch_dtype)
-    return model.to(device)
+    with torch.device("meta"):
+        return architecture_of(config).model_class._from_config(config, attn_implementation=attn,
+                                                                dtype=resolve_dtype(dtype))
+
+
+def open_weights(weights_dir: str | Path | None, model: PreTrainedModel) -> WeightsDirectory | None:
+    """The weights directory of `model` (on the meta device), checked, or None without one."""
+    return None if weights_dir is None else WeightsDirectory(_weights_path(weights_dir), model)
 
 
 def _weights_path(weights_dir: str | Path) -> Path:

@@ -3,7 +3,7 @@
 `ModelHandle.resolve` turns the section's names (presets, or a local weights directory) into the
 transformers config once; everything downstream asks the handle: its structure (`info`, layer
 counts, tied embeddings), how samples become its inputs (`sample_rules`), which parts learn (the
-freeze flags), and `build` for the model itself.
+freeze flags), and the model itself: `build` (whole), or `build_on_meta` + `materializer` (a rank's part).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from dflop.config import ModelSpec
 from dflop.data.training import SampleRules
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
-from dflop.models.builder import build_from_config, model_config, ties_embeddings
+from dflop.models.builder import build_from_config, build_on_meta, model_config, open_weights, ties_embeddings
 from dflop.models.info import ModelInfo, info_of
+from dflop.models.materialize import Materializer
 from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.presets import tower_arch_params
 
@@ -95,6 +96,15 @@ class ModelHandle:
 
     def build(self, *, seed: int | None = None, device: torch.device | str = "cpu", dtype: str = "float32",
               llm_attention: str = PACKED_ATTENTION) -> PreTrainedModel:
-        """The full transformers model: random weights seeded with `seed`, or `spec.weights`."""
+        """The whole transformers model: random weights seeded with `seed`, or `spec.weights`."""
         return build_from_config(self.config, weights_dir=self.spec.weights, dtype=dtype, device=device, seed=seed,
                                  llm_attention=llm_attention)
+
+    def build_on_meta(self, *, dtype: str = "float32", llm_attention: str = PACKED_ATTENTION) -> PreTrainedModel:
+        """The model on the meta device (no memory): take a rank's views of it, then fill them (`materializer`)."""
+        return build_on_meta(self.config, dtype=dtype, llm_attention=llm_attention)
+
+    def materializer(self, model: PreTrainedModel, *, seed: int, device: torch.device | str) -> Materializer:
+        """What fills the tensors a rank keeps of `model` (from `build_on_meta`) on `device`: random by
+        name from `seed`, or read from `spec.weights`."""
+        return Materializer(model, device=device, seed=seed, weights=open_weights(self.spec.weights, model))

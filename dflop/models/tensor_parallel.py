@@ -46,6 +46,7 @@ the full one computes (tests compare under torchrun).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -461,31 +462,57 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def shard_stage(stage: VisionStage | LLMStage, tp: TPGroup, sequence_parallel: bool = False) -> VisionStage | LLMStage:
+def shard_stage(stage: VisionStage | LLMStage, tp: TPGroup, sequence_parallel: bool = False,
+                materialize: Callable[[nn.Module], None] | None = None) -> VisionStage | LLMStage:
     """This rank's shard of a pipeline stage (in place): its layers, and projector, or token
     embedding and LM head + loss. An embedding and head tied in one stage stay tied.
-    `sequence_parallel` (LLM stages, tp > 1): the stage's input and output are its sequence shard."""
+    `sequence_parallel` (LLM stages, tp > 1): the stage's input and output are its sequence shard.
+    `materialize`: fills a part's meta tensors (`dflop.models.materialize.Materializer.module`); it
+    is called on each part just before that part is sharded, then on the whole stage, so a rank
+    holds one unsharded part at a time, not its whole stage."""
+    fill = materialize or (lambda module: None)
     if tp.size == 1:
+        fill(stage)
         return stage
     if isinstance(stage, VisionStage):
         if sequence_parallel:
             raise UserError("vision.sequence_parallel: sequence parallelism is implemented for the LLM only; "
                             "set it to false for the vision tower")
         for layer in stage.layers:
+            fill(layer)
             shard_vision_layer(layer, tp)
         if stage.image_features is not None:
+            fill(stage.image_features)
             shard_projector(stage.image_features.projector, tp)
+        fill(stage)
         return stage
     for layer in stage.layers:
+        fill(layer)
         shard_llm_layer(layer, tp, sequence_parallel)
     if sequence_parallel:
         stage.sequence_sharding = SequenceSharding(tp)
     tied = (stage.embedding is not None and stage.head is not None
             and stage.head.lm_head.weight is stage.embedding.embed_tokens.weight)
+    replaced = None
     if stage.embedding is not None:
-        stage.embedding.embed_tokens = VocabParallelEmbedding(stage.embedding.embed_tokens, tp)
+        fill(stage.embedding)
+        replaced = stage.embedding.embed_tokens
+        stage.embedding.embed_tokens = VocabParallelEmbedding(replaced, tp)
     if stage.head is not None:
+        fill(stage.head)
         stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp, sequence_parallel)
         if tied:  # the same vocabulary slice on this rank: keep one tensor
             stage.head.lm_head.weight = stage.embedding.embed_tokens.weight
+    if replaced is not None:
+        _release(replaced.weight)
+    fill(stage)
     return stage
+
+
+def _release(param: nn.Parameter) -> None:
+    """Free a whole tensor a sharded wrapper replaced (the full model's token embedding table, [V, d]
+    on every TP rank): the same object stays registered, so global names still resolve, on the
+    meta device."""
+    with torch.no_grad():
+        torch.utils.swap_tensors(param, nn.Parameter(torch.empty_like(param, device="meta"),
+                                                     requires_grad=param.requires_grad))

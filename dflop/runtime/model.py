@@ -1,7 +1,9 @@
 """The modules one rank runs: its vision stage and/or LLM stage, tensor-parallel shards, frozen parts.
 
-Every rank builds the full transformers model from the same seed (or local weights), takes the
-stage views of it that the `Topology` assigns (DESIGN.md §6), shards them for tensor parallelism
+Every rank builds the full transformers model on the meta device (no memory), takes the stage views
+of it that the `Topology` assigns (DESIGN.md §6), materialises only the tensors those reach on its
+device (random init by seed and tensor name, the same under any layout, or read from the local
+weights: `dflop.models.materialize`), shards them for tensor parallelism
 (`dflop.models.tensor_parallel`: DTensor, Megatron's layout), and freezes parameters by their global name:
 
 - ``vision``: ``model.vision_tower.*`` (InternVL's final tower norm included);
@@ -11,6 +13,11 @@ stage views of it that the `Topology` assigns (DESIGN.md §6), shards them for t
 Tied input/output embeddings (Qwen2.5 small models): when one rank holds both (pp_l = 1) they stay
 one tensor, also when vocabulary-sharded (`shard_stage`); across ranks (pp_l > 1) the first and
 last LLM stage hold equal copies whose gradients the trainer sums over the ``tied_embedding`` group.
+
+Parameters no stage runs (LLaVA-OV's vision ``post_layernorm``) are materialised on the ranks of the
+last vision stage only, so the export finds them (`dflop.runtime.param_names.RankParameters.untrained`);
+a weights directory may lack them (they are then initialised). Every other tensor of the full model
+stays on the meta device.
 
 Which stages run a backward pass is decided here from the freeze flags, identically on every rank,
 because it decides which gradient messages exist: a frozen vision tower with a trained projector
@@ -34,6 +41,7 @@ from dflop.models.handle import ModelHandle
 from dflop.models.info import llm_tp_degrees, vision_tp_degrees
 from dflop.models.stages import LLMStage, VisionStage, build_llm_stage, build_vision_stage
 from dflop.models.tensor_parallel import shard_stage
+from dflop.runtime.param_names import full_model_on_meta, untrained_parameter_names
 from dflop.runtime.sharding import shard_stages
 from dflop.runtime.topology import Topology
 
@@ -50,7 +58,8 @@ class RankModules(nn.Module):
     """This rank's modules: ``vision`` (a VisionStage) and/or ``llm`` (an LLMStage).
 
     full: the rank's full transformers model (stages are views of it; the checkpoint names
-    parameters through it). sharded: the stages FSDP2 shards (`dflop.runtime.sharding`).
+    parameters through it); tensors outside this rank's stages are on the meta device.
+    sharded: the stages FSDP2 shards (`dflop.runtime.sharding`).
     """
 
     def __init__(self, full: PreTrainedModel, vision: VisionStage | None, llm: LLMStage | None):
@@ -73,7 +82,7 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
     """Build (random init from `seed`, or the handle's weights), shard and freeze the modules of
     this rank (see module docstring)."""
     handle.check_trainable()
-    model = handle.build(seed=seed, device=device)
+    model = handle.build_on_meta()
     plan = topo.plan
     arch = architecture_of(model)
     config = model.config
@@ -83,16 +92,23 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
         raise UserError(f"{plan.source}: vision.sequence_parallel: sequence parallelism is implemented for the "
                         f"LLM only; set it to false for the vision tower")
     vision = llm = None
+    untrained: set[str] = set()
     if topo.vision_role is not None:
         role = topo.vision_role
         vision = build_vision_stage(model, role.stage, role.n_stages, plan.vision.layer_ranges()[role.stage],
                                     recompute=plan.vision.techniques.recompute[role.stage])
-        shard_stage(vision, topo.vision_tp, plan.vision_techniques.sequence_parallel)
+        if role.is_last:
+            untrained = untrained_parameter_names(full_model_on_meta(config))
     if topo.llm_role is not None:
         role = topo.llm_role
         llm = build_llm_stage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage],
                               recompute=plan.llm.techniques.recompute[role.stage])
-        shard_stage(llm, topo.llm_tp, plan.llm_techniques.sequence_parallel)
+    fill = handle.materializer(model, seed=seed, device=device)
+    fill(untrained, optional=untrained)
+    if vision is not None:  # each part filled just before it is sharded: one unsharded part at a time
+        shard_stage(vision, topo.vision_tp, plan.vision_techniques.sequence_parallel, materialize=fill.module)
+    if llm is not None:
+        shard_stage(llm, topo.llm_tp, plan.llm_techniques.sequence_parallel, materialize=fill.module)
     modules = RankModules(model, vision, llm)
     freeze(modules, handle.spec)
     modules.sharded = shard_stages(topo, model, {"vision": vision, "llm": llm}, torch.device(device).type)
