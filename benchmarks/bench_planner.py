@@ -9,7 +9,10 @@ space and simulated on the same batches) and the predicted GPU utilisation (busy
 Cost model: a fitted GPU profile from benchmarks/profiles/<llm>.json (a costmodel.json written by
 `dflop fit` on a GPU model_profile.parquet) when present; otherwise the FLOP-count model of
 `dflop.costmodel.analytic` (H100-class numbers stated in --tflops/--tp-gbps; see that module for
-exactly what it charges). Shapes: 20,000 samples of `synthetic_mix.llava_ov_mix`.
+exactly what it charges), with the modules that a fitted GPU profile in benchmarks/profiles/<device>/
+measured for this model (the same vision tower, the same LLM) taken from it
+(`dflop.costmodel.calibrate`; `--no-gpu-profiles`: analytic alone). The cost-model column says
+which. Shapes: 20,000 samples of `synthetic_mix.llava_ov_mix`.
 
     python benchmarks/bench_planner.py [--gpus 8 64 512 1024] [--llms qwen2.5-7b qwen2.5-72b]
 
@@ -33,6 +36,7 @@ from pathlib import Path
 import torch
 
 from dflop.costmodel.analytic import analytic_cost_model
+from dflop.costmodel.calibrate import applicable_modules, calibrated
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.models.builder import model_config
@@ -59,16 +63,42 @@ MIXES = {"llava_ov": llava_ov_mix, "heavy": heavy_mix}
 
 def cost_model_for(llm: str, args, arch: str = "llava_ov", vision: str = VISION,
                    profile: str | None = None) -> tuple[CostModel, str]:
-    """The fitted profile benchmarks/profiles/<profile or llm>.json when present, else the analytic
-    model at every TP degree inside a node (the space drops those the heads do not allow)."""
+    """The cost model a configuration is planned with, and a line saying what it is: the fitted
+    profile benchmarks/profiles/<profile or llm>.json when present; else the analytic model at
+    every TP degree inside a node (the space drops those the heads do not allow), with the modules
+    a fitted GPU profile under benchmarks/profiles/<device>/ measured for this model carried over
+    (`dflop.costmodel.calibrate`: its TP degrees as fitted, the others scaled from them)."""
     fitted = PROFILES / f"{profile or llm}.json"
     if fitted.exists():
         return load_cost_model(fitted), f"fitted GPU profile {fitted}"
     node_tp = tuple(t for t in range(1, GPUS_PER_NODE + 1) if GPUS_PER_NODE % t == 0)
+    preset = f"{arch}/{vision}/{llm}"
     cost = analytic_cost_model(model_config(arch, vision, llm), tp_degrees=node_tp, achieved_tflops=args.tflops,
-                               tp_gbps=args.tp_gbps, preset=f"{arch}/{vision}/{llm}")
-    return cost, (f"analytic FLOP model: {args.tflops:g} TFLOP/s achieved per GPU, TP all-reduce {args.tp_gbps:g} GB/s, "
-                  f"bf16, 0.03 ms per op")
+                               tp_gbps=args.tp_gbps, preset=preset)
+    source = (f"analytic FLOP model: {args.tflops:g} TFLOP/s achieved per GPU, TP all-reduce {args.tp_gbps:g} GB/s, "
+              f"bf16, 0.03 ms per op")
+    if args.no_gpu_profiles:
+        return cost, source
+    best = max(((applicable_modules(m.provenance.preset, preset), path, m) for path, m in gpu_cost_models()),
+               key=lambda entry: len(entry[0]), default=((), None, None))
+    modules, path, gpu = best
+    if not modules:
+        return cost, source
+    return calibrated(cost, gpu, modules), (f"{gpu.provenance.device} fit of {', '.join(modules)} + analytic: "
+                                            f"{path.relative_to(PROFILES)} at TP 1, other TP degrees scaled from it; "
+                                            f"{source} for the rest")
+
+
+def gpu_cost_models() -> list[tuple[Path, CostModel]]:
+    """The fitted cost models under benchmarks/profiles/<device>/ (``<arch>-<vision>-<llm>.json``),
+    in name order (the first of equally good ones wins)."""
+    out = []
+    for path in sorted(PROFILES.glob("*/*-*-*.json")):
+        try:
+            out.append((path, load_cost_model(path)))
+        except UserError:
+            continue  # not a cost model (e.g. a kernel benchmark's JSON)
+    return out
 
 
 def cluster_for(gpus: int, args) -> Cluster:
@@ -166,6 +196,8 @@ def main() -> None:
     p.add_argument("--intra-gbps", type=float, default=300.0, help="cluster.intra_node_gbps")
     p.add_argument("--inter-gbps", type=float, default=50.0, help="cluster.inter_node_gbps (400 Gb/s IB per GPU)")
     p.add_argument("--mix-size", type=int, default=20_000)
+    p.add_argument("--no-gpu-profiles", action="store_true",
+                   help="plan with the analytic model alone, ignoring benchmarks/profiles/<device>/ fits")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not args.paper and (args.mix or args.shapes):
