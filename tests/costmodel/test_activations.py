@@ -14,6 +14,8 @@ from the parameters and subtracted, so both dtypes are held exactly, byte for by
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -229,6 +231,32 @@ def test_profiled_modules_keep_the_closed_forms(preset, dtype):
                     (bench.name, mode, batch, seq_len)
         checked.add(bench.name)
     assert checked == {"vision_embed", "vision_layer", "projector", "llm_embed", "llm_layer", "llm_head"}
+
+
+@pytest.mark.distributed
+def test_profiled_modules_keep_the_closed_forms_at_tp2():
+    """One rank of TP=2 (`tp_activations_worker.py`): the split heads and MLP, the replicated norms
+    and, under autocast, the replicated copies of the norms' outputs each column-parallel projection
+    keeps, exactly. (Not here: the vocabulary-parallel embedding and head, which keep a few masks per
+    token more than the TP=1 forms under either dtype.)"""
+    worker = Path(__file__).with_name("tp_activations_worker.py")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(worker)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("SAVED ")]
+    config = model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny")
+    text = config.get_text_config()
+    assert len(lines) == 2 * (1 + 3 + 1 + 3)
+    for dtype, name, mode, batch, seq_len, measured in lines:
+        batch, seq_len = int(batch), int(seq_len)
+        predicted = {
+            "vision_embed": lambda: batch * activations.vision_embed_bytes(config, dtype)[0]
+            + activations.vision_embed_bytes(config, dtype)[1],
+            "vision_layer": lambda: activations.vision_stage_layer_bytes(config, batch, 1, mode, dtype, tp=2),
+            "projector": lambda: batch * activations.projector_bytes_per_tile(config, dtype, tp=2),
+            "llm_layer": lambda: activations.llm_stage_layer_bytes(text, [seq_len] * batch, 1, mode, dtype, tp=2),
+        }[name]()
+        assert int(measured) == predicted, (dtype, name, mode)
 
 
 # -- the GPU: the committed H200 profiles (saved-tensor hooks on CUDA, fitted per module) --
