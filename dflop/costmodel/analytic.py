@@ -25,15 +25,16 @@ shapes and a stated achieved throughput:
   stage keeps once whatever its layer count (rotary cos/sin, `activations.llm_stage_shared_bytes`).
   Sequence parallelism (LLM layers, t > 1) is priced per plan by the cost model
   (`dflop.costmodel.activations.sequence_parallel_saving`);
-- activation recomputation (``recompute``, per stage): ``full`` keeps the layer input ``b h`` per
-  token and its backward runs the layer's forward again (FLOPs, TP all-reduces, overhead) up to
-  the last tensor backward needs: torch's checkpoint stops early, so the LLM's and SigLIP's MLP
-  down projection (``2 h I / t`` per token) and its all-reduce are not rerun (InternViT's layer
-  scale keeps that output, so its whole layer is);
+- activation recomputation (``recompute``, per stage): ``full`` keeps the layer input ``4 h`` per
+  token (the float32 residual stream) and its backward runs the layer's forward again (FLOPs, TP
+  all-reduces, overhead) up to the last tensor backward needs: torch's checkpoint stops early, so
+  the LLM's and SigLIP's MLP down projection (``2 h I / t`` per token) and its all-reduce are not
+  rerun (InternViT's layer scale keeps that output, so its whole layer is);
   ``selective`` recomputes the attention core (``4 T^2 h / t`` per tile, ``2 h s^2 / t`` per
   sample) and keeps what none keeps less the core's float32 log-sum-exp ``4 H / t`` per token
   (`dflop.costmodel.activations`; with flash attention the core's output stays, as the output
-  projection's input);
+  projection's input); under bf16 an LLM layer's core keeps rotary's float32 query and key instead
+  of the kernel's bf16 copies, ``2 (H + Hkv) d / t`` more, so it keeps more than none;
 - parameters: the model's exact counts (`dflop.models.info`) x 4 bytes / t (float32 master
   weights under every ``dtype``, `dflop.models.precision`); with bfloat16 each microbatch also keeps
   autocast's bf16 copy of every matmul's weights (``2 P / t``, a per-microbatch constant of the
@@ -98,15 +99,18 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
         def allreduce_ms(bytes_per_unit: float) -> float:
             return 0.0 if t == 1 else 2 * (t - 1) / t * bytes_per_unit / (tp_gbps * 1e9) * 1e3
 
-        def act_layer(closed_form, h: int, inter: int, scale: float = 1.0) -> float:
+        def act_layer(closed_form, h: int, inter: int, heads: int, scale: float = 1.0) -> dict[str, float]:
+            """Bytes per token kept under recompute none and selective."""
             try:
-                return closed_form()
+                return {mode: closed_form(mode) for mode in ("none", "selective")}
             except UserError:  # a tower the closed forms do not model (InternViT-6B): first-order estimate
-                return nbytes * (4 * h + (6 * h * scale + 3 * inter) / t)
+                none = nbytes * (4 * h + (6 * h * scale + 3 * inter) / t)
+                return {"none": none, "selective": none - activations.core_saving_per_token(heads, t)}
 
-        vision_act = act_layer(lambda: activations.vision_layer_bytes_per_token(config, "none", dtype, tp=t),
-                               hv, vision_mlp, attn_scale)
-        llm_act = act_layer(lambda: activations.llm_layer_bytes_per_token(text, "none", dtype, tp=t), hl, llm_mlp)
+        vision_act = act_layer(lambda mode: activations.vision_layer_bytes_per_token(config, mode, dtype, tp=t),
+                               hv, vision_mlp, padded_v, attn_scale)
+        llm_act = act_layer(lambda mode: activations.llm_layer_bytes_per_token(text, mode, dtype, tp=t), hl, llm_mlp,
+                            heads_l)
         embed_tile, embed_const = activations.vision_embed_bytes(config, dtype)
         parts = {
             # (forward FLOPs per unit, forward TP comm ms per unit, activation bytes per unit, params)
@@ -114,13 +118,13 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
                              {"tiles": embed_tile, "const": embed_const},
                              info.vision_embed_params),
             "vision_layer": ({"tiles": (2 * vision_layer_params * T + 4 * T * T * hv * attn_scale) / t},
-                             2 * allreduce_ms(nbytes * T * hv), {"tiles": T * vision_act},
+                             2 * allreduce_ms(nbytes * T * hv), {"tiles": T * vision_act["none"]},
                              vision_layer_params),
             "projector": ({"tiles": 2 * info.projector_params * T / t}, allreduce_ms(nbytes * T * hl),
                           {"tiles": activations.projector_bytes_per_tile(config, dtype, tp=t)}, info.projector_params),
             "llm_embed": ({}, 0.0, {"tokens": activations.LLM_EMBED_BYTES_PER_TOKEN}, info.llm_embed_params),
             "llm_layer": ({"tokens": 2 * info.llm_layer_params / t, "sq_tokens": 2 * hl / t},
-                          2 * allreduce_ms(nbytes * hl), {"tokens": llm_act},
+                          2 * allreduce_ms(nbytes * hl), {"tokens": llm_act["none"]},
                           info.llm_layer_params),
             "llm_head": ({"tokens": 2 * hl * V / t}, allreduce_ms(4),
                          {"tokens": activations.llm_head_bytes_per_token(text, dtype, tp=t)},
@@ -145,9 +149,9 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
                 skipped = 0.0 if vision and arch.vision_family == "internvit" else 1.0
                 skipped_ms = skipped * (2 * (hv * vision_mlp * T if vision else hl * llm_mlp) / t / flops_per_ms
                                         + comm_ms / 2)
-                targets += _recompute_targets(name, fwd, bwd, act, dtype, hv if vision else hl,
-                                              padded_v if vision else heads_l, T, t, flops_per_ms, skipped_ms,
-                                              attn_scale if vision else 1.0)
+                selective = T * vision_act["selective"] if vision else llm_act["selective"]
+                targets += _recompute_targets(name, fwd, bwd, act, dtype, hv if vision else hl, selective, T, t,
+                                              flops_per_ms, skipped_ms, attn_scale if vision else 1.0)
             coef = {target: tuple(float(values.get(f, 0.0)) for f in features) for target, values in targets}
             tied = info.llm_embed_params if name == "llm_head" and info.tied_embeddings else 0
             modules.append(ModuleCosts(name, int(t), features, coef, float(params * param_nbytes / t), 0, (1, 1),
@@ -156,11 +160,12 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
                                          dtype=dtype))
 
 
-def _recompute_targets(name, fwd, bwd, act, dtype, h, heads, tiles_tokens, t, flops_per_ms, skipped_ms,
+def _recompute_targets(name, fwd, bwd, act, dtype, h, kept_selective, tiles_tokens, t, flops_per_ms, skipped_ms,
                        attn_scale=1.0):
-    """``bwd_ms:<mode>`` and ``act_bytes:<mode>`` of a layer module (module docstring); skipped_ms:
-    forward milliseconds per unit that early-stopping recomputation does not rerun; heads: padded
-    where the tower is; attn_scale: padded / real heads (the attention core's width)."""
+    """``bwd_ms:<mode>`` and ``act_bytes:<mode>`` of a layer module (module docstring); kept_selective:
+    activation bytes per unit under selective recomputation; skipped_ms: forward milliseconds per unit
+    that early-stopping recomputation does not rerun; attn_scale: padded / real heads (the attention
+    core's width)."""
     unit = "tiles" if name == "vision_layer" else "tokens"
     per_unit = tiles_tokens if unit == "tiles" else 1  # tokens per feature unit
     full_bwd = {f: bwd.get(f, 0.0) + fwd.get(f, 0.0) for f in set(bwd) | set(fwd)}
@@ -168,7 +173,6 @@ def _recompute_targets(name, fwd, bwd, act, dtype, h, heads, tiles_tokens, t, fl
     core_fwd = ({"tiles": 4 * tiles_tokens**2 * h * attn_scale / t / flops_per_ms} if unit == "tiles"
                 else {"sq_tokens": 2 * h / t / flops_per_ms})
     selective_bwd = {f: bwd.get(f, 0.0) + core_fwd.get(f, 0.0) for f in set(bwd) | set(core_fwd)}
-    kept_selective = act[unit] - activations.core_saving_per_token(heads, t) * per_unit
     kept_full = activations.layer_input_bytes_per_token(h, dtype) * per_unit
     return [("bwd_ms:selective", selective_bwd), ("act_bytes:selective", {unit: kept_selective, "const": act.get("const", 0.0)}),
             ("bwd_ms:full", full_bwd), ("act_bytes:full", {unit: kept_full})]

@@ -1,5 +1,7 @@
 """torchrun worker for test_sequence_parallel_memory.py: bytes saved for backward by one
-tensor-parallel (TP=2) decoder layer of the tiny Qwen2, with and without sequence parallelism.
+tensor-parallel (TP=2) decoder layer of the tiny Qwen2, with and without sequence parallelism,
+under each ``model.dtype``'s contract (`dflop.models.precision`: float32 parameters and residual
+stream, bfloat16 under autocast).
 
 Rank 0 prints one line per dtype and recompute mode: ``SAVED <dtype> <mode> <tokens> <bytes without
 SP> <bytes with SP>`` (this rank's bytes, parameters excluded; T tokens in one packed sample; mode
@@ -17,6 +19,7 @@ from dflop.models.architectures import new_llm_layer, new_rotary_embedding
 from dflop.models.builder import model_config
 from dflop.models.llm_parts import run_decoder_layers
 from dflop.models.packing import PackedSequence
+from dflop.models.precision import Precision
 from dflop.models.tensor_parallel import TPGroup, shard_llm_layer
 from dflop.profiling._memory import saved_tensor_bytes
 
@@ -29,22 +32,23 @@ def main() -> None:
     tp = TPGroup(dist.get_rank(), dist.get_world_size())
     cfg = model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny").text_config
     packed = PackedSequence.from_lengths([TOKENS])
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in ("bfloat16", "float32"):
+        precision = Precision.of(dtype)
         for mode in ("none", "full"):
             torch.manual_seed(0)
-            layer, rotary = new_llm_layer(cfg).to(dtype), new_rotary_embedding(cfg)
+            layer, rotary = new_llm_layer(cfg), new_rotary_embedding(cfg)
             saved = []
             for sp in (False, True):
                 sharded = shard_llm_layer(copy.deepcopy(layer), tp, sequence_parallel=sp)
                 rows = TOKENS // tp.size if sp else TOKENS
-                x = torch.randn(1, rows, cfg.hidden_size, dtype=dtype, requires_grad=True)
-                cos_sin = tuple(t.to(dtype) for t in rotary(x, packed.position_ids[None]))
-                with saved_tensor_bytes(exclude=sharded.parameters()) as result:
+                x = torch.randn(1, rows, cfg.hidden_size, dtype=precision.stream_dtype, requires_grad=True)
+                cos_sin = rotary(x, packed.position_ids[None])
+                with saved_tensor_bytes(exclude=sharded.parameters()) as result, precision.autocast("cpu"):
                     out = run_decoder_layers([sharded], x, packed, cos_sin, checkpoint_layers=mode == "full")
                 out.sum().backward()
                 saved.append(result.bytes)
             if tp.rank == 0:
-                print(f"SAVED {str(dtype).removeprefix('torch.')} {mode} {TOKENS} {saved[0]} {saved[1]}", flush=True)
+                print(f"SAVED {dtype} {mode} {TOKENS} {saved[0]} {saved[1]}", flush=True)
     dist.destroy_process_group()
 
 

@@ -109,9 +109,14 @@ def test_recompute_selective_and_full_memory_and_time(config, tiny):
     lens = [100, 20]
     for t in (1, 2):
         none, sel, full = (cost.llm_stage_memory(lens, tp=t, recompute=m, **kw) for m in ("none", "selective", "full"))
-        assert full.activation_bytes == pytest.approx(3 * 120 * 2 * tiny.llm_hidden)  # bf16 layer inputs
-        heads = config.text_config.num_attention_heads
-        assert none.activation_bytes - sel.activation_bytes == pytest.approx(3 * 120 * 4 * heads / t)
+        assert full.activation_bytes == pytest.approx(3 * 120 * 4 * tiny.llm_hidden)  # float32 layer inputs
+        text = config.text_config
+        heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+        head_dim = text.hidden_size // heads
+        # selective drops the float32 log-sum-exp and keeps rotary's float32 query and key for the
+        # kernel's bf16 copies (2 more bytes per element): more than none under bf16
+        assert none.activation_bytes - sel.activation_bytes == pytest.approx(
+            3 * 120 * (4 * heads - 2 * (heads + kv_heads) * head_dim) / t)
         # autocast's bf16 weight copies: 2 bytes per layer parameter per microbatch in flight (2 here),
         # kept by none and selective, dropped by full (the one per-microbatch constant of a layer)
         copies = 2 * 3 * 2 * tiny.llm_layer_params / t
@@ -129,7 +134,7 @@ def test_recompute_selective_and_full_memory_and_time(config, tiny):
         assert times["full"].bwd_s - times["none"].bwd_s == pytest.approx(times["none"].fwd_s - skipped_s, rel=1e-9)
     vision = {m: cost.vision_stage_memory([2, 1], n_layers=2, first=False, last=False, tp=1, in_flight=1,
                                           recompute=m).activation_bytes for m in ("none", "full")}
-    assert vision["full"] == pytest.approx(2 * 3 * tiny.vision_tokens_per_tile * 2 * tiny.vision_hidden)
+    assert vision["full"] == pytest.approx(2 * 3 * tiny.vision_tokens_per_tile * 4 * tiny.vision_hidden)
 
 
 def test_fitted_model_without_recompute_costs_says_so(config):

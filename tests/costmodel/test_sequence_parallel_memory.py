@@ -1,5 +1,6 @@
 """Sequence parallelism's activation saving in the analytic cost model against the bytes a TP=2
-decoder layer really saves for backward (measured with saved-tensor hooks under torchrun)."""
+decoder layer really saves for backward (measured with saved-tensor hooks under torchrun), under
+each model.dtype's contract: the same bytes, since what SP shards is float32 under both."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_sequence_parallel_saving_matches_measured_saved_bytes():
         nbytes = {"bfloat16": 2, "float32": 4}[dtype]
         measured = (int(without) - int(with_sp)) / int(tokens)  # per token per layer, this rank
         assert measured > 0
-        assert sequence_parallel_saving(hidden, 2, nbytes, mode) == pytest.approx(measured, rel=0.05), (dtype, mode)
+        assert sequence_parallel_saving(hidden, 2, nbytes, mode) == pytest.approx(measured), (dtype, mode)
     # the cost model charges exactly that much less per token and layer at TP 2 (nothing at TP 1)
     cost = analytic_cost_model(config, tp_degrees=(1, 2))
     lens = [5, 11]

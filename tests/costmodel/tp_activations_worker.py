@@ -1,0 +1,54 @@
+"""torchrun worker for test_activations.py: bytes the model profiler's modules keep for backward on
+one rank of TP=2 (tiny LLaVA-OV), as the profiler builds and runs them, under each ``model.dtype``.
+
+Rank 0 prints one line per dtype, module and recompute mode: ``SAVED <dtype> <module> <mode> <batch>
+<seq_len> <bytes>`` (this rank's bytes, parameters excluded, autocast's bf16 copies of this rank's
+matmul and convolution weights subtracted).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflop.models.architectures import architecture, architecture_of
+from dflop.models.builder import model_config
+from dflop.models.precision import Precision
+from dflop.models.tensor_parallel import TPGroup, local_tensor
+from dflop.profiling._memory import saved_tensor_bytes
+from dflop.profiling.model_modules import TILE_MODULES, build_benches
+
+MODEL = ("llava_ov", "siglip-tiny", "qwen2.5-tiny")
+MODULES = ("vision_embed", "vision_layer", "projector", "llm_layer")
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    tp = TPGroup(dist.get_rank(), dist.get_world_size())
+    config = model_config(*MODEL)
+    tile_tokens = architecture_of(config).layer_tokens_per_tile(config)
+    for dtype in ("float32", "bfloat16"):
+        precision = Precision.of(dtype)
+        benches = build_benches(architecture(MODEL[0]), config, modules=MODULES, tp=tp, device=torch.device("cpu"),
+                                precision=precision)
+        for bench in benches:
+            batch, seq_len = (2, tile_tokens) if bench.name in TILE_MODULES else (2, 32)
+            for mode in ("none",) + bench.recompute_modes:
+                torch.manual_seed(0)
+                inputs = bench.make_inputs(batch, seq_len)
+                with bench.recomputing(mode) as forward:
+                    with saved_tensor_bytes(exclude=list(bench.module.parameters())) as saved:
+                        with precision.autocast("cpu"):
+                            forward(*inputs)
+                copies = 0 if not precision.mixed or mode == "full" else 2 * sum(
+                    local_tensor(m.weight).numel() for m in bench.module.modules()
+                    if isinstance(m, (nn.Linear, nn.Conv2d)))
+                if tp.rank == 0:
+                    print(f"SAVED {dtype} {bench.name} {mode} {batch} {seq_len} {saved.bytes - copies}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
