@@ -25,12 +25,10 @@ LLM decoder layer (Qwen2 / Llama; h hidden, I MLP width, H heads, Hkv kv heads, 
              + 2 b (H - Hkv) d / t when the kernel gets key and value repeated to H heads (a
              `varlen_attn` without GQA, torch 2.11: `dflop.models.packing._varlen`)
   selective  none - 4 H / t - (the per-sample outputs b H d / t when concatenated, the repeated key
-             and value 2 b (H - Hkv) d / t when repeated) + (4 - b) (H + Hkv) d / t: the attention
-             core keeps its inputs (checkpoint inputs: query and key as rotary left them, in
-             float32, and value) and recomputes its casts, repeats, output and log-sum-exp; the
-             output projection still keeps its (concatenated or shared) input. Under bf16 the
-             float32 query and key outweigh the log-sum-exp: selective keeps more than none
-             unless the kernel repeats key and value
+             and value 2 b (H - Hkv) d / t when repeated): the attention core keeps its inputs
+             (checkpoint inputs: query, key and value, cast to b bytes before the checkpoint,
+             `dflop.models.recompute`) and recomputes its repeats, output and log-sum-exp; the
+             output projection still keeps its (concatenated or shared) input
   full       4 h (the layer input: the float32 residual stream)
   per stage with layers: rotary cos + sin 8 d per token (float32, the stream's dtype); selective
   and full also keep the int64 position ids and int32 cu_seqlens as checkpoint inputs (8 bytes per
@@ -145,8 +143,7 @@ def sequence_parallel_saving(hidden: int, tp: int, nbytes: int, mode: str = "non
 
 def core_saving_per_token(num_heads: int, tp: int = 1) -> float:
     """What selective recomputation drops per token with a flash-style kernel whose output the
-    output projection keeps anyway: the float32 log-sum-exp. (The LLM's selective mode also trades
-    the kernel's query and key for rotary's float32 ones under autocast: `llm_layer_bytes_per_token`.)"""
+    output projection keeps anyway: the float32 log-sum-exp."""
     return 4.0 * num_heads / tp
 
 
@@ -170,8 +167,7 @@ def llm_layer_bytes_per_token(text_config: PreTrainedConfig, mode: str, dtype: s
         none += out
     if mode == "none":
         return float(none)
-    rotary_qk = (STREAM_BYTES - b) * (H + Hkv) * d / tp  # float32 query and key for the kernel's b-byte ones
-    return float(none - core_saving_per_token(H, tp) - (out if concatenated_output else 0.0) - repeats + rotary_qk)
+    return float(none - core_saving_per_token(H, tp) - (out if concatenated_output else 0.0) - repeats)
 
 
 def llm_stage_shared_bytes(text_config: PreTrainedConfig, seq_lens: Sequence[int], mode: str, dtype: str) -> float:

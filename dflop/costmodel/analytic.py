@@ -33,8 +33,7 @@ shapes and a stated achieved throughput:
   ``selective`` recomputes the attention core (``4 T^2 h / t`` per tile, ``2 h s^2 / t`` per
   sample) and keeps what none keeps less the core's float32 log-sum-exp ``4 H / t`` per token
   (`dflop.costmodel.activations`; with flash attention the core's output stays, as the output
-  projection's input); under bf16 an LLM layer's core keeps rotary's float32 query and key instead
-  of the kernel's bf16 copies, ``2 (H + Hkv) d / t`` more, so it keeps more than none;
+  projection's input);
 - parameters: the model's exact counts (`dflop.models.info`) x 4 bytes / t (float32 master
   weights under every ``dtype``, `dflop.models.precision`); with bfloat16 each microbatch also keeps
   autocast's bf16 copy of every matmul's weights (``2 P / t``, a per-microbatch constant of the

@@ -168,7 +168,7 @@ def packed_attention_forward(
     With ``cu_seq_lens_q`` each sample attends only to itself (causally for causal modules);
     without it, this is transformers' SDPA attention with the given mask.
     """
-    query, key, value = _in_compute_dtype(query, key, value)
+    query, key, value = in_compute_dtype(query, key, value)
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
@@ -188,8 +188,9 @@ def packed_attention_forward(
     return _KERNELS[kernel](query, key, value, packed_sequence, causal, scaling, dropout), None
 
 
-def _in_compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors in the autocast dtype when autocast is on for their device (else as they are)."""
+def in_compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in the autocast dtype when autocast is on for their device (else as they are):
+    what attention kernels take (rotary leaves query and key in float32 under autocast)."""
     device_type = tensors[0].device.type
     if not torch.is_autocast_enabled(device_type):
         return tensors

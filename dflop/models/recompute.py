@@ -33,6 +33,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dflop.errors import UserError
+from dflop.models.packing import in_compute_dtype
 from dflop.plan import RECOMPUTE_MODES
 
 _SUFFIX = "+recompute"
@@ -75,6 +76,9 @@ def _recomputing(name: str):
         raise UserError(f"selective recompute: attention {name!r} is not registered with transformers")
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        # in the compute dtype first: the checkpoint keeps its inputs, and under autocast rotary's
+        # query and key are float32 (twice the bytes of the bf16 ones the kernel takes)
+        query, key, value = in_compute_dtype(query, key, value)
         return checkpointed_call(inner, module, query, key, value, attention_mask, **kwargs)
 
     return attention

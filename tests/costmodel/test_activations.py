@@ -116,11 +116,8 @@ def test_llm_saved_bytes_match_closed_form(model, lengths, dtype):
     assert measured == predicted
     assert measured["full"] < min(measured["none"], measured["selective"])
     # selective drops the float32 log-sum-exp (and per-sample outputs); under autocast its checkpoint
-    # keeps rotary's float32 query and key where the kernel kept bf16 copies: more than none
-    if dtype == "float32":
-        assert measured["selective"] < measured["none"]
-    else:
-        assert measured["selective"] > measured["none"]
+    # keeps the kernel's bf16 query and key, not rotary's float32 ones (dflop.models.recompute)
+    assert measured["selective"] < measured["none"]
 
 
 def _image_layout(model):
@@ -284,7 +281,11 @@ def test_closed_forms_reproduce_the_h200_profiles(llm):
 
     for mode in MODES:
         target = "act_bytes" if mode == "none" else f"act_bytes:{mode}"
-        assert llm_layer_per_token(mode) == pytest.approx(per_unit("llm_layer", target), rel=5e-3), mode
+        # that profile predates the cast before selective's checkpoint: its core kept rotary's
+        # float32 query and key, (4 - 2) bytes x (H + Hkv) x d more per token than now
+        before_cast = 2 * (text.num_attention_heads + text.num_key_value_heads) * (
+            text.hidden_size // text.num_attention_heads) if mode == "selective" else 0
+        assert llm_layer_per_token(mode) + before_cast == pytest.approx(per_unit("llm_layer", target), rel=5e-3), mode
         assert activations.vision_stage_layer_bytes(config, 1, 1, mode, "bfloat16") == pytest.approx(
             per_unit("vision_layer", target), rel=5e-3), mode
     assert activations.vision_embed_bytes(config, "bfloat16")[0] == pytest.approx(per_unit("vision_embed"), rel=5e-3)

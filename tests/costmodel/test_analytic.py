@@ -113,10 +113,8 @@ def test_recompute_selective_and_full_memory_and_time(config, tiny):
         text = config.text_config
         heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
         head_dim = text.hidden_size // heads
-        # selective drops the float32 log-sum-exp and keeps rotary's float32 query and key for the
-        # kernel's bf16 copies (2 more bytes per element): more than none under bf16
-        assert none.activation_bytes - sel.activation_bytes == pytest.approx(
-            3 * 120 * (4 * heads - 2 * (heads + kv_heads) * head_dim) / t)
+        # selective drops the float32 log-sum-exp (its checkpoint keeps the kernel's bf16 q, k, v)
+        assert none.activation_bytes - sel.activation_bytes == pytest.approx(3 * 120 * 4 * heads / t)
         # autocast's bf16 weight copies: 2 bytes per layer parameter per microbatch in flight (2 here),
         # kept by none and selective, dropped by full (the one per-microbatch constant of a layer)
         copies = 2 * 3 * 2 * tiny.llm_layer_params / t
