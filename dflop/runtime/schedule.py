@@ -61,6 +61,23 @@ def op_order(schedule: str, stage: int, n_stages: int, m: int) -> list[tuple[str
     return ops
 
 
+def host_cat(tensors: list[torch.Tensor], *, pin: bool) -> torch.Tensor:
+    """`torch.cat` of host tensors; with `pin`, into page-locked memory (`pinned_empty`). cat's own
+    output is pageable whatever its inputs (it drops the loader's pinning), and a ``non_blocking``
+    copy from pageable memory to a GPU is a synchronous one."""
+    if not pin:
+        return torch.cat(tensors)
+    first = tensors[0]
+    out = pinned_empty((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.dtype)
+    return torch.cat(tensors, out=out)
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised page-locked host tensor (from torch's caching host allocator, which keeps a
+    block from reuse until the copies queued from it have run)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 #: TEST HOOK (tests/runtime/test_drift.py): "<pipeline stage>:<k>" makes that stage's every
 #: forward and backward take k times its compute (a sleep inside the timed window; CPU only): a
 #: known drift for the adaptive correction to learn. Read once per executor; unset, it costs nothing.
@@ -247,11 +264,12 @@ class PipelineExecutor:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=True)
+    def _upload(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Host tensors, concatenated, on the device (on CUDA through page-locked memory: `host_cat`)."""
+        return host_cat(tensors, pin=self.device.type == "cuda").to(self.device, non_blocking=True)
 
     def _pixels(self, share) -> torch.Tensor:
-        return self._to_device(torch.cat([self._inputs[i].pixels for i in share]))
+        return self._upload([self._inputs[i].pixels for i in share])
 
     def _layouts(self, share) -> list:
         return [self._inputs[i].layout for i in share]
@@ -295,13 +313,14 @@ class PipelineExecutor:
         lengths = [self._plan.seq_len[i] for i in bin_]
         return [max(lengths)] * len(lengths) if self.pad_to_longest else lengths
 
-    def _padded(self, tensors: list[torch.Tensor], lengths: list[int], fill: int) -> torch.Tensor:
+    def _padded(self, tensors: list[torch.Tensor], lengths: list[int], fill: int) -> list[torch.Tensor]:
+        """The pieces of a packed row: each sample's tensor, then `fill` up to its length."""
         out = []
         for t, n in zip(tensors, lengths):
             out.append(t)
             if n > t.numel():
                 out.append(torch.full((n - t.numel(),), fill, dtype=t.dtype))
-        return torch.cat(out)
+        return out
 
     # -- vision stages (disjoint placement) --------------------------------------------------
 
@@ -384,9 +403,10 @@ class PipelineExecutor:
         packed = PackedSequence.from_lengths(lengths, device=self.device)
         features = None
         if stage.is_first:
-            ids = self._padded([self._inputs[i].input_ids for i in bin_], lengths, PAD_TOKEN_ID)
             # Features arrive in sequence order, so video placeholders splice like image ones.
-            x = self._to_device(ids.masked_fill(ids == self.video_token_id, self.image_token_id))
+            ids = [t.masked_fill(t == self.video_token_id, self.image_token_id)
+                   for t in (self._inputs[i].input_ids for i in bin_)]
+            x = self._upload(self._padded(ids, lengths, PAD_TOKEN_ID))
             features = self._features(p, bin_, received)
             self._tokens += sum(self._plan.seq_len[i] for i in bin_)
         else:
@@ -394,8 +414,8 @@ class PipelineExecutor:
             x.requires_grad_(True)
         kwargs = {"image_features": features} if stage.is_first else {}
         if stage.is_last:
-            labels = self._padded([self._inputs[i].labels for i in bin_], lengths, IGNORE_INDEX)
-            shift = packed.shift_labels(self._to_device(labels))
+            labels = self._upload(self._padded([self._inputs[i].labels for i in bin_], lengths, IGNORE_INDEX))
+            shift = packed.shift_labels(labels)
             kwargs.update(shift_labels=shift, num_items_in_batch=1)  # loss = sum over answer tokens
             self._n_answer += int((shift != IGNORE_INDEX).sum())
         with self._timer.measure("F", p), self._autocast():
