@@ -29,6 +29,7 @@ its batch, a receive's the batch's issue and wait (header and data); `wait_sends
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -63,10 +64,7 @@ class Message:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for size in self.shape:
-            n *= size
-        return n
+        return math.prod(self.shape)
 
 
 class P2P:
