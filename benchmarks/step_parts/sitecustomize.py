@@ -41,19 +41,20 @@ if out:
             if l.head is not None: hook(l.head, "llm_head")
         self._diag = open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a")
 
-    def record(self, op, p, fn):
+    def record(self, op, p, fn, received):
         plan = self._plan
         bin_ = plan.bins[p][self.topo.llm_role.replica]
         share = plan.vision_shares[p][self.topo.llm_role.replica] if self.topo.plan.colocated else []
         CTX["acc"] = {}
         t0 = time.perf_counter(); c0 = time.thread_time()
-        fn(self, p)
+        sends = fn(self, p, received)
         wall = time.perf_counter() - t0
         CTX["acc"]["cpu_wall"] = time.thread_time() - c0
         acc, CTX["acc"] = CTX["acc"], None
         self._diag.write(json.dumps(dict(step=STEP["n"], op=op, p=p, wall=wall, seq_len=[int(plan.seq_len[i]) for i in bin_],
                                          tiles=[int(plan.n_tiles[i]) for i in share], mods=acc)) + "\n")
         self._diag.flush()
+        return sends
 
     def run(self, *a, **k):
         STEP["n"] += 1
@@ -61,8 +62,8 @@ if out:
 
     S.PipelineExecutor.__init__ = init
     S.PipelineExecutor.run = run
-    S.PipelineExecutor._llm_forward = lambda self, p: record(self, "F", p, _fwd)
-    S.PipelineExecutor._llm_backward = lambda self, p: record(self, "B", p, _bwd)
+    S.PipelineExecutor._llm_forward = lambda self, p, received: record(self, "F", p, _fwd, received)
+    S.PipelineExecutor._llm_backward = lambda self, p, received: record(self, "B", p, _bwd, received)
 if out:
     import atexit, glob as _g
     def _threads():

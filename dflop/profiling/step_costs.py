@@ -14,8 +14,9 @@ profiler on the device, and with the ranks, it profiles with (`dflop.profiling.m
   ``bytes`` float32 bytes over the first ``batch`` ranks, as the trainer's gradient buckets are
   reduced over a data-parallel group; ``fwd_ms`` is world rank 0's time.
 - Module ``p2p`` rows (same): one pipeline message of ``bytes`` from rank 0 to rank 1 as
-  `dflop.runtime.p2p` sends it (a shape header, then the tensor), received there: half of a
-  ping-pong of two such messages, so both ends' costs count.
+  `dflop.runtime.p2p` sends it (the tensor alone, in a ``batch_isend_irecv`` batch: both ends know
+  its shape from the step's plan, so no header), received there: half of a ping-pong of two such
+  messages, so both ends' costs count.
 
 Why measured here: on the demo's CPU ranks the step also paid the optimizer and gloo collectives
 that the module profile never saw, and the cluster's declared bandwidths are a guess for the
@@ -39,8 +40,6 @@ from dflop.profiling._timing import Timer
 LINK_MODULES = ("allreduce", "p2p")
 #: Message sizes (bytes) of the link sweeps: 4 KiB to 16 MiB on CPU (gloo), to 256 MiB on CUDA.
 CPU_MAX_BYTES, CUDA_MAX_BYTES = 2**24, 2**28
-#: Header of a `dflop.runtime.p2p` message: the number of dims, then up to 8 sizes (int64).
-P2P_HEADER_ELEMENTS = 9
 
 
 def optimizer_step_ms(module: nn.Module, timer: Timer, *, repeats: int, barrier: Callable[[], None]) -> float:
@@ -108,32 +107,24 @@ def link_rows(device: torch.device, timer: Timer, common: dict, *, repeats: int)
             times = _timed(reduce if rank < size else None, timer, repeats)
             rows += [dict(common, module="allreduce", batch=size, bytes=nbytes, fwd_ms=ms, repeat=k)
                      for k, ms in enumerate(times)]
-        times = _timed(_ping_pong(buf, device) if rank < 2 else None, timer, repeats)
+        times = _timed(_ping_pong(buf) if rank < 2 else None, timer, repeats)
         rows += [dict(common, module="p2p", batch=2, bytes=nbytes, fwd_ms=ms / 2, repeat=k)
                  for k, ms in enumerate(times)]
     return rows
 
 
-def _ping_pong(buf: torch.Tensor, device: torch.device) -> Callable[[], None]:
-    """Rank 0 sends a header and `buf` to rank 1, which sends them back."""
-    header = torch.zeros(P2P_HEADER_ELEMENTS, dtype=torch.int64, device=device)
+def _ping_pong(buf: torch.Tensor) -> Callable[[], None]:
+    """Rank 0 sends `buf` to rank 1, which sends it back, each message a batch of its own."""
     peer = 1 - dist.get_rank()
 
-    def send() -> None:
-        dist.send(header, peer)
-        dist.send(buf, peer)
-
-    def recv() -> None:
-        dist.recv(header, peer)
-        dist.recv(buf, peer)
+    def message(op) -> None:
+        for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
+            work.wait()
 
     def round_trip() -> None:
-        if dist.get_rank() == 0:
-            send()
-            recv()
-        else:
-            recv()
-            send()
+        first, second = (dist.isend, dist.irecv) if dist.get_rank() == 0 else (dist.irecv, dist.isend)
+        message(first)
+        message(second)
 
     return round_trip
 

@@ -120,13 +120,18 @@ class OptimizerState(Stateful):
 
 
 class RNGState(Stateful):
-    """This rank's random generators (python, numpy, torch CPU, CUDA), as JSON values (torch
-    states as base64 bytes)."""
+    """This rank's random generators (python, numpy, torch CPU, and its own CUDA device's), as JSON
+    values (torch states as base64 bytes).
+
+    CUDA: only the rank's current device, saved as a list of one state. Asking every visible device
+    (``get_rng_state_all``) would create a CUDA context on each (memory on every GPU of the node,
+    per rank), and restoring them all would set other ranks' devices. A checkpoint written before
+    held every visible device's state: the one at this rank's device index is restored."""
 
     def state_dict(self) -> dict[str, Any]:
         version, mt_state, gauss = random.getstate()
         np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
-        cuda = ([_b64(s) for s in torch.cuda.get_rng_state_all()]
+        cuda = ([_b64(torch.cuda.get_rng_state(torch.cuda.current_device()))]
                 if torch.cuda.is_available() and torch.cuda.is_initialized() else [])
         return {
             "python": [version, list(mt_state), gauss],
@@ -143,10 +148,14 @@ class RNGState(Stateful):
         torch.set_rng_state(_unb64(state_dict["torch"]))
         cuda = state_dict["cuda"]
         if cuda and torch.cuda.is_available():
-            if len(cuda) != torch.cuda.device_count():
+            device = torch.cuda.current_device()
+            if len(cuda) == 1:
+                torch.cuda.set_rng_state(_unb64(cuda[0]), device)
+            elif len(cuda) == torch.cuda.device_count():  # an older checkpoint: every visible device
+                torch.cuda.set_rng_state(_unb64(cuda[device]), device)
+            else:
                 raise UserError(f"checkpoint RNG state is for {len(cuda)} CUDA devices; "
                                 f"this rank sees {torch.cuda.device_count()}")
-            torch.cuda.set_rng_state_all([_unb64(s) for s in cuda])
 
 
 def _b64(state: torch.Tensor) -> str:

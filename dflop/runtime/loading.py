@@ -125,14 +125,22 @@ class _Tolerant(torch.utils.data.Dataset):
 
 
 class StepLoader:
-    """Loads one step's requests at a time, in the background (module docstring)."""
+    """Loads one step's requests at a time, in the background (module docstring).
 
-    def __init__(self, data: TrainingData, *, workers: int = 0, pin_memory: bool = False):
+    device: the rank's device; on CUDA the loader pins its samples' memory, and its thread makes
+    that device its current one (a new thread's is device 0, and the loader pins there, or in the
+    pin-memory thread the DataLoader starts from it: every rank would create a CUDA context, and
+    its memory, on GPU 0)."""
+
+    def __init__(self, data: TrainingData, *, workers: int = 0, device: torch.device = torch.device("cpu")):
         self._sampler = _StepSampler()
+        cuda = device.type == "cuda"
         self._loader = torch.utils.data.DataLoader(
             _Tolerant(data), sampler=self._sampler, batch_size=None, collate_fn=_keep, num_workers=workers,
-            pin_memory=pin_memory, persistent_workers=workers > 0)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflop-loader")
+            pin_memory=cuda, persistent_workers=workers > 0)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflop-loader",
+                                          initializer=torch.cuda.set_device if cuda else None,
+                                          initargs=(device,) if cuda else ())
         self._pending: Future | None = None
 
     def start(self, requests: list[Request]) -> Future:

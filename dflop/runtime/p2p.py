@@ -1,23 +1,37 @@
-"""Variable-shape point-to-point messages between pipeline stages.
+"""Point-to-point messages between pipeline stages, one batch per point of the schedule.
 
-Every microbatch has its own shapes (packed rows of different lengths, different tile counts), so
-each message is a small fixed-size shape header followed by the tensor (what Megatron calls
-variable_seq_lengths). An empty tensor (a microbatch with no images on this replica) is only its
-header. Sends are non-blocking and their buffers are kept alive until `P2P.wait_sends`; receives
-block. With a static op order per stage whose dependencies form a DAG (1F1B, GPipe), non-blocking
-sends cannot deadlock.
+`P2P.exchange` issues what a rank sends and receives at one point of its schedule (the sends of
+the op it just ran, the receives of the op it runs next) as one `dist.batch_isend_irecv`. On NCCL
+a pair of ranks' operations share one stream and a large send completes only once its receive is
+posted: issued one by one, two neighbouring stages that each send before they receive (1F1B's
+steady state: an activation forward, a gradient back) would each wait for the other. In one batch
+(one NCCL group) they progress together, as in Megatron's ``send_forward_recv_backward``.
+
+Every microbatch has its own shapes (packed rows of different lengths, different tile counts),
+but both ends derive each message's shape from the step's plan (`PipelineExecutor` in
+`dflop.runtime.schedule`), so a message is only its tensor: no header, no host synchronisation to
+read one. The sender checks its tensor against that shape (the receiver posted a buffer of exactly
+it). A message whose shape the receiver cannot know (``shape=None``) travels as Megatron's
+variable_seq_lengths do: a fixed-size shape header first, read on the host, then the tensor in a
+second batch. An empty message is never sent.
+
+Sends stay in flight until `P2P.wait_sends` (their buffers are kept alive until then); receives
+are complete when `exchange` returns (on NCCL: ordered before the current stream's next work).
 
 Tags keep the channels of one pair of ranks apart on gloo: ``4 * position + 2 * direction + part``
 (direction 0 = activations forward, 1 = gradients backward; part 0 = header, 1 = data). NCCL ignores
-tags and matches a pair's messages in issue order, which is the same order here.
+tags and matches a pair's messages in issue order, which is the same order on both ends.
 
-When tracing (`spans`, `dflop.runtime.spans`), a send's span is its issue (non-blocking) and
-`wait_sends` is one more; a receive's span is the whole wait for the header and the data.
+When tracing (`spans`, `dflop.runtime.spans`), each message is a span: a send's is the issue of
+its batch, a receive's the batch's issue and wait (header and data); `wait_sends` is one more.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,12 +39,32 @@ import torch.distributed as dist
 from dflop.runtime.spans import SpanRecorder
 
 MAX_DIMS = 7
+#: Elements of a shape header: the number of dims, then up to MAX_DIMS sizes (int64).
+HEADER_ELEMENTS = MAX_DIMS + 1
 FORWARD, BACKWARD = 0, 1
 _WHAT = ("activation", "gradient")
 
 
 def _tag(position: int, direction: int, part: int) -> int:
     return 4 * position + 2 * direction + part
+
+
+@dataclass(frozen=True)
+class Message:
+    """One pipeline message as both ends name it.
+
+    peer: the other end's global rank; position: the microbatch's execution position in the step;
+    direction: FORWARD (activations) or BACKWARD (gradients); shape: the tensor's shape, known to
+    both ends from the plan (None: unknown to the receiver, sent in a header)."""
+
+    peer: int
+    position: int
+    direction: int
+    shape: tuple[int, ...] | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 class P2P:
@@ -50,46 +84,80 @@ class P2P:
         # load agreement (`dflop.runtime.skipping.FailureCheck`), so no peer waits on a voided step.
         self.before_first_message: Callable[[], None] | None = None
 
-    # -- raw messages ------------------------------------------------------------------------
+    def exchange(self, sends: Sequence[tuple[Message, torch.Tensor]],
+                 receives: Sequence[Message]) -> list[torch.Tensor]:
+        """Send `sends` and receive `receives` (one point of the schedule) in one batch; returns
+        the received tensors in the order of `receives` (empty ones for empty messages)."""
+        out = [None if m.shape is None else torch.empty(m.shape, dtype=self.dtype, device=self.device)
+               for m in receives]
+        live = [k for k, buffer in enumerate(out) if buffer is None or buffer.numel()]
+        sends = [(m, t) for m, t in sends if m.shape is None or m.numel]
+        if not sends and not live:
+            return out
+        self._gate()
+        with contextlib.ExitStack() as receiving:
+            recv_spans = {k: receiving.enter_context(self.spans.span(
+                "p2p_recv", f"recv {_WHAT[receives[k].direction]}", position=receives[k].position)) for k in live}
+            ops, headers = [], {}
+            with contextlib.ExitStack() as sending:
+                for message, tensor in sends:
+                    data = self._wire(message, tensor)
+                    nbytes = data.numel() * data.element_size()
+                    sending.enter_context(self.spans.span("p2p_send", f"send {_WHAT[message.direction]}",
+                                                          position=message.position, nbytes=nbytes))
+                    if message.shape is None:
+                        ops.append(self._op(dist.isend, _header(data.shape).to(self.device), message, 0))
+                    if data.numel():
+                        ops.append(self._op(dist.isend, data, message, 1))
+                    self.bytes_sent += nbytes
+                for k in live:
+                    if out[k] is None:
+                        headers[k] = torch.empty(HEADER_ELEMENTS, dtype=torch.int64, device=self.device)
+                        ops.append(self._op(dist.irecv, headers[k], receives[k], 0))
+                    else:
+                        ops.append(self._op(dist.irecv, out[k], receives[k], 1))
+                self._issue(ops)
+            if headers:  # the second half of header messages: their data, once the shapes are read
+                for k, header in headers.items():
+                    out[k] = torch.empty(_shape(header), dtype=self.dtype, device=self.device)
+                self._issue([self._op(dist.irecv, out[k], receives[k], 1) for k in headers if out[k].numel()])
+            for k, span in recv_spans.items():
+                if span is not None:
+                    span["nbytes"] = out[k].numel() * out[k].element_size()
+        return out
 
-    def send(self, tensor: torch.Tensor, dst: int, position: int, direction: int) -> None:
-        """Send the shape header, then (when not empty) the tensor, without blocking."""
+    def _wire(self, message: Message, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` as it travels (device, dtype, contiguous), checked against the shape the
+        receiver posted a buffer for."""
+        if message.shape is not None and tuple(tensor.shape) != message.shape:
+            raise RuntimeError(f"p2p: {_WHAT[message.direction]} of position {message.position} to rank "
+                               f"{message.peer} has shape {tuple(tensor.shape)}, but the plan says "
+                               f"{message.shape} (what the receiver expects)")
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"p2p: tensors of up to {MAX_DIMS} dims, got {tensor.dim()}")
-        self._gate()
-        with self.spans.span("p2p_send", f"send {_WHAT[direction]}", position=position,
-                             nbytes=tensor.numel() * self.dtype.itemsize):
-            self._send(tensor, dst, position, direction)
+        return tensor.detach().to(self.device, self.dtype).contiguous()
 
-    def _send(self, tensor: torch.Tensor, dst: int, position: int, direction: int) -> None:
-        header = torch.full((MAX_DIMS + 1,), -1, dtype=torch.int64)
-        header[0] = tensor.dim()
-        header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        header = header.to(self.device)
-        self._pending.append((dist.isend(header, dst, tag=_tag(position, direction, 0)), header))
-        if tensor.numel():
-            data = tensor.detach().to(self.device, self.dtype).contiguous()
-            self._pending.append((dist.isend(data, dst, tag=_tag(position, direction, 1)), data))
-            self.bytes_sent += data.numel() * data.element_size()
+    @staticmethod
+    def _op(op, tensor: torch.Tensor, message: Message, part: int) -> dist.P2POp:
+        return dist.P2POp(op, tensor, message.peer, tag=_tag(message.position, message.direction, part))
 
-    def recv(self, src: int, position: int, direction: int) -> torch.Tensor:
-        """Receive one message sent with `send` (blocks)."""
-        self._gate()
-        with self.spans.span("p2p_recv", f"recv {_WHAT[direction]}", position=position) as span:
-            out = self._recv(src, position, direction)
-            if span is not None:
-                span["nbytes"] = out.numel() * out.element_size()
-        return out
+    def _issue(self, ops: list[dist.P2POp]) -> None:
+        """One batch: wait for its receives; keep its sends (and their buffers) pending.
 
-    def _recv(self, src: int, position: int, direction: int) -> torch.Tensor:
-        header = torch.empty(MAX_DIMS + 1, dtype=torch.int64, device=self.device)
-        dist.irecv(header, src, tag=_tag(position, direction, 0)).wait()
-        header = header.cpu()
-        shape = tuple(int(x) for x in header[1:1 + int(header[0])])
-        out = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if out.numel():
-            dist.irecv(out, src, tag=_tag(position, direction, 1)).wait()
-        return out
+        gloo issues a batch's operations one by one (a request each): only the receives are waited
+        for, so a send never holds its rank up. NCCL runs the batch as one group with one request,
+        whose wait orders the current stream after the whole group (no host synchronisation)."""
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        one_by_one = len(works) == len(ops)
+        for i, work in enumerate(works):
+            if one_by_one and ops[i].op is dist.isend:
+                self._pending.append((work, ops[i].tensor))
+            else:
+                work.wait()
+        if not one_by_one:
+            self._pending += [(None, op.tensor) for op in ops if op.op is dist.isend]
 
     def _gate(self) -> None:
         gate, self.before_first_message = self.before_first_message, None
@@ -100,23 +168,18 @@ class P2P:
         """Complete every pending send (call once per step, before buffers may be reused)."""
         with self.spans.span("p2p_send", "wait sends"):
             for work, _ in self._pending:
-                work.wait()
+                if work is not None:
+                    work.wait()
         self._pending.clear()
 
-    # -- the four pipeline messages ----------------------------------------------------------
 
-    def send_forward(self, activation: torch.Tensor, dst: int, position: int) -> None:
-        """Stage output of microbatch `position` to the next stage."""
-        self.send(activation, dst, position, FORWARD)
+def _header(shape: torch.Size) -> torch.Tensor:
+    header = torch.full((HEADER_ELEMENTS,), -1, dtype=torch.int64)
+    header[0] = len(shape)
+    header[1:1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+    return header
 
-    def recv_forward(self, src: int, position: int) -> torch.Tensor:
-        """Stage input of microbatch `position` from the previous stage."""
-        return self.recv(src, position, FORWARD)
 
-    def send_backward(self, grad: torch.Tensor, dst: int, position: int) -> None:
-        """Gradient of this stage's input for microbatch `position`, to the previous stage."""
-        self.send(grad, dst, position, BACKWARD)
-
-    def recv_backward(self, src: int, position: int) -> torch.Tensor:
-        """Gradient of this stage's output for microbatch `position`, from the next stage."""
-        return self.recv(src, position, BACKWARD)
+def _shape(header: torch.Tensor) -> tuple[int, ...]:
+    header = header.cpu()  # the host synchronisation known shapes avoid
+    return tuple(int(x) for x in header[1:1 + int(header[0])])

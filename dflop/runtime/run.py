@@ -79,8 +79,10 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
     if trainer.rank == 0:
         log.info(decision.message)
     state = trainer.train_state()
-    start = load_latest(ckpt_dir, state) or 0
-    trainer.restore_extra(state.extra)
+    restored = load_latest(ckpt_dir, state)
+    start = restored or 0
+    if restored is not None:  # else state.extra is this trainer's own fresh state: nothing to continue
+        trainer.restore_extra(state.extra)
     trainer.follow_schedule()
     total = settings.train.steps
     metrics = MetricsWriter(ckpt_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None

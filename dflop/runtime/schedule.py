@@ -6,13 +6,17 @@ all backwards), over the microbatches in the order the scheduler chose. Microbat
 is `StepPlan.bins[p]` (one packed row per LLM replica) and `StepPlan.vision_shares[p]` (one share of
 its images per vision replica).
 
-Messages (each a shape header + tensor, `P2P`): between stages of one module, activations forward
-and gradients back between the same replica and TP rank. The last vision stage sends each LLM
-replica the features of the samples of its share that belong to that replica's bin (in bin order);
-the first LLM stage assembles its bin's features from every vision replica and sends their
-gradients back the same way. Both sides derive which messages exist from the StepPlan alone, so a
-replica with nothing for another sends nothing. In colocated placement the vision tower runs inside
-LLM stage 0's forward, with no messages.
+Messages (`P2P`): between stages of one module, activations forward and gradients back between
+the same replica and TP rank. The last vision stage sends each LLM replica the features of the
+samples of its share that belong to that replica's bin (in bin order); the first LLM stage
+assembles its bin's features from every vision replica and sends their gradients back the same
+way. Both sides derive which messages exist, and each one's shape, from the StepPlan alone
+(`_incoming` on the receiver, the op itself on the sender, both through the `_*_shape` methods),
+so a replica with nothing for another sends nothing and no message needs a shape header. Each
+op is split at its messages: what it receives is received before it runs, what it sends is sent
+after it, and a rank sends the op's messages and receives the next op's in one batch
+(`P2P.exchange`), which NCCL needs where neighbouring stages both send and receive. In colocated
+placement the vision tower runs inside LLM stage 0's forward, with no messages.
 
 The last LLM stage's loss is the SUM of its bin's answer-token losses; the trainer divides the
 summed gradients by the global answer-token count (see `dflop.runtime.optim`).
@@ -34,9 +38,9 @@ from dflop.models.precision import Precision
 from dflop.scheduler.online import StepPlan
 from dflop.models.handle import ModelHandle
 from dflop.runtime.model import RankModules
-from dflop.runtime.p2p import P2P
+from dflop.runtime.p2p import BACKWARD, FORWARD, P2P, Message
 from dflop.runtime.spans import SpanRecorder
-from dflop.runtime.topology import Topology
+from dflop.runtime.topology import VISION, Topology
 from dflop.runtime.vision import VisionRunner
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -55,6 +59,23 @@ def op_order(schedule: str, stage: int, n_stages: int, m: int) -> list[tuple[str
         ops += [("F", warmup + i), ("B", i)]
     ops += [("B", p) for p in range(m - warmup, m)]       # cool-down
     return ops
+
+
+def host_cat(tensors: list[torch.Tensor], *, pin: bool) -> torch.Tensor:
+    """`torch.cat` of host tensors; with `pin`, into page-locked memory (`pinned_empty`). cat's own
+    output is pageable whatever its inputs (it drops the loader's pinning), and a ``non_blocking``
+    copy from pageable memory to a GPU is a synchronous one."""
+    if not pin:
+        return torch.cat(tensors)
+    first = tensors[0]
+    out = pinned_empty((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.dtype)
+    return torch.cat(tensors, out=out)
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised page-locked host tensor (from torch's caching host allocator, which keeps a
+    block from reuse until the copies queued from it have run)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 #: TEST HOOK (tests/runtime/test_drift.py): "<pipeline stage>:<k>" makes that stage's every
@@ -159,6 +180,11 @@ class PipelineExecutor:
         role = topo.vision_role
         self.vision_backward = role is not None and model.vision_stage_backward(role.stage, role.n_stages)
         self.slowdown = injected_slowdown(topo.pipeline_stage)
+        info = model.info
+        self._vision_row = (info.vision_tokens_per_tile, info.vision_hidden)  # per tile, between vision stages
+        self._d_model = info.llm_hidden
+        sharding = modules.llm.sequence_sharding if modules.llm is not None else None
+        self._sequence_shards = sharding.tp.size if sharding is not None else 1
 
     # -- the schedule ------------------------------------------------------------------------
 
@@ -177,10 +203,12 @@ class PipelineExecutor:
         sent_before = self.p2p.bytes_sent
         ops = op_order(self.schedule, self.topo.pipeline_stage, self.topo.n_pipeline_stages, m)
         last_backward = max((i for i, (kind, _) in enumerate(ops) if kind == "B"), default=None)
+        received = self.p2p.exchange([], self._incoming(*ops[0])) if ops else []
         for i, (kind, position) in enumerate(ops):
             if i == last_backward and before_last_backward is not None:
                 before_last_backward()
-            self._forward(position) if kind == "F" else self._backward(position)
+            sends = self._forward(position, received) if kind == "F" else self._backward(position, received)
+            received = self.p2p.exchange(sends, self._incoming(*ops[i + 1]) if i + 1 < len(ops) else [])
         self.p2p.wait_sends()
         self._timer.finish()
         self.spans.label_microbatches(plan.microbatch_ids)
@@ -194,28 +222,54 @@ class PipelineExecutor:
         inputs), before the step runs again."""
         self._saved, self._inputs = {}, {}
 
-    def _forward(self, p: int) -> None:
-        if self.topo.llm_role is None:
-            self._vision_forward(p)
-        else:
-            self._llm_forward(p)
+    def _incoming(self, kind: str, p: int) -> list[Message]:
+        """The messages op (kind, p) receives, in the order it reads them."""
+        role = self.topo.vision_role if self.topo.llm_role is None else self.topo.llm_role
+        if role.module == VISION:
+            share = self._plan.vision_shares[p][role.replica]
+            if not share:
+                return []
+            if kind == "F":
+                return [] if role.is_first else [Message(self.topo.prev_rank(role), p, FORWARD, self._vision_shape(share))]
+            if not self.vision_backward:
+                return []
+            if not role.is_last:
+                return [Message(self.topo.next_rank(role), p, BACKWARD, self._vision_shape(share))]
+            return [Message(self.topo.feature_grad_source(r), p, BACKWARD, self._feature_shape(selected))
+                    for r, selected in self._share_by_llm_replica(p, share)]
+        bin_ = self._plan.bins[p][role.replica]
+        if not bin_:
+            return []
+        if kind == "B":
+            return [] if role.is_last else [Message(self.topo.next_rank(role), p, BACKWARD, self._llm_shape(bin_))]
+        if not role.is_first:
+            return [Message(self.topo.prev_rank(role), p, FORWARD, self._llm_shape(bin_))]
+        if self.topo.plan.colocated:
+            return []
+        return [Message(self.topo.feature_source(v), p, FORWARD, self._feature_shape(selected))
+                for v, selected in self._bin_by_vision_replica(p, bin_)]
 
-    def _backward(self, p: int) -> None:
+    def _forward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
         if self.topo.llm_role is None:
-            self._vision_backward(p)
-        else:
-            self._llm_backward(p)
+            return self._vision_forward(p, received)
+        return self._llm_forward(p, received)
+
+    def _backward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
+        if self.topo.llm_role is None:
+            return self._vision_backward(p, received)
+        return self._llm_backward(p, received)
 
     def _autocast(self):
         return self.precision.autocast(self.device)
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device, non_blocking=True)
+    def _upload(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Host tensors, concatenated, on the device (on CUDA through page-locked memory: `host_cat`)."""
+        return host_cat(tensors, pin=self.device.type == "cuda").to(self.device, non_blocking=True)
 
     def _pixels(self, share) -> torch.Tensor:
-        return self._to_device(torch.cat([self._inputs[i].pixels for i in share]))
+        return self._upload([self._inputs[i].pixels for i in share])
 
     def _layouts(self, share) -> list:
         return [self._inputs[i].layout for i in share]
@@ -225,72 +279,98 @@ class PipelineExecutor:
         sizes = [self._plan.feature_rows[i] for i in samples]
         return dict(zip(samples, torch.split(features, sizes)))
 
+    def _share_by_llm_replica(self, p: int, share) -> list[tuple[int, list[int]]]:
+        """Last vision stage: (LLM replica, the samples of `share` in its bin, in bin order) for
+        every replica with any: one feature message each."""
+        mine = set(share)
+        pairs = [(r, [i for i in self._plan.bins[p][r] if i in mine]) for r in range(self.topo.plan.llm.dp)]
+        return [(r, selected) for r, selected in pairs if selected]
+
+    def _bin_by_vision_replica(self, p: int, bin_) -> list[tuple[int, list[int]]]:
+        """First LLM stage: (vision replica, the samples of `bin_` in its share, in bin order) for
+        every replica with any: one feature message each."""
+        shares = [set(share) for share in self._plan.vision_shares[p]]
+        pairs = [(v, [i for i in bin_ if i in shares[v]]) for v in range(self.topo.plan.vision.dp)]
+        return [(v, selected) for v, selected in pairs if selected]
+
+    # -- message shapes (the same on both ends: the plan's numbers and the model's widths) -----
+
+    def _vision_shape(self, share) -> tuple[int, ...]:
+        """Hidden states between vision stages: [tiles of the share, tokens per tile, d_vision]."""
+        return (sum(self._plan.n_tiles[i] for i in share), *self._vision_row)
+
+    def _feature_shape(self, samples) -> tuple[int, ...]:
+        """Image features of `samples` (or their gradient): [their feature rows, d_model]."""
+        return (sum(self._plan.feature_rows[i] for i in samples), self._d_model)
+
+    def _llm_shape(self, bin_) -> tuple[int, ...]:
+        """Hidden states between LLM stages: [1, T, d_model] of the packed row, or under sequence
+        parallelism this rank's shard of the row padded to a multiple of tp (`SequenceSharding`)."""
+        tokens = sum(self._lengths(bin_))
+        return (1, -(-tokens // self._sequence_shards), self._d_model)
+
     def _lengths(self, bin_) -> list[int]:
         lengths = [self._plan.seq_len[i] for i in bin_]
         return [max(lengths)] * len(lengths) if self.pad_to_longest else lengths
 
-    def _padded(self, tensors: list[torch.Tensor], lengths: list[int], fill: int) -> torch.Tensor:
+    def _padded(self, tensors: list[torch.Tensor], lengths: list[int], fill: int) -> list[torch.Tensor]:
+        """The pieces of a packed row: each sample's tensor, then `fill` up to its length."""
         out = []
         for t, n in zip(tensors, lengths):
             out.append(t)
             if n > t.numel():
                 out.append(torch.full((n - t.numel(),), fill, dtype=t.dtype))
-        return torch.cat(out)
+        return out
 
     # -- vision stages (disjoint placement) --------------------------------------------------
 
-    def _vision_forward(self, p: int) -> None:
+    def _vision_forward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
         role, stage = self.topo.vision_role, self.modules.vision
         share = self._plan.vision_shares[p][role.replica]
         if not share:
-            return
+            return []
         if stage.is_first:
             x = self._pixels(share)
         else:
-            x = self.p2p.recv_forward(self.topo.prev_rank(role), p).to(self.precision.stream_dtype)
+            x = received[0].to(self.precision.stream_dtype)
             x.requires_grad_(self.vision_backward and self.model.vision_sends_input_grad())
         layouts = self._layouts(share) if stage.is_last else None
         with self._timer.measure("F", p), torch.set_grad_enabled(self.vision_backward), self._autocast():
             out = self.vision_runner(x, layouts)
-        if stage.is_last:
-            rows = self._split_rows(out, share)
-            mine = set(share)
-            for r, destinations in self.topo.feature_destinations().items():
-                selected = [i for i in self._plan.bins[p][r] if i in mine]
-                if selected:
-                    message = torch.cat([rows[i] for i in selected])
-                    for dst in destinations:
-                        self.p2p.send_forward(message, dst, p)
-        else:
-            self.p2p.send_forward(out, self.topo.next_rank(role), p)
         if self.vision_backward:
             self._saved[p] = _Saved(x, out)
+        if not stage.is_last:
+            return [(Message(self.topo.next_rank(role), p, FORWARD, self._vision_shape(share)), out)]
+        rows = self._split_rows(out, share)
+        sends = []
+        destinations = self.topo.feature_destinations()
+        for r, selected in self._share_by_llm_replica(p, share):
+            message = torch.cat([rows[i] for i in selected])
+            sends += [(Message(dst, p, FORWARD, self._feature_shape(selected)), message) for dst in destinations[r]]
+        return sends
 
-    def _vision_backward(self, p: int) -> None:
+    def _vision_backward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
         role, stage = self.topo.vision_role, self.modules.vision
         share = self._plan.vision_shares[p][role.replica]
         if not share or not self.vision_backward:
-            return
+            return []
         saved = self._saved.pop(p)
         if stage.is_last:
             grads = {}
-            mine = set(share)
-            for r in range(self.topo.plan.llm.dp):
-                selected = [i for i in self._plan.bins[p][r] if i in mine]
-                if selected:
-                    message = self.p2p.recv_backward(self.topo.feature_grad_source(r), p)
-                    grads.update(self._split_rows(message, selected))
+            for (_, selected), message in zip(self._share_by_llm_replica(p, share), received, strict=True):
+                grads.update(self._split_rows(message, selected))
             grad = torch.cat([grads[i] for i in share])
         else:
-            grad = self.p2p.recv_backward(self.topo.next_rank(role), p)
+            (grad,) = received
         with self._timer.measure("B", p):
             saved.output.backward(grad.to(saved.output.dtype))
-        if not stage.is_first and self.model.vision_sends_input_grad():
-            self.p2p.send_backward(saved.inputs.grad, self.topo.prev_rank(role), p)
+        if stage.is_first or not self.model.vision_sends_input_grad():
+            return []
+        return [(Message(self.topo.prev_rank(role), p, BACKWARD, self._vision_shape(share)), saved.inputs.grad)]
 
     # -- LLM stages --------------------------------------------------------------------------
 
-    def _features(self, p: int, bin_) -> torch.Tensor | None:
+    def _features(self, p: int, bin_, received: list[torch.Tensor]) -> torch.Tensor | None:
         """Image features of a bin, in bin order (received, or encoded here when colocated)."""
         role = self.topo.llm_role
         if self.topo.plan.colocated:
@@ -303,11 +383,8 @@ class PipelineExecutor:
                     self._autocast():
                 return self.vision_runner(pixels, self._layouts(share))
         rows: dict[int, torch.Tensor] = {}
-        for v in range(self.topo.plan.vision.dp):
-            share = set(self._plan.vision_shares[p][v])
-            selected = [i for i in bin_ if i in share]
-            if selected:
-                rows.update(self._split_rows(self.p2p.recv_forward(self.topo.feature_source(v), p), selected))
+        for (_, selected), message in zip(self._bin_by_vision_replica(p, bin_), received, strict=True):
+            rows.update(self._split_rows(message, selected))
         if not rows:
             return None
         features = torch.cat([rows[i] for i in self._with_tiles(bin_)])
@@ -317,55 +394,56 @@ class PipelineExecutor:
         """The bin's samples that have images, in bin order (the order of its feature rows)."""
         return [i for i in bin_ if self._plan.n_tiles[i] > 0]
 
-    def _llm_forward(self, p: int) -> None:
+    def _llm_forward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
         role, stage = self.topo.llm_role, self.modules.llm
         bin_ = self._plan.bins[p][role.replica]
         if not bin_:
-            return
+            return []
         lengths = self._lengths(bin_)
         packed = PackedSequence.from_lengths(lengths, device=self.device)
         features = None
         if stage.is_first:
-            ids = self._padded([self._inputs[i].input_ids for i in bin_], lengths, PAD_TOKEN_ID)
             # Features arrive in sequence order, so video placeholders splice like image ones.
-            x = self._to_device(ids.masked_fill(ids == self.video_token_id, self.image_token_id))
-            features = self._features(p, bin_)
+            ids = [t.masked_fill(t == self.video_token_id, self.image_token_id)
+                   for t in (self._inputs[i].input_ids for i in bin_)]
+            x = self._upload(self._padded(ids, lengths, PAD_TOKEN_ID))
+            features = self._features(p, bin_, received)
             self._tokens += sum(self._plan.seq_len[i] for i in bin_)
         else:
-            x = self.p2p.recv_forward(self.topo.prev_rank(role), p).to(self.precision.stream_dtype)
+            x = received[0].to(self.precision.stream_dtype)
             x.requires_grad_(True)
         kwargs = {"image_features": features} if stage.is_first else {}
         if stage.is_last:
-            labels = self._padded([self._inputs[i].labels for i in bin_], lengths, IGNORE_INDEX)
-            shift = packed.shift_labels(self._to_device(labels))
+            labels = self._upload(self._padded([self._inputs[i].labels for i in bin_], lengths, IGNORE_INDEX))
+            shift = packed.shift_labels(labels)
             kwargs.update(shift_labels=shift, num_items_in_batch=1)  # loss = sum over answer tokens
             self._n_answer += int((shift != IGNORE_INDEX).sum())
         with self._timer.measure("F", p), self._autocast():
             out = stage(x, packed, **kwargs)
+        self._saved[p] = _Saved(None if stage.is_first else x, out, features)
         if stage.is_last:
             self._loss_sum += out.detach().double().cpu()
-        else:
-            self.p2p.send_forward(out, self.topo.next_rank(role), p)
-        self._saved[p] = _Saved(None if stage.is_first else x, out, features)
+            return []
+        return [(Message(self.topo.next_rank(role), p, FORWARD, self._llm_shape(bin_)), out)]
 
-    def _llm_backward(self, p: int) -> None:
+    def _llm_backward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
         role, stage = self.topo.llm_role, self.modules.llm
         bin_ = self._plan.bins[p][role.replica]
         if not bin_:
-            return
+            return []
         saved = self._saved.pop(p)
-        grad = None if stage.is_last else self.p2p.recv_backward(self.topo.next_rank(role), p)
+        grad = None if stage.is_last else received[0]
         with self._timer.measure("B", p):
             if saved.output.requires_grad:
                 saved.output.backward(None if grad is None else grad.to(saved.output.dtype))
         if not stage.is_first:
-            self.p2p.send_backward(saved.inputs.grad, self.topo.prev_rank(role), p)
-        elif not self.topo.plan.colocated and saved.features is not None and self.model.vision_side_trainable:
-            rows = self._split_rows(saved.features.grad, self._with_tiles(bin_))
-            for v, destinations in self.topo.feature_grad_destinations().items():
-                share = set(self._plan.vision_shares[p][v])
-                selected = [i for i in bin_ if i in share]
-                if selected:
-                    message = torch.cat([rows[i] for i in selected])
-                    for dst in destinations:
-                        self.p2p.send_backward(message, dst, p)
+            return [(Message(self.topo.prev_rank(role), p, BACKWARD, self._llm_shape(bin_)), saved.inputs.grad)]
+        if self.topo.plan.colocated or saved.features is None or not self.model.vision_side_trainable:
+            return []
+        rows = self._split_rows(saved.features.grad, self._with_tiles(bin_))
+        sends = []
+        destinations = self.topo.feature_grad_destinations()
+        for v, selected in self._bin_by_vision_replica(p, bin_):
+            message = torch.cat([rows[i] for i in selected])
+            sends += [(Message(dst, p, BACKWARD, self._feature_shape(selected)), message) for dst in destinations[v]]
+        return sends

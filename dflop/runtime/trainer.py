@@ -140,7 +140,7 @@ class Trainer:
         expected = [ExpectedShape(int(t), int(v), int(s)) for t, v, s in
                     zip(pool["n_tiles"], pool["vision_tokens"], pool["seq_len"])]
         self.data = TrainingData(samples, self.rules, expected)
-        self.loader = StepLoader(self.data, workers=train.loader_workers, pin_memory=self.device.type == "cuda")
+        self.loader = StepLoader(self.data, workers=train.loader_workers, device=self.device)
         self.batches = GlobalBatches(len(pool), train.global_batch_size, settings.seed)
         self.pricing = training_pricing(plan, model, cost,
                                         cluster if cluster is not None else Cluster.from_section(settings.cluster))

@@ -163,6 +163,35 @@ def test_resume_test_detects_a_lost_rng_state(tmp_path):
     assert any(not torch.equal(resumed[n], v) for n, v in expected.items())
 
 
+def test_rng_state_saves_and_restores_only_this_ranks_cuda_device(monkeypatch):
+    """A fake CUDA API with 4 visible devices, this rank on device 2: the checkpoint holds device 2's
+    generator alone and restores it there (touching every device would create a CUDA context on
+    each); a checkpoint that holds every device's state restores this rank's entry."""
+    from dflop.runtime.checkpoint_parts import RNGState
+
+    states = {d: torch.full((16,), 10 + d, dtype=torch.uint8) for d in range(4)}
+    restored = []
+
+    def every_device(*args, **kwargs):
+        raise AssertionError("the RNG state touched every visible CUDA device")
+
+    for name, value in {"is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: 4,
+                        "current_device": lambda: 2, "get_rng_state": lambda device: states[device].clone(),
+                        "set_rng_state": lambda state, device: restored.append((device, state.tolist())),
+                        "get_rng_state_all": every_device, "set_rng_state_all": every_device}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    saved = RNGState().state_dict()
+    assert saved["cuda"] == [base64.b64encode(states[2].numpy().tobytes()).decode()]
+    RNGState().load_state_dict(json.loads(json.dumps(saved)))
+    assert restored == [(2, [12] * 16)]
+    restored.clear()
+    every = [base64.b64encode(states[d].numpy().tobytes()).decode() for d in range(4)]
+    RNGState().load_state_dict({**saved, "cuda": every})
+    assert restored == [(2, [12] * 16)]
+    with pytest.raises(UserError, match="for 3 CUDA devices"):
+        RNGState().load_state_dict({**saved, "cuda": every[:3]})
+
+
 def _small_state() -> TrainState:
     model = build_model(*LLAVA, seed=0)
     return make_state(rank_parameters(model))

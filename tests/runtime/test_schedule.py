@@ -1,8 +1,10 @@
-"""The executor's op order is the simulator's (an independent implementation of 1F1B / GPipe)."""
+"""The executor's op order is the simulator's (an independent implementation of 1F1B / GPipe);
+what it uploads to a GPU is concatenated into page-locked memory."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dflop.runtime.schedule import op_order
 from dflop.sim.pipeline import stage_op_order
@@ -34,3 +36,31 @@ def test_1f1b_keeps_at_most_p_minus_s_microbatches_in_flight(n_stages, m):
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="schedule must be one of"):
         op_order("interleaved", 0, 2, 2)
+
+
+def test_host_cat_concatenates_into_a_pinned_buffer_when_asked(monkeypatch):
+    """What a CUDA executor uploads (pixels, token ids, labels) is concatenated into page-locked
+    memory (`pinned_empty`, faked here: real pinning needs CUDA), else plainly."""
+    from dflop.runtime import schedule
+
+    made = []
+
+    def fake_pinned(shape, dtype):
+        made.append(torch.empty(shape, dtype=dtype))
+        return made[-1]
+
+    monkeypatch.setattr(schedule, "pinned_empty", fake_pinned)
+    parts = [torch.arange(6.0).reshape(2, 3), torch.arange(3.0).reshape(1, 3) + 10]
+    out = schedule.host_cat(parts, pin=True)
+    assert torch.equal(out, torch.cat(parts)) and len(made) == 1 and out.data_ptr() == made[0].data_ptr()
+    made.clear()
+    assert torch.equal(schedule.host_cat(parts, pin=False), torch.cat(parts)) and made == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_host_cat_keeps_what_cat_drops_page_locked():
+    from dflop.runtime.schedule import host_cat
+
+    parts = [torch.ones(2, 3).pin_memory(), torch.zeros(1, 3).pin_memory()]
+    assert not torch.cat(parts).is_pinned()  # why host_cat exists: a non_blocking copy of it is synchronous
+    assert host_cat(parts, pin=True).is_pinned()
