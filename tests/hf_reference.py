@@ -9,6 +9,8 @@ pytest puts tests/ (the conftest's folder) on sys.path.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import InternVLProcessor, LlavaOnevisionProcessor, PreTrainedTokenizerFast
@@ -93,6 +95,22 @@ def make_internvl_processor(tokenizer) -> InternVLProcessor:
         video_processor=_video_processor("InternVLVideoProcessor"),
         image_seq_length=256,
     )
+
+
+def count_multimodal_tokens(processor, **kwargs) -> dict:
+    """``processor._get_num_multimodal_tokens(**kwargs)`` (HF's counting API, what vLLM calls), leaving
+    the processor class's keyword defaults as they were: transformers 5.17 updates them in place
+    with the call's keywords (``InternVLProcessorKwargs._defaults["images_kwargs"]``), so a count
+    with ``max_patches=40`` made every later InternVL processor in the process tile up to 40;
+    5.24 merges into a copy."""
+    defaults = getattr(processor.valid_processor_kwargs, "_defaults", None)
+    kept = copy.deepcopy(defaults)
+    try:
+        return processor._get_num_multimodal_tokens(**kwargs)
+    finally:
+        if defaults is not None:
+            defaults.clear()
+            defaults.update(kept)
 
 
 def qwen_processor_tokenizer(qwen_tokenizer) -> PreTrainedTokenizerFast:

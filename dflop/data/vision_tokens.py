@@ -76,10 +76,14 @@ def sampled_frame_count(total_frames: int, video_frames: int) -> int:
 
 
 def sample_frame_indices(total_frames: int, video_frames: int) -> list[int]:
-    """Indices of the frames to decode: uniform, ``i * total_frames // video_frames``.
+    """Indices of the frames to decode: ``i * total_frames // n`` for i < n = min(total_frames,
+    video_frames) (uniform, rounded down; all frames when the video is short).
 
-    Same indices as transformers' ``video_utils.default_sample_indices_fn(num_frames=...)``,
-    which LlavaOnevisionVideoProcessor uses when it samples; all frames when the video is short.
+    This is transformers' ``video_utils.default_sample_indices_fn(num_frames=n)`` as of 5.24 (what
+    LlavaOnevisionVideoProcessor uses when it samples). transformers 5.17 stepped ``np.arange`` by
+    the float ``total_frames / n`` with an int dtype, which numpy 2.5 steps by its integer part: 100
+    frames, 32 wanted gave every 3rd frame up to 93 (we take 0, 3, ..., 21, 25, 28, ..., 96), and 15
+    frames, 13 wanted gave 14. The token rules use only the count, n (`sampled_frame_count`).
     """
     count = sampled_frame_count(total_frames, video_frames)
     return [i * total_frames // count for i in range(count)]

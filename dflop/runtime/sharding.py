@@ -14,13 +14,17 @@ Inside a step (`StepSharding`), as torch.distributed.pipelining drives FSDP unde
    microbatches bring it no work this step (an empty bin runs no forward, so FSDP's pre-forward
    all-gather alone would leave the replicas' collectives unmatched). The unsharded parameters stay
    for the whole step (ZeRO-2: no re-gather in backward); backward accumulates full gradients.
-2. ``reduce`` after the pipeline: every parameter group's post-backward with sync on (one
-   reduce-scatter per stage, SUM: the trainer divides by the global answer-token count; parameters
-   that got no gradient on this replica contribute zeros, ``set_reduce_scatter_unused_params``),
-   then FSDP's end-of-backward callback, which waits for it, reshards (frees the unsharded
-   parameters) and leaves in each sharded parameter's ``.grad`` its 1/dp shard of the summed
-   gradient. This is ``torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad``'s
-   sequence (private FSDP2 methods, the ones torch's own pipeline schedule calls).
+2. ``reduce`` after the pipeline: every trainable parameter that got no gradient on this replica
+   (all of them on a replica without work) first gets a zero one, then every parameter group's
+   post-backward runs with sync on (one reduce-scatter per stage, SUM: the trainer divides by the
+   global answer-token count), then FSDP's end-of-backward callback, which waits for it, reshards
+   (frees the unsharded parameters) and leaves in each sharded parameter's ``.grad`` its 1/dp shard
+   of the summed gradient. The zeros keep every replica's reduce-scatter the same call: torch 2.11's
+   post-backward leaves a parameter without a gradient out of it (and with none at all issues no
+   collective, so the other replicas would wait forever); 2.13 zero-fills them itself when
+   ``set_reduce_scatter_unused_params`` is on, a switch 2.11 lacks. The post-backward sequence is
+   ``torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad``'s (private FSDP2
+   methods, the ones torch's own pipeline schedule calls), kept in `_reduce_now`.
 
 `GradientSync` leaves these parameters out of its data-parallel buckets, sums a tied embedding's
 shard over the ``tied_embedding`` group (both LLM stages shard it alike over the same dp size, and
@@ -42,6 +46,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.torch_version import TorchVersion
 
 from dflop.models.tensor_parallel import DP_DIM
 from dflop.runtime.topology import LLM, VISION, Topology
@@ -70,11 +75,15 @@ def shard_stages(topo: Topology, full: nn.Module, stages: dict[str, nn.Module | 
         before = dict(stage.named_parameters(remove_duplicate=False))
         sharded = fully_shard(stage, mesh=mesh, reshard_after_forward=False)
         _rebind(full, before, dict(stage.named_parameters(remove_duplicate=False)))
-        sharded.set_gradient_divide_factor(1.0)  # SUM over replicas, as GradientSync does
-        sharded.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-        sharded.set_reduce_scatter_unused_params(True)
+        sum_over_replicas(sharded)
         out.append(sharded)
     return out
+
+
+def sum_over_replicas(sharded: FSDPModule) -> None:
+    """Make `sharded`'s reduce-scatter a plain SUM over its replicas, as `GradientSync`'s all-reduce."""
+    sharded.set_gradient_divide_factor(1.0)
+    sharded.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM, which a factor of 1 would use
 
 
 def _rebind(full: nn.Module, before: dict[str, nn.Parameter], after: dict[str, nn.Parameter]) -> None:
@@ -99,7 +108,7 @@ class StepSharding:
 
     def begin(self) -> None:
         for m in self.sharded:
-            fully_shard.state(m)._lazy_init()  # a replica may run no forward this step
+            _lazy_init(m)  # a replica may run no forward this step
             m.set_is_last_backward(False)
             m.set_requires_gradient_sync(False)
             m.set_reshard_after_backward(False)
@@ -110,8 +119,37 @@ class StepSharding:
             m.set_is_last_backward(True)
             m.set_requires_gradient_sync(True)
             m.set_reshard_after_backward(True)
-            state = fully_shard.state(m)
-            for inner in state._state_ctx.all_states:
-                for group in inner._fsdp_param_groups:
-                    group.post_backward()
-            state._root_post_backward_final_callback()
+            for param in m.parameters():  # the unsharded ones, registered since `begin`
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            _reduce_now(m)
+
+
+# FSDP2 has no public call for "reduce-scatter the accumulated gradients now" nor for its root's
+# lazy init; torch's own pipeline schedule uses the private state as below. Read against torch 2.11
+# and 2.13 (`tests/runtime/test_sharding.py::test_fsdp2_private_state_is_the_one_read` fails when an
+# installed torch has it otherwise).
+_PARAM_GROUP_LIST_SINCE = (2, 13)  # `FSDPState._fsdp_param_groups`; before: `_fsdp_param_group`
+
+
+def _lazy_init(m: FSDPModule) -> None:
+    fully_shard.state(m)._lazy_init()
+
+
+def _param_groups(state) -> list:
+    """One FSDP state's parameter groups: torch 2.13 keeps a list (per-parameter meshes), 2.11 one
+    group or None."""
+    if TorchVersion(torch.__version__) >= _PARAM_GROUP_LIST_SINCE:
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def _reduce_now(m: FSDPModule) -> None:
+    """Every parameter group's post-backward (a reduce-scatter where gradient sync is on), then the
+    end-of-backward callback (waits for it and reshards): `perform_reduce_grad`'s sequence."""
+    state = fully_shard.state(m)
+    for inner in state._state_ctx.all_states:
+        for group in _param_groups(inner):
+            group.post_backward()
+    state._root_post_backward_final_callback()

@@ -3,8 +3,12 @@
 References: LlavaOnevisionProcessor and InternVLProcessor (transformers 5.x) run on real pixel
 arrays; we count the placeholder tokens they expand into input_ids and the tiles in
 pixel_values. A denser sweep of sizes uses the processors' own counting API
-(``_get_num_multimodal_tokens``, what vLLM calls), which needs no pixels. A few closed forms are
-worked by hand.
+(``_get_num_multimodal_tokens``, what vLLM calls, through ``hf_reference.count_multimodal_tokens``),
+which needs no pixels. A few closed forms are worked by hand.
+
+The reference is the transformers installed (5.17 and 5.24 checked): where releases differ the
+tests ask the processor at hand what it does (5.17's counting API counts no LLaVA-OV videos) or pin
+DFLOP's rule and name the release it follows (frame sampling: 5.24's; `sample_frame_indices`).
 
 Image processors are the PIL ("slow") classes: the torchvision ones cannot be imported here. HF's
 video processors need torchvision too; without it a stand-in that hands the frames through
@@ -28,6 +32,7 @@ from hf_reference import (
     _FrameKeepingVideoProcessor,
     _LlavaOnevisionProcessor,
     _placeholder_tokenizer,
+    count_multimodal_tokens,
     make_internvl_processor,
     make_llava_ov_processor,
 )
@@ -153,10 +158,13 @@ def test_llava_ov_multi_image_matches_processor(llava_processor, placeholder_tok
 def test_llava_ov_video_matches_processor(llava_processor, placeholder_tokenizer, n_frames):
     out = llava_processor(videos=[_video(n_frames)], text=["<video>\nhi"], return_tensors="np")
     hf_tokens = _count(out["input_ids"], placeholder_tokenizer, ["<video>"])
-    hf_counted = llava_processor._get_num_multimodal_tokens(video_sizes=[(n_frames, 48, 64)])
     ours = sample_vision_shape("llava_ov", videos=[n_frames], video_frames=32)
-    assert ours.vision_tokens == hf_tokens == hf_counted["num_video_tokens"][0]
+    assert ours.vision_tokens == hf_tokens
     assert ours.n_tiles == n_frames
+    # The counting API counts videos from transformers 5.24 on (5.17's answers images only: None)
+    hf_counted = count_multimodal_tokens(llava_processor, video_sizes=[(n_frames, 48, 64)])
+    if hf_counted["num_video_tokens"] is not None:
+        assert hf_counted["num_video_tokens"] == [ours.vision_tokens]
 
 
 def test_llava_ov_dense_size_sweep_matches_processor_counts(llava_processor):
@@ -164,7 +172,7 @@ def test_llava_ov_dense_size_sweep_matches_processor_counts(llava_processor):
     sizes = [tuple(int(v) for v in rng.integers(1, 5000, 2)) for _ in range(400)]
     sizes += [(w + d, h) for h, w in LLAVA_OV_GRID_PINPOINTS for d in (-1, 0, 1)]
     sizes += [(w, h + d) for h, w in LLAVA_OV_GRID_PINPOINTS for d in (-1, 0, 1)]
-    hf = llava_processor._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in sizes])
+    hf = count_multimodal_tokens(llava_processor, image_sizes=[(h, w) for w, h in sizes])
     ours = [llava_ov_image_shape(w, h).vision_tokens for w, h in sizes]
     mismatches = [(s, o, r) for s, o, r in zip(sizes, ours, hf["num_image_tokens"]) if o != r]
     assert not mismatches
@@ -182,7 +190,7 @@ def test_llava_ov_canvas_ties_resolve_as_hf(placeholder_tokenizer):
         vision_feature_select_strategy="full",
     )
     sizes = [(1000, 1000), (500, 500), (3000, 3000)]
-    hf = processor._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in sizes])
+    hf = count_multimodal_tokens(processor, image_sizes=[(h, w) for w, h in sizes])
     ours = [llava_ov_image_shape(w, h, grid_pinpoints=pinpoints).vision_tokens for w, h in sizes]
     assert ours == hf["num_image_tokens"]
     swapped = [
@@ -256,12 +264,24 @@ def test_internvl_dense_size_sweep_matches_processor_counts(
     ]
     sizes += [(896, 1008), (1008, 896), (1024, 882)]  # area exactly at the half-area threshold
     kwargs = {"min_patches": min_tiles, "max_patches": max_tiles}
-    hf = internvl_processor._get_num_multimodal_tokens(
-        image_sizes=[(h, w) for w, h in sizes], **kwargs
+    hf = count_multimodal_tokens(
+        internvl_processor, image_sizes=[(h, w) for w, h in sizes], **kwargs
     )
     ours = [internvl_image_shape(w, h, min_tiles=min_tiles, max_tiles=max_tiles) for w, h in sizes]
     assert [s.n_tiles for s in ours] == hf["num_image_patches"]
     assert [s.vision_tokens for s in ours] == hf["num_image_tokens"]
+
+
+def test_a_count_with_keywords_leaves_later_processors_as_built(placeholder_tokenizer):
+    """transformers 5.17 writes the counting API's keywords into the processor class's defaults
+    (`count_multimodal_tokens` puts them back): a 40-tile count, then a new processor built for 1..12
+    tiles still cuts a 3840x600 image into 6 + thumbnail, not 26 + thumbnail."""
+    count_multimodal_tokens(
+        make_internvl_processor(placeholder_tokenizer), image_sizes=[(600, 3840)], max_patches=40
+    )
+    processor = make_internvl_processor(placeholder_tokenizer)
+    out = processor(images=[_image(3840, 600)], text=["<IMG_CONTEXT>\nhi"], return_tensors="np")
+    assert out["pixel_values"].shape[0] == internvl_image_shape(3840, 600).n_tiles == 7
 
 
 def test_internvl_closed_forms():
@@ -278,7 +298,34 @@ def test_internvl_closed_forms():
 # Frame sampling, entry point, bad input
 
 
-@pytest.mark.parametrize("total,wanted", [(100, 32), (32, 32), (33, 32), (1000, 8), (9, 8), (7, 7)])
+FRAME_CASES = [(100, 32), (32, 32), (33, 32), (1000, 8), (9, 8), (7, 7), (15, 13)]
+
+
+def _hf_samples_uniform_floor() -> bool:
+    """Whether the installed transformers' default sampler takes i * total // n (5.24 does; 5.17's
+    float-step arange takes every 3rd of 100 frames for 32)."""
+    hf = default_sample_indices_fn(VideoMetadata(total_num_frames=100, fps=30.0), num_frames=32)
+    return hf.tolist()[8] == 25 and len(hf) == 32
+
+
+@pytest.mark.parametrize("total,wanted", FRAME_CASES)
+def test_frame_indices_are_uniform_rounded_down(total, wanted):
+    """DFLOP's rule, pinned whatever transformers is installed: frame i of n is i * total // n."""
+    n = min(total, wanted)
+    expected = [int(np.floor(np.float64(i) * total / n)) for i in range(n)]  # exact for these sizes
+    assert sample_frame_indices(total, wanted) == expected
+    assert sampled_frame_count(total, wanted) == n
+
+
+def test_frame_indices_spot_values():
+    assert sample_frame_indices(100, 32)[6:12] == [18, 21, 25, 28, 31, 34]
+    assert sample_frame_indices(15, 13) == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13]
+
+
+@pytest.mark.skipif(not _hf_samples_uniform_floor(),
+                    reason="this transformers samples frames by a float-step arange (5.17); DFLOP "
+                           "follows 5.24's rule (test_frame_indices_are_uniform_rounded_down)")
+@pytest.mark.parametrize("total,wanted", FRAME_CASES)
 def test_frame_indices_match_hf_sampler(total, wanted):
     hf = default_sample_indices_fn(
         VideoMetadata(total_num_frames=total, fps=30.0), num_frames=wanted

@@ -109,16 +109,14 @@ def _idle_replica_worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from dflop.runtime.sharding import StepSharding
+    from dflop.runtime.sharding import StepSharding, sum_over_replicas
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     stage = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     group = dist.new_group([0, 1])
     sharded = fully_shard(stage, mesh=DeviceMesh.from_group(group, "cpu"), reshard_after_forward=False)
-    sharded.set_gradient_divide_factor(1.0)
-    sharded.set_force_sum_reduction_for_comms(True)
-    sharded.set_reduce_scatter_unused_params(True)
+    sum_over_replicas(sharded)
     step = StepSharding([sharded])
     for _ in range(2):  # two steps: the second starts from the first's state
         for p in stage.parameters():  # the sharded ones between steps; the trainer does the same
@@ -155,3 +153,94 @@ def test_a_replica_without_work_takes_part_in_the_reduction(tmp_path):
     for name, p in ref.named_parameters():
         (a, dim), (b, _) = shards[0][name], shards[1][name]
         torch.testing.assert_close(torch.cat([a, b], dim), p.grad, msg=name)
+
+
+@pytest.fixture
+def one_rank_world():
+    """A gloo world of this process alone (FSDP2 over one replica: the reduce-scatter is a copy)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def _half_used_stage():
+    """Two linear layers, of which forward uses the first only."""
+    import torch
+    from torch import nn
+
+    class HalfUsed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    return HalfUsed()
+
+
+def _one_rank_sharded(group):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dflop.runtime.sharding import sum_over_replicas
+
+    stage = _half_used_stage()
+    sharded = fully_shard(stage, mesh=DeviceMesh.from_group(group, "cpu"), reshard_after_forward=False)
+    sum_over_replicas(sharded)
+    return stage, sharded
+
+
+def test_fsdp2_private_state_is_the_one_read(one_rank_world):
+    """`dflop.runtime.sharding` reads FSDP2's private state, as read in torch 2.11 and 2.13: one
+    `_fsdp_param_group` (or None) before 2.13, a list `_fsdp_param_groups` since. Fails when the
+    installed torch keeps it otherwise (read its FSDP2 sources and `perform_reduce_grad`, then
+    update `_param_groups`)."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.torch_version import TorchVersion
+
+    from dflop.runtime import sharding
+
+    stage, sharded = _one_rank_sharded(one_rank_world)
+    state = fully_shard.state(sharded)
+    sharding._lazy_init(sharded)
+    assert state._state_ctx.all_states == [state]
+    if TorchVersion(torch.__version__) >= sharding._PARAM_GROUP_LIST_SINCE:
+        held = state.__dict__["_fsdp_param_groups"]
+        assert isinstance(held, list) and len(held) == 1
+    else:
+        assert "_fsdp_param_groups" not in dir(state)
+        held = [state.__dict__["_fsdp_param_group"]]
+    assert isinstance(held[0], FSDPParamGroup)
+    assert sharding._param_groups(state) == held
+    assert {id(p.sharded_param) for p in held[0].fsdp_params} == {id(p) for p in stage.parameters()}
+    assert callable(held[0].post_backward) and callable(state._root_post_backward_final_callback)
+
+
+def test_a_parameter_without_a_gradient_is_reduced_as_zero(one_rank_world):
+    """A parameter that got no gradient this step ends with a zero gradient shard, not None (torch
+    2.11 leaves it out of the reduce-scatter unless it has one, which with dp > 1 would pair
+    different calls, or none, on the replicas); the used one's is the plain model's."""
+    import torch
+
+    from dflop.runtime.sharding import StepSharding
+
+    stage, sharded = _one_rank_sharded(one_rank_world)
+    ref = _half_used_stage()
+    x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    step = StepSharding([sharded])
+    step.begin()
+    (stage(x) ** 2).sum().backward()
+    step.reduce()
+    (ref(x) ** 2).sum().backward()
+    for name, p in stage.named_parameters():
+        assert p.grad is not None, name
+        expected = ref.get_parameter(name).grad
+        expected = torch.zeros_like(p.grad.to_local()) if expected is None else expected
+        torch.testing.assert_close(p.grad.to_local(), expected, msg=name)
