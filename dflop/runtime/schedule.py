@@ -197,7 +197,7 @@ class PipelineExecutor:
         m = plan.n_microbatches
         self._plan, self._inputs, self._saved = plan, inputs, {}
         self._timer = StageTimer(m, self.device, self.spans, self.slowdown)
-        self._loss_sum = torch.zeros((), dtype=torch.float64)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._n_answer = 0
         self._tokens = 0
         sent_before = self.p2p.bytes_sent
@@ -414,15 +414,16 @@ class PipelineExecutor:
             x.requires_grad_(True)
         kwargs = {"image_features": features} if stage.is_first else {}
         if stage.is_last:
-            labels = self._upload(self._padded([self._inputs[i].labels for i in bin_], lengths, IGNORE_INDEX))
-            shift = packed.shift_labels(labels)
-            kwargs.update(shift_labels=shift, num_items_in_batch=1)  # loss = sum over answer tokens
+            # targets shifted and counted on the host: no device read-back per microbatch
+            labels = torch.cat(self._padded([self._inputs[i].labels for i in bin_], lengths, IGNORE_INDEX))
+            shift = PackedSequence.from_lengths(lengths).shift_labels(labels)
             self._n_answer += int((shift != IGNORE_INDEX).sum())
+            kwargs.update(shift_labels=self._upload([shift]), num_items_in_batch=1)  # loss = sum over answer tokens
         with self._timer.measure("F", p), self._autocast():
             out = stage(x, packed, **kwargs)
         self._saved[p] = _Saved(None if stage.is_first else x, out, features)
         if stage.is_last:
-            self._loss_sum += out.detach().double().cpu()
+            self._loss_sum += out.detach().double()  # on the device; read once, at the step's end
             return []
         return [(Message(self.topo.next_rank(role), p, FORWARD, self._llm_shape(bin_)), out)]
 
