@@ -1,10 +1,12 @@
 """`dflop fit`: fit the cost models on a model profile, report held-out error, save JSON.
 
 One non-negative linear regressor per (module, tp, target) on relative error, target in
-fwd_ms / bwd_ms / act_bytes, plus the recompute targets ``bwd_ms:<mode>`` / ``act_bytes:<mode>``
-of a module whose every profiled shape has them (the profiler measures them for the layer
-modules; an older profile lacks them and its model then prices recompute none only), features
-from `dflop.costmodel.features`. The held-out error of
+fwd_ms / bwd_ms / act_bytes, plus the optional targets of a module whose every profiled shape has
+them: the recompute targets ``bwd_ms:<mode>`` / ``act_bytes:<mode>`` (the profiler measures them
+for the layer modules; an older profile lacks them and its model then prices recompute none
+only) and the transients ``transient_bytes`` / ``transient_bytes:<mode>`` (an older profile's are
+derived from its CUDA peaks, `dflop.costmodel.profile_table`; without either, its model prices
+them 0), features from `dflop.costmodel.features`. The held-out error of
 each is measured by leaving one profiled shape out at a time (`dflop.costmodel.validation`) and
 written to ``validation.parquet``:
 
