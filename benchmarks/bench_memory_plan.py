@@ -28,8 +28,10 @@ for (its memory model is ``training state + in_flight x activation bytes of one 
 
 Printed per stage (and written to ``--out-dir/summary.json``): predicted and measured state,
 activations (in flight x one microbatch) and their total, with measured / predicted; the exit
-status is 1 unless exactly one stage recomputes and every stage's total is within 5 %. Not
-predicted: transient buffers; what an LLM stage keeps once whatever its layer count (rotary
+status is 1 unless exactly one stage recomputes and every stage's total is within 5 %. The
+planner's need includes each stage's transient (what a module holds beyond what it saves, the LM
+head's loss gradients above all), which the hooks do not see: it is printed apart (``transient
+predicted``) and left out of the compared totals. Not predicted: what an LLM stage keeps once whatever its layer count (rotary
 cos/sin, and under recomputation the position ids: `activations.llm_stage_shared_bytes`; the cost
 model has no per-stage term); and the stage output the executor keeps per microbatch until its
 backward (not saved for backward, so not in "measured" either; printed as ``outputs held``).
@@ -142,9 +144,19 @@ def choose_plan(cost, shapes: Path, batch: int, microbatches: int) -> dict:
              cost.llm_stage_memory([1], n_layers=n_l[0], first=True, last=False, tp=1, in_flight=1).static_bytes,
              cost.llm_stage_memory([1], n_layers=n_l[1], first=False, last=True, tp=1, in_flight=1).static_bytes]
     in_flight = [min(microbatches, sm.n_stages - s) for s in range(sm.n_stages)]
+    # each stage's transient on its (mean = actual: every sample is the same) microbatch
+    nu = batch // microbatches
+    tiles, seq = [int(pool.n_tiles[0])] * nu, [int(pool.seq_len[0])] * nu
+    transient = [cost.vision_stage_memory(tiles, n_layers=n_v, first=True, last=True, tp=1, in_flight=1,
+                                          recompute=modes[0]).transient_bytes,
+                 cost.llm_stage_memory(seq, n_layers=n_l[0], first=True, last=False, tp=1, in_flight=1,
+                                       recompute=modes[1]).transient_bytes,
+                 cost.llm_stage_memory(seq, n_layers=n_l[1], first=False, last=True, tp=1, in_flight=1,
+                                       recompute=modes[2]).transient_bytes]
     return {"plan": plan.to_dict(batch), "modes": modes, "split": split, "limit": limit, "target": target,
             "need": {m: v.tolist() for m, v in need.items()}, "predicted_total": predicted_total.tolist(),
-            "predicted_state": state, "in_flight": in_flight, "describe": plan.describe()}
+            "predicted_state": state, "predicted_transient": transient, "in_flight": in_flight,
+            "describe": plan.describe()}
 
 
 def worker(spec_path: str) -> int:
@@ -220,26 +232,28 @@ def compare(chosen: dict, rows: list[dict]) -> list[dict]:
     stages = []
     for s, name in enumerate(STAGES):
         state, saved, outputs = measured[s]
-        p_state, p_total = chosen["predicted_state"][s], chosen["predicted_total"][s]
+        p_state, p_transient = chosen["predicted_state"][s], chosen["predicted_transient"][s]
+        p_total = chosen["predicted_total"][s] - p_transient  # state + activations: what the hooks see
         stages.append({"stage": name, "mode": chosen["modes"][s], "in_flight": chosen["in_flight"][s],
                        "predicted_state": p_state, "measured_state": state,
                        "predicted_activations": p_total - p_state, "measured_activations": saved,
                        "predicted_total": p_total, "measured_total": state + saved,
                        "ratio": (state + saved) / p_total, "activation_ratio": saved / (p_total - p_state),
-                       "outputs_held": outputs})
+                       "predicted_transient": p_transient, "outputs_held": outputs})
     return stages
 
 
 def table(stages: list[dict]) -> str:
     lines = ["| stage | mode | in flight | state predicted (MiB) | measured | activations predicted (MiB) | "
-             "measured peak | ratio | total predicted (MiB) | measured | ratio | outputs held (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "measured peak | ratio | total predicted (MiB) | measured | ratio | transient predicted (MiB) | "
+             "outputs held (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in stages:
         lines.append(f"| {r['stage']} | {r['mode']} | {r['in_flight']} | {r['predicted_state'] / MiB:.1f} | "
                      f"{r['measured_state'] / MiB:.1f} | {r['predicted_activations'] / MiB:.1f} | "
                      f"{r['measured_activations'] / MiB:.1f} | {r['activation_ratio']:.3f} | "
                      f"{r['predicted_total'] / MiB:.1f} | {r['measured_total'] / MiB:.1f} | {r['ratio']:.4f} | "
-                     f"{r['outputs_held'] / MiB:.1f} |")
+                     f"{r['predicted_transient'] / MiB:.1f} | {r['outputs_held'] / MiB:.1f} |")
     return "\n".join(lines)
 
 

@@ -34,6 +34,10 @@ shapes and a stated achieved throughput:
   sample) and keeps what none keeps less the core's float32 log-sum-exp ``4 H / t`` per token
   (`dflop.costmodel.activations`; with flash attention the core's output stays, as the output
   projection's input);
+- transient bytes (what a module holds at its peak beyond what it keeps): the LM head + loss's
+  closed form (`activations.llm_head_transient_bytes`: its float32 loss gradients and the weight's
+  gradient), 0 for the other modules in mode none; a recomputed layer's is what its mode no longer
+  keeps, held again while its backward reruns the forward (`CostModel`'s rule for a missing mode);
 - parameters: the model's exact counts (`dflop.models.info`) x 4 bytes / t (float32 master
   weights under every ``dtype``, `dflop.models.precision`); with bfloat16 each microbatch also keeps
   autocast's bf16 copy of every matmul's weights (``2 P / t``, a per-microbatch constant of the
@@ -141,7 +145,11 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
             fwd[unit] = fwd.get(unit, 0.0) + comm_ms
             bwd[unit] = bwd.get(unit, 0.0) + comm_ms
             fwd["const"] = bwd["const"] = op_overhead_ms
-            targets = [("fwd_ms", fwd), ("bwd_ms", bwd), ("act_bytes", act)]
+            transient = {}
+            if name == "llm_head":
+                per_token, per_microbatch = activations.llm_head_transient_bytes(text, tp=t)
+                transient = {"tokens": per_token, "const": per_microbatch}
+            targets = [("fwd_ms", fwd), ("bwd_ms", bwd), ("act_bytes", act), ("transient_bytes", transient)]
             if name in ("vision_layer", "llm_layer"):
                 vision = name == "vision_layer"
                 # the trailing MLP down projection early-stopping recomputation skips (docstring)

@@ -60,10 +60,10 @@ def batch_costs(
     llm_sequence_parallel_hidden: the LLM's hidden size when it runs sequence-parallel, else 0
         (`CostModel.llm_stage_terms`).
 
-    Each stage's memory limit in the result is
-    ``(mem_limit_bytes - training state) / in_flight - per-microbatch activation constant``: the
-    bytes one microbatch's per-sample activations may use. It is negative when the training state
-    alone does not fit.
+    Each stage's memory limit in the result is ``(mem_limit_bytes - training state - transient
+    constant) / in_flight - per-microbatch activation constant``: the bytes one microbatch's
+    per-sample memory (activations and transient share, `BatchCosts.llm_mem_bytes`) may use. It is
+    negative when the training state alone does not fit.
     """
     tiles = np.asarray(n_tiles).reshape(-1)
     lens = np.asarray(seq_len).reshape(-1)
@@ -123,6 +123,8 @@ def batch_costs(
         vision_act_bytes=_stack([t.act_bytes for t in vision], n),
         llm_mem_limit_bytes=_limits(llm, llm_in_flight, mem_limit_bytes, first_index=len(vision_in_flight)),
         vision_mem_limit_bytes=_limits(vision, vision_in_flight, mem_limit_bytes, first_index=0),
+        llm_mem_bytes=_stack([t.act_bytes + t.transient_bytes / int(f) for t, f in zip(llm, llm_in_flight)], n),
+        vision_mem_bytes=_stack([t.act_bytes + t.transient_bytes / int(f) for t, f in zip(vision, vision_in_flight)], n),
     )
 
 
@@ -138,6 +140,9 @@ def _merge(a: "StageTerms", b: "StageTerms") -> "StageTerms":
         act_bytes=a.act_bytes + b.act_bytes,
         static=a.static + b.static,
         optimizer_s=a.optimizer_s + b.optimizer_s,
+        # the stage runs one module at a time: the larger transient, per term (`StageTerms`' bound)
+        transient_const_bytes=max(a.transient_const_bytes, b.transient_const_bytes),
+        transient_bytes=np.maximum(a.transient_bytes, b.transient_bytes),
     )
 
 
@@ -152,5 +157,6 @@ def _limits(
     for k, (t, f) in enumerate(zip(terms, in_flight), start=first_index):
         if int(f) < 1:
             raise UserError(f"in_flight_per_stage[{k}] must be >= 1, got {f}")
-        limits.append((float(mem_limit_bytes) - t.static.static_bytes) / int(f) - t.act_const_bytes)
+        limits.append((float(mem_limit_bytes) - t.static.static_bytes - t.transient_const_bytes) / int(f)
+                      - t.act_const_bytes)
     return np.array(limits, dtype=np.float64)

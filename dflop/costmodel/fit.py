@@ -1,10 +1,13 @@
 """`dflop fit`: fit the cost models on a model profile, report held-out error, save JSON.
 
-One non-negative linear regressor per (module, tp, target) on relative error, target in
-fwd_ms / bwd_ms / act_bytes, plus the recompute targets ``bwd_ms:<mode>`` / ``act_bytes:<mode>``
-of a module whose every profiled shape has them (the profiler measures them for the layer
-modules; an older profile lacks them and its model then prices recompute none only), features
-from `dflop.costmodel.features`. The held-out error of
+One non-negative linear regressor per (module, tp, target) on relative error (transients on
+absolute bytes: `_regressor`), target in
+fwd_ms / bwd_ms / act_bytes, plus the optional targets of a module whose every profiled shape has
+them: the recompute targets ``bwd_ms:<mode>`` / ``act_bytes:<mode>`` (the profiler measures them
+for the layer modules; an older profile lacks them and its model then prices recompute none
+only) and the transients ``transient_bytes`` / ``transient_bytes:<mode>`` (an older profile's are
+derived from its CUDA peaks, `dflop.costmodel.profile_table`; without either, its model prices
+them 0), features from `dflop.costmodel.features`. The held-out error of
 each is measured by leaving one profiled shape out at a time (`dflop.costmodel.validation`) and
 written to ``validation.parquet``:
 
@@ -17,6 +20,7 @@ with the errors in percent. The profile's optimizer and link measurements become
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import replace
 import logging
@@ -29,8 +33,8 @@ import pandas as pd
 
 from dflop.costmodel.features import module_features, profile_features
 from dflop.costmodel.jsonio import save_cost_model
-from dflop.costmodel.model import (LOAD_FEATURES, OPTIONAL_TARGETS, TARGETS, BytesLine, CostModel, LoadLine, ModuleCosts,
-                                  Provenance, StepCosts)
+from dflop.costmodel.model import (LOAD_FEATURES, OPTIONAL_TARGETS, TARGETS, TRANSIENT, BytesLine, CostModel, LoadLine,
+                                  ModuleCosts, Provenance, StepCosts)
 from dflop.costmodel.profile_table import ProfileSummary, read_profile
 from dflop.costmodel.regressor import NonNegativeLinearRegression
 from dflop.costmodel.validation import leave_one_shape_out
@@ -88,8 +92,9 @@ def fit_profile(
         coef = {}
         for target in TARGETS + _measured_optional_targets(shapes, module, tp):
             y = shapes[target].to_numpy(dtype=np.float64)
-            coef[target] = tuple(float(c) for c in NonNegativeLinearRegression().fit(X, y).coef_)
-            held_out = leave_one_shape_out(X, y, NonNegativeLinearRegression)
+            regressor = _regressor(target)
+            coef[target] = tuple(float(c) for c in regressor().fit(X, y).coef_)
+            held_out = leave_one_shape_out(X, y, regressor)
             rows.append({
                 "module": module, "tp": int(tp), "target": target,
                 "n_train_shapes": held_out.n_train_shapes, "n_test_shapes": held_out.n_test_shapes,
@@ -170,6 +175,20 @@ def fit_load_line(table: pd.DataFrame, *, where: str = "load profile") -> LoadLi
     X = np.column_stack([np.ones(len(table))] + [table[c].to_numpy(dtype=np.float64) for c in LOAD_FEATURES[1:]])
     coef = NonNegativeLinearRegression(relative=False).fit(X, table["load_s"].to_numpy(dtype=np.float64)).coef_
     return LoadLine(tuple(float(c) for c in coef), n_samples=len(table))
+
+
+def _regressor(target: str):
+    """The regressor of a target: relative error, except for transients, fitted on absolute bytes.
+
+    A module's transient is the larger of peaks that come one after the other (the LM head's: the
+    loss's backward, growing with the tokens, then the weight's gradient, a constant; from a
+    profile's CUDA peaks, ``peak - act - grad``, 0 at small shapes), a bend no non-negative line in
+    the features follows; on relative error its small shapes pulled the slope that decides a large
+    microbatch's memory far down (the H200 LM head: 0.18 MB per token against 1.2 MB measured at
+    the largest shapes), on absolute bytes it follows the large shapes, where memory binds."""
+    if target.startswith(TRANSIENT):
+        return functools.partial(NonNegativeLinearRegression, relative=False)
+    return NonNegativeLinearRegression
 
 
 def _measured_optional_targets(shapes: pd.DataFrame, module: str, tp) -> tuple[str, ...]:

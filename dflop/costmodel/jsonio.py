@@ -33,6 +33,9 @@ samples are defined in `dflop.costmodel.features` (``tokens`` = sum of lengths, 
 runs per sample (CPU profiles only), ``tiles`` = sum of tiles, ``const`` = 1). Layer modules are
 per layer; a module's feature list is one of `dflop.costmodel.features.allowed_features`. Layer
 modules may also carry ``bwd_ms:<mode>`` / ``act_bytes:<mode>`` for recompute selective / full.
+Any module may carry ``transient_bytes`` (what its forward + backward holds at its peak beyond what
+it saves; one layer's for layer modules, and ``transient_bytes:<mode>`` per recompute mode): a
+model without any (written before they were fitted) prices them 0, and `load_cost_model` says so.
 ``llm_head`` may carry ``tied_param_bytes``: its bytes that are the token embedding's (a model with
 tied embeddings), counted once on a stage holding both (absent: 0). A module may carry
 ``optimizer_s``: its optimizer step's seconds beyond ``step_costs.optimizer_call_s``
@@ -43,6 +46,7 @@ Floats are written with Python's shortest round-trip repr, so a loaded model pre
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import jsonschema
@@ -53,10 +57,13 @@ from dflop.costmodel.model import (LOAD_FEATURES, OPTIONAL_TARGETS, TARGETS, Byt
 from dflop.errors import UserError
 from dflop.io import write_text_atomic
 
+log = logging.getLogger(__name__)
+
 FORMAT_NAME = "dflop-costmodel"
 FORMAT_VERSION = 1
 
-UNITS = {"fwd_ms": "milliseconds", "bwd_ms": "milliseconds", "act_bytes": "bytes", "param_bytes": "bytes"}
+UNITS = {"fwd_ms": "milliseconds", "bwd_ms": "milliseconds", "act_bytes": "bytes", "transient_bytes": "bytes",
+         "param_bytes": "bytes"}
 
 _coefficients = {"type": "array", "items": {"type": "number", "minimum": 0}}
 _range = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}
@@ -261,7 +268,8 @@ def save_cost_model(model: CostModel, path: str | Path) -> None:
 
 
 def load_cost_model(path: str | Path) -> CostModel:
-    """Read a cost model JSON written by `save_cost_model`."""
+    """Read a cost model JSON written by `save_cost_model`; a model without transient bytes is
+    logged once here (its stages' peaks are then state + in-flight activations only)."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: cost model not found (run `dflop fit` first)")
@@ -269,4 +277,9 @@ def load_cost_model(path: str | Path) -> CostModel:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}: not valid JSON ({exc})") from None
-    return cost_model_from_dict(data, source=str(path))
+    model = cost_model_from_dict(data, source=str(path))
+    if not model.has_transients:
+        log.warning("%s: no transient_bytes (fitted before they were measured): a stage's peak memory is priced "
+                    "as its training state and in-flight activations only, without what a module holds beyond "
+                    "them (the LM head's logits and loss gradients); refit it with `dflop fit`", path)
+    return model

@@ -11,15 +11,21 @@ folds the vision costs into LLM stage 0.
 Units: times in seconds (the JSON stores the fitted milliseconds), memory in bytes, all per rank
 at the given tensor-parallel degree.
 
-Memory of a stage = training state (`dflop.costmodel.memory`) + in-flight microbatches x the
-bytes saved for backward. A stage's ``recompute`` mode (none | selective | full) picks its layers'
-``bwd_ms:<mode>`` / ``act_bytes:<mode>`` coefficients (`RECOMPUTE_TARGETS`; the analytic model has
-them, `dflop.costmodel.activations` gives the bytes; a model fitted on a profile that measured the
-modes has them too). Not modelled: transient workspace (the CUDA
-allocator peak the profiler records is not used; recomputation adds one layer's activations of one
-microbatch while that layer's backward runs), so keep a margin in the memory limit. Tied input/output
-embeddings are counted on both the first and the last LLM stage, as pipelines replicate them, and
-once on a stage that is both (``ModuleCosts.tied_param_bytes``).
+Memory of a stage at its peak = training state (`dflop.costmodel.memory`) + in-flight microbatches x
+the bytes saved for backward + the largest transient of the modules it runs on one microbatch: what
+a module's forward + backward holds at its peak beyond what it saves (`TRANSIENT_TARGETS`; the LM
+head's logits, their float32 copy and the loss's gradients; a recomputed layer's rerun forward). A
+stage runs one module at a time, so a layer module's transient is one layer's, whatever the layer
+count. A stage's ``recompute`` mode (none | selective | full) picks its layers'
+``bwd_ms:<mode>`` / ``act_bytes:<mode>`` / ``transient_bytes:<mode>`` coefficients
+(`RECOMPUTE_TARGETS`; the analytic model has them, `dflop.costmodel.activations` gives the bytes; a
+model fitted on a profile that measured the modes has them too; without a mode's transient, the
+mode's is mode none's plus the activations it no longer keeps, which its backward holds again). A
+cost model without transients (fitted before the profiler measured them, from a profile without
+CUDA peaks) prices them 0 (`jsonio.load_cost_model` says so). Not modelled: the allocator's
+rounding and caching and a kernel's own scratch space, so keep a margin in the memory limit. Tied
+input/output embeddings are counted on both the first and the last LLM stage, as pipelines
+replicate them, and once on a stage that is both (``ModuleCosts.tied_param_bytes``).
 """
 
 from __future__ import annotations
@@ -39,13 +45,16 @@ from dflop.costmodel import activations
 from dflop.costmodel.memory import canonical_dtype, training_state_bytes
 from dflop.errors import UserError
 from dflop.models.recompute import RECOMPUTE_TARGETS
+from dflop.profiling.model_profiler import TRANSIENT_TARGETS
 
 #: Fitted targets and their units; times are converted to seconds on prediction.
 TARGETS = ("fwd_ms", "bwd_ms", "act_bytes")
-#: Optional targets of layer modules under activation recomputation (plan key ``recompute``): the
-#: backward including the recomputed forward, and the bytes kept for backward. Absent: that mode
-#: cannot be priced by this model (a profile from before the profiler measured the modes).
-OPTIONAL_TARGETS = tuple(t for targets in RECOMPUTE_TARGETS.values() for t in targets)
+#: Optional targets. Of layer modules under activation recomputation (plan key ``recompute``): the
+#: backward including the recomputed forward, and the bytes kept for backward; absent, that mode
+#: cannot be priced by this model (a profile from before the profiler measured the modes). Of any
+#: module, its transient bytes (`TRANSIENT_TARGETS`, per mode for the layers); absent, 0.
+OPTIONAL_TARGETS = (*(t for targets in RECOMPUTE_TARGETS.values() for t in targets), *TRANSIENT_TARGETS.values())
+TRANSIENT = TRANSIENT_TARGETS["none"]
 _LAYER_MODULES = ("vision_layer", "llm_layer")
 
 
@@ -53,7 +62,8 @@ _LAYER_MODULES = ("vision_layer", "llm_layer")
 class ModuleCosts:
     """Fitted costs of one module at one TP degree, per rank (per layer for layer modules).
 
-    coef maps each target (fwd_ms, bwd_ms, act_bytes) to non-negative coefficients, one per feature.
+    coef maps each target (fwd_ms, bwd_ms, act_bytes, and the `OPTIONAL_TARGETS` it has) to
+        non-negative coefficients, one per feature.
     param_bytes: bytes of this module's parameters on one rank, in the profiled dtype.
     tied_param_bytes: bytes of those that are the token embedding's (the LM head of a model with
         tied embeddings; 0 otherwise): a stage that holds ``llm_embed`` too holds them once.
@@ -195,13 +205,15 @@ class StageTime:
 
 @dataclass(frozen=True)
 class StageMemory:
-    """Bytes one rank of a stage needs: training state plus ``in_flight`` microbatches of activations."""
+    """Bytes one rank of a stage needs at its peak: training state, ``in_flight`` microbatches of
+    activations, and the largest transient of its modules on one microbatch (module docstring)."""
 
     param_bytes: float
     grad_bytes: float
     optimizer_bytes: float
     activation_bytes: float  # one microbatch, kept from its forward to its backward
     in_flight: int
+    transient_bytes: float = 0.0  # the largest one module holds beyond what it keeps, one microbatch
 
     @property
     def static_bytes(self) -> float:
@@ -209,9 +221,11 @@ class StageMemory:
 
     @property
     def total_bytes(self) -> float:
-        return self.static_bytes + self.activation_bytes * self.in_flight
+        return self.static_bytes + self.activation_bytes * self.in_flight + self.transient_bytes
 
     def __add__(self, other: "StageMemory") -> "StageMemory":
+        """One stage running both parts (the colocated vision tower): state and activations add up,
+        transients do not (its modules run one at a time)."""
         if self.in_flight != other.in_flight:
             raise ValueError("cannot add stage memories with different in-flight counts")
         return StageMemory(
@@ -220,6 +234,7 @@ class StageMemory:
             self.optimizer_bytes + other.optimizer_bytes,
             self.activation_bytes + other.activation_bytes,
             self.in_flight,
+            max(self.transient_bytes, other.transient_bytes),
         )
 
 
@@ -230,6 +245,13 @@ class StageTerms:
     Time of a set S of samples = ``fwd_const_s + fwd_s[S].sum()`` (likewise bwd and activations).
     fwd_s, bwd_s: [n] seconds; act_bytes: [n] bytes; static: training state (in_flight=1, no
     activations); optimizer_s: its modules' `ModuleCosts.optimizer_s` (NaN when not measured).
+
+    transient_const_bytes, transient_bytes: [n]: a bound of the stage's transient that is linear in
+    the samples, ``transient_const_bytes + transient_bytes[S].sum()``. The transient is the largest
+    of its modules' (`StageMemory`), each linear in the samples; the largest constant plus each
+    sample's largest term is at least any module's sum, and equal to the largest when one module's
+    terms are the largest for every sample (the LM head on a last LLM stage). The scheduler's memory
+    guard needs a sum over samples; `CostModel.llm_stage_memory` takes the exact largest.
     """
 
     fwd_const_s: float
@@ -240,6 +262,12 @@ class StageTerms:
     act_bytes: np.ndarray
     static: StageMemory = field(repr=False)
     optimizer_s: float = float("nan")
+    transient_const_bytes: float = 0.0
+    transient_bytes: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.transient_bytes is None:
+            object.__setattr__(self, "transient_bytes", np.zeros(len(self.act_bytes)))
 
 
 _MS = 1e-3
@@ -261,6 +289,11 @@ class CostModel:
             self.modules[(m.module, m.tp)] = m
         self.provenance = provenance
         self.state_bytes = training_state_bytes(provenance.dtype)
+
+    @property
+    def has_transients(self) -> bool:
+        """Whether any module carries transient bytes (a model without prices them 0)."""
+        return any(TRANSIENT in m.coef for m in self.modules.values())
 
     def step_costs_on(self, device: str) -> StepCosts:
         """The measured step costs where they hold on a cluster of `device` (`step_costs_on`)."""
@@ -299,7 +332,14 @@ class CostModel:
             raise UserError(f"cost model ({self.provenance.device}) has no {recompute}-recompute costs for {name}; "
                             "its profile predates the profiler's recompute columns (re-run `dflop profile-model`, "
                             "or use the analytic cost model)")
-        return replace(m, coef={**m.coef, "bwd_ms": m.coef[bwd], "act_bytes": m.coef[act]})
+        coef = {**m.coef, "bwd_ms": m.coef[bwd], "act_bytes": m.coef[act]}
+        transient = TRANSIENT_TARGETS[recompute]
+        if transient in m.coef:
+            coef[TRANSIENT] = m.coef[transient]
+        elif TRANSIENT in m.coef:  # mode none's, plus what the mode drops and its backward holds again
+            coef[TRANSIENT] = tuple(max(0.0, t + a - k) for t, a, k in
+                                    zip(m.coef[TRANSIENT], m.coef["act_bytes"], m.coef[act]))
+        return replace(m, coef=coef)
 
     def _vision_parts(self, n_layers: int, first: bool, last: bool, tp: int,
                       recompute: str = "none") -> list[tuple[ModuleCosts, int]]:
@@ -392,9 +432,10 @@ class CostModel:
         if int(in_flight) < 1:
             raise UserError(f"in_flight must be >= 1, got {in_flight}")
         activation = sum(mult * _set_prediction(m, "act_bytes", sizes) for m, mult in parts)
+        transient = max((_set_prediction(m, TRANSIENT, sizes) for m, _ in parts if TRANSIENT in m.coef), default=0.0)
         static = self._static(parts)
         return StageMemory(static.param_bytes, static.grad_bytes, static.optimizer_bytes,
-                           float(activation), int(in_flight))
+                           float(activation), int(in_flight), float(transient))
 
     def _static(self, parts: list[tuple[ModuleCosts, int]], shard_over: int = 1) -> StageMemory:
         """Training state of a stage: parameters counted from their bytes in the profiled dtype;
@@ -454,6 +495,7 @@ class CostModel:
                      shard_over: int = 1) -> StageTerms:
         const = {t: 0.0 for t in TARGETS}
         per_sample = {t: np.zeros(len(sizes)) for t in TARGETS}
+        transient_const, transient = 0.0, np.zeros(len(sizes))  # the bound of `StageTerms`
         for m, mult in parts:
             x = sample_features(m.features, m.kind, sizes)
             c = const_features(m.features)
@@ -461,6 +503,10 @@ class CostModel:
                 coef = m.coefficients(t)
                 const[t] += mult * float(c @ coef)
                 per_sample[t] += mult * (x @ coef)
+            if TRANSIENT in m.coef:  # one layer's, whatever mult
+                coef = m.coefficients(TRANSIENT)
+                transient_const = max(transient_const, float(c @ coef))
+                transient = np.maximum(transient, x @ coef)
         return StageTerms(
             fwd_const_s=const["fwd_ms"] * _MS,
             bwd_const_s=const["bwd_ms"] * _MS,
@@ -470,6 +516,8 @@ class CostModel:
             act_bytes=per_sample["act_bytes"],
             static=self._static(parts, shard_over),
             optimizer_s=_optimizer_s(parts),
+            transient_const_bytes=transient_const,
+            transient_bytes=transient,
         )
 
 

@@ -4,9 +4,19 @@ The profile (DESIGN.md §4) has one row per measurement: ``module, tp, batch, se
 fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes, device, dtype, repeat`` (extra columns are
 ignored), and optionally the layer modules' recompute targets ``bwd_ms:<mode>`` /
 ``act_bytes:<mode>`` (`OPTIONAL_TARGETS`; NaN where not measured: other modules, and repeats past
-the mode's fewer runs), and ``tied_bytes`` (the LM head's bytes that are the token embedding's;
-absent in older profiles: 0). Layer modules may be profiled as a stack of ``n_layers`` layers; costs are
-divided by ``n_layers`` here so every fitted layer cost is per layer.
+the mode's fewer runs), ``transient_bytes`` (every module) and ``transient_bytes:<mode>`` (layer
+modules), and ``tied_bytes`` (the LM head's bytes that are the token embedding's; absent in older
+profiles: 0). Layer modules may be profiled as a stack of ``n_layers`` layers; costs are divided by
+``n_layers`` here so every fitted layer cost is per layer, except the transients: a stack runs one
+layer at a time.
+
+A profile from before the profiler measured transients has no ``transient_bytes`` column; where
+its ``peak_bytes`` (the CUDA allocator's peak above what was allocated before the run) are
+measured, the transient is derived as ``peak_bytes - act_bytes - grad_bytes``, at least 0 (mode
+none only). That is a lower bound of what the profiler now measures: those runs began without
+gradients, so the peak of a module whose gradients come after it (the LM head: the loss's backward,
+then the weight's gradient) did not hold them, and the saved inputs made before the run count in
+``act_bytes`` but not in the peak.
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ import numpy as np
 import pandas as pd
 
 from dflop.costmodel.features import LAYER_MODULES, MODULE_FEATURES, ShapeKind
-from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS
+from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, TRANSIENT
+from dflop.profiling.model_profiler import TRANSIENT_TARGETS
 from dflop.errors import UserError
 from dflop.io import read_parquet
 from dflop.profiling.step_costs import LINK_MODULES
@@ -79,6 +90,8 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     table = table[table["module"].isin(list(MODULE_FEATURES))]
     if table.empty:
         raise UserError(f"{source}: no known modules; expected some of {', '.join(MODULE_FEATURES)}")
+    if TRANSIENT not in table.columns:
+        table = _derived_transients(table)
     optional = [c for c in OPTIONAL_TARGETS if c in table.columns]
     if "tied_bytes" not in table.columns:
         table = table.assign(tied_bytes=0.0)
@@ -86,7 +99,8 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
 
     per_layer = table.copy()
     stacked = per_layer["module"].isin(list(LAYER_MODULES))
-    for column in (*TARGETS, *optional, "param_bytes"):
+    transients = set(TRANSIENT_TARGETS.values())
+    for column in (*TARGETS, *(c for c in optional if c not in transients), "param_bytes"):
         per_layer[column] = per_layer[column].astype(np.float64)
         per_layer.loc[stacked, column] = per_layer.loc[stacked, column] / per_layer.loc[stacked, "n_layers"]
 
@@ -101,6 +115,16 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     _warn_varying_params(shapes, source)
     return ProfileSummary(shapes=shapes, device=device, dtype=dtype, preset=preset, n_rows=len(table),
                           step_costs=step_costs)
+
+
+def _derived_transients(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with ``transient_bytes`` derived from a profile's CUDA peaks (module docstring), NaN
+    where no peak was measured (a CPU profile: none, and its model then has no transients)."""
+    if "peak_bytes" not in table.columns:
+        return table
+    grads = table["grad_bytes"] if "grad_bytes" in table.columns else table["param_bytes"]
+    derived = pd.to_numeric(table["peak_bytes"], errors="coerce") - table["act_bytes"] - grads
+    return table.assign(**{TRANSIENT: derived.clip(lower=0.0)})
 
 
 def _step_costs(table: pd.DataFrame, source: str) -> pd.DataFrame | None:

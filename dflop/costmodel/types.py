@@ -28,12 +28,18 @@ class BatchCosts:
         vision_fwd_const, vision_bwd_const: [pp_v] per-microbatch overhead of each vision stage.
         llm_fwd_const, llm_bwd_const: [pp_l] per-bin overhead of each LLM stage.
         llm_act_bytes: [pp_l, n] activation bytes each sample keeps alive on each LLM stage until
-            its backward (for the memory guard).
+            its backward.
         vision_act_bytes: [pp_v, n] the same for vision stages.
-        llm_mem_limit_bytes: [pp_l] bytes left for activations on each LLM stage after parameters,
-            gradients and optimizer state, divided by that stage's 1F1B in-flight count (so one
-            bin's activations must fit under it). ``inf`` when unconstrained.
+        llm_mem_limit_bytes: [pp_l] bytes left on each LLM stage after parameters, gradients,
+            optimizer state and the constant of its transient (`StageTerms`), divided by that stage's
+            1F1B in-flight count, less its per-bin activation constant: one bin's `llm_mem_bytes`
+            must fit under it (the memory guard). ``inf`` when unconstrained.
         vision_mem_limit_bytes: [pp_v] the same for vision stages.
+        llm_mem_bytes: [pp_l, n] what each sample adds against that limit: its activations plus its
+            transient term over the stage's in-flight count, so that a bin under the limit keeps
+            ``state + in_flight x activations + transient`` within the memory. Default: the
+            activations (no transient).
+        vision_mem_bytes: [pp_v, n] the same for vision stages.
     """
 
     vision_fwd: np.ndarray
@@ -48,6 +54,13 @@ class BatchCosts:
     vision_act_bytes: np.ndarray
     llm_mem_limit_bytes: np.ndarray
     vision_mem_limit_bytes: np.ndarray
+    llm_mem_bytes: np.ndarray | None = None
+    vision_mem_bytes: np.ndarray | None = None
+
+    def __post_init__(self):
+        for name, act in (("llm_mem_bytes", self.llm_act_bytes), ("vision_mem_bytes", self.vision_act_bytes)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, act)
 
     @property
     def n_samples(self) -> int:
@@ -85,4 +98,6 @@ class BatchCosts:
             vision_act_bytes=self.vision_act_bytes[:, idx],
             llm_mem_limit_bytes=self.llm_mem_limit_bytes,
             vision_mem_limit_bytes=self.vision_mem_limit_bytes,
+            llm_mem_bytes=self.llm_mem_bytes[:, idx],
+            vision_mem_bytes=self.vision_mem_bytes[:, idx],
         )

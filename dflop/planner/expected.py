@@ -114,16 +114,17 @@ def sample_batches(n_pool: int, k: int, global_batch: int, seed: int) -> list[np
 def peak_memory(pc: PlanCosts, part: Partition, plan: Plan, memory_bytes: float) -> np.ndarray:
     """[P] peak bytes per rank of each stage under this partition.
 
-    The cost model's limit is ``(memory - state) / in_flight - act_const`` (`batch_costs`), so a
-    stage holding ``in_flight`` microbatches of at most ``x`` activation bytes peaks at
-    ``memory + in_flight * (x - limit)``.
+    The cost model's limit is ``(memory - state - transient const) / in_flight - act_const``
+    (`batch_costs`), so a stage whose heaviest bin sums to ``x`` (`BatchCosts.llm_mem_bytes`:
+    activations and the transient's share) peaks at ``memory + in_flight * (x - limit)`` = state +
+    in_flight x its activations + its transient (the bound of `StageTerms`).
     """
     c, lay = pc.costs, plan.layout
     in_flight = np.asarray(lay.in_flight(), dtype=np.float64)
     bins = part.microbatch * lay.dp_l + part.replica
-    vision = [np.bincount(part.microbatch, weights=c.vision_act_bytes[k], minlength=lay.m).max() / lay.dp_v
+    vision = [np.bincount(part.microbatch, weights=c.vision_mem_bytes[k], minlength=lay.m).max() / lay.dp_v
               - c.vision_mem_limit_bytes[k] for k in range(c.pp_vision)]
-    llm = [np.bincount(bins, weights=c.llm_act_bytes[k], minlength=lay.m * lay.dp_l).max() - c.llm_mem_limit_bytes[k]
+    llm = [np.bincount(bins, weights=c.llm_mem_bytes[k], minlength=lay.m * lay.dp_l).max() - c.llm_mem_limit_bytes[k]
            for k in range(c.pp_llm)]
     return memory_bytes + in_flight * np.array(vision + llm)
 

@@ -4,12 +4,14 @@ Every fitted cost is a per-microbatch constant plus a sum of per-sample terms
 (`dflop.costmodel.types`), so the mean time of a microbatch of ``nu`` samples drawn from the data
 is exactly ``const + nu * mean per-sample term``. `PartMeans` keeps those two numbers for one part
 (one layer, or the first/last-stage extras) of one module at one TP degree, and the largest single
-sample's activation bytes, which any microbatch holding that sample must fit.
+sample's activation bytes, which any microbatch holding that sample must fit; and the same three
+numbers of each of its modules' transient bytes, of which a stage holds only the largest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import reduce
 
 import numpy as np
 import pandas as pd
@@ -102,6 +104,11 @@ class PartMeans:
     gradients + optimizer state, grad_bytes the gradients alone (what the all-reduce moves);
     optimizer_s the optimizer step's seconds on its parameters (`StageTerms.optimizer_s`, NaN
     when not measured).
+
+    transients: one (constant, mean per sample, largest sample) line per module of the part, its
+    transient bytes (`dflop.costmodel.model.StageMemory`); a stage holds the largest of its parts'
+    lines, not their sum, so parts added together keep every line and scaled ones keep theirs (k
+    layers run one after another).
     """
 
     fwd_const_s: float = 0.0
@@ -114,9 +121,11 @@ class PartMeans:
     static_bytes: float = 0.0
     grad_bytes: float = 0.0
     optimizer_s: float = 0.0
+    transients: tuple = ()
 
     @classmethod
     def from_terms(cls, terms: StageTerms) -> "PartMeans":
+        """The part whose one module's terms these are (its transient line is then exact)."""
         return cls(
             fwd_const_s=terms.fwd_const_s, bwd_const_s=terms.bwd_const_s,
             fwd_mean_s=float(np.mean(terms.fwd_s)), bwd_mean_s=float(np.mean(terms.bwd_s)),
@@ -124,6 +133,8 @@ class PartMeans:
             act_max_bytes=float(np.max(terms.act_bytes)),
             static_bytes=terms.static.static_bytes, grad_bytes=terms.static.grad_bytes,
             optimizer_s=terms.optimizer_s,
+            transients=((float(terms.transient_const_bytes), float(np.mean(terms.transient_bytes)),
+                         float(np.max(terms.transient_bytes))),),
         )
 
     def time_s(self, nu):
@@ -141,11 +152,36 @@ class PartMeans:
         """Activation bytes of a microbatch holding `share` of the heaviest sample."""
         return self.act_const_bytes + share * self.act_max_bytes
 
+    def transient_mean(self, nu):
+        """The largest transient bytes of the part's modules on a microbatch of `nu` mean samples."""
+        return _largest([c + nu * mean for c, mean, _ in self.transients], nu)
+
+    def transient_heaviest(self, share=1.0):
+        """The same on a microbatch holding `share` of the heaviest sample (as `act_heaviest`)."""
+        return _largest([c + share * top for c, _, top in self.transients], share)
+
     def __add__(self, other: "PartMeans") -> "PartMeans":
-        return PartMeans(*(a + b for a, b in zip(_values(self), _values(other))))
+        return PartMeans(*(a + b for a, b in zip(_values(self), _values(other))),
+                         transients=self.transients + other.transients)
 
     def scaled(self, k: float) -> "PartMeans":
-        return PartMeans(*(k * a for a in _values(self)))
+        return PartMeans(*(k * a for a in _values(self)), transients=self.transients)
+
+    def with_transient_floor(self, parts) -> "PartMeans":
+        """This part with one transient line, each number the least of `parts`' lines (a floor of
+        any of their transients: `dflop.planner.technique_choice`'s leanest layer)."""
+        lines = [line for part in parts for line in part.transients]
+        return replace(self, transients=(tuple(min(values) for values in zip(*lines)),) if lines else ())
+
+
+def _largest(values: list, like):
+    """The element-wise largest of `values` (Python floats stay floats: the planner's stage model
+    evaluates these per stage on floats); 0 (shaped like `like`) when there is none."""
+    if not values:
+        return 0.0 * like
+    if np.ndim(like) == 0:
+        return max(values)
+    return reduce(np.maximum, values)
 
 
 def _values(p: PartMeans) -> tuple[float, ...]:

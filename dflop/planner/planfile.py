@@ -15,6 +15,8 @@ Top-level keys::
     rank_order: how ranks map to (module, stage, replica, tp rank) (as dflop.runtime.topology)
     predicted: {step_s: {mean, p50, p90}, mean_shape_step_s, utilisation, samples_per_s,
                 memory_bytes: {vision: [per stage], llm: [per stage]}, memory_limit_bytes}
+               (memory: each stage's peak over the sampled batches, state + in-flight activations +
+               the largest transient, `dflop.planner.expected.peak_memory`)
     techniques: [per pipeline stage: {stage, name, module, layers, recompute, shard_optimizer,
                  sequence_parallel, recompute_extra_s, activation_saved_bytes, state_saved_bytes,
                  sp_saved_bytes, shard_comm_extra_s, peak_bytes}] what the plan's memory techniques

@@ -142,14 +142,21 @@ def module_fits(means: ModuleMeans, n_layers: int, memory: float, *, nu, heavies
     static = first * F.static_bytes + last * H.static_bytes - (first & last) * means.tied.static_bytes
     act_mean = first * F.act_mean(nu) + last * H.act_mean(nu)
     act_max = first * F.act_heaviest(share) + last * H.act_heaviest(share)
+    # the largest transient of the stage's parts (its layer's on every stage)
+    t_mean = np.maximum.reduce([Ly.transient_mean(nu) + 0.0 * first, first * F.transient_mean(nu),
+                                last * H.transient_mean(nu)])
+    t_max = np.maximum.reduce([Ly.transient_heaviest(share) + 0.0 * first, first * F.transient_heaviest(share),
+                               last * H.transient_heaviest(share)])
     if extra is not None:
         static = static + first * extra.static_bytes
         act_mean = act_mean + first * extra.act_mean(nu)
         act_max = act_max + first * extra.act_heaviest(1.0)
+        t_mean = np.maximum(t_mean, first * extra.transient_mean(nu))
+        t_max = np.maximum(t_max, first * extra.transient_heaviest(1.0))
     f = in_flight
     static, layer_static = scale * static, scale * Ly.static_bytes
-    caps = np.minimum(_cap(memory - static - f * act_mean, layer_static + f * Ly.act_mean(nu)),
-                      _cap(memory - static - f * act_max, layer_static + f * Ly.act_heaviest(share)))
+    caps = np.minimum(_cap(memory - static - f * act_mean - t_mean, layer_static + f * Ly.act_mean(nu)),
+                      _cap(memory - static - f * act_max - t_max, layer_static + f * Ly.act_heaviest(share)))
     caps = np.where(valid, np.clip(caps, 0, n_layers), 0)
     ok = (caps.sum(axis=1) >= n_layers) & np.where(valid, caps >= 1, True).all(axis=1)
     return (ok, caps) if return_caps else ok

@@ -8,8 +8,10 @@ the first LLM stage holds the whole vision tower. Transfers are charged to the r
 (see `dflop.planner.cluster`).
 
 Memory of a stage (bytes per rank) is its training state plus ``in_flight`` microbatches of
-activations (1F1B peak), and must fit for two microbatches: the mean one (``nu`` mean samples)
-and one holding the heaviest sample of the data (vision: its share per vision replica).
+activations (1F1B peak) plus the largest transient of the modules it runs on one microbatch (the
+layers' one layer's, so it sits in the per-stage term: every stage holds at least one layer), and
+must fit for two microbatches: the mean one (``nu`` mean samples) and one holding the heaviest
+sample of the data (vision: its share per vision replica).
 
 The pipeline step under mean shapes (`StageModel.objective_s`) is the 1F1B formula with
 identical microbatches on heterogeneous stages, ``sum_s t_s + (m - 1) max_s t_s``, plus the
@@ -463,7 +465,7 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
 class _PartScalars:
     """A part's costs on one stage's microbatch (the `PartMeans` expressions, on Python floats):
     seconds (fwd + bwd, bwd) and bytes (activations of the mean and of the heaviest-sample
-    microbatch, training state, gradients)."""
+    microbatch, training state, gradients, and the largest transient on either microbatch)."""
 
     time: float
     bwd: float
@@ -472,33 +474,40 @@ class _PartScalars:
     static: float
     grad: float
     optim: float
+    transient_mean: float
+    transient_heaviest: float
 
     @classmethod
     def of(cls, part: PartMeans, nu: float, heaviest_share: float, time_nu: float) -> "_PartScalars":
         return cls(part.time_s(time_nu), part.bwd_s(time_nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
-                   part.static_bytes, part.grad_bytes, part.optimizer_s)
+                   part.static_bytes, part.grad_bytes, part.optimizer_s, part.transient_mean(nu),
+                   part.transient_heaviest(heaviest_share))
 
 
 def _stage_row(layer: _PartScalars, first_part: _PartScalars, last_part: _PartScalars, extra: _PartScalars | None,
                first: float, last: float, extra_on: float, in_flight: float, scale: float, fwd_s: float,
                bwd_s: float, tied: PartMeans) -> tuple[float, ...]:
     """One stage's `StageCoeffs` values in field order (the transfers `fwd_s` / `bwd_s` added last);
-    a stage with both the first and the last part holds `tied`'s state once (`ModuleMeans.tied`)."""
+    a stage with both the first and the last part holds `tied`'s state once (`ModuleMeans.tied`),
+    and the largest transient of its parts (its layer's whatever their count) in its fixed memory."""
     F, H = first_part, last_part
     f_time, f_bwd = first * F.time + last * H.time, first * F.bwd + last * H.bwd
     f_mean, f_max = first * F.act_mean + last * H.act_mean, first * F.act_heaviest + last * H.act_heaviest
     f_static = first * F.static + last * H.static - first * last * tied.static_bytes
     f_grad = first * F.grad + last * H.grad - first * last * tied.grad_bytes
     f_optim = first * F.optim + last * H.optim - (tied.optimizer_s if first and last else 0.0)
+    t_mean = max(layer.transient_mean, first * F.transient_mean, last * H.transient_mean)
+    t_max = max(layer.transient_heaviest, first * F.transient_heaviest, last * H.transient_heaviest)
     if extra is not None:
         E = extra
         f_time, f_bwd = f_time + extra_on * E.time, f_bwd + extra_on * E.bwd
         f_mean, f_max = f_mean + extra_on * E.act_mean, f_max + extra_on * E.act_heaviest
         f_static, f_grad = f_static + extra_on * E.static, f_grad + extra_on * E.grad
         f_optim = f_optim + extra_on * E.optim
+        t_mean, t_max = max(t_mean, extra_on * E.transient_mean), max(t_max, extra_on * E.transient_heaviest)
     return (f_time + fwd_s + bwd_s, layer.time, f_bwd + bwd_s, layer.bwd,
-            scale * f_static + in_flight * f_mean, scale * layer.static + in_flight * layer.act_mean,
-            scale * f_static + in_flight * f_max, scale * layer.static + in_flight * layer.act_heaviest,
+            scale * f_static + in_flight * f_mean + t_mean, scale * layer.static + in_flight * layer.act_mean,
+            scale * f_static + in_flight * f_max + t_max, scale * layer.static + in_flight * layer.act_heaviest,
             f_grad, layer.grad, f_optim, layer.optim)
 
 

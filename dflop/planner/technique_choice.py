@@ -167,6 +167,9 @@ class TechniqueMeans:
 
 
 def _leanest(means: ModuleMeans) -> ModuleMeans:
-    """`means` with only its leanest layer (the fewest activation bytes kept for backward)."""
+    """`means` with only its leanest layer (the fewest activation bytes kept for backward), its
+    transient the least of every mode's (recomputation keeps fewer bytes but holds more while a
+    layer's backward reruns its forward), so that no mode needs less memory."""
     mode = min(means.modes, key=lambda m: (means.layers[m].act_mean_bytes, means.layers[m].act_max_bytes))
-    return replace(means, layers={mode: means.layers[mode]})
+    layer = means.layers[mode].with_transient_floor(means.layers.values())
+    return replace(means, layers={mode: layer})

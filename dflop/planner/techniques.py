@@ -38,7 +38,8 @@ COLUMNS = ("stage", "name", "module", "layers", "recompute", "shard_optimizer", 
 mode adds; activation_saved_bytes: in-flight microbatches x activation bytes it saves;
 state_saved_bytes: training-state bytes a rank does not hold with the optimizer sharded;
 sp_saved_bytes: activation bytes sequence parallelism saves; shard_comm_extra_s: seconds per step sharded synchronisation costs over the all-reduce;
-peak_bytes: the stage's 1F1B peak per rank at the mean microbatch, with its techniques."""
+peak_bytes: the stage's 1F1B peak per rank at the mean microbatch, with its techniques (its state,
+in-flight activations and largest transient)."""
 
 
 def technique_costs(plan: Plan, cost: CostModel, pool: Pool, cluster: Cluster, sizes: TransferSizes, *,
@@ -88,10 +89,12 @@ def technique_costs(plan: Plan, cost: CostModel, pool: Pool, cluster: Cluster, s
             "sp_saved_bytes": sp_saved,
             "shard_comm_extra_s": float(shard_extra[stage]),
             "peak_bytes": planned.static_bytes + f * planned.act_mean(nu),
+            "transient": planned.transient_mean(nu),
         })
-    table = pd.DataFrame(rows, columns=list(COLUMNS))
-    table["peak_bytes"] = table.groupby("stage")["peak_bytes"].transform("sum")  # colocated: both parts
-    return table
+    table = pd.DataFrame(rows, columns=[*COLUMNS, "transient"])
+    by_stage = table.groupby("stage")  # colocated: both parts' state and activations, the larger transient
+    table["peak_bytes"] = by_stage["peak_bytes"].transform("sum") + by_stage["transient"].transform("max")
+    return table.drop(columns="transient")
 
 
 def _shard_comm_extra_s(plan: Plan, cost: CostModel, cluster: Cluster, sizes: TransferSizes) -> np.ndarray:

@@ -1,16 +1,20 @@
-"""Exact memory of a module: parameter, gradient and optimizer bytes, and activation bytes (the
-tensors autograd keeps for backward), measured on any device.
+"""Exact memory of a module: parameter, gradient and optimizer bytes, activation bytes (the
+tensors autograd keeps for backward), and the peak of everything its forward and backward allocate
+(`allocated_peak`), measured on any device.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dflop.models.tensor_parallel import local_tensor
 
@@ -21,6 +25,11 @@ class SavedBytes:
 
     bytes: int = 0
     _storages: dict[int, int] = field(default_factory=dict)
+
+    def among(self, addresses: set[int]) -> int:
+        """Bytes of the saved storages whose data address is in `addresses` (those an
+        `allocated_peak` block allocated: `AllocatedBytes.holding`)."""
+        return sum(n for ptr, n in self._storages.items() if ptr in addresses)
 
 
 @contextlib.contextmanager
@@ -117,6 +126,75 @@ def live_saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[Li
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield result
+
+
+class AllocatedBytes(TorchDispatchMode):
+    """Bytes of the storages that ops run inside an `allocated_peak` block allocated, counted while
+    any tensor holds them, and their peak (``peak``; ``live``: now).
+
+    Every op's outputs are seen as they are made (a dispatch mode sees the ops autocast inserts, and
+    the backward's, recomputation included). An output whose storage is one of the op's inputs' (a
+    view, an in-place op, ``out=``) is no allocation; any other output storage counts once, from
+    its op until the storage is freed, however many tensors view it. Storages, not tensors, are
+    watched (a weak reference to each, which PyTorch keeps alive as long as the storage itself):
+    autograd saves an op's output as a new tensor on the same storage, so the tensor Python saw can
+    go while its bytes stay. Not seen: a kernel's own scratch space (cuBLAS workspace, a fused
+    kernel's internal buffers), which is no op's output, and the allocator's rounding and caching.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._held: dict[int, tuple[weakref.ref, int, int]] = {}  # storage id -> (watcher, bytes, data address)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = _plain(t).untyped_storage()
+                key = storage._cdata
+                if key not in inputs and key not in self._held:
+                    self._watch(key, storage)
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _watch(self, key: int, storage: torch.UntypedStorage) -> None:
+        nbytes = storage.nbytes()
+        self._held[key] = (weakref.ref(storage, lambda _, key=key: self._release(key)), nbytes, storage.data_ptr())
+        self.live += nbytes
+
+    def _release(self, key: int) -> None:
+        entry = self._held.pop(key, None)
+        if entry is not None:
+            self.live -= entry[1]
+
+    def holding(self) -> set[int]:
+        """Data addresses of the storages allocated inside the block that are alive now."""
+        return {ptr for _, _, ptr in self._held.values()}
+
+
+@contextlib.contextmanager
+def allocated_peak() -> Iterator[AllocatedBytes]:
+    """Track the bytes ops inside the block allocate (`AllocatedBytes`); tensors made before it
+    (inputs, parameters, gradients already there) are not counted, nor are storages freed by it."""
+    tracker = AllocatedBytes()
+    with tracker:
+        yield tracker
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds `tensor`'s bytes: a DTensor's local shard, an asynchronous
+    collective's result buffer (without waiting for it)."""
+    tensor = local_tensor(tensor)
+    if isinstance(tensor, AsyncCollectiveTensor):
+        tensor = tensor.elem
+    return tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return _plain(tensor).untyped_storage()._cdata
 
 
 def param_bytes(module: nn.Module) -> int:

@@ -7,12 +7,13 @@ One row per measured repeat:
 plus grad_bytes, optim_bytes (Adam), tied_bytes (the LM head's weight when the model ties it to the
 token embedding, else 0: `ModuleBench.tied_bytes`), preset, threads, co_runners and round (0 = coarse grid, k = k-th
 refinement), and for the layer modules a stage may recompute (vision_layer, llm_layer)
-``bwd_ms:<mode>`` and ``act_bytes:<mode>`` for recompute selective and full (NaN for the other
-modules; `_measure_round` says how many of a shape's rows have a ``bwd_ms:<mode>``). Modules and
-shapes are described in `dflop.profiling.model_modules`. Per rank:
+``bwd_ms:<mode>``, ``act_bytes:<mode>`` and ``transient_bytes:<mode>`` for recompute selective and
+full (NaN for the other modules; `_measure_round` says how many of a shape's rows have a
+``bwd_ms:<mode>``). Modules and shapes are described in `dflop.profiling.model_modules`. Per rank:
 param/grad/optim bytes are exact from the module, act_bytes is exact (tensors saved for
 backward, `_memory.saved_tensor_bytes`), peak_bytes is the CUDA allocator peak during forward +
-backward above what was allocated before it (NaN on CPU). Times are milliseconds: CUDA events on
+backward above what was allocated before it (NaN on CPU), and transient_bytes is what the forward
++ backward holds at its peak beyond its saved tensors, on any device (`_measured_run`). Times are milliseconds: CUDA events on
 GPU, perf_counter on CPU, after `warmup` (at least 1) untimed runs, `repeats` of them or more for
 light shapes (until they add up to `min_measure_ms`, at most `max_repeats`); every repeat is stored
 (the cost models take the median). A round's repeats are taken in interleaved passes over all its
@@ -73,7 +74,7 @@ from dflop.models.precision import Precision
 from dflop.models.handle import ModelHandle
 from dflop.models.info import llm_tp_divides, projector_tp_divides, vision_tp_divides
 from dflop.models.tensor_parallel import TPGroup
-from dflop.profiling._memory import adam_state_bytes, grad_bytes, param_bytes, saved_tensor_bytes
+from dflop.profiling._memory import adam_state_bytes, allocated_peak, grad_bytes, param_bytes, saved_tensor_bytes
 from dflop.profiling._timing import Timer
 from dflop.profiling.model_grid import AdaptiveCurve, geometric_points
 from dflop.profiling.model_modules import MODULES, RECOMPUTE_MODES, TILE_MODULES, ModuleBench, build_benches
@@ -81,10 +82,13 @@ from dflop.profiling.step_costs import LINK_MODULES, link_rows, optimizer_call_m
 
 log = logging.getLogger(__name__)
 
+#: The transient-bytes column of each recompute mode (none: every module; the others: layer modules).
+TRANSIENT_TARGETS = {"none": "transient_bytes", **{mode: f"transient_bytes:{mode}" for mode in RECOMPUTE_MODES}}
+
 COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
            "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "tied_bytes", "preset", "threads", "co_runners",
-           "round", "optim_ms", "optim_call_ms", "bytes",
-           *(column for mode in RECOMPUTE_MODES for column in RECOMPUTE_TARGETS[mode]))
+           "round", "optim_ms", "optim_call_ms", "bytes", TRANSIENT_TARGETS["none"],
+           *(column for mode in RECOMPUTE_MODES for column in (*RECOMPUTE_TARGETS[mode], TRANSIENT_TARGETS[mode])))
 
 
 @dataclass(frozen=True)
@@ -369,7 +373,8 @@ def _sweep(benches, spec, config, settings, sync, timer, common, *, progress) ->
         for shape in shapes:
             totals = [r["fwd_ms"] + r["bwd_ms"] for r in shape.timed]
             shape.curve.record(shape.x, *sync.agree(statistics.median(totals), _scatter(totals)))
-            rows.extend(dict(r, **common, **shape.sizes, act_bytes=shape.act_bytes, repeat=k, module=shape.bench.name,
+            rows.extend(dict(r, **common, **shape.sizes, act_bytes=shape.act_bytes,
+                             transient_bytes=shape.transient_bytes, repeat=k, module=shape.bench.name,
                              batch=shape.batch, seq_len=shape.seq_len, n_layers=shape.bench.n_layers, round=round_,
                              **shape.recompute_columns(k))
                         for k, r in enumerate(shape.timed))
@@ -387,18 +392,32 @@ class _Shape:
     seq_len: int
     timed: list[dict] = field(default_factory=list)
     act_bytes: int | None = None
+    transient_bytes: int | None = None
     sizes: dict = field(default_factory=dict)
     recompute_timed: dict[str, list[dict]] = field(default_factory=dict)  # mode -> its timed runs
     recompute_act_bytes: dict[str, int] = field(default_factory=dict)
+    recompute_transient_bytes: dict[str, int] = field(default_factory=dict)
 
     def recompute_columns(self, k: int) -> dict:
-        """``bwd_ms:<mode>`` of the mode's k-th timed run (NaN past its last) and ``act_bytes:<mode>``."""
+        """``bwd_ms:<mode>`` of the mode's k-th timed run (NaN past its last), ``act_bytes:<mode>`` and
+        ``transient_bytes:<mode>``."""
         columns = {}
         for mode, runs in self.recompute_timed.items():
             bwd, act = RECOMPUTE_TARGETS[mode]
             columns[bwd] = runs[k]["bwd_ms"] if k < len(runs) else math.nan
             columns[act] = self.recompute_act_bytes[mode]
+            columns[TRANSIENT_TARGETS[mode]] = self.recompute_transient_bytes[mode]
         return columns
+
+    def measured(self, mode: str) -> bool:
+        """Whether the bytes of `mode` (saved and transient) have been measured."""
+        return self.act_bytes is not None if mode == "none" else mode in self.recompute_act_bytes
+
+    def keep_bytes(self, mode: str, act: int, transient: int) -> None:
+        if mode == "none":
+            self.act_bytes, self.transient_bytes = act, transient
+        else:
+            self.recompute_act_bytes[mode], self.recompute_transient_bytes[mode] = act, transient
 
     @classmethod
     def at(cls, bench: ModuleBench, axis: str, fixed: int, curve: AdaptiveCurve, x: int) -> "_Shape":
@@ -415,7 +434,7 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
     nothing else), so a shape's back-to-back repeats can all land in one slow phase and the fit
     reads the hump as a bend. Spread over the round's passes, the repeats sample several phases
     and the median lands in the common one. Pass 0 runs max(warmup, 1) untimed runs (the first
-    counts the activation bytes) and one timed run per shape, which also decides how many timed
+    measures the bytes, `_measured_run`) and one timed run per shape, which also decides how many timed
     runs the shape gets: `repeats`, or more up to `max_repeats` until they add up to
     `min_measure_ms` (rank 0's count, so the ranks' barriers stay paired). Later passes take
     their share of the rest, after one untimed run for shapes faster than `min_measure_ms`: the
@@ -428,13 +447,12 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
     (at least one). `tick()` is called once per shape and pass.
 
     A layer module's recompute modes run right after the shape's mode-none runs of each pass (so
-    on warm caches, no untimed runs of their own): one timed run in pass 0, which also counts the
-    mode's activation bytes (the hooks slow the forward only, and only the backward is kept), and
-    `recompute_share` of the shape's run count in all (at least min(2, count)), spread over the
-    passes like the others. Cost on the tiny preset's coarse grid (CPU, 70 shapes): the modes'
-    timed runs took 1.7 s next to 3.6 s of mode none's over all modules (llm_layer: 1.4 next to
-    1.6 s; its heavy shapes have 5 runs, so their 2 per mode dominate), the process 9.2 s of CPU
-    instead of 7.1 s.
+    on warm caches, no untimed runs of their own but one in pass 0 that measures the mode's bytes,
+    `_measured_run`), and `recompute_share` of the shape's run count in all (at least min(2,
+    count)), spread over the passes like the others. Cost on the tiny preset's coarse grid (CPU, 70
+    shapes), before that measured run was added: the modes' timed runs took 1.7 s next to 3.6 s of
+    mode none's over all modules (llm_layer: 1.4 next to 1.6 s; its heavy shapes have 5 runs, so
+    their 2 per mode dominate), the process 9.2 s of CPU instead of 7.1 s.
     """
     later_passes = _round_passes(settings) - 1
     wanted, rewarm, wanted_modes = [], [], []
@@ -479,8 +497,9 @@ def _share(total: int, parts: int, index: int) -> int:
 def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: Timer,
                mode: str = "none") -> None:
     """`untimed` then `timed` forward + backward runs of one shape on fresh (seeded, identical on
-    every rank and every pass) inputs, as a stage with recompute `mode` runs them; the first run
-    of a mode ever, under saved-tensor hooks, gives its exact activation bytes."""
+    every rank and every pass) inputs, as a stage with recompute `mode` runs them. The first run of a
+    mode ever is `_measured_run` (its saved and transient bytes), untimed: it stands for one of the
+    untimed runs, or comes first when there is none (a recompute mode's first pass)."""
     bench = shape.bench
     torch.manual_seed(shape.batch * 1_000_003 + shape.seq_len)  # same inputs on every rank
     inputs = bench.make_inputs(shape.batch, shape.seq_len)
@@ -491,15 +510,6 @@ def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: 
                            optim_bytes=adam_state_bytes(bench.module), tied_bytes=bench.tied_bytes)
     cuda = timer.cuda
     timed_runs = shape.timed if mode == "none" else shape.recompute_timed.setdefault(mode, [])
-
-    def counted_bytes() -> int | None:
-        return shape.act_bytes if mode == "none" else shape.recompute_act_bytes.get(mode)
-
-    def keep_bytes(n: int) -> None:
-        if mode == "none":
-            shape.act_bytes = n
-        else:
-            shape.recompute_act_bytes[mode] = n
 
     def run_forward(forward) -> torch.Tensor:
         with bench.precision.autocast(timer.device):  # as the stages run (`dflop.models.precision`)
@@ -513,12 +523,7 @@ def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: 
         if cuda:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        if counted_bytes() is None:
-            with saved_tensor_bytes(exclude=params) as saved:
-                out, fwd_ms = timer(lambda: run_forward(forward))
-            keep_bytes(saved.bytes)
-        else:
-            out, fwd_ms = timer(lambda: run_forward(forward))
+        out, fwd_ms = timer(lambda: run_forward(forward))
         seed = None if out.dim() == 0 else torch.randn_like(out)
         sync.barrier()
         _, bwd_ms = timer(functools.partial(out.backward, seed))
@@ -526,9 +531,41 @@ def _run_shape(shape: _Shape, untimed: int, timed: int, sync: _RankSync, timer: 
         return dict(fwd_ms=fwd_ms, bwd_ms=bwd_ms, peak_bytes=peak)
 
     with bench.recomputing(mode) as forward:
+        if not shape.measured(mode):
+            shape.keep_bytes(mode, *_measured_run(lambda: run_forward(forward), params, leaves, sync))
+            untimed = max(untimed - 1, 0)
         for _ in range(untimed):
             run(forward)
         timed_runs += [run(forward) for _ in range(timed)]
+
+
+def _measured_run(forward, params: list[torch.Tensor], leaves: list[torch.Tensor], sync: _RankSync) -> tuple[int, int]:
+    """One untimed forward + backward that measures a module's memory: (activation bytes, transient
+    bytes), per rank.
+
+    Activation bytes: the storages the forward saves for backward (`_memory.saved_tensor_bytes`;
+    parameters excluded), what each in-flight microbatch keeps. Transient bytes: the most the forward
+    + backward holds at once of what it allocates (`_memory.allocated_peak`), less the saved bytes
+    it allocated itself: what a stage holds at this module's peak besides its training state and its
+    in-flight activations (the LM head's logits and their float32 copy in forward, the loss's
+    gradients in backward; a fully recomputed layer's rerun forward). The saved inputs (made before
+    the block) are not subtracted: they are no part of the peak. The parameters' gradients exist
+    before the run (zeros), as from a step's second microbatch on: the backward adds into them and only
+    the gradient an op makes before that add is transient. (In a step's first microbatch the
+    gradients are adopted instead, which holds no more beyond the state that counts them.)
+    """
+    for p in params:
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    for t in leaves:
+        t.grad = None
+    sync.barrier()
+    with allocated_peak() as allocated:
+        with saved_tensor_bytes(exclude=params) as saved:
+            out = forward()
+        own = saved.among(allocated.holding())
+        seed = None if out.dim() == 0 else torch.randn_like(out)
+        out.backward(seed)
+    return saved.bytes, max(0, allocated.peak - own)
 
 
 def _warm_up(curves, sync: _RankSync, timer: Timer) -> None:

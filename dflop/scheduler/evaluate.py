@@ -77,13 +77,14 @@ def simulate_steps(times: list[StageTimes], orders: list[np.ndarray], *, p2p_s: 
 
 def memory_ok(costs: BatchCosts, microbatch: np.ndarray, replica: np.ndarray, m: int, dp_llm: int,
               dp_vision: int) -> bool:
-    """True when no bin (LLM) and no microbatch share (vision) exceeds its stage's memory limit."""
+    """True when no bin (LLM) and no microbatch share (vision) exceeds its stage's memory limit
+    (`BatchCosts.llm_mem_bytes`: activations and transients)."""
     bins = microbatch * dp_llm + replica
     for k in range(costs.pp_llm):
-        if np.bincount(bins, weights=costs.llm_act_bytes[k], minlength=m * dp_llm).max() > costs.llm_mem_limit_bytes[k]:
+        if np.bincount(bins, weights=costs.llm_mem_bytes[k], minlength=m * dp_llm).max() > costs.llm_mem_limit_bytes[k]:
             return False
     for k in range(costs.pp_vision):
-        if np.bincount(microbatch, weights=costs.vision_act_bytes[k], minlength=m).max() / dp_vision > costs.vision_mem_limit_bytes[k]:
+        if np.bincount(microbatch, weights=costs.vision_mem_bytes[k], minlength=m).max() / dp_vision > costs.vision_mem_limit_bytes[k]:
             return False
     return True
 

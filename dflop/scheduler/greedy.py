@@ -23,10 +23,11 @@ class MemoryGuardError(ValueError):
 
 @dataclass(frozen=True)
 class MemoryGuard:
-    """Per-stage activation bytes and limits; bins (LLM) and microbatches (vision) must fit.
+    """Per-stage memory bytes of each sample and limits; bins (LLM) and microbatches (vision) must fit.
 
-    llm_bytes: [pp_l, n]; llm_limit: [pp_l]; vision_bytes: [pp_v, n] already divided by
-    dp_vision; vision_limit: [pp_v]. ``active`` is False when every limit is infinite.
+    llm_bytes: [pp_l, n] (`BatchCosts.llm_mem_bytes`: activations and the transient's share);
+    llm_limit: [pp_l]; vision_bytes: [pp_v, n] already divided by dp_vision; vision_limit: [pp_v].
+    ``active`` is False when every limit is infinite.
     """
 
     llm_bytes: np.ndarray
@@ -38,8 +39,8 @@ class MemoryGuard:
     @classmethod
     def from_costs(cls, costs: BatchCosts, dp_vision: int) -> "MemoryGuard":
         active = bool(np.isfinite(costs.llm_mem_limit_bytes).any() or np.isfinite(costs.vision_mem_limit_bytes).any())
-        return cls(np.asarray(costs.llm_act_bytes, float), np.asarray(costs.llm_mem_limit_bytes, float),
-                   np.asarray(costs.vision_act_bytes, float) / dp_vision,
+        return cls(np.asarray(costs.llm_mem_bytes, float), np.asarray(costs.llm_mem_limit_bytes, float),
+                   np.asarray(costs.vision_mem_bytes, float) / dp_vision,
                    np.asarray(costs.vision_mem_limit_bytes, float), active)
 
     def check_samples(self, sample_ids=None) -> None:
@@ -51,7 +52,7 @@ class MemoryGuard:
                 k = int(np.flatnonzero(x[:, i] > lim)[0])
                 sid = sample_ids[i] if sample_ids is not None else f"index {i}"
                 raise MemoryGuardError(
-                    f"sample {sid}: needs {x[k, i]:.3g} activation bytes on {name} stage {k}, "
+                    f"sample {sid}: needs {x[k, i]:.3g} bytes (activations and transient) on {name} stage {k}, "
                     f"more than its limit {lim[k]:.3g} on its own")
 
 

@@ -8,7 +8,7 @@ to: every sample in exactly one bin; on every LLM stage ``k`` each bin's time
 ``llm_const[k] + sum_i llm[k, i] x[i, b] <= z_r``; on every vision stage each microbatch's time
 ``vision_const[k] + sum_{i, r} vision[k, i] / dp_vision x[i, (j, r)] <= z_v``; ``y >=`` each
 replica's per-stage sum of bin times ``+ (p - 1) z_r`` and the vision stages' sum ``+ (p - 1) z_v``;
-every finite per-stage activation-memory limit; and no empty bin. Unlike the greedy it uses the exact per-stage
+every finite per-stage memory limit (activations and transients, `BatchCosts.llm_mem_bytes`); and no empty bin. Unlike the greedy it uses the exact per-stage
 costs rather than the bottleneck-stage scalars.
 
 Determinism: HiGHS runs single-threaded with a fixed seed and stops at a node limit, so the same
@@ -101,10 +101,10 @@ def _build(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int) -> highspy.Hi
         vals.append(np.broadcast_to(vis[k][:, None], shape))
     for q, k in enumerate(mem_l):
         rows.append(np.broadcast_to(r_ml + q * n_bins + bins, shape))
-        vals.append(np.broadcast_to(costs.llm_act_bytes[k][:, None], shape))
+        vals.append(np.broadcast_to(costs.llm_mem_bytes[k][:, None], shape))
     for q, k in enumerate(mem_v):
         rows.append(np.broadcast_to(r_mv + q * m + mb_of_bin, shape))
-        vals.append(np.broadcast_to((costs.vision_act_bytes[k] / dp_vision)[:, None], shape))
+        vals.append(np.broadcast_to((costs.vision_mem_bytes[k] / dp_vision)[:, None], shape))
     rows_x = np.stack(rows, axis=2)   # [n, B, K]: column i*B + b lists its rows
     vals_x = np.stack(vals, axis=2)
     keep = vals_x != 0

@@ -30,10 +30,12 @@ class Args:
 
 
 def _stage_peaks(plan: Plan, policy: str, cost, batch, part, llm_hidden: int) -> np.ndarray:
-    """[P] bytes per rank of each stage: training state (sharded as the plan says) plus its in-flight
-    microbatches of the largest bin's activations (recompute mode and SP as the plan says); the
-    padded baseline's sequences padded to their bin's longest; a disjoint vision stage shares each
-    microbatch's tiles among its dp_v replicas; a colocated LLM stage 0 also holds the tower."""
+    """[P] bytes per rank of each stage: training state (sharded as the plan says) plus, at its largest
+    bin, its in-flight microbatches of activations (recompute mode and SP as the plan says) and its
+    transient (the bound of `StageTerms`: the largest constant plus each sample's largest term; on a
+    colocated LLM stage 0 over the tower's and the LLM's modules); the padded baseline's sequences
+    padded to their bin's longest; a disjoint vision stage shares each microbatch's tiles among its
+    dp_v replicas; a colocated LLM stage 0 also holds the tower."""
     lay, v, l = plan.layout, plan.vision_techniques, plan.llm_techniques
     seq = padded_pool(batch, lay.m, lay.dp_l).seq_len if policy == "padded" else batch.seq_len
     bins = part.microbatch * lay.dp_l + part.replica
@@ -48,14 +50,24 @@ def _stage_peaks(plan: Plan, policy: str, cost, batch, part, llm_hidden: int) ->
     def act(terms, keys, n, share=1):
         return terms.act_const_bytes + np.bincount(keys, weights=terms.act_bytes, minlength=n) / share
 
+    def transient(const, per_sample, keys, n, share=1):
+        return const + np.bincount(keys, weights=per_sample, minlength=n) / share
+
+    def own(t, keys, n, share=1):
+        return t.static.static_bytes, act(t, keys, n, share), transient(t.transient_const_bytes, t.transient_bytes,
+                                                                           keys, n, share)
+
     if lay.colocated:
-        stages = [(vision[0].static.static_bytes + llm[0].static.static_bytes,
-                   act(vision[0], bins, lay.n_bins) + act(llm[0], bins, lay.n_bins))]
+        tower, first = vision[0], llm[0]
+        stages = [(tower.static.static_bytes + first.static.static_bytes,
+                   act(tower, bins, lay.n_bins) + act(first, bins, lay.n_bins),
+                   transient(max(tower.transient_const_bytes, first.transient_const_bytes),
+                             np.maximum(tower.transient_bytes, first.transient_bytes), bins, lay.n_bins))]
     else:
-        stages = [(t.static.static_bytes, act(t, part.microbatch, lay.m, lay.dp_v)) for t in vision]
-        stages.append((llm[0].static.static_bytes, act(llm[0], bins, lay.n_bins)))
-    stages += [(t.static.static_bytes, act(t, bins, lay.n_bins)) for t in llm[1:]]
-    return np.array([state + f * a.max() for (state, a), f in zip(stages, lay.in_flight())])
+        stages = [own(t, part.microbatch, lay.m, lay.dp_v) for t in vision]
+        stages.append(own(llm[0], bins, lay.n_bins))
+    stages += [own(t, bins, lay.n_bins) for t in llm[1:]]
+    return np.array([state + (f * a + tr).max() for (state, a, tr), f in zip(stages, lay.in_flight())])
 
 
 def test_paper_llava_8b_on_64_gpus_plans_within_memory_with_its_techniques():

@@ -165,3 +165,38 @@ def test_one_stage_holding_the_whole_model_prices_its_distinct_parameters(arch):
                                          last=True, tp_v=1, tp_l=1, in_flight=1)
     distinct = {id(p): p.numel() for p in build_model(*arch).parameters()}
     assert memory.param_bytes == pytest.approx(4 * sum(distinct.values()), rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_lm_heads_transient_bounds_what_the_profiler_measures(config, dtype):
+    """The LM head + loss's closed-form transient (`activations.llm_head_transient_bytes`) against
+    what the model profiler measures on the real module (allocations traced op by op, gradients
+    already there): never below it, and above it by at most its per-microbatch constant (the
+    weight gradient's peak, which comes after the loss's); with a vocabulary 8x the tiny one's."""
+    import copy
+
+    from dflop.models.architectures import architecture
+    from dflop.models.precision import Precision
+    from dflop.models.tensor_parallel import TPGroup
+    from dflop.profiling.model_modules import build_benches
+    from dflop.profiling.model_profiler import _measured_run, _RankSync
+
+    wide = copy.deepcopy(config)
+    wide.text_config.vocab_size = 8 * config.text_config.vocab_size
+    cost = analytic_cost_model(wide, tp_degrees=(1,), dtype=dtype)
+    cpu = torch.device("cpu")
+    (head,) = build_benches(architecture("llava_ov"), wide, modules=("llm_head",), tp=TPGroup(0, 1), device=cpu,
+                            precision=Precision.of(dtype))
+    V, h = wide.text_config.vocab_size, wide.text_config.hidden_size
+    for tokens in (16, 128, 1024):
+        inputs = head.make_inputs(1, tokens)
+        leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+
+        def forward():
+            with head.precision.autocast("cpu"):  # the forward only, as the stages and the profiler run it
+                return head.forward(*inputs)
+
+        _, measured = _measured_run(forward, list(head.module.parameters()), leaves, _RankSync(cpu))
+        predicted = cost.llm_stage_memory([tokens], n_layers=0, first=False, last=True, tp=1, in_flight=1)
+        assert measured <= predicted.transient_bytes <= measured + 4 * V * h, tokens
+    assert measured >= 8 * V * tokens  # the loss's backward, at a size where it is the peak

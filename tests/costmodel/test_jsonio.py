@@ -79,7 +79,7 @@ def test_file_is_plain_json_with_the_feature_spec(model, tmp_path):
     data = json.loads(path.read_text())
     layer = next(m for m in data["modules"] if m["module"] == "llm_layer" and m["tp"] == 1)
     assert layer["features"] == ["tokens", "tokens_pow1.5", "sq_tokens", "const"]
-    assert set(layer["coef"]) == {"fwd_ms", "bwd_ms", "act_bytes"}
+    assert set(layer["coef"]) == {"fwd_ms", "bwd_ms", "act_bytes", "transient_bytes"}
 
 
 def test_recompute_costs_survive_the_round_trip(tmp_path):

@@ -44,17 +44,22 @@ class _PartAt:
     static: np.ndarray
     grad: np.ndarray
     optim: np.ndarray
+    transient_mean: np.ndarray  # the largest of the part's transients (a stage holds one module's at a time)
+    transient_max: np.ndarray
 
     @classmethod
     def of(cls, part: PartMeans, nu, heaviest_share, time_nu) -> "_PartAt":
         return cls(part.time_s(time_nu), part.bwd_s(time_nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
-                   part.static_bytes, part.grad_bytes, part.optimizer_s)
+                   part.static_bytes, part.grad_bytes, part.optimizer_s, part.transient_mean(nu),
+                   part.transient_heaviest(heaviest_share))
 
     def scaled(self, k) -> "_PartAt":
+        """k x every sum; the transients of parts that are present (k a 0/1 mask here) as they are."""
         return _PartAt(*(k * getattr(self, f.name) for f in fields(self)))
 
     def __add__(self, other: "_PartAt") -> "_PartAt":
-        return _PartAt(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        return _PartAt(*(np.maximum(getattr(self, f.name), getattr(other, f.name)) if f.name.startswith("transient")
+                         else getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 def stage_coeffs(means, *, nu, heaviest_share, first, last, in_flight, extra=None, extra_nu=None, extra_on=True,
@@ -74,9 +79,11 @@ def stage_coeffs(means, *, nu, heaviest_share, first, last, in_flight, extra=Non
     return StageCoeffs(
         time_fixed=fixed.time, time_layer=layer.time,
         bwd_fixed=fixed.bwd, bwd_layer=layer.bwd,
-        mem_mean_fixed=state_scale * fixed.static + in_flight * fixed.act_mean,
+        mem_mean_fixed=state_scale * fixed.static + in_flight * fixed.act_mean
+        + np.maximum(layer.transient_mean, fixed.transient_mean),
         mem_mean_layer=state_scale * layer.static + in_flight * layer.act_mean,
-        mem_max_fixed=state_scale * fixed.static + in_flight * fixed.act_heaviest,
+        mem_max_fixed=state_scale * fixed.static + in_flight * fixed.act_heaviest
+        + np.maximum(layer.transient_max, fixed.transient_max),
         mem_max_layer=state_scale * layer.static + in_flight * layer.act_heaviest,
         grad_fixed=fixed.grad, grad_layer=layer.grad, optim_fixed=fixed.optim, optim_layer=layer.optim,
     )

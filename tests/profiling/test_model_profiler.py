@@ -54,13 +54,17 @@ def test_table_has_the_contract_columns_and_one_row_per_repeat(profiled):
     # Recompute columns: the layer modules a stage checkpoints have them, the others NaN; each mode
     # is timed min(count, max(2, ceil(0.25 count))) = 2 times here (2 to 4 runs of mode none).
     recomputed = table["module"].isin(["vision_layer", "llm_layer"])
-    for column in ("bwd_ms:selective", "act_bytes:selective", "bwd_ms:full", "act_bytes:full"):
+    for column in ("bwd_ms:selective", "act_bytes:selective", "transient_bytes:selective", "bwd_ms:full",
+                   "act_bytes:full", "transient_bytes:full"):
         assert table.loc[~recomputed, column].isna().all() and table.loc[recomputed, column].notna().any(), column
+    # Transient bytes: every module's, measured once per shape, on CPU as on any device.
+    assert (table["transient_bytes"] >= 0).all()
+    assert (table.groupby(["module", "batch", "seq_len"])["transient_bytes"].nunique() == 1).all()
     for shape, runs in table[recomputed].groupby(["module", "batch", "seq_len"]):
         for mode in ("selective", "full"):
             assert sorted(runs.loc[runs[f"bwd_ms:{mode}"].notna(), "repeat"]) == [0, 1], (shape, mode)
             assert (runs[f"bwd_ms:{mode}"].dropna() > 0).all()
-            assert runs[f"act_bytes:{mode}"].nunique() == 1
+            assert runs[f"act_bytes:{mode}"].nunique() == 1 and runs[f"transient_bytes:{mode}"].nunique() == 1
 
 
 def test_shape_grid_covers_tiles_and_packed_lengths(profiled):
@@ -236,9 +240,9 @@ def test_spent_time_budget_stops_refinement_after_the_coarse_round(tmp_path, cap
 
 
 def test_recompute_modes_run_after_each_pass_of_mode_none():
-    """A layer bench's modes get one timed run in pass 0 (which counts its bytes) and the rest of
-    their runs (a quarter of mode none's, at least 2) in later passes, each right after the shape's
-    mode-none runs, and leave the bench in mode none."""
+    """A layer bench's modes get one untimed run in pass 0 that measures its bytes and one timed run,
+    and the rest of their runs (a quarter of mode none's, at least 2) in later passes, each right after
+    the shape's mode-none runs, and leave the bench in mode none."""
     from dflop.profiling._timing import Timer
     from dflop.profiling.model_modules import ModuleBench
     from dflop.profiling.model_profiler import ProfileSettings, _measure_round, _RankSync, _Shape
@@ -260,10 +264,11 @@ def test_recompute_modes_run_after_each_pass_of_mode_none():
     settings = ProfileSettings(repeats=3, warmup=1, min_measure_ms=0.0, max_repeats=8, recompute_share=0.25)
     cpu = torch.device("cpu")
     _measure_round([shape], settings, _RankSync(cpu), Timer(cpu))
-    assert "".join(calls) == "nnsf" + "nsf" + "n"  # 3 runs of none; 2 of each mode
+    assert "".join(calls) == "nnssff" + "nsf" + "n"  # 3 runs of none; 2 timed of each mode, 1 measuring
     assert state["mode"] == "none"
     assert [len(shape.recompute_timed[m]) for m in ("selective", "full")] == [2, 2]
     assert shape.act_bytes == 8 * 4 * 4 and shape.recompute_act_bytes == {"selective": 128, "full": 128}
+    assert shape.transient_bytes > 0 and set(shape.recompute_transient_bytes) == {"selective", "full"}
     row = shape.recompute_columns(1)
     assert row["bwd_ms:full"] == shape.recompute_timed["full"][1]["bwd_ms"] and row["act_bytes:full"] == 128
     assert math.isnan(shape.recompute_columns(2)["bwd_ms:selective"])  # mode none's third run has no partner

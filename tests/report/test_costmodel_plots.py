@@ -94,7 +94,8 @@ def test_figure_shows_every_shape_and_the_held_out_errors(noisy):
         assert len(drawn) == len(ref)
         np.testing.assert_allclose(np.sort(drawn, axis=0), np.sort(ref, axis=0), rtol=1e-12)
     bars = [p.get_width() for p in fig.axes[3].patches]
-    assert sorted(bars) == pytest.approx(sorted(validation["mape_median"].fillna(0)))
+    shown = validation[validation["target"].isin(TARGETS)]  # the time and saved-bytes fits (not the transients)
+    assert sorted(bars) == pytest.approx(sorted(shown["mape_median"].fillna(0)))
     plt.close(fig)
 
 
