@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -92,7 +93,7 @@ class Run:
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
         began = time.perf_counter()
         process = subprocess.Popen([sys.executable, *args], cwd=self.work, stdout=log, stderr=subprocess.STDOUT,
-                                   env=env)
+                                   env=env, start_new_session=True)  # its own group: a timeout ends torchrun's workers too
         handle = (part, process, began, timeout, log)
         return handle if background else self.wait(handle)
 
@@ -103,7 +104,7 @@ class Run:
             code = process.wait(timeout=left)
             state = "ok" if code == 0 else f"failed (exit {code})"
         except subprocess.TimeoutExpired:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)  # the part and everything it started (torchrun, its ranks)
             process.wait()
             state = f"timed out after {timeout:.0f} s"
         log.close()

@@ -75,13 +75,13 @@ and equal to the H200 profile's fitted coefficients (benchmarks/profiles/nvidia-
 varlen kernel, so key and value repeated).
 
 Transient bytes of the LM head + loss (what its forward + backward holds at its peak beyond what it
-keeps, `dflop.costmodel.model.StageMemory`; the same under float32 and bf16, since the loss runs in
-float32), per token and per microbatch:
-  t = 1   8 V per token: the loss's backward holds the gradient of the float32 log-probabilities and
-          that of the logits beside the saved log-probabilities (the forward's logits and their
-          float32 copy, 6 V in bf16 and 4 V in float32, are less);
-  t > 1   4 V / t per token: the vocabulary-parallel loss's forward holds the float32 logits and
-          their shifted copy (which it keeps); its backward works in place;
+keeps, `dflop.costmodel.model.StageMemory`), per token and per microbatch:
+  t = 1   8 V per token under float32 and bf16 alike: the loss's backward holds the gradient of the
+          float32 log-probabilities and that of the logits beside the saved log-probabilities (the
+          forward's logits and their float32 copy, 6 V in bf16 and 4 V in float32, are less);
+  t > 1   (4 + (4 - b)) V / t per token: the vocabulary-parallel loss's forward holds the float32
+          logits and their shifted copy (which it keeps) and, below float32, the head's b-byte
+          logits it upcast (2 V / t more in bf16); its backward works in place;
   and 4 V h / t per microbatch: the weight's float32 gradient, made before it is added into the
   accumulated one. The two peaks come one after the other (the loss's backward, then the weight's);
   their sum bounds both, within the smaller of the two.
@@ -262,8 +262,9 @@ def llm_head_bytes_per_token(text_config: PreTrainedConfig, dtype: str, *, tp: i
     return float(2 * STREAM_BYTES * h + 4 + b * h + 4 * text_config.vocab_size / tp + 8)
 
 
-def llm_head_transient_bytes(text_config: PreTrainedConfig, *, tp: int = 1) -> tuple[float, float]:
+def llm_head_transient_bytes(text_config: PreTrainedConfig, dtype: str, *, tp: int = 1) -> tuple[float, float]:
     """(bytes per token, bytes per microbatch) the final norm, LM head and loss hold beyond what they
     keep (module docstring)."""
     V, h = text_config.vocab_size, text_config.hidden_size
-    return (8.0 if tp == 1 else 4.0) * V / tp, 4.0 * V * h / tp
+    b, _ = _compute_bytes(dtype)
+    return (8.0 if tp == 1 else 4.0 + (4 - b)) * V / tp, 4.0 * V * h / tp

@@ -147,7 +147,7 @@ def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), ac
             fwd["const"] = bwd["const"] = op_overhead_ms
             transient = {}
             if name == "llm_head":
-                per_token, per_microbatch = activations.llm_head_transient_bytes(text, tp=t)
+                per_token, per_microbatch = activations.llm_head_transient_bytes(text, dtype, tp=t)
                 transient = {"tokens": per_token, "const": per_microbatch}
             targets = [("fwd_ms", fwd), ("bwd_ms", bwd), ("act_bytes", act), ("transient_bytes", transient)]
             if name in ("vision_layer", "llm_layer"):

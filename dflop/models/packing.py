@@ -76,10 +76,10 @@ class PackedSequence:
         lengths = tuple(int(n) for n in lengths)
         if not lengths or min(lengths) < 1:
             raise UserError(f"packed sequence: every sample needs at least one token, got lengths {lengths}")
-        position_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        position_ids = torch.cat([torch.arange(n) for n in lengths])
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-        return cls(lengths=lengths, position_ids=position_ids, cu_seqlens=cu.to(device))
+        return cls(lengths=lengths, position_ids=_to_device(position_ids, device), cu_seqlens=_to_device(cu, device))
 
     @property
     def total_tokens(self) -> int:
@@ -106,18 +106,32 @@ class PackedSequence:
         return shifted
 
 
+def _to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through page-locked memory without blocking (a copy from
+    pageable memory waits for the GPU: two host syncs per microbatch and stage)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 # -- kernel selection ------------------------------------------------------------------------------
 
 _selected = "auto"
 
 
-def select_packed_kernel(name: str) -> None:
+def select_packed_kernel(name: str, *, device_type: str | None = None, compute_dtype: torch.dtype | None = None) -> None:
     """Use kernel `name` (one of `PACKED_KERNELS`) for packed rows in this process, from here on.
     The trainer and the model profiler call it with ``model.packed_attention``, so the profile
-    times the kernel training runs."""
+    times the kernel training runs; with the run's device type and compute dtype, a half-precision
+    CUDA kernel asked for where it cannot run is refused here, before any model is built."""
     global _selected
     if name not in PACKED_KERNELS:
         raise UserError(f"model.packed_attention: unknown kernel {name!r}; known: {', '.join(PACKED_KERNELS)}")
+    half = compute_dtype in (torch.float16, torch.bfloat16)
+    if name in ("varlen", "flash_attn") and device_type is not None and (device_type != "cuda" or not half):
+        raise UserError(f"model.packed_attention: {name} runs on CUDA in half precision only, and this run computes "
+                        f"in {compute_dtype} on {device_type} (model.dtype bfloat16 on cuda, or auto)")
     if name == "flash_attn" and flash_attn_varlen_func is None:
         raise UserError("model.packed_attention: flash_attn asked for but the flash-attn package is not installed "
                         "(pip install 'dflop[gpu]'), or use auto")

@@ -506,9 +506,14 @@ def shard_stage(stage: VisionStage | LLMStage, tp: TPGroup, sequence_parallel: b
         stage.embedding.embed_tokens = VocabParallelEmbedding(replaced, tp)
     if stage.head is not None:
         fill(stage.head)
+        whole_head = stage.head.lm_head.weight
         stage.head = VocabParallelCausalLMHead(stage.head.norm, stage.head.lm_head, tp, sequence_parallel)
         if tied:  # the same vocabulary slice on this rank: keep one tensor
             stage.head.lm_head.weight = stage.embedding.embed_tokens.weight
+        elif stage.head.lm_head.weight is not whole_head:
+            # the whole table the shard replaced: a head tied to a token embedding on another stage
+            # is still registered there in the full model (which would keep it, [V, d], alive)
+            _release(whole_head)
     if replaced is not None:
         _release(replaced.weight)
     fill(stage)

@@ -16,7 +16,9 @@ variable_seq_lengths do: a fixed-size shape header first, read on the host, then
 second batch. An empty message is never sent.
 
 Sends stay in flight until `P2P.wait_sends` (their buffers are kept alive until then); receives
-are complete when `exchange` returns (on NCCL: ordered before the current stream's next work).
+are complete when `exchange` returns (on NCCL: ordered before the current stream's next work). On
+NCCL a batch is one request, so the compute stream's next work also waits for that point's sends
+(as in Megatron): sends overlap the next op's compute on gloo only.
 
 Tags keep the channels of one pair of ranks apart on gloo: ``4 * position + 2 * direction + part``
 (direction 0 = activations forward, 1 = gradients backward; part 0 = header, 1 = data). NCCL ignores

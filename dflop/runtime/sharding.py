@@ -46,7 +46,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.torch_version import TorchVersion
 
 from dflop.models.tensor_parallel import DP_DIM
 from dflop.runtime.topology import LLM, VISION, Topology
@@ -128,8 +127,8 @@ class StepSharding:
 # FSDP2 has no public call for "reduce-scatter the accumulated gradients now" nor for its root's
 # lazy init; torch's own pipeline schedule uses the private state as below. Read against torch 2.11
 # and 2.13 (`tests/runtime/test_sharding.py::test_fsdp2_private_state_is_the_one_read` fails when an
-# installed torch has it otherwise).
-_PARAM_GROUP_LIST_SINCE = (2, 13)  # `FSDPState._fsdp_param_groups`; before: `_fsdp_param_group`
+# installed torch has it otherwise). The form is told by the attribute, not the version number, so
+# pre-releases and vendor builds (2.13.0a0+git..., which compares below 2.13) read the right one.
 
 
 def _lazy_init(m: FSDPModule) -> None:
@@ -139,10 +138,13 @@ def _lazy_init(m: FSDPModule) -> None:
 def _param_groups(state) -> list:
     """One FSDP state's parameter groups: torch 2.13 keeps a list (per-parameter meshes), 2.11 one
     group or None."""
-    if TorchVersion(torch.__version__) >= _PARAM_GROUP_LIST_SINCE:
-        return list(state._fsdp_param_groups)
-    group = state._fsdp_param_group
-    return [] if group is None else [group]
+    held = vars(state)
+    if "_fsdp_param_groups" in held:
+        return list(held["_fsdp_param_groups"])
+    if "_fsdp_param_group" in held:
+        return [] if held["_fsdp_param_group"] is None else [held["_fsdp_param_group"]]
+    raise RuntimeError(f"torch {torch.__version__}'s FSDP2 keeps its parameter groups in neither "
+                       "_fsdp_param_groups nor _fsdp_param_group: update dflop.runtime.sharding._param_groups")
 
 
 def _reduce_now(m: FSDPModule) -> None:

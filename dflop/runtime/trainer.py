@@ -127,7 +127,8 @@ class Trainer:
         self._setup_parameters()
         train, sched = settings.train, settings.scheduler
         precision = Precision.of(model.spec.dtype)
-        select_packed_kernel(model.spec.packed_attention)  # the kernel the profile timed
+        select_packed_kernel(model.spec.packed_attention, device_type=self.device.type,  # the kernel the profile timed
+                             compute_dtype=precision.compute_dtype)
         self.spans = SpanRecorder(trace_window(train.trace_steps, train.steps), self.device)
         self.p2p = P2P(self.device, precision.compute_dtype)
         self.p2p.spans = self.spans

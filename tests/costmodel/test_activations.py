@@ -243,6 +243,17 @@ def test_profiled_modules_keep_the_closed_forms_at_tp2():
     lines = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("SAVED ")]
     config = model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny")
     text = config.get_text_config()
+    # the vocabulary-parallel head's transient per token: the closed form's slope (bf16: the head's
+    # logits beside their float32 copy, 6 V/t; float32 4 V/t), and the bound with the weight gradient
+    heads = {(d, int(n)): float(b) for d, _, n, b in
+             (line.split()[1:] for line in result.stdout.splitlines() if line.startswith("TRANSIENT "))}
+    V, h = text.vocab_size, text.hidden_size
+    for dtype in ("float32", "bfloat16"):
+        per_token, per_microbatch = activations.llm_head_transient_bytes(text, dtype, tp=2)
+        slope = (heads[dtype, 1024] - heads[dtype, 256]) / (1024 - 256)
+        assert slope == pytest.approx(per_token, rel=0.02), dtype
+        for n in (256, 1024):
+            assert heads[dtype, n] <= n * per_token + per_microbatch <= heads[dtype, n] + 4 * V * h / 2, (dtype, n)
     assert len(lines) == 2 * (1 + 3 + 1 + 3)
     for dtype, name, mode, batch, seq_len, measured in lines:
         batch, seq_len = int(batch), int(seq_len)

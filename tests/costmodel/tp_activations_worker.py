@@ -3,7 +3,8 @@ one rank of TP=2 (tiny LLaVA-OV), as the profiler builds and runs them, under ea
 
 Rank 0 prints one line per dtype, module and recompute mode: ``SAVED <dtype> <module> <mode> <batch>
 <seq_len> <bytes>`` (this rank's bytes, parameters excluded, autocast's bf16 copies of this rank's
-matmul and convolution weights subtracted).
+matmul and convolution weights subtracted), and the vocabulary-parallel LM head's transient bytes as
+the profiler measures them: ``TRANSIENT <dtype> llm_head <tokens> <bytes>``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from dflop.models.precision import Precision
 from dflop.models.tensor_parallel import TPGroup, local_tensor
 from dflop.profiling._memory import saved_tensor_bytes
 from dflop.profiling.model_modules import TILE_MODULES, build_benches
+from dflop.profiling.model_profiler import _measured_run, _RankSync
 
 MODEL = ("llava_ov", "siglip-tiny", "qwen2.5-tiny")
 MODULES = ("vision_embed", "vision_layer", "projector", "llm_layer")
+HEAD_TOKENS = (256, 1024)
 
 
 def main() -> None:
@@ -47,6 +50,21 @@ def main() -> None:
                     if isinstance(m, (nn.Linear, nn.Conv2d)))
                 if tp.rank == 0:
                     print(f"SAVED {dtype} {bench.name} {mode} {batch} {seq_len} {saved.bytes - copies}", flush=True)
+        # the vocabulary-parallel head's transient, as the model profiler measures it
+        (head,) = build_benches(architecture(MODEL[0]), config, modules=("llm_head",), tp=tp,
+                                device=torch.device("cpu"), precision=precision)
+        for tokens in HEAD_TOKENS:
+            torch.manual_seed(0)
+            inputs = head.make_inputs(1, tokens)
+            leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+
+            def forward():
+                with precision.autocast("cpu"):
+                    return head.forward(*inputs)
+
+            _, transient = _measured_run(forward, list(head.module.parameters()), leaves, _RankSync(torch.device("cpu")))
+            if tp.rank == 0:
+                print(f"TRANSIENT {dtype} llm_head {tokens} {transient}", flush=True)
     dist.destroy_process_group()
 
 

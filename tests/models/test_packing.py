@@ -191,3 +191,13 @@ def test_kernel_choice():
         with pytest.raises(UserError, match="flash-attn package is not installed"):
             packing.select_packed_kernel("flash_attn")
     assert packing.selected_packed_kernel() == "auto"
+
+
+def test_a_half_precision_cuda_kernel_is_refused_before_the_run():
+    from dflop.models import packing
+
+    with pytest.raises(UserError, match="varlen runs on CUDA in half precision only.*float32 on cuda"):
+        packing.select_packed_kernel("varlen", device_type="cuda", compute_dtype=torch.float32)
+    with pytest.raises(UserError, match="runs on CUDA in half precision only.*on cpu"):
+        packing.select_packed_kernel("varlen", device_type="cpu", compute_dtype=torch.bfloat16)
+    assert packing.selected_packed_kernel() == "auto"  # nothing selected by a refused call

@@ -33,10 +33,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def main() -> int:
     torch.set_num_threads(1)
     out, arch = Path(sys.argv[1]), sys.argv[2]
+    pp = int(sys.argv[3]) if len(sys.argv) > 3 else 1  # LLM pipeline stages (tp = world / pp)
     init_distributed("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = plan_from_dict({"vision": {"tp": world, "pp": 1, "dp": 1, "layers_per_stage": [2]},
-                           "llm": {"tp": world, "pp": 1, "dp": 1, "layers_per_stage": [2]},
+    tp = world // pp
+    plan = plan_from_dict({"vision": {"tp": tp, "pp": 1, "dp": 1, "layers_per_stage": [2]},
+                           "llm": {"tp": tp, "pp": pp, "dp": 1, "layers_per_stage": [2 // pp] * pp},
                            "placement": "colocated", "microbatches": 1, "global_batch_size": 1,
                            "world_size": world}, "plan.yaml").plan
     topo = Topology(plan, rank, world)

@@ -187,11 +187,16 @@ def test_trainer_batches_each_schedule_point_and_receivers_know_every_shape(worl
     """(a) A rank calls batch_isend_irecv at most once between two of its ops, with the sends of
     the op before and the receives of the op after: sends and receives of one point in one batch.
     (b) Every message the partition calls for went through those batches, and nothing else.
-    (c) No message has a header, and every receive buffer has the shape of the tensor sent."""
+    (c) No message has a header, and every receive buffer has the shape of the tensor sent.
+    (d) Between each (sender, receiver) pair the receiver posts its receives in the order the sender
+    issues the sends: NCCL ignores tags and matches a pair's messages in issue order (gloo matches
+    by tag and would hide a different order)."""
     for c, out in _run(world, tmp_path, pools, runtime_demo):
         result = json.loads((out / "result.json").read_text())
         layout = plan_from_dict(c["plan"], c["name"]).plan
         sent, posted = {}, {}
+        sent_order: dict[tuple, list] = {}
+        posted_order: dict[tuple, list] = {}
         for rank in range(world):
             events = json.loads((out / f"p2p_rank{rank}.json").read_text())
             ops = [(kind, p) for tag, kind, p in (e for e in events if e[0] == "op")]
@@ -210,5 +215,8 @@ def test_trainer_batches_each_schedule_point_and_receivers_know_every_shape(worl
                     assert op == ("F" if direction == FORWARD else "B", position), (c["name"], rank, k, name, tag)
                     key = (rank, peer, position, direction) if name == "isend" else (peer, rank, position, direction)
                     (sent if name == "isend" else posted)[key] = tuple(shape)
+                    order = sent_order if name == "isend" else posted_order
+                    order.setdefault(key[:2], []).append(key[2:])
         assert set(sent) == _expected_messages(layout, world, result["bins"], result["vision_shares"]), c["name"]
         assert posted == sent, c["name"]
+        assert posted_order == sent_order, c["name"]

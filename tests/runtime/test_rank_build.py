@@ -192,6 +192,21 @@ def test_a_directory_without_safetensors_is_refused(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
+def test_a_last_stage_with_a_tied_head_holds_no_whole_embedding_table(tmp_path):
+    # tp = 2, LLM pp = 2 (4 ranks): LLaVA-OV's head is tied to the token embedding, which only the
+    # first LLM stage runs; the last stage's ranks shard the head and must not keep the full model's
+    # whole [V, d] table behind it
+    worker = Path(__file__).with_name("rank_build_worker.py")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                             str(worker), str(tmp_path), "llava_ov", "2"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for r in range(4):
+        report = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert report["beyond"] == {} and report["differ"] == [], r
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_tensor_parallel_ranks_hold_only_their_shards(arch, tmp_path):
     # tp = 2 over the whole model (colocated; LLaVA-OV's tied embedding and head on one stage): each

@@ -203,18 +203,16 @@ def test_fsdp2_private_state_is_the_one_read(one_rank_world):
     import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    from torch.torch_version import TorchVersion
-
     from dflop.runtime import sharding
 
     stage, sharded = _one_rank_sharded(one_rank_world)
     state = fully_shard.state(sharded)
     sharding._lazy_init(sharded)
     assert state._state_ctx.all_states == [state]
-    if TorchVersion(torch.__version__) >= sharding._PARAM_GROUP_LIST_SINCE:
+    if "_fsdp_param_groups" in vars(state):  # torch 2.13
         held = state.__dict__["_fsdp_param_groups"]
         assert isinstance(held, list) and len(held) == 1
-    else:
+    else:  # torch 2.11
         assert "_fsdp_param_groups" not in dir(state)
         held = [state.__dict__["_fsdp_param_group"]]
     assert isinstance(held[0], FSDPParamGroup)
