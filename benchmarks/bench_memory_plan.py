@@ -184,10 +184,11 @@ def worker(spec_path: str) -> int:
             outputs = {"peak": 0}
             forward = executor._forward
 
-            def counted_forward(p):  # the stage outputs the executor keeps until their backward
-                forward(p)
+            def counted_forward(p, received):  # the stage outputs the executor keeps until their backward
+                sends = forward(p, received)
                 outputs["peak"] = max(outputs["peak"],
                                       held_bytes(s.output for s in executor._saved.values()))
+                return sends
 
             executor._forward = counted_forward
             try:

@@ -103,7 +103,7 @@ def test_internvit_pads_to_every_node_tp_degree(bench):
     from dflop.planner.space import VISION_MODULES, ModelShape, build_space
 
     class Args:
-        tflops, tp_gbps = 400.0, 300.0
+        tflops, tp_gbps, no_gpu_profiles = 400.0, 300.0, False
 
     cost, source = bench.cost_model_for("qwen2.5-72b", Args, "internvl", "internvit-6b", profile="no-such-profile")
     assert source.startswith("analytic")

@@ -27,6 +27,7 @@ class Args:
     """bench_planner.py's command-line defaults (H100-class analytic model, 8 x 80 GB nodes)."""
 
     tflops, tp_gbps, intra_gbps, inter_gbps = 400.0, 300.0, 300.0, 50.0
+    no_gpu_profiles = True  # the analytic model alone, whatever fitted profiles lie in benchmarks/profiles/
 
 
 def _stage_peaks(plan: Plan, policy: str, cost, batch, part, llm_hidden: int) -> np.ndarray:
