@@ -87,6 +87,20 @@ def test_the_baseline_as_a_plan_of_its_own(tmp_path):
         baseline_plan_doc(raw(), "p.yaml")
 
 
+def test_the_padded_baseline_as_a_plan_of_its_own(tmp_path):
+    """What `dflop train --baseline --pad` trains: the padded baseline's own layout (padding needs more
+    microbatches for the same memory), not the packed baseline's."""
+    packed = raw(placement="colocated", vision={"tp": 1, "pp": 1, "dp": 4, "layers_per_stage": [2]},
+                 llm={"tp": 1, "pp": 1, "dp": 4, "layers_per_stage": [2]}, world_size=4, microbatches=2)
+    padded = {**packed, "microbatches": 4}
+    doc = baseline_plan_doc(raw(baseline=packed, padded_baseline=padded), padded=True)
+    write_plan(doc, tmp_path / "b.yaml")
+    assert read_plan(tmp_path / "b.yaml").plan.layout.m == 4
+    assert baseline_plan_doc(raw(baseline=packed, padded_baseline=padded))["microbatches"] == 2
+    with pytest.raises(UserError, match=r"p\.yaml: padded_baseline: missing"):
+        baseline_plan_doc(raw(baseline=packed), "p.yaml", padded=True)
+
+
 def test_the_padded_baseline_section_is_optional_and_checked():
     """Files written before the HF/LLaVA padded baseline read as before; a written one is checked."""
     padded = raw(placement="colocated", vision={"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
