@@ -325,7 +325,8 @@ def summarize(run: Run) -> dict:
                                               for k, r in shape["kernels"].items()}}
                             for llm, shape in attention["shapes"].items()}
     for llm in mode.llms:
-        out.setdefault("profiles", {})[llm] = profile_summary(work, llm, run.status)
+        part = "profile" if llm == mode.llms[0] else f"profile_{llm}"  # as `main` names the parts
+        out.setdefault("profiles", {})[llm] = profile_summary(work, llm, run.status.get(part, {}))
     for name in ("train_plan", "train_padded"):
         metrics = work / name / "metrics.parquet"
         if not metrics.exists():  # a run cut short: the rows it wrote as it went
@@ -348,11 +349,10 @@ def summarize(run: Run) -> dict:
 
 
 def profile_summary(work: Path, llm: str, status: dict) -> dict:
+    """`llm`'s profile: its part's wall time (`status`), row count and held-out errors."""
     import pandas as pd
 
-    part = "profile" if (work / "config.yaml").exists() and llm == yaml.safe_load(
-        (work / "config.yaml").read_text())["model"]["llm"] else f"profile_{llm}"
-    out = {"wall_s": status.get(part, {}).get("seconds")}
+    out = {"wall_s": status.get("seconds")}
     validation = work / f"validation_{llm}.parquet"
     if validation.exists():
         table = pd.read_parquet(validation)
