@@ -159,6 +159,7 @@ class DatasetSpec:
     path: Path
     format: str
     media_root: Path | None
+    allow_absolute_paths: bool
     sample: str
 
     @classmethod
@@ -168,7 +169,8 @@ class DatasetSpec:
         _fill(item, load_schema()["properties"]["data"]["properties"]["datasets"]["items"])
         media_root = item["media_root"]
         return cls(name=item["name"], path=Path(item["path"]), format=item["format"],
-                   media_root=Path(media_root) if media_root else None, sample=item["sample"])
+                   media_root=Path(media_root) if media_root else None,
+                   allow_absolute_paths=item["allow_absolute_paths"], sample=item["sample"])
 
 
 @dataclass(frozen=True)

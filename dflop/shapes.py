@@ -87,8 +87,23 @@ def numpy_backed(shapes: pd.DataFrame) -> pd.DataFrame:
     return shapes.astype(strings) if strings else shapes
 
 
+def check_unique_ids(shapes: pd.DataFrame, where: str = "shapes") -> None:
+    """One-line UserError naming the first (dataset, sample_id) on two rows. The trainer finds a
+    row's sample by that pair, so a repeated one would load another record than the one planned."""
+    if not {"dataset", "sample_id"} <= set(shapes.columns):
+        return  # `usable` names the missing column
+    repeats = np.flatnonzero(shapes.duplicated(["dataset", "sample_id"]).to_numpy())
+    if repeats.size:
+        second = int(repeats[0])
+        dataset, sample_id = shapes["dataset"].iloc[second], shapes["sample_id"].iloc[second]
+        first = int(np.flatnonzero(((shapes["dataset"] == dataset) & (shapes["sample_id"] == sample_id)).to_numpy())[0])
+        raise UserError(f"{where}: sample {dataset}/{sample_id} is on rows {first} and {second}; each "
+                        "(dataset, sample_id) must be on one row (re-run profile_data)")
+
+
 def read_shapes(path: str | Path) -> pd.DataFrame:
-    """The usable rows of shapes.parquet (`usable`, every schema column required); one-line
-    errors for a missing, unreadable or foreign file."""
+    """The usable rows of shapes.parquet (`usable`, every schema column required, ids unique:
+    `check_unique_ids`); one-line errors for a missing, unreadable or foreign file."""
     table = read_parquet(path, missing_hint="no shapes file: run `dflop profile-data` first")
+    check_unique_ids(table, str(path))
     return usable(table, str(path), columns=[c for c in SHAPE_COLUMNS if c not in OPTIONAL_COLUMNS])

@@ -1,19 +1,28 @@
 """Streaming readers for instruction datasets: LLaVA JSON, JSONL and Parquet with embedded images.
 
 Every reader yields `RawSample` records one at a time, so a million-sample dataset never sits in
-memory (the only per-sample state kept is the set of ids seen, to keep ids unique). Bad samples
+memory (the only per-sample state kept is the ids seen, to keep ids unique). Bad samples
 never raise: they come out with `error` set to a short reason (``malformed_json``,
 ``not_an_object``, ``no_conversations``, ``bad_conversations``, ``unknown_modality:<key>``,
-``bad_image_field``, ``bad_video_field``, ``multiple_videos``) that the data profiler writes as
-``status=skipped:<reason>``. File-level problems (missing file, unknown format, a JSON list that
-stops parsing, an unreadable Parquet file or page) raise `DatasetError`, a one-line `UserError`
-naming the file. Parquet pages are checked against their CRC where the writer stored one
+``bad_image_field``, ``bad_video_field``, ``multiple_videos``, ``media_outside_root``) that the
+data profiler writes as ``status=skipped:<reason>``. File-level problems (missing file, unknown
+format, a JSON list that stops parsing, an unreadable Parquet file or page) raise `DatasetError`, a
+one-line `UserError` naming the file. Parquet pages are checked against their CRC where the writer stored one
 (``write_page_checksum``), so a corrupt byte there is an error, not a silently wrong value.
 
 Sample ids are stable across runs: the record's ``id`` when it has one not used by an earlier
 record of the same dataset, else ``<dataset>:<index>`` (index = 0-based position of the record in
 the dataset, over all files of a Parquet directory in name order). Ids are unique within a
-dataset; (dataset, sample_id) is unique across datasets.
+dataset; (dataset, sample_id) is unique across datasets. A repeated id is renamed, not refused or
+dropped: instruction sets often key records by their image, several conversations to one image, and
+each conversation is a sample to keep. The renamed sample says so (`RawSample.id_note`) and the
+data profiler reports it. The profiler and the trainer read through
+`read_spec`, so both give every record the same id.
+
+Media paths (`media_path`): a path is read only where it resolves, symlinks followed, inside the
+dataset's media root; an absolute path outside it only when the dataset sets
+``allow_absolute_paths``. Any other path makes the sample ``media_outside_root`` (skipped, like an
+unreadable image), so a manifest cannot make a stage open ``../../etc/passwd`` as an image.
 """
 
 from __future__ import annotations
@@ -24,11 +33,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflop.config import DatasetSpec
 from dflop.data.media import EmbeddedSource, ImageRef, VideoRef
 from dflop.data.sampling import parse_sampling_rule, sample_stream
 from dflop.errors import UserError, first_line
@@ -57,6 +67,8 @@ class RawSample:
     conversations: turns as {"from": str, "value": str}; None when `error` is set.
     error: None for a usable sample, else the short skip reason (see module docstring).
     index: 0-based position of the record in its dataset.
+    error_detail: what exactly was wrong, for the profiler's report (only some reasons have one).
+    id_note: why the record's own id was not used (an earlier record has it), else None.
     """
 
     sample_id: str
@@ -66,6 +78,8 @@ class RawSample:
     video: VideoRef | None = None
     conversations: tuple[dict[str, str], ...] | None = None
     error: str | None = None
+    error_detail: str | None = None
+    id_note: str | None = None
 
     @property
     def modality(self) -> str:
@@ -120,12 +134,14 @@ def iter_raw_samples(
     dataset: str | None = None,
     fmt: str = "auto",
     media_root: str | os.PathLike | None = None,
+    allow_absolute_paths: bool = False,
 ) -> Iterator[RawSample]:
     """Every record of a dataset as a RawSample, in file order, streamed.
 
     dataset: name used in fallback ids (default: file stem, or the directory name).
-    media_root: base of relative media paths (default: the manifest's directory, or the Parquet
-        directory itself).
+    media_root: base of relative media paths, and where every media file must be (default: the
+        manifest's directory, or the Parquet directory itself).
+    allow_absolute_paths: read absolute media paths outside media_root too (`media_path`).
     Raises DatasetError at call time if the dataset is missing or its format unknown.
     """
     path = Path(path)
@@ -138,7 +154,7 @@ def iter_raw_samples(
         records = _jsonl_records(path)
     else:
         records = _parquet_records(path)
-    return _to_samples(records, dataset=name, media_root=root)
+    return _to_samples(records, dataset=name, media=MediaRule(root, allow_absolute_paths))
 
 
 def read_dataset(
@@ -147,6 +163,7 @@ def read_dataset(
     dataset: str | None = None,
     fmt: str = "auto",
     media_root: str | os.PathLike | None = None,
+    allow_absolute_paths: bool = False,
     sample: str = "all",
     seed: int = 0,
 ) -> Iterator[RawSample]:
@@ -156,7 +173,8 @@ def read_dataset(
     sampled subset. Raises DatasetError / SamplingRuleError at call time.
     """
     rule = parse_sampling_rule(sample)
-    samples = iter_raw_samples(path, dataset=dataset, fmt=fmt, media_root=media_root)
+    samples = iter_raw_samples(path, dataset=dataset, fmt=fmt, media_root=media_root,
+                               allow_absolute_paths=allow_absolute_paths)
     total = count_records(path, fmt) if rule.kind == "random" else None
     return sample_stream(
         samples,
@@ -166,6 +184,13 @@ def read_dataset(
         key=lambda s: s.sample_id,
         total=total,
     )
+
+
+def read_spec(spec: DatasetSpec, seed: int) -> Iterator[RawSample]:
+    """The samples of one ``data.datasets`` entry; the data profiler and the trainer both read
+    through here, so a sample has the same id and the same media rule in each."""
+    return read_dataset(spec.path, dataset=spec.name, fmt=spec.format, media_root=spec.media_root,
+                        allow_absolute_paths=spec.allow_absolute_paths, sample=spec.sample, seed=seed)
 
 
 def _dataset_name(path: Path, dataset: str | None) -> str:
@@ -382,20 +407,38 @@ def embedded_image_bytes(source: EmbeddedSource) -> bytes:
 
 
 class _BadSample(Exception):
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, detail: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.detail = detail
 
 
-def _to_samples(records: Iterable[Any], *, dataset: str, media_root: Path) -> Iterator[RawSample]:
-    seen_ids: set[str] = set()
+@dataclass(frozen=True)
+class MediaRule:
+    """Where one dataset's media may be (`media_path`)."""
+
+    root: Path
+    allow_absolute: bool = False
+
+    @functools.cached_property
+    def real_root(self) -> str:
+        """The root with symlinks followed, what a media file's real path must start with."""
+        return _real_path(str(self.root)).rstrip(os.sep) + os.sep
+
+
+MEDIA_OUTSIDE_ROOT = "media_outside_root"
+
+
+def _to_samples(records: Iterable[Any], *, dataset: str, media: MediaRule) -> Iterator[RawSample]:
+    seen_ids: dict[str, int] = {}  # id -> index of the record that has it
     for index, record in enumerate(records):
-        sample_id = _sample_id(record, index, dataset, seen_ids)
-        seen_ids.add(sample_id)
+        sample_id, id_note = _sample_id(record, index, dataset, seen_ids)
+        seen_ids[sample_id] = index
         try:
-            images, video, conversations = _parse_record(record, media_root)
+            images, video, conversations = _parse_record(record, media)
         except _BadSample as bad:
-            yield RawSample(sample_id=sample_id, dataset=dataset, index=index, error=bad.reason)
+            yield RawSample(sample_id=sample_id, dataset=dataset, index=index, error=bad.reason,
+                            error_detail=bad.detail, id_note=id_note)
             continue
         yield RawSample(
             sample_id=sample_id,
@@ -404,26 +447,29 @@ def _to_samples(records: Iterable[Any], *, dataset: str, media_root: Path) -> It
             images=images,
             video=video,
             conversations=conversations,
+            id_note=id_note,
         )
 
 
-def _sample_id(record: Any, index: int, dataset: str, seen_ids: set[str]) -> str:
+def _sample_id(record: Any, index: int, dataset: str, seen_ids: Mapping[str, int]) -> tuple[str, str | None]:
+    """(the record's id, why its own id was not used or None); the id rule of the module docstring."""
     raw = record.get("id") if isinstance(record, dict) else None
     if isinstance(raw, bool) or not isinstance(raw, (str, int)):
         raw = None
     candidate = str(raw).strip() if raw is not None else ""
     if candidate and candidate not in seen_ids:
-        return candidate
+        return candidate, None
+    note = f"id {candidate!r} repeats record {seen_ids[candidate]}'s" if candidate else None
     fallback = f"{dataset}:{index}"
     # Only if an earlier record's own id happened to look like a fallback id.
     suffix = 1
     while fallback in seen_ids:
         fallback, suffix = f"{dataset}:{index}:{suffix}", suffix + 1
-    return fallback
+    return fallback, note
 
 
 def _parse_record(
-    record: Any, media_root: Path
+    record: Any, media: MediaRule
 ) -> tuple[tuple[ImageRef, ...], VideoRef | None, tuple[dict[str, str], ...]]:
     if record is _MALFORMED:
         raise _BadSample("malformed_json")
@@ -434,8 +480,8 @@ def _parse_record(
             raise _BadSample(f"unknown_modality:{key}")
     conversations = _conversations(record.get("conversations"))
     column = "image" if record.get("image") is not None else "images"
-    images = _image_refs(record.get(column), media_root, record.get(_SOURCE_KEY), column)
-    video = _video_ref(record.get("video"), media_root)
+    images = _image_refs(record.get(column), media, record.get(_SOURCE_KEY), column)
+    video = _video_ref(record.get("video"), media)
     return images, video, conversations
 
 
@@ -456,28 +502,28 @@ def _conversations(value: Any) -> tuple[dict[str, str], ...]:
     return tuple(turns)
 
 
-def _image_refs(value: Any, media_root: Path, row: tuple[Path, int] | None = None,
+def _image_refs(value: Any, media: MediaRule, row: tuple[Path, int] | None = None,
                 column: str = "image") -> tuple[ImageRef, ...]:
     """`row`: (Parquet file, row) of the record, for embedded images' `EmbeddedSource`."""
     if value is None:
         return ()
     items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
-    return tuple(_image_ref(item, media_root, row and EmbeddedSource(*row, column, k)) for k, item in items)
+    return tuple(_image_ref(item, media, row and EmbeddedSource(*row, column, k)) for k, item in items)
 
 
-def _image_ref(item: Any, media_root: Path, source: EmbeddedSource | None = None) -> ImageRef:
+def _image_ref(item: Any, media: MediaRule, source: EmbeddedSource | None = None) -> ImageRef:
     if isinstance(item, str) and item.strip():
-        return ImageRef(path=_resolve(item, media_root))
+        return ImageRef(path=media_path(item, media))
     if isinstance(item, dict):  # Hugging Face Image feature: {"bytes": ..., "path": ...}
         data, name = item.get("bytes"), item.get("path")
         if isinstance(data, (bytes, bytearray)) and data:
             return ImageRef(data=bytes(data), name=name if isinstance(name, str) else None, source=source)
         if isinstance(name, str) and name.strip():
-            return ImageRef(path=_resolve(name, media_root))
+            return ImageRef(path=media_path(name, media))
     raise _BadSample("bad_image_field")
 
 
-def _video_ref(value: Any, media_root: Path) -> VideoRef | None:
+def _video_ref(value: Any, media: MediaRule) -> VideoRef | None:
     if value is None:
         return None
     if isinstance(value, (list, tuple)):
@@ -487,10 +533,42 @@ def _video_ref(value: Any, media_root: Path) -> VideoRef | None:
             raise _BadSample("multiple_videos")
         value = value[0]
     if isinstance(value, str) and value.strip():
-        return VideoRef(path=_resolve(value, media_root))
+        return VideoRef(path=media_path(value, media))
     raise _BadSample("bad_video_field")
 
 
-def _resolve(relative_or_absolute: str, media_root: Path) -> Path:
-    path = Path(relative_or_absolute)
-    return path if path.is_absolute() else media_root / path
+def media_path(value: str, media: MediaRule) -> Path:
+    """The file a manifest's media path names: relative paths resolve against the media root.
+
+    The one media-path rule (module docstring): the file must be inside the media root once
+    symlinks are followed, or, for an absolute path, the dataset must allow absolute paths.
+    Otherwise `_BadSample` ``media_outside_root``, with the path and where it leads as detail.
+    The path is returned as written (joined to the root), not resolved, so reports name it as the
+    manifest does.
+    """
+    path = Path(value)
+    if path.is_absolute() and media.allow_absolute:
+        return path
+    joined = path if path.is_absolute() else media.root / path
+    real = _real_path(str(joined))
+    if real.startswith(media.real_root) or real + os.sep == media.real_root:
+        return joined
+    hint = "; absolute paths outside it need allow_absolute_paths: true" if path.is_absolute() else ""
+    raise _BadSample(MEDIA_OUTSIDE_ROOT, f"{value} leads to {real}, outside media_root {media.root}{hint}")
+
+
+def _real_path(path: str) -> str:
+    """`os.path.realpath(path)` through the cached real path of its directory: one lstat a file,
+    where resolving every component costs ~60 us a file (and each rank reads every manifest)."""
+    directory, name = os.path.split(path)
+    if name in ("", ".", ".."):
+        return os.path.realpath(path)
+    full = os.path.join(_real_dir(directory if os.path.isabs(directory) else os.path.join(os.getcwd(), directory)),
+                        name)
+    return os.path.realpath(full) if os.path.islink(full) else full
+
+
+@functools.lru_cache(maxsize=4096)
+def _real_dir(directory: str) -> str:
+    """`os.path.realpath` of an absolute directory path, cached: a dataset's files share a few."""
+    return os.path.realpath(directory)

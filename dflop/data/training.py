@@ -53,7 +53,7 @@ from PIL import Image
 
 from dflop.config import DatasetSpec
 from dflop.data.media import ImageRef, MediaError, image_size, video_meta
-from dflop.data.readers import DatasetError, RawSample, embedded_image_bytes, read_dataset
+from dflop.data.readers import MEDIA_OUTSIDE_ROOT, DatasetError, RawSample, embedded_image_bytes, read_spec
 from dflop.data.tokenizer import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
@@ -205,8 +205,7 @@ def pool_samples(pool: pd.DataFrame, datasets: Sequence[DatasetSpec], seed: int)
     wanted = set(zip(pool["dataset"], pool["sample_id"]))
     found: dict[tuple[str, str], RawSample] = {}
     for ds in datasets:
-        for sample in read_dataset(ds.path, dataset=ds.name, fmt=ds.format, media_root=ds.media_root,
-                                   sample=ds.sample, seed=seed):
+        for sample in read_spec(ds, seed):
             key = (sample.dataset, sample.sample_id)
             if key in wanted:
                 found[key] = dataclasses.replace(sample, images=tuple(r.without_bytes() for r in sample.images))
@@ -288,7 +287,11 @@ class TrainingData(torch.utils.data.Dataset):
         """The sample's media from headers, checked against shapes.parquet."""
         sample = self.samples[i]
         if sample.error is not None:
-            raise SampleError(f"{self._name(i)}: unusable ({sample.error})")
+            # Media that left the media root since profile_data (a symlink or allow_absolute_paths changed)
+            # is that one sample's fault, skipped like an unreadable file; any other error means stale shapes.
+            error = UnreadableMedia if sample.error == MEDIA_OUTSIDE_ROOT else SampleError
+            detail = f": {sample.error_detail}" if sample.error_detail else ""
+            raise error(f"{self._name(i)}: unusable ({sample.error}{detail})")
         try:
             sizes = [image_size(_with_bytes(ref)) for ref in sample.images]  # (width, height)
             frames = video_meta(sample.video.path).n_frames if sample.video is not None else None

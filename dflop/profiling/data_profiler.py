@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from dflop.config import Config
 from dflop.data.media import MediaError, image_size, video_meta
-from dflop.data.readers import DatasetError, RawSample, check_dataset, count_records, read_dataset
+from dflop.data.readers import DatasetError, RawSample, check_dataset, count_records, read_spec
 from dflop.data.sampling import SamplingRuleError, parse_sampling_rule
 from dflop.data.tokenizer import count_text_tokens_batch, expand_video_placeholders, load_tokenizer
 from dflop.data.vision_tokens import NO_VISION, sample_vision_shape, sampled_frame_count
@@ -67,6 +67,9 @@ class ProfileSummary:
     skipped: Counter = field(default_factory=Counter)
     # First few skipped samples with their detail, for the log and the error message.
     skipped_examples: list[str] = field(default_factory=list)
+    # Records whose own id an earlier record of their dataset has (they take <dataset>:<index>).
+    renamed_ids: int = 0
+    renamed_examples: list[str] = field(default_factory=list)
 
     @property
     def skipped_total(self) -> int:
@@ -158,7 +161,7 @@ def shape_rows(samples: Sequence[RawSample], rules: ShapeRules, tokenizer=None) 
     pending: list[int] = []
     for sample in samples:
         if sample.error is not None:
-            out.append((_skipped_row(sample, sample.error), None))
+            out.append((_skipped_row(sample, sample.error), sample.error_detail))
             continue
         row, problem = _vision_row(sample, rules)
         if row is None:
@@ -205,17 +208,17 @@ def _chunks(items: Iterable[RawSample], size: int) -> Iterator[list[RawSample]]:
         yield chunk
 
 
-def _all_samples(cfg: Config) -> Iterator[RawSample]:
+def _all_samples(cfg: Config, summary: ProfileSummary) -> Iterator[RawSample]:
+    """Every sample of the config's datasets; notes renamed duplicate ids in `summary`."""
     for i, ds in enumerate(cfg.datasets):
         try:
-            yield from read_dataset(
-                ds.path,
-                dataset=ds.name,
-                fmt=ds.format,
-                media_root=ds.media_root,
-                sample=ds.sample,
-                seed=cfg.seed,
-            )
+            for sample in read_spec(ds, cfg.seed):
+                if sample.id_note is not None:
+                    summary.renamed_ids += 1
+                    if len(summary.renamed_examples) < 10:
+                        summary.renamed_examples.append(
+                            f"{sample.dataset}/{sample.sample_id}: record {sample.index}'s {sample.id_note}")
+                yield sample
         except DatasetError as exc:  # found mid-stream (a corrupt Parquet page): the whole stage fails
             raise UserError(f"data.datasets[{i}] ({ds.name}): {exc}") from None
 
@@ -305,7 +308,7 @@ def profile_data(
         writer = pq.ParquetWriter(tmp_shapes, SHAPES_SCHEMA)
         bar = progress_counter(_expected_total(cfg), "profile_data", "sample", enabled=progress)
         try:
-            for rows in _shape_stream(_all_samples(cfg), rules, tokenizer, workers):
+            for rows in _shape_stream(_all_samples(cfg, summary), rules, tokenizer, workers):
                 _account(summary, rows)
                 writer.write_table(pa.Table.from_pylist([row for row, _ in rows], schema=SHAPES_SCHEMA))
                 bar.update(len(rows))
@@ -408,4 +411,7 @@ def format_summary(summary: ProfileSummary, shapes: pd.DataFrame, elapsed_s: flo
         lines.extend(f"  {example}" for example in summary.skipped_examples)
     else:
         lines.append("skipped 0")
+    if summary.renamed_ids:
+        lines.append(f"renamed {summary.renamed_ids} duplicate id(s) to <dataset>:<index>:")
+        lines.extend(f"  {example}" for example in summary.renamed_examples)
     return "\n".join(lines)

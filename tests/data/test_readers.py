@@ -197,10 +197,13 @@ def test_ids_are_stable_and_unique(tmp_path):
         {"id": "a"}, {"id": "a"}, {}, {"id": 42}, {"id": ""}, {"id": True}, {"id": "ds:6"}, {},
     )]
     path = _write_jsonl(tmp_path / "ids.jsonl", lines)
-    ids = [s.sample_id for s in iter_raw_samples(path, dataset="ds")]
+    samples = list(iter_raw_samples(path, dataset="ds"))
+    ids = [s.sample_id for s in samples]
     # the record at index 7 would fall back to "ds:7"; index 6 took "ds:6" as its own id
     assert ids == ["a", "ds:1", "ds:2", "42", "ds:4", "ds:5", "ds:6", "ds:7"]
     assert ids == [s.sample_id for s in iter_raw_samples(path, dataset="ds")]
+    # Only the repeated id is a rename to report; records without an id just take their position.
+    assert [s.id_note for s in samples] == [None, "id 'a' repeats record 0's", *[None] * 6]
     clash = _write_jsonl(tmp_path / "clash.jsonl", [
         json.dumps({"id": "ds:1", "conversations": CONV}), json.dumps({"conversations": CONV}),
         json.dumps({"id": "ds:1", "conversations": CONV}),
@@ -209,14 +212,71 @@ def test_ids_are_stable_and_unique(tmp_path):
     assert len(set(ids)) == 3 and ids[:2] == ["ds:1", "ds:1:1"]
 
 
+def _media_tree(tmp_path):
+    """media/ (the root) with a.png, a symlink to a file outside, a symlinked directory leading
+    outside, a symlink staying inside; outside/ next to it with secret.png."""
+    media, outside = tmp_path / "media", tmp_path / "outside"
+    (media / "rel").mkdir(parents=True)
+    outside.mkdir()
+    for path in (media / "rel" / "a.png", outside / "secret.png"):
+        Image.new("RGB", (4, 4)).save(path)
+    (media / "leak.png").symlink_to(outside / "secret.png")
+    (media / "leakdir").symlink_to(outside, target_is_directory=True)
+    (media / "alias.png").symlink_to(media / "rel" / "a.png")
+    return media, outside
+
+
+def test_media_paths_must_resolve_inside_media_root(tmp_path):
+    media, outside = _media_tree(tmp_path)
+    paths = {
+        "rel": "rel/a.png",
+        "alias": "alias.png",  # a symlink that stays inside
+        "abs-inside": str(media / "rel" / "a.png"),
+        "missing": "rel/gone.png",  # inside, so left to the media check (missing_file)
+        "dotdot": "../outside/secret.png",
+        "dotdot-deep": "rel/../../outside/secret.png",
+        "link": "leak.png",
+        "linkdir": "leakdir/secret.png",
+        "abs-outside": str(outside / "secret.png"),
+    }
+    lines = [json.dumps({"id": k, "image": v, "conversations": CONV}) for k, v in paths.items()]
+    lines.append(json.dumps({"id": "video", "video": "../outside/v.mp4", "conversations": CONV}))
+    manifest = _write_jsonl(tmp_path / "m.jsonl", lines)
+    samples = {s.sample_id: s for s in iter_raw_samples(manifest, media_root=media)}
+    for key in ("rel", "alias", "abs-inside", "missing"):
+        assert samples[key].error is None, key
+    assert samples["rel"].images[0].path == media / "rel" / "a.png"  # as written, joined to the root
+    escaped = ("dotdot", "dotdot-deep", "link", "linkdir", "abs-outside", "video")
+    assert {k: samples[k].error for k in escaped} == dict.fromkeys(escaped, "media_outside_root")
+    assert not samples["link"].images and samples["link"].conversations is None
+    assert samples["link"].error_detail == (f"leak.png leads to {outside.resolve() / 'secret.png'}, outside "
+                                            f"media_root {media}")
+    assert "allow_absolute_paths: true" in samples["abs-outside"].error_detail
+
+    allowed = {s.sample_id: s for s in iter_raw_samples(manifest, media_root=media, allow_absolute_paths=True)}
+    assert allowed["abs-outside"].error is None
+    assert allowed["abs-outside"].images[0].path == outside / "secret.png"
+    # Relative paths stay inside media_root whatever the dataset allows.
+    assert {k: allowed[k].error for k in escaped if k != "abs-outside"} == dict.fromkeys(
+        set(escaped) - {"abs-outside"}, "media_outside_root")
+
+
+def test_a_symlinked_media_root_holds_its_files(tmp_path):
+    media, _ = _media_tree(tmp_path)
+    (tmp_path / "root-link").symlink_to(media, target_is_directory=True)
+    manifest = _write_jsonl(tmp_path / "m.jsonl", [json.dumps({"id": "r", "image": "rel/a.png", "conversations": CONV})])
+    (sample,) = iter_raw_samples(manifest, media_root=tmp_path / "root-link")
+    assert sample.error is None and sample.images[0].path == tmp_path / "root-link" / "rel" / "a.png"
+
+
 def test_media_paths_resolve_against_media_root(tmp_path):
-    lines = [json.dumps({"id": "r", "image": ["rel/a.png", "/abs/b.png"], "video": "v.mp4",
+    lines = [json.dumps({"id": "r", "image": ["rel/a.png", str(tmp_path / "abs" / "b.png")], "video": "v.mp4",
                          "conversations": CONV})]
     path = _write_jsonl(tmp_path / "paths.jsonl", lines)
     (sample,) = iter_raw_samples(path)
-    assert [r.path for r in sample.images] == [tmp_path / "rel/a.png", Path("/abs/b.png")]
+    assert [r.path for r in sample.images] == [tmp_path / "rel/a.png", tmp_path / "abs" / "b.png"]
     assert sample.video.path == tmp_path / "v.mp4"
-    (sample,) = iter_raw_samples(path, media_root=tmp_path / "media")
+    (sample,) = iter_raw_samples(path, media_root=tmp_path / "media", allow_absolute_paths=True)
     assert sample.images[0].path == tmp_path / "media" / "rel/a.png"
 
 

@@ -9,6 +9,7 @@ processors need torchvision, so a stand-in hands the frames through (the expansi
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import av
@@ -253,3 +254,54 @@ def test_parquet_images_load_from_their_source_without_bytes_in_memory(demo, tmp
     for k in range(len(rows)):
         np.testing.assert_array_equal(from_source[k].pixels.numpy(), from_files[k].pixels.numpy())
         np.testing.assert_array_equal(from_source[k].input_ids.numpy(), from_files[k].input_ids.numpy())
+
+
+def _profile(tmp_path, datasets) -> pd.DataFrame:
+    """The usable shapes.parquet rows of `datasets`, as the trainer reads them (`read_shapes`)."""
+    from dflop.shapes import read_shapes
+
+    path = tmp_path / "shapes.parquet"
+    profile_data(Config.from_dict({"data": {"datasets": datasets, "max_skip_frac": 1.0}}), shapes_path=path,
+                 histograms_path=tmp_path / "h.parquet", workers=1, progress=False)
+    return read_shapes(path)
+
+
+def test_each_row_of_a_renamed_duplicate_id_loads_its_own_record(tmp_path):
+    """Profiler and trainer give a repeated manifest id the same fallback id, so every planned row
+    loads the record it was sized from (a longer second record would not fit the first's seq_len)."""
+    from dflop.config import DatasetSpec
+    from dflop.data.training import pool_samples
+
+    answers = ["short", "a much longer answer than the first record has, to make the lengths differ"]
+    manifest = tmp_path / "dup.jsonl"
+    manifest.write_text("".join(json.dumps({"id": "a", "conversations": [{"from": "human", "value": "hi"},
+                                                                        {"from": "gpt", "value": a}]}) + "\n"
+                                for a in answers))
+    datasets = [{"name": "dup", "path": str(manifest)}]
+    pool = _profile(tmp_path, datasets)
+    samples = pool_samples(pool, [DatasetSpec.from_dict(d) for d in datasets], seed=0)
+    assert [s.conversations[1]["value"] for s in samples] == answers
+    data = TrainingData(samples, llava_rules(), expected(pool))
+    assert [data[i].input_ids.numel() for i in range(2)] == list(pool["seq_len"])
+
+
+def test_media_that_left_media_root_since_profiling_is_skipped_by_the_trainer(tmp_path):
+    """The trainer applies the media rule the profiler does: an absolute path outside media_root
+    planned while the dataset allowed it is unreadable media (skipped) once it no longer does."""
+    from dflop.config import DatasetSpec
+    from dflop.data.training import UnreadableMedia, pool_samples
+
+    (tmp_path / "data").mkdir()
+    Image.new("RGB", (64, 48)).save(tmp_path / "outside.png")
+    manifest = tmp_path / "data" / "m.jsonl"
+    manifest.write_text(json.dumps({"id": "abs", "image": str(tmp_path / "outside.png"), "conversations": [
+        {"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A box."}]}) + "\n")
+    allowed = {"name": "m", "path": str(manifest), "allow_absolute_paths": True}
+    pool = _profile(tmp_path, [allowed])
+    assert list(pool["sample_id"]) == ["abs"]
+
+    read = TrainingData(pool_samples(pool, [DatasetSpec.from_dict(allowed)], seed=0), llava_rules(), expected(pool))
+    assert read.layout(0).n_tiles == pool["n_tiles"].iloc[0]
+    refused = pool_samples(pool, [DatasetSpec.from_dict({**allowed, "allow_absolute_paths": False})], seed=0)
+    with pytest.raises(UnreadableMedia, match=r"^sample m/abs: unusable \(media_outside_root: .*outside\.png leads to "):
+        TrainingData(refused, llava_rules(), expected(pool)).layout(0)

@@ -211,6 +211,49 @@ def test_truncated_video_is_skipped_and_counts_toward_max_skip_frac(tmp_path, ca
     assert _nothing_written(tmp_path)
 
 
+def _escaping_manifest(tmp_path) -> tuple[Path, Path]:
+    """data/m.jsonl: a good image, a `../` escape and an absolute path to secret.png outside data/."""
+    data = tmp_path / "data"
+    data.mkdir()
+    Image.new("RGB", (64, 48)).save(data / "ok.png")
+    Image.new("RGB", (64, 48)).save(tmp_path / "secret.png")
+    conv = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A box."}]
+    images = {"good": "ok.png", "dotdot": "../secret.png", "absolute": str(tmp_path / "secret.png")}
+    manifest = data / "m.jsonl"
+    manifest.write_text("".join(json.dumps({"id": k, "image": v, "conversations": conv}) + "\n"
+                                for k, v in images.items()))
+    return manifest, tmp_path / "secret.png"
+
+
+def test_media_outside_media_root_is_skipped_with_its_path(tmp_path):
+    manifest, secret = _escaping_manifest(tmp_path)
+    summary, shapes_path, _ = _run(tmp_path, _cfg([{"name": "m", "path": str(manifest)}], max_skip_frac=1.0))
+    status = dict(zip(*pd.read_parquet(shapes_path)[["sample_id", "status"]].to_numpy().T))
+    assert status == {"good": "ok", "dotdot": "skipped:media_outside_root", "absolute": "skipped:media_outside_root"}
+    assert summary.skipped == {"media_outside_root": 2}
+    assert summary.skipped_examples[0] == (f"m/dotdot: media_outside_root (../secret.png leads to {secret.resolve()}, "
+                                           f"outside media_root {manifest.parent})")
+
+    allowed = _cfg([{"name": "m", "path": str(manifest), "allow_absolute_paths": True}], max_skip_frac=1.0)
+    _, shapes_path, _ = _run(tmp_path, allowed)
+    status = dict(zip(*pd.read_parquet(shapes_path)[["sample_id", "status"]].to_numpy().T))
+    assert status == {"good": "ok", "dotdot": "skipped:media_outside_root", "absolute": "ok"}
+
+
+def test_duplicate_manifest_ids_are_renamed_and_reported(tmp_path, capsys):
+    turns = [[{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}],
+             [{"from": "human", "value": "a longer question here"}, {"from": "gpt", "value": "and a longer answer"}]]
+    manifest = tmp_path / "dup.jsonl"
+    manifest.write_text("".join(json.dumps({"id": "a", "conversations": t}) + "\n" for t in turns))
+    summary, shapes_path, _ = _run(tmp_path, _cfg([{"name": "dup", "path": str(manifest)}]))
+    shapes = pd.read_parquet(shapes_path)
+    assert list(shapes["sample_id"]) == ["a", "dup:1"] and (shapes["status"] == "ok").all()
+    assert shapes["seq_len"].iloc[1] > shapes["seq_len"].iloc[0]  # each row is its own record
+    assert summary.renamed_ids == 1
+    out = capsys.readouterr().out
+    assert "renamed 1 duplicate id(s) to <dataset>:<index>:\n  dup/dup:1: record 1's id 'a' repeats record 0's" in out
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"model": {"tokenizer": "/no/such/tokenizer"}},
      "model.tokenizer: tokenizer '/no/such/tokenizer': expected 'qwen2.5' or a local tokenizer directory"),
