@@ -1,7 +1,7 @@
 """shapes.parquet, the data profiler's output that every later stage reads: its schema and its
 one reader.
 
-One row per sample (DESIGN.md §4): ``sample_id`` (stable across runs), ``dataset``, ``modality``
+One row per sample (docs/design.md): ``sample_id`` (stable across runs), ``dataset``, ``modality``
 (text|image|multi_image|video), ``n_images``, ``n_frames``, ``n_tiles`` (inputs the vision encoder
 processes), ``vision_tokens`` (tokens spliced into the LLM sequence), ``text_tokens``, ``seq_len``
 (= text_tokens + vision_tokens), ``media_pixels`` (pixels the training loader decodes: each image's

@@ -50,7 +50,7 @@ class ShapeKind(str, Enum):
 #: Feature names understood by this module; the JSON format stores them by name.
 FEATURE_NAMES = ("tiles", "tokens", "tokens_pow1.5", "sq_tokens", "cpu_attn_pairs", "cpu_attn_blocks", "const")
 
-#: Shape kind and features of every module the profiler emits (DESIGN.md §4); the features are
+#: Shape kind and features of every module the profiler emits (docs/design.md); the features are
 #: those of GPU (and synthetic) profiles, CPU profiles swap some for `CPU_KERNEL_FEATURES`.
 MODULE_FEATURES: dict[str, tuple[ShapeKind, tuple[str, ...]]] = {
     "vision_embed": (ShapeKind.TILES, ("tiles", "const")),

@@ -1,5 +1,5 @@
 """Model profiler: forward/backward time and memory of each model part over an adaptive shape grid,
-for each tensor-parallel degree -> ``model_profile.parquet`` (DESIGN.md §4).
+for each tensor-parallel degree -> ``model_profile.parquet`` (docs/design.md).
 
 One row per measured repeat:
     module, tp, batch, seq_len, n_layers, fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes,
