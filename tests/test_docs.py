@@ -149,6 +149,19 @@ def test_every_benchmark_script_has_its_section():
     assert not missing, f"benchmarks/README.md has no section for {missing}"
 
 
+def test_sections_the_code_cites_exist_in_the_benchmarks_readme():
+    # Docstrings cite measurements as (benchmarks/README.md, "Section"[ and "Section"]).
+    headings = [h.strip() for h in re.findall(r"^#{2,3} (.+)$", _prose((REPO / "benchmarks/README.md").read_text()), re.M)]
+    cited = []
+    for path in [*sorted((REPO / "dflop").rglob("*.py")), *sorted((REPO / "benchmarks").rglob("*.py"))]:
+        text = " ".join(path.read_text().split())
+        for names in re.findall(r'benchmarks/README\.md,? ((?:"[^"]+"(?:,? and |, )?)+)', text):
+            cited += [(str(path.relative_to(REPO)), name) for name in re.findall(r'"([^"]+)"', names)]
+    assert cited, "the pattern finds nothing"
+    missing = [(where, name) for where, name in cited if not any(h.startswith(name) for h in headings)]
+    assert not missing, f"no such section in benchmarks/README.md: {missing}"
+
+
 def test_the_readme_names_the_two_commands_and_they_are_make_targets():
     readme = (REPO / "README.md").read_text()
     makefile = (REPO / "Makefile").read_text()
