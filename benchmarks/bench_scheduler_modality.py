@@ -13,7 +13,7 @@ Prints two tables:
      for the mix with every sample of the dropped modality removed (batches redrawn from what is
      left, same seed).
 If the dropped modality explains a point's gap to the bound, the second row of that point is
-near 1 while the first is not (benchmarks/README.md, "1 sample per bin").
+near 1 while the first is not (benchmarks/README.md, "Modality mix").
 """
 
 from __future__ import annotations

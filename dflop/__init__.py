@@ -1,3 +1,3 @@
 """DFLOP: data-aware 3D parallelism and online microbatch balancing for multimodal LLM training."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

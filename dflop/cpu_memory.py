@@ -3,10 +3,9 @@
 glibc serves an allocation above its mmap threshold (adaptive, at most 32 MB by default) with
 fresh pages from mmap and unmaps them on free, so every step that allocates a large tensor again
 (the LM head's [tokens, vocab] logits, a long sequence's activations) page-faults on first touch.
-On CPU that made the LM head's cost per token jump once its logits outgrew the threshold. Measured
-with a [tokens, 512] x [512, 16k] head + cross-entropy on one thread (2026-11-22, this repo's dev
-machine): forward 0.27 ms/token at 512 tokens and 0.30 at 1024-2048, backward 0.50-0.55; with the
-thresholds raised, forward 0.23-0.25 and backward 0.42-0.46 at every size. The profiler and the CPU
+On CPU that made the LM head's cost per token jump once its logits outgrew the threshold, a bend
+no cost model linear in tokens follows; with the thresholds raised the cost per token stays flat.
+The profiler and the CPU
 trainer both call `reuse_large_cpu_allocations`, so the cost model is fitted to what training sees.
 GPU memory has its own caching allocator and is not affected.
 """

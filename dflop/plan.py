@@ -511,5 +511,5 @@ def write_plan(doc: Mapping[str, Any], path: str | Path) -> None:
     """Write a plan mapping (at least the `Plan.to_dict` keys) atomically, keys in document order;
     checked by reading it back the way every stage reads it."""
     plan_from_dict(doc, str(path))
-    header = "# DFLOP plan (dflop optimize); keys: DESIGN.md section 4 and dflop/plan.py\n"
+    header = "# DFLOP plan (dflop optimize); keys: docs/design.md and dflop/plan.py\n"
     write_text_atomic(path, header + yaml.safe_dump(dict(doc), sort_keys=False, default_flow_style=None, width=110))

@@ -1,7 +1,7 @@
 """shapes.parquet, the data profiler's output that every later stage reads: its schema and its
 one reader.
 
-One row per sample (DESIGN.md §4): ``sample_id`` (stable across runs), ``dataset``, ``modality``
+One row per sample (docs/design.md): ``sample_id`` (stable across runs), ``dataset``, ``modality``
 (text|image|multi_image|video), ``n_images``, ``n_frames``, ``n_tiles`` (inputs the vision encoder
 processes), ``vision_tokens`` (tokens spliced into the LLM sequence), ``text_tokens``, ``seq_len``
 (= text_tokens + vision_tokens), ``media_pixels`` (pixels the training loader decodes: each image's
@@ -80,8 +80,8 @@ def usable(shapes: pd.DataFrame, where: str = "shapes", *, columns=NEEDED) -> pd
 def numpy_backed(shapes: pd.DataFrame) -> pd.DataFrame:
     """`shapes` with its string columns held as Python objects. With pandas' Arrow-backed strings,
     taking a global batch's rows is a pyarrow take per column that gives up the GIL and waits to
-    re-take it from rank 0's scheduler thread: ~2x as long (DEVELOPERS.md), on the step's
-    critical path on CPU."""
+    re-take it from rank 0's scheduler thread (DEVELOPERS.md), on the step's critical path on
+    CPU."""
     strings = {c: object for c in shapes.columns if pd.api.types.is_string_dtype(shapes[c].dtype)
                and shapes[c].dtype != object}
     return shapes.astype(strings) if strings else shapes

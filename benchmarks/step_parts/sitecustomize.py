@@ -5,7 +5,7 @@ imports this file at start-up, and the training ranks record, per forward / back
 stages (colocated: with the vision tower), the op's wall time, each module's time inside it (forward
 hooks; wall and thread CPU time) and the bin's shapes, plus every sample's load time
 (`Trainer.in_step_loads`), to STEP_PARTS_OUT/rank<r>.jsonl and loads<r>.jsonl. `analyse.py` compares
-them with the cost model. Run in a demo clone (benchmarks/README.md, "Where the rest went"):
+them with the cost model. Run in a demo clone (benchmarks/README.md, "Step parts"):
 
     PYTHONPATH=$REPO/benchmarks/step_parts STEP_PARTS_OUT=/tmp/parts dflop train ... --out-dir /tmp/run --fresh
     python benchmarks/step_parts/analyse.py /tmp/parts /tmp/run results/costmodel/costmodel.json results/data/shapes.parquet

@@ -16,22 +16,17 @@ Attention kernels (flash-style, CPU or GPU) get more efficient per query-key pai
 (tile quantisation and launch overhead at short L), so one sample's attention cost lies between
 ``a L + b L**2`` curves fitted at short and at long L. The ``tokens_pow1.5`` feature (``sum L**1.5``)
 lets the fit follow that ramp while staying a sum over samples, and it is 0 when the data do not
-need it. (On the CPU, before the kernel features below, it cut the held-out error of the small
-preset's llm_attention from ~14 % to ~7 %; CPU llm_layer fits still use it.)
+need it. (CPU llm_layer fits still use it; CPU attention modules use the kernel features below.)
 
 On the CPU the attention kernel's work is known exactly, and it is not smooth in L. PyTorch's CPU
 flash attention (the kernel SDPA runs for our causal, mask-free packed calls) splits the queries
 into blocks of 32, 64 or 256 rows (L < 192, < 768, >= 768) and the keys into blocks of 512
 columns, and computes whole key blocks up to the diagonal: a sample of L <= 512 costs all L**2
-pairs, not L**2 / 2, and the block size jumps at 192 and 768. Measured on the small preset's
-backward, the time per sample goes 7.1 / 26.8 / 79.4 / 264 ms at L = 256 / 512 / 1024 / 2048
-(x3.8, x3.0, x3.3), the kernel's pair counts x4.0, x3.0, x3.3, while no smooth ``L**a`` follows
-both steps. CPU profiles therefore fit the attention modules on ``cpu_attn_pairs`` (query-key
+pairs, not L**2 / 2, and the block size jumps at 192 and 768. Measured times per sample follow
+the kernel's pair counts step for step, which no smooth ``L**a`` does. CPU profiles therefore fit the attention modules on ``cpu_attn_pairs`` (query-key
 pairs the kernel computes) and ``cpu_attn_blocks`` (its block calls, each with a fixed overhead)
-instead of the smooth terms (`module_features`). Refitting 9 earlier CPU profiles of the small
-preset, the held-out error of llm_attention went from a median over profiles of 8.5 / 7.6 %
-(bwd / fwd; worst 15.8 %) to 5.9 / 5.0 % (worst 10.9 %); llm_layer, where the linear part
-dominates, stayed within a point. GPU profiles keep the smooth terms.
+instead of the smooth terms (`module_features`); this lowered llm_attention's held-out error on
+CPU profiles (`benchmarks/bench_costmodel.py` measures it). GPU profiles keep the smooth terms.
 
 A profile row (``batch``, ``seq_len``) is ``batch`` samples of one tile (tile modules; ``seq_len``
 is then the patches per tile) or ``batch`` samples of length ``seq_len`` (token modules).
@@ -55,7 +50,7 @@ class ShapeKind(str, Enum):
 #: Feature names understood by this module; the JSON format stores them by name.
 FEATURE_NAMES = ("tiles", "tokens", "tokens_pow1.5", "sq_tokens", "cpu_attn_pairs", "cpu_attn_blocks", "const")
 
-#: Shape kind and features of every module the profiler emits (DESIGN.md §4); the features are
+#: Shape kind and features of every module the profiler emits (docs/design.md); the features are
 #: those of GPU (and synthetic) profiles, CPU profiles swap some for `CPU_KERNEL_FEATURES`.
 MODULE_FEATURES: dict[str, tuple[ShapeKind, tuple[str, ...]]] = {
     "vision_embed": (ShapeKind.TILES, ("tiles", "const")),

@@ -1,6 +1,6 @@
 """Read and check `model_profile.parquet`, and reduce its repeats to one row per shape.
 
-The profile (DESIGN.md §4) has one row per measurement: ``module, tp, batch, seq_len, n_layers,
+The profile (docs/design.md) has one row per measurement: ``module, tp, batch, seq_len, n_layers,
 fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes, device, dtype, repeat`` (extra columns are
 ignored), and optionally the layer modules' recompute targets ``bwd_ms:<mode>`` /
 ``act_bytes:<mode>`` (`OPTIONAL_TARGETS`; NaN where not measured: other modules, and repeats past

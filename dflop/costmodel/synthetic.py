@@ -1,6 +1,6 @@
 """Synthetic model profiles from closed-form costs, for tests and for demos without a profiler run.
 
-A synthetic profile has exactly the columns of `model_profile.parquet` (DESIGN.md §4); its times
+A synthetic profile has exactly the columns of `model_profile.parquet` (docs/design.md); its times
 are ``coef @ features`` of the shape with multiplicative log-normal noise per repeat, and its
 activation bytes are exact (the real profiler counts saved tensors exactly too). Tests fit it and
 compare the recovered coefficients and predictions with the closed form. With ``recompute=True``

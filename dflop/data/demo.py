@@ -79,8 +79,8 @@ _VIDEO_RATES = (Fraction(8), Fraction(10), Fraction(12), Fraction(15), Fraction(
 # control on (the default), libx264 (core 165, PyAV 18.1 wheels) uses uninitialized stack memory
 # in its lookahead (valgrind: "Use of uninitialised value of size 8" under x264_encoder_encode), so
 # an encode depends on what the process ran before it, threads or not. With mbtree=0 valgrind
-# reports no such use and the bytes depend on the input only; H.264 files get ~40 % larger (the
-# 300-sample demo 1.5 %) and ~0.1 s slower to encode. asm=0 does not help (its C paths read more).
+# reports no such use and the bytes depend on the input only; H.264 files get larger and slower to
+# encode, a small share of the demo. asm=0 does not help (its C paths read more).
 _X264_PARAMS = "threads=1:lookahead-threads=1:sliced-threads=0:mbtree=0"
 
 

@@ -103,7 +103,7 @@ _ROLES = {
 
 
 # Tokenizers built by load_tokenizer("qwen2.5") -> a tiktoken Encoding of the same BPE, which
-# counts ~3-4x faster than the HF tokenizer; tests check both give identical ids.
+# counts faster than the HF tokenizer; tests check both give identical ids.
 _TIKTOKEN_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -117,7 +117,7 @@ def load_tokenizer(path_or_name: str = "qwen2.5") -> Any:
 
     Either way ``<image>`` and ``<video>`` are special tokens of the result. Cached per process:
     callers share the returned object and must not modify it. Building "qwen2.5" converts the
-    BPE ranks once (~2-4 s).
+    BPE ranks once (seconds).
     """
     if str(path_or_name).lower() == "qwen2.5":
         tokenizer = _build_qwen25_tokenizer()
@@ -304,7 +304,7 @@ def count_text_tokens_batch(
     """count_text_tokens for many conversations at once: int64 array [len(batch)].
 
     One chat-template call renders the whole batch, then the texts are encoded: with tiktoken
-    for load_tokenizer("qwen2.5") (same ids as its HF tokenizer, ~2-4x faster), else with the
+    for load_tokenizer("qwen2.5") (same ids as its HF tokenizer, faster), else with the
     tokenizer's Rust backend in one batch. A bad conversation raises an error naming its
     position in the batch.
     """

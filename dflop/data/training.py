@@ -1,6 +1,6 @@
 """Training inputs of one sample: LLM token ids with placeholders expanded, labels, and pixel tiles.
 
-Each rank loads only what it needs (DESIGN.md §6), so a sample has three separately loadable parts:
+Each rank loads only what it needs (docs/design.md), so a sample has three separately loadable parts:
 
 - ``layout(i)``: its media (kind, tiles, LLM tokens, stored size) from file headers and container
   metadata only, the same way the data profiler sizes it (no pixel decoding);

@@ -1,7 +1,7 @@
 """Activation recomputation of a pipeline stage (plan key ``recompute``: none | selective | full).
 
 Recomputation trades backward time for the memory of the tensors autograd keeps from a
-microbatch's forward to its backward (DESIGN.md: 1F1B keeps up to pp of them in flight):
+microbatch's forward to its backward (docs/design.md; 1F1B keeps up to pp of them in flight):
 
 - ``full``: every layer of the stage runs under non-reentrant `torch.utils.checkpoint`, so a layer
   keeps only its inputs and runs its forward again in backward;

@@ -1,4 +1,4 @@
-"""Data-aware 3D parallelism optimizer (DESIGN.md §5): search layouts, split layers by MILP, rank plans
+"""Data-aware 3D parallelism optimizer (docs/design.md): search layouts, split layers by MILP, rank plans
 by simulating sampled global batches through the online scheduler, write plan.yaml.
 
 Entry points: `optimize` (rule optimize / `dflop optimize`) and `simulate_plan` (`dflop simulate`).

@@ -4,7 +4,7 @@ Reads each dataset of the config as a stream, sizes images from their headers an
 their container metadata (no pixel decoding; a video whose file stops short of the frames its
 header counts is skipped as ``truncated_video``), turns sizes into encoder tiles and LLM tokens
 with the architecture's rules (dflop.data.vision_tokens) and counts text tokens with the model's
-tokenizer and chat template. Writes ``shapes.parquet`` (one row per sample, DESIGN.md §4) and
+tokenizer and chat template. Writes ``shapes.parquet`` (one row per sample, docs/design.md) and
 ``histograms.parquet``, both atomically and only when the whole stage succeeds: a dataset that
 cannot be read (a corrupt Parquet page), a bad setting or too many skipped samples raise a
 one-line UserError and leave neither file. Work is spread over a process pool in chunks, in order,

@@ -2,24 +2,22 @@
 
 The trainer's loader (`dflop.runtime.loading.StepLoader`) reads, decodes, tiles and tokenises the
 next step's samples in a background thread. On a GPU cluster that hides behind the step; on a CPU
-cluster it runs on the very cores that compute, so a step pays its samples' loads. (The demo's
-stage compute measured 2x its co-running module profile with the loader beside it, and 1.0-1.1x
-with the loader run between steps.) This times the trainer's own code path,
+cluster it runs on the very cores that compute, so a step pays its samples' loads (found with
+`benchmarks/step_parts/`: the demo's stage compute slowed with the loader beside it). This times the trainer's own code path,
 `dflop.data.training.TrainingData` with pixels and tokens, on a seeded subsample of shapes.parquet
 taken per modality, one thread, and writes load_profile.parquet (`LOAD_PROFILE_COLUMNS`); `dflop fit
 --loading` fits the per-sample `dflop.costmodel.model.LoadLine` from it.
 
 A sample's time is the mean of its loads over interleaved passes (`time_loads`) that together take
 at least ``data.load_profile_seconds``. The CPU machines this charges loads on change speed for
-seconds at a time (DEVELOPERS.md): the demo's 64 samples used to load in ~4 s, one or two phases
-of the machine, and five such profiles, interleaved with five of 20 s, summed to 0.79-1.33x the
-workflow's profile against 0.98-1.24x (`benchmarks/bench_load_line.py --profiles`): a level error
-that every step's predicted loads inherit. The mean over the passes is what a run of steps pays
+seconds at a time (`benchmarks/bench_machine_phases.py`): a profile of a few seconds reads one or
+two phases of the machine, a level error that every step's predicted loads inherit; a longer one
+varies less from profile to profile (`benchmarks/bench_load_line.py --profiles`). The mean over the passes is what a run of steps pays
 (the median would keep the common, faster phase).
 
 Like the model profiler, it loads on ``co_runners`` processes at once, in lockstep, and keeps the
-first one's timings: the training ranks of a node load their samples at the same time, and on
-this 2-core VM two loaders at once took 1.4-1.5x as long as one alone (video decoding most).
+first one's timings: the training ranks of a node load their samples at the same time, and on a
+machine of few cores two loaders at once take longer than one alone.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Model profiler: forward/backward time and memory of each model part over an adaptive shape grid,
-for each tensor-parallel degree -> ``model_profile.parquet`` (DESIGN.md §4).
+for each tensor-parallel degree -> ``model_profile.parquet`` (docs/design.md).
 
 One row per measured repeat:
     module, tp, batch, seq_len, n_layers, fwd_ms, bwd_ms, act_bytes, param_bytes, peak_bytes,
@@ -34,8 +34,8 @@ follow rank 0's grid decisions.
 
 ``co_runners``: ranks that share the machine while it is measured. The trainer runs one rank per
 "GPU" of a node; on CPU those ranks share the node's cores and memory bandwidth, and a module
-measured alone ran ~1.9x faster than the same module while a second rank computes (tiny preset, 2
-ranks on the 2-core CI machine; DEVELOPERS.md). So with ``co_runners`` = k > tp, k // tp groups of
+measured alone runs faster than the same module while a second rank computes (about 2x on a
+2-core machine: benchmarks/README.md, "The demo"). So with ``co_runners`` = k > tp, k // tp groups of
 ``tp`` ranks run the same sweep in lockstep (one barrier per shape for the whole world) and rank 0's
 timings are kept: the profile is what a training rank sees. On GPU each rank has its own device: 1.
 """
@@ -145,7 +145,7 @@ class ProfileSettings:
 #: Torch threads of one rank on a CPU cluster: the model profiler times with this many, and the
 #: trainer's CPU ranks run with as many (`dflop.runtime.run`), whatever OMP_NUM_THREADS the job got
 #: (Snakemake exports a rule's `threads`; at 2 threads per rank the 2-rank demo oversubscribed its
-#: 2 cores and ran ~1.5x its prediction).
+#: 2 cores and ran well over its prediction).
 CPU_THREADS_PER_RANK = 1
 
 
@@ -429,9 +429,9 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
                    stop_early=None, tick=lambda: None) -> None:
     """Time every shape of a round in `settings.repeats` interleaved passes over all of them.
 
-    The development CPUs slow down by up to 1.5x for seconds at a time (another tenant on the
-    core: a fixed shape flips between 4.8 and 7.1 ms in phases of 1-4 s, with the process doing
-    nothing else), so a shape's back-to-back repeats can all land in one slow phase and the fit
+    The development CPUs change speed for seconds at a time (another tenant on the core; a fixed
+    shape flips between two levels with the process doing nothing else:
+    `benchmarks/bench_machine_phases.py`), so a shape's back-to-back repeats can all land in one slow phase and the fit
     reads the hump as a bend. Spread over the round's passes, the repeats sample several phases
     and the median lands in the common one. Pass 0 runs max(warmup, 1) untimed runs (the first
     measures the bytes, `_measured_run`) and one timed run per shape, which also decides how many timed
@@ -439,20 +439,18 @@ def _measure_round(shapes: list[_Shape], settings: ProfileSettings, sync: _RankS
     `min_measure_ms` (rank 0's count, so the ranks' barriers stay paired). Later passes take
     their share of the rest, after one untimed run for shapes faster than `min_measure_ms`: the
     first run on returning to a light shape, after the other shapes and modules have been
-    through the caches, is 5-16 % slower (medians over the light shapes of two tiny/small CPU
-    profiles), so a light shape's median mixed in one cold run per pass while a slightly heavier
-    one (one run per pass) had only cold runs, an offset the fit read as a bend. Shapes of 20 ms
-    and more showed no cold-run cost (within +-3 %), and re-warming them would double their time.
+    through the caches, is slower (cold caches), so a light shape's median mixed in one cold run
+    per pass while a slightly heavier one (one run per pass) had only cold runs, an offset the fit
+    read as a bend. Heavy shapes showed no cold-run cost, and re-warming them would double their
+    time.
     `stop_early()` is asked between passes; when it says so, every shape keeps the runs it has
     (at least one). `tick()` is called once per shape and pass.
 
     A layer module's recompute modes run right after the shape's mode-none runs of each pass (so
     on warm caches, no untimed runs of their own but one in pass 0 that measures the mode's bytes,
     `_measured_run`), and `recompute_share` of the shape's run count in all (at least min(2,
-    count)), spread over the passes like the others. Cost on the tiny preset's coarse grid (CPU, 70
-    shapes), before that measured run was added: the modes' timed runs took 1.7 s next to 3.6 s of
-    mode none's over all modules (llm_layer: 1.4 next to 1.6 s; its heavy shapes have 5 runs, so
-    their 2 per mode dominate), the process 9.2 s of CPU instead of 7.1 s.
+    count)), spread over the passes like the others, so the modes cost a fraction of mode none's
+    profiling time rather than as much again.
     """
     later_passes = _round_passes(settings) - 1
     wanted, rewarm, wanted_modes = [], [], []
@@ -587,9 +585,8 @@ def _warm_up(curves, sync: _RankSync, timer: Timer) -> None:
     """Run every curve's largest shape once, untimed, before anything is measured.
 
     Without this the coarse round, which runs first and grows the process's heap (and, on GPU,
-    the caching allocator's pool) shape by shape, measured up to 1.5x slower than later rounds
-    at the same shapes (tiny vision layer, CPU: 1.22 ms at 8 tiles in round 0, 0.77 ms at 9 in
-    round 2), a drift no number of per-shape warm-ups removes and the fit then reads as a bend.
+    the caching allocator's pool) shape by shape, measured slower than later rounds at the same
+    shapes, a drift no number of per-shape warm-ups removes and the fit then reads as a bend.
     Recompute modes are not warmed up: a layer's recomputed forward holds what its mode-none forward
     holds, so mode none's run grows the heap as far.
     """

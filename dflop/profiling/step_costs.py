@@ -5,8 +5,8 @@ profiler on the device, and with the ranks, it profiles with (`dflop.profiling.m
   (`dflop.models.optimizer.build_optimizer`) over the module's parameters on this rank, plus what
   the trainer does to each gradient before it (`dflop.runtime.optim`): the scaling by the batch's
   answer tokens and the squared sum of the global norm. Per tensor, so the module's own tensor
-  sizes and count set it (on CPU a step over a layer's dozen tensors costs ~0.05 ms per tensor
-  beyond its bytes, and one large flat tensor more per byte than several smaller ones).
+  sizes and count set it (on CPU a step pays per tensor beyond its bytes, and one large flat tensor
+  more per byte than several smaller ones: `benchmarks/bench_optimizer_pricing.py`).
 - ``optim_call_ms`` (the same on every row): that step over a one-element weight and bias, the cost
   of the call itself, which a stage pays once however many modules it steps. A stage's optimizer
   is this plus, per module, its ``optim_ms`` less this (`dflop.costmodel.model.ModuleCosts.optimizer_s`).

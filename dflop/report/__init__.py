@@ -1,5 +1,5 @@
 """Plots for `snakemake --report`: one entry function per artifact group, each reading the
-artifacts (DESIGN.md §4) and writing PNG files (matplotlib, Agg backend).
+artifacts (docs/design.md) and writing PNG files (matplotlib, Agg backend).
 
 - `plot_shape_histograms`: histograms.parquet -> shape histograms per dataset and modality
 - `plot_costmodel_fit`: model_profile.parquet + costmodel.json + validation.parquet -> fit vs measurement

@@ -1,4 +1,4 @@
-"""Shape histograms per dataset and modality, from histograms.parquet (DESIGN.md §4).
+"""Shape histograms per dataset and modality, from histograms.parquet (docs/design.md).
 
 A sample's cost grows with its tiles (vision encoder) and tokens (LLM); these are the
 distributions the planner and the online scheduler balance. One row of panels per dataset (and a

@@ -1,4 +1,4 @@
-"""The chosen plan vs the data-blind baseline, from plan.yaml (DESIGN.md §4), and a Gantt chart of
+"""The chosen plan vs the data-blind baseline, from plan.yaml (docs/design.md), and a Gantt chart of
 a simulated step of each.
 
 The plan and its baselines are re-simulated exactly as the optimizer judged them

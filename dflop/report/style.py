@@ -15,7 +15,7 @@ import pandas as pd  # noqa: E402
 from dflop.errors import UserError  # noqa: E402
 from dflop.io import atomic_path, read_parquet  # noqa: E402
 
-#: One colour per modality, the same in every plot (DESIGN.md §4 modalities, then the pooled "all").
+#: One colour per modality, the same in every plot (docs/design.md modalities, then the pooled "all").
 MODALITY_COLOURS = {
     "text": "#8C8C8C",
     "image": "#4C72B0",

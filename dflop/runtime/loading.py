@@ -1,6 +1,6 @@
 """Each rank loads only what its stages consume, with loader worker processes, one step ahead.
 
-What a rank needs from a step's samples (DESIGN.md §6):
+What a rank needs from a step's samples (docs/design.md):
 - first vision stage: pixels of its replica's share (colocated: of its bin's images);
 - last vision stage: the layouts (image sizes, frames: headers only) of its share;
 - first LLM stage: token ids of its bin; last LLM stage: labels of its bin (both come from one

@@ -1,4 +1,4 @@
-"""Per-step metrics: metrics.parquet (DESIGN.md §4) and the model-FLOPs estimate behind ``tflops``.
+"""Per-step metrics: metrics.parquet (docs/design.md) and the model-FLOPs estimate behind ``tflops``.
 
 Columns: ``step`` (optimizer steps done, from 1), ``loss`` (mean over the global batch's answer
 tokens), ``step_s`` (wall seconds), ``samples``, ``tokens`` (real LLM tokens, no padding),

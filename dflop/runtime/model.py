@@ -1,7 +1,7 @@
 """The modules one rank runs: its vision stage and/or LLM stage, tensor-parallel shards, frozen parts.
 
 Every rank builds the full transformers model on the meta device (no memory), takes the stage views
-of it that the `Topology` assigns (DESIGN.md §6), materialises only the tensors those reach on its
+of it that the `Topology` assigns (docs/design.md), materialises only the tensors those reach on its
 device (random init by seed and tensor name, the same under any layout, or read from the local
 weights: `dflop.models.materialize`), shards them for tensor parallelism
 (`dflop.models.tensor_parallel`: DTensor, Megatron's layout), and freezes parameters by their global name:

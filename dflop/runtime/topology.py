@@ -1,6 +1,6 @@
 """The one object that owns the parallel layout: which rank runs what, and the process groups.
 
-Two grids share the world (DESIGN.md §6): the vision tower's (pp_v x dp_v x tp_v) and the LLM's
+Two grids share the world (docs/design.md): the vision tower's (pp_v x dp_v x tp_v) and the LLM's
 (pp_l x dp_l x tp_l). Inside a grid the rank is ``offset + (stage * dp + replica) * tp + tp_rank``
 (TP innermost, so a TP group sits on neighbouring ranks, i.e. inside a node). Disjoint placement:
 vision ranks [0, V) then LLM ranks [V, world); colocated placement: the vision tower runs on the

@@ -11,9 +11,9 @@ level (the one factor that best explains all its measurements) with a relative s
 `PRIOR_SPREAD`: a ridge towards the level whose strength is the measurements' noise over the
 prior's variance (sigma^2 / (spread * level)^2), sigma^2 estimated from the fit's own residuals.
 Why: a step gives only 2 x m x dp equations for 25 unknowns, buckets share bins (collinear), and CPU
-stage times swing by 20-50 %; a fit pulled towards 1 only numerically (the earlier ridge of 1e-5)
-sent rarely seen buckets to 0.4x or 2.2x and the corrected step prediction of the next batch 25-50 %
-off (the demo, 2026-11-25). With exact measurements sigma^2 = 0 and every bucket is learned
+stage times swing by tens of percent; a fit pulled towards 1 only numerically (an earlier ridge of
+1e-5) sent rarely seen buckets to whatever factor the noise gave them, and the corrected step
+prediction of the next batch far off. With exact measurements sigma^2 = 0 and every bucket is learned
 exactly; with noisy ones a bucket keeps its own factor only as far as its evidence outweighs the
 noise, and an unseen bucket takes the level.
 
@@ -50,8 +50,7 @@ FACTOR_LIMIT = 8.0  # learned factors stay within [1/8, 8]
 PRIOR_SPREAD = 0.5
 #: Steps at the start of a run that neither the correction learns from nor the steady-state
 #: comparisons count (`dflop.runtime.metrics.prediction_agreement`): they pay warm-up (allocator
-#: growth, thread pools, first collectives, the loader's first batch): the demo's steps 1-2 took
-#: 10 s and 3.9 s against ~0.5 s later.
+#: growth, thread pools, first collectives, the loader's first batch), many times a later step.
 WARMUP_STEPS = 2
 
 

@@ -93,8 +93,8 @@ class GlobalBatches:
 
     def _order(self, epoch: int) -> np.ndarray:
         """The pool's order in `epoch`; the last one is kept. Rank 0 asks for each step's rows
-        more than once on the step's critical path, and a fresh draw, 0.02 ms alone, took 0.5 ms
-        on average beside the scheduler's busy thread. (Read once, swapped whole: thread-safe.)"""
+        more than once on the step's critical path, and a fresh draw is slow beside the scheduler's
+        busy thread (`benchmarks/bench_next_plan.py`). (Read once, swapped whole: thread-safe.)"""
         cached_epoch, order = self._cached
         if cached_epoch != epoch:
             order = (np.random.default_rng([self.seed, epoch]).permutation(self.n_samples) if self.shuffle
@@ -253,7 +253,7 @@ class StepPlanner:
 
     def report(self, step: int, measured: MeasuredTimes, decide_every: int = 2, step_s: float | None = None) -> None:
         """Measured stage times of `step`, for the adaptive correction (dflop policy only; the
-        first `WARMUP_STEPS` of a run are not learned from: they pay the warm-up, up to 20-80x a
+        first `WARMUP_STEPS` of a run are not learned from: they pay the warm-up, many times a
         later step).
         step_s: the step's wall seconds, for the correction's per-step overhead (`observe_step`)."""
         costs, buckets, part = self._costs.pop(step, (None, None, None))

@@ -153,7 +153,7 @@ def partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, budget_
 def greedy_partition(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, p2p_s: float = 0.0,
                      allreduce_s=0.0) -> Partition:
     """The portfolio's greedy-path members only (no ILP, no fluid-profile LP, no simulated-step
-    search): what the online service falls back to (milliseconds; the others take 0.1-1.4 s where
-    they run)."""
+    search): what the online service falls back to (milliseconds; the others take tenths of a
+    second or more where they run)."""
     return partition(costs, m, dp_llm, dp_vision, p2p_s=p2p_s, allreduce_s=allreduce_s, ilp="never",
                      settings=PortfolioSettings(greedy_path_only=True))

@@ -45,22 +45,21 @@ class PortfolioSettings:
     "Portfolio registry"): the rows listed there are what a gate gives up.
 
     lockstep_max_items_per_bin: the lockstep members run with dp_llm > 1 and at most this many
-        samples per bin (the value they were introduced with). Opened, they would gain more than
-        0.1 % on one grid row (0.11 %): with more samples per bin the bins even out and a
-        microbatch no longer costs its heaviest bin.
+        samples per bin (the value they were introduced with): with more samples per bin the bins
+        even out and a microbatch no longer costs its heaviest bin, so opening it gains little.
     profile_items_per_bin: (low, high) samples per bin where the fluid-profile member runs (dp_llm >
-        1). A cost decision, not a quality one: it costs an LP and a fit (~0.1 s at 128 bins,
-        ~0.3 s at 512, off the greedy path), and opened above 4 it would make 10 mix rows
-        0.1-8.3 % faster (8-64 samples per bin, the most at m = 16); below 2 it gains nothing.
+        1). A cost decision, not a quality one: it costs an LP and a fit per batch (seconds' tenths,
+        growing with the bins; off the greedy path), and opened above 4 it would make some mix rows
+        faster (8-64 samples per bin); below 2 it gains nothing.
     ends_min_bubble: the light-ends greedy members run when the 1F1B bubble (p - 1) / (m + p - 1)
         is at least this (m <= 12 at p = 4; the value they were introduced with). Opened (0), they
-        would make 11 mix rows at m = 16 and 64 0.7-3.2 % faster (13 on the greedy path), for
-        ~6-13 ms more CPU on the greedy path at n = 1024: kept at 0.2 here so that the registry
-        changes the recorded table only where a removed member won; opening it is the next step.
+        would make some mix rows at m = 16 and 64 faster for more CPU on the greedy path: kept at
+        0.2 so that the registry changed the recorded table only where a removed member won;
+        opening it is the next step.
     sim_max_items_per_bin, sim_max_evals, sim_starts: `sim_search` runs with at most this many
         samples per bin (one: nothing to pack, the order and lockstep decide), from the `sim_starts`
         fastest distinct members, scoring at most `sim_max_evals` candidate x microbatch simulations
-        each (deterministic; 0.3-1.4 s where it runs; benchmarks/README.md, "1 sample per bin").
+        each (deterministic: an evaluation count, not a wall-clock budget).
     ilp_max_vars, ilp_max_items_per_bin, ilp_min_skew, ilp_max_nodes: the ILP is opt-in
         (`partition`'s ``ilp``, default "never": on the benchmark grid it won no batch, even
         warm-started from the fastest member with 20x the budget). With ``ilp="auto"`` it runs

@@ -3,8 +3,8 @@ fill them with the real samples.
 
 Equal microbatches are not what a 1F1B step wants. With perfectly divisible work, the fastest
 step (an LP, `fluid_profile`) ramps the first microbatches up from light to full (cheap fill),
-keeps a flat plateau, and ramps the last ones down (cheap drain): on the LLaVA-OV-like mix it is
-~10 % under T* at m = 16 and ~3 % under at m = 64 (p = 4). Two sample-level facts are built into
+keeps a flat plateau, and ramps the last ones down (cheap drain), under T* by a margin that
+shrinks as m grows (benchmarks/README.md, "Certified lower bound"). Two sample-level facts are built into
 the LP so that its profile can actually be filled:
 
 - samples are grouped into a few classes by their vision/LLM mix, and every microbatch's vision
@@ -152,8 +152,8 @@ def fluid_profile(costs: BatchCosts, m: int, dp_llm: int, dp_vision: int, *, cla
         lower: optional ([m], [m]) lower bounds on x and y (`heavy_slots`).
         smooth: tie-break weight on the distance of x and y from uniform (each unit of share
             moved costs smooth * m * the batch's summed stage work): among (nearly) equally fast
-            profiles prefer the most even one, which real samples fill more easily. At 1e-4 it
-            cost < 0.3 % of the LP step on the LLaVA-OV-like mix.
+            profiles prefer the most even one, which real samples fill more easily. Keep it small
+            against the step: it is a tie-break, not an objective.
     Returns None when HiGHS fails or does not report an optimum.
     """
     solved = _fluid_lp(costs, m, dp_llm, dp_vision, independent=False, classes=classes, lower=lower, p2p_s=p2p_s,
@@ -314,7 +314,7 @@ def fit_profile(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, target
     lower is set aside and the search goes on with the next one (min-max alone would stop at the
     first heavy sample that cannot move, leaving every other microbatch as the greedy left it);
     accepted steps never raise a ratio above the current worst. Stops when every ratio not set
-    aside is within `tol` of 1 (2 %: on the mix, tighter bought < 0.4 % of step for 3-4x the time)
+    aside is within `tol` of 1 (tighter buys little step for much more time)
     or after `max_iters` steps. No memory guard: callers check the result.
     """
     bin_of = bin_of.copy()

@@ -4,10 +4,9 @@ With one sample per bin there is nothing to pack, and the proxies the other memb
 (bin loads, per-microbatch loads) say little: what decides the step is which microbatch runs
 where in the 1F1B schedule (light ones first for a cheap fill, heavy vision microbatches early
 where the vision stage has slack, a slow descent to a light one last) and which samples share a
-microbatch (replicas run it in lockstep through the shared vision stages). On the LLaVA-OV-like
-mix with m = 8..64 and dp = 8 the fastest other member lands 3-15 % over the benchmark's bound
-(`Partition.candidates`), and this search brings that to 0.99-1.15 (benchmarks/README.md,
-"1 sample per bin").
+microbatch (replicas run it in lockstep through the shared vision stages). There the structured
+members land well over the benchmark's bound, and this search closes much of the gap
+(benchmarks/README.md, "Scheduler" and "Modality mix").
 
 Starting from a scored partition and order, two neighbourhoods alternate, each searched by best
 improvement with every candidate scored exactly in one batched simulation

@@ -1,4 +1,4 @@
-"""The model profiler writes the DESIGN.md §4 table with exact parameter and activation bytes."""
+"""The model profiler writes the docs/design.md table with exact parameter and activation bytes."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ STAGES = ("vision0", "llm0", "llm1")
 
 
 def _metrics(n: int = 30, seed: int = 0) -> pd.DataFrame:
-    """DESIGN.md §4 columns plus the trainer's per-stage busy/idle seconds, rows shuffled."""
+    """docs/design.md columns plus the trainer's per-stage busy/idle seconds, rows shuffled."""
     rng = np.random.default_rng(seed)
     step = np.arange(1, n + 1)
     predicted = 0.2 + 0.05 * rng.random(n)
