@@ -105,27 +105,58 @@ def _means(small, space=TechniqueSpace()):
 
 LAYOUTS = [Layout("disjoint", 1, 2, 2, 2, 2, 2, 4), Layout("colocated", 2, 1, 2, 2, 2, 2, 4),
            Layout("disjoint", 2, 1, 2, 2, 3, 1, 8)]
+MEMORIES_GB = [0.6, 1.0, 1.6]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("memory_gb", [0.6, 1.0, 1.6])
-def test_settle_is_the_fastest_setting_and_keeps_only_needed_techniques(small, layout, memory_gb):
+def _kw(small, memory_gb, gpus=8):
     cost, shape, pool = small
-    means = _means(small)
     sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
                                     vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype="float32")
-    kw = dict(cluster=Cluster(nodes=1, gpus_per_node=8, gpu_memory_bytes=memory_gb * GB), global_batch=16,
-              transfer=TransferMeans.of(pool, sizes))
+    return dict(cluster=Cluster(nodes=1, gpus_per_node=gpus, gpu_memory_bytes=memory_gb * GB), global_batch=16,
+                transfer=TransferMeans.of(pool, sizes))
+
+
+def _even_split(layout, shape):
+    """Each module's layers split as evenly as may be, the remainder on its last stage."""
     n_v = 0 if layout.colocated else shape.vision_layers
     split = np.r_[np.full(layout.n_vision_stages, n_v // max(layout.n_vision_stages, 1)),
                   np.full(layout.pp_l, shape.llm_layers // layout.pp_l)]
     split[layout.n_vision_stages - 1 if layout.n_vision_stages else 0] += (n_v % max(layout.n_vision_stages, 1))
     split[-1] += shape.llm_layers % layout.pp_l
-    # brute force: every setting of (shard vision, shard llm, SP) where it applies x every mode per stage
-    options = [(False, True) if layout.dp_v > 1 else (False,), (False, True) if layout.dp_l > 1 else (False,),
-               (False, True) if layout.tp_l > 1 else (False,)]
+    return split
+
+
+# every way the config may set the two module-level techniques: chosen, forced on, forced off
+KEYS = [dict(shard_optimizer=s, sequence_parallel=p) for s in ("auto", True, False) for p in ("auto", True, False)]
+
+
+def _allowed_settings(layout, keys):
+    """Every (shard vision, shard llm, LLM SP) the config `keys` allow on `layout`, written out: a
+    technique is off where it does not apply (one replica, tp 1; the colocated vision tower is
+    sharded as the LLM is, so its own flag is left off), else both values under auto, the forced one
+    otherwise."""
+    def values(key, applies):
+        return (False,) if not applies else (False, True) if keys[key] == "auto" else (keys[key],)
+
+    return list(itertools.product(values("shard_optimizer", layout.dp_v > 1 and not layout.colocated),
+                                  values("shard_optimizer", layout.dp_l > 1),
+                                  values("sequence_parallel", layout.tp_l > 1)))
+
+
+@pytest.mark.parametrize("keys", KEYS, ids=lambda k: f"shard={k['shard_optimizer']}-sp={k['sequence_parallel']}")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("memory_gb", MEMORIES_GB)
+def test_settle_is_the_fastest_allowed_setting_and_keeps_only_needed_techniques(small, layout, memory_gb, keys):
+    """Brute force over every setting the config allows x every mode per stage: `settle` returns the
+    fastest that fits, in an allowed setting (a forced technique stays on where it applies, a
+    forced-off one never appears), and every technique it may switch off and leaves on is needed."""
+    cost, shape, pool = small
+    means = _means(small, TechniqueSpace.of(**keys))
+    kw = _kw(small, memory_gb)
+    split = _even_split(layout, shape)
+    allowed = _allowed_settings(layout, keys)
     fitting = {}
-    for setting in itertools.product(*options):
+    for setting in allowed:
         sm = means.stage_model(layout, setting, **kw)
         for modes in itertools.product(sm.modes, repeat=sm.n_stages):
             if sm.fits(split, modes):
@@ -136,13 +167,31 @@ def test_settle_is_the_fastest_setting_and_keeps_only_needed_techniques(small, l
         return
     sm, modes = settled
     best = min(fitting.values())
+    setting = (sm.shard[0] and not layout.colocated, sm.shard[1], sm.sequence_parallel)
+    assert setting in allowed
     assert sm.fits(split, modes)
     assert sm.objective_s(split, modes) == pytest.approx(best, rel=1e-12)
-    setting = (sm.shard[0] and not layout.colocated, sm.shard[1], sm.sequence_parallel)
     for i, on in enumerate(setting):
-        if on:  # switching it off, nothing as fast fits
+        if on and keys["sequence_parallel" if i == 2 else "shard_optimizer"] == "auto":
+            # switching it off, nothing as fast fits
             off = tuple(False if j == i else v for j, v in enumerate(setting))
             assert not any(obj <= best * (1 + 1e-12) for (s, _), obj in fitting.items() if s == off)
+
+
+def test_the_settle_cases_exercise_forced_techniques(small):
+    """Somewhere a forced-on technique is one `settle` would switch off under auto (the split fits
+    without it), so the forced cases above test that it stays on, for vision sharding as for the others."""
+    for index in range(3):
+        found = False
+        for layout, memory_gb in itertools.product(LAYOUTS, MEMORIES_GB):
+            on = dict(shard_optimizer=True, sequence_parallel=True)
+            if not _allowed_settings(layout, on)[0][index]:
+                continue
+            settled = _means(small).fit(layout, _even_split(layout, small[1]), **_kw(small, memory_gb))
+            if settled is not None:
+                sm = settled[0]
+                found |= not (sm.shard[0], sm.shard[1], sm.sequence_parallel)[index]
+        assert found, index
 
 
 def test_settle_returns_none_when_no_mode_fits(small):
