@@ -25,11 +25,12 @@ from dflop.plan import Layout
 from dflop.planner.cluster import GB, Cluster
 from dflop.planner.means import Pool, TransferSizes
 from dflop.planner.milp import solve_split
+from dflop.planner.screen import SearchSpace, layout_of, screen
 from dflop.planner.search import SearchSettings, search
 from dflop.planner.space import ModelShape
 from dflop.planner.stages import TransferMeans
 from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
-from planner_testlib import all_splits, random_stage_model
+from planner_testlib import all_splits, enumerate_layouts, random_stage_model
 from synthetic_mix import llava_ov_mix
 
 MODES = ("none", "selective", "full")
@@ -192,6 +193,62 @@ def test_the_settle_cases_exercise_forced_techniques(small):
                 sm = settled[0]
                 found |= not (sm.shard[0], sm.shard[1], sm.sequence_parallel)[index]
         assert found, index
+
+
+# ---- the memory floor the screen drops layouts by ----
+
+def _screen_space(small):
+    cost, shape, pool = small
+    return SearchSpace(vision_tp=(1, 2), llm_tp=(1, 2), colocated_tp=(1, 2), shared_tp=(1, 2), microbatches=(1, 2, 4),
+                       placements=("disjoint", "colocated"), vision_layers=shape.vision_layers,
+                       llm_layers=shape.llm_layers, global_batch=16, mean_tiles=float(pool.n_tiles.mean()))
+
+
+def _layouts_on_4_gpus(small):
+    space = _screen_space(small)
+    return list(enumerate_layouts(world=4, global_batch=16, microbatches=space.microbatches, vision_tp=space.vision_tp,
+                                  llm_tp=space.llm_tp, colocated_tp=space.colocated_tp,
+                                  vision_layers=space.vision_layers, llm_layers=space.llm_layers,
+                                  mean_tiles=space.mean_tiles))
+
+
+def _fits_somehow(means, layout, keys, kw) -> bool:
+    """Brute force: some setting `keys` allow and some split fit with every stage in some recompute
+    mode (stages choose their modes apart: a stage's memory depends on its own layers and mode only)."""
+    for setting in _allowed_settings(layout, keys):
+        sm = means.stage_model(layout, setting, **kw)
+        for split in all_splits(sm):
+            least = np.min([sm.memory_at(split, [mode] * sm.n_stages) for mode in sm.modes], axis=0)
+            if np.all(least <= sm.memory_bytes):
+                return True
+    return False
+
+
+FLOOR_MEMORIES_GB = [1.2, 1.6]  # 4 GPUs of these: some layouts fit only with SP, some only with sharding too
+
+
+@pytest.mark.parametrize("keys", KEYS, ids=lambda k: f"shard={k['shard_optimizer']}-sp={k['sequence_parallel']}")
+@pytest.mark.parametrize("memory_gb", FLOOR_MEMORIES_GB)
+def test_the_memory_floor_keeps_every_layout_some_allowed_setting_fits(small, keys, memory_gb):
+    """The screen drops a layout by the memory floor of the techniques the config allows
+    (`TechniqueMeans.floor`); brute force over those settings, splits and modes on 4 GPUs: every
+    layout something fits on is kept (the floor is never above what a setting needs)."""
+    means = _means(small, TechniqueSpace.of(**keys))
+    kw = _kw(small, memory_gb, gpus=4)
+    kept = {layout_of(r) for r in screen(_screen_space(small), *means.for_times(), kw["cluster"], kw["transfer"],
+                                         keep=10_000, floor=means.floor()).layouts.itertuples()}
+    fitting = {lay for lay in _layouts_on_4_gpus(small) if _fits_somehow(means, lay, keys, kw)}
+    assert fitting <= kept
+
+
+@pytest.mark.parametrize("memory_gb", FLOOR_MEMORIES_GB)
+def test_the_floor_cases_need_sequence_parallelism(small, memory_gb):
+    """On the instances above some layout fits only with SP, which a floor ignoring SP would drop."""
+    means, kw = _means(small), _kw(small, memory_gb, gpus=4)
+    chosen, sp_off = dict(shard_optimizer="auto", sequence_parallel="auto"), dict(shard_optimizer="auto",
+                                                                                   sequence_parallel=False)
+    assert any(_fits_somehow(means, lay, chosen, kw) and not _fits_somehow(means, lay, sp_off, kw)
+               for lay in _layouts_on_4_gpus(small))
 
 
 def test_settle_returns_none_when_no_mode_fits(small):
