@@ -134,8 +134,9 @@ def test_memory_techniques_that_keep_the_maths_keep_the_run():
     recompute = {**PLAN, "llm": {**PLAN["llm"], "recompute": ["full"]},
                  "vision": {**PLAN["vision"], "recompute": ["selective"]}}
     assert _fp(plan=recompute).differences(_fp()) == []
-    sharded = {**PLAN, "llm": {**PLAN["llm"], "shard_optimizer": True}}
-    assert _fp(plan=sharded).differences(_fp()) == ["plan"]
+    replicated = {**PLAN, "llm": {**PLAN["llm"], "dp": 2}, "world_size": 3}  # sharding needs replicas
+    sharded = {**replicated, "llm": {**replicated["llm"], "shard_optimizer": True}}
+    assert _fp(plan=sharded).differences(_fp(plan=replicated)) == ["plan"]
     layout = _fp().fields["plan"]
     assert set(layout["llm"]) == {"tp", "pp", "dp", "layers_per_stage"} == set(layout["vision"])
 
