@@ -73,6 +73,26 @@ def test_milp_modes_and_split_equal_brute_force(case, seed, memory):
     assert res.objective_s == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("case,seed", [((0, 3, 0, 6, 4, 1), 0), ((1, 2, 3, 6, 2, 1), 1), ((2, 2, 4, 5, 8, 2), 2)])
+def test_a_stage_whose_fixed_seconds_dominate_still_holds_a_layer(case, seed):
+    """Every stage holds at least one layer: where the first LLM stage's fixed seconds (embedding,
+    a colocated tower) dwarf a layer's, the best split would empty it if it could, so the MILP with
+    recompute modes (where `x <= n` is what keeps a stage's layer) must still equal the brute
+    force over splits of >= 1 layer per stage, and give that stage one layer."""
+    pp_v, pp_l, lv, ll, m, dp = case
+    sm = random_stage_model(np.random.default_rng(seed), pp_v=pp_v, pp_l=pp_l, vision_layers=max(lv, 1),
+                            llm_layers=ll, m=m, dp=dp, modes=MODES)
+    first_llm = pp_v
+    heavy = {mode: replace(c, time_fixed=c.time_fixed + np.eye(sm.n_stages)[first_llm] * 20.0)
+             for mode, c in sm.by_mode.items()}
+    sm = replace(sm, by_mode=heavy, memory_bytes=10.0)  # 10x the GPU the stages were drawn for: all fit
+    best, (split, _) = _brute_force(sm)
+    assert split[first_llm] == 1
+    res = solve_split(sm, rel_gap=0.0)
+    assert res.status == "optimal" and res.split.min() >= 1 and res.split[first_llm] == 1
+    assert res.objective_s == pytest.approx(best, rel=1e-9)
+
+
 def test_the_instances_exercise_per_stage_choices():
     """Across the cases the optimum recomputes some stages and not others (what makes the per-stage
     choice worth a MILP), and somewhere needs recomputation at all."""
