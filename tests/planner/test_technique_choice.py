@@ -3,8 +3,10 @@
 - The MILP picks per stage a recompute mode and a layer count: its optimum must equal the best
   of every (split, mode per stage) that fits, written out in full.
 - `settle` picks, for a fixed split, each stage's mode and the module-level sharding / sequence
-  parallelism: its step must be the best over every setting and mode assignment that fits, and
-  every technique it leaves on must be needed (without it nothing as fast fits).
+  parallelism: with each of them chosen (auto), forced on or forced off, its step must be the best
+  over every setting the config allows and mode assignment that fits, and every technique it chose
+  to leave on must be needed (without it nothing as fast fits).
+- The memory floor the screen drops layouts by keeps every layout some allowed setting fits.
 - The whole search on a real (analytic) cost model: where no plan fits without techniques, the
   chosen plan names techniques under which its predicted per-stage memory fits.
 """
