@@ -16,7 +16,7 @@ wrote (predictions, solver, cluster, inputs) as the raw mapping. Keys the traine
 Each module may also name its memory techniques (all off when absent, as in plans written before
 they existed): ``recompute`` (one of none|selective|full per stage: activation recomputation),
 ``shard_optimizer`` (optimizer state and gradients sharded over the module's data-parallel
-replicas, also with tp > 1) and ``sequence_parallel`` (the residual stream sharded along the
+replicas, also with tp > 1; needs dp > 1) and ``sequence_parallel`` (the residual stream sharded along the
 sequence between tensor-parallel regions; needs tp > 1; the LLM only)::
 
     vision: {tp: 1, pp: 1, dp: 2, layers_per_stage: [2], recompute: [selective], shard_optimizer: true}
@@ -239,8 +239,9 @@ class Plan:
             raise ValueError(f"layer split {self.vision_layers} / {self.llm_layers} does not match {self.layout}")
         if min(self.vision_layers + self.llm_layers) < 0:
             raise ValueError(f"negative layer count in {self.vision_layers} / {self.llm_layers}")
-        for name, attr, pp, tp in (("vision", "vision_techniques", self.layout.pp_v, self.layout.tp_v),
-                                   ("llm", "llm_techniques", self.layout.pp_l, self.layout.tp_l)):
+        lay = self.layout
+        for name, attr, pp, tp, dp in (("vision", "vision_techniques", lay.pp_v, lay.tp_v, lay.dp_v),
+                                       ("llm", "llm_techniques", lay.pp_l, lay.tp_l, lay.dp_l)):
             tech = getattr(self, attr)
             if tech is None:
                 object.__setattr__(self, attr, Techniques.off(pp))
@@ -248,6 +249,8 @@ class Plan:
                 raise ValueError(f"{name} recompute {list(tech.recompute)} needs one mode per stage ({pp})")
             elif tech.sequence_parallel and tp == 1:
                 raise ValueError(f"{name} sequence parallelism needs tensor parallelism (tp > 1)")
+            elif tech.shard_optimizer and dp == 1:
+                raise ValueError(f"{name} optimizer sharding needs data-parallel replicas to shard over (dp > 1)")
 
     def with_techniques(self, vision: Techniques, llm: Techniques) -> "Plan":
         """The same plan with these memory techniques."""
@@ -255,12 +258,12 @@ class Plan:
 
     def with_forced_techniques(self, recompute: str = "none", shard_optimizer: bool = False,
                                sequence_parallel: bool = False) -> "Plan":
-        """One recompute mode on every stage; optimizer sharding on each module; sequence
-        parallelism on the LLM where it has tensor parallelism (the trainer has no SP for the
-        vision tower)."""
+        """One recompute mode on every stage; optimizer sharding on each module with data-parallel
+        replicas (dp > 1); sequence parallelism on the LLM where it has tensor parallelism (the
+        trainer has no SP for the vision tower)."""
         lay = self.layout
-        return self.with_techniques(Techniques((recompute,) * lay.pp_v, shard_optimizer),
-                                    Techniques((recompute,) * lay.pp_l, shard_optimizer,
+        return self.with_techniques(Techniques((recompute,) * lay.pp_v, shard_optimizer and lay.dp_v > 1),
+                                    Techniques((recompute,) * lay.pp_l, shard_optimizer and lay.dp_l > 1,
                                                sequence_parallel and lay.tp_l > 1))
 
     @classmethod
@@ -415,10 +418,10 @@ def _module(raw: Any, where: str) -> ModuleLayout:
     if not isinstance(layers, list) or len(layers) != pp:
         raise UserError(f"{where}.layers_per_stage: expected a list of {pp} layer counts (one per stage), got {layers!r}")
     layers = tuple(_whole(n, f"{where}.layers_per_stage[{i}]", minimum=0) for i, n in enumerate(layers))
-    return ModuleLayout(tp, pp, dp, layers, _techniques(raw, where, pp, tp))
+    return ModuleLayout(tp, pp, dp, layers, _techniques(raw, where, pp, tp, dp))
 
 
-def _techniques(raw: Mapping, where: str, pp: int, tp: int) -> Techniques:
+def _techniques(raw: Mapping, where: str, pp: int, tp: int, dp: int) -> Techniques:
     recompute = raw.get("recompute", ["none"] * pp)
     if not isinstance(recompute, list) or len(recompute) != pp:
         raise UserError(f"{where}.recompute: expected a list of {pp} modes (one per stage), got {recompute!r}")
@@ -432,6 +435,8 @@ def _techniques(raw: Mapping, where: str, pp: int, tp: int) -> Techniques:
             raise UserError(f"{where}.{key}: expected true or false, got {flags[key]!r}")
     if flags["sequence_parallel"] and tp == 1:
         raise UserError(f"{where}.sequence_parallel: needs tensor parallelism (tp > 1), but tp is 1")
+    if flags["shard_optimizer"] and dp == 1:
+        raise UserError(f"{where}.shard_optimizer: needs data-parallel replicas to shard over (dp > 1), but dp is 1")
     return Techniques(tuple(recompute), **flags)
 
 

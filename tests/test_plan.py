@@ -129,6 +129,8 @@ def test_the_padded_baseline_section_is_optional_and_checked():
      r"llm.shard_optimizer: expected true or false, got 'yes'"),
     (dict(vision={"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2], "sequence_parallel": True}),
      r"vision.sequence_parallel: needs tensor parallelism \(tp > 1\), but tp is 1"),
+    (dict(llm={"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [1, 1], "shard_optimizer": True}),
+     r"llm.shard_optimizer: needs data-parallel replicas to shard over \(dp > 1\), but dp is 1"),
 ])
 def test_bad_plans_are_one_line_errors(changes, message):
     with pytest.raises(UserError, match=message) as info:

@@ -180,3 +180,27 @@ def test_a_mode_without_its_transient_holds_mode_nones_and_what_it_drops():
         dropped = costs.coefficients("llm_layer", "act_bytes") - costs.coefficients("llm_layer", f"act_bytes:{mode}")
         want = x @ (costs.coefficients("llm_layer", TRANSIENT) + dropped)
         assert memory.transient_bytes == pytest.approx(want, rel=1e-6), mode
+
+
+def test_each_fit_is_the_least_relative_squares_over_every_profiled_shape():
+    """On a noisy profile every shape moves the optimum: each fitted (module, tp, time target) must
+    reach the least sum of squared relative errors over all the profile's shapes, found here
+    independently (scipy's bounded least squares, coefficients >= 0), so a fit that leaves out a
+    shape ends measurably above it."""
+    from scipy.optimize import lsq_linear
+
+    from dflop.costmodel.features import profile_features
+
+    summary = summarize_profile(synthetic_profile(SyntheticCosts(), noise=0.05, repeats=3, seed=11))
+    model, _ = fit_profile(summary)
+    for (module, tp), shapes in summary.shapes.groupby(["module", "tp"]):
+        fitted = model.modules[(module, int(tp))]
+        X = profile_features(fitted.features, shapes["batch"].to_numpy(), shapes["seq_len"].to_numpy())
+        for target in ("fwd_ms", "bwd_ms"):
+            y = shapes[target].to_numpy(dtype=np.float64)
+            a, b = X / y[:, None], np.ones_like(y)  # relative residuals: (X c - y) / y
+            scale = np.linalg.norm(a, axis=0)
+            best = lsq_linear(a / scale, b, bounds=(0, np.inf), method="bvls", tol=1e-14).x / scale
+            least = np.sum((a @ best - b) ** 2)
+            got = np.sum((a @ np.asarray(fitted.coefficients(target)) - b) ** 2)
+            assert got == pytest.approx(least, rel=1e-7), (module, tp, target)

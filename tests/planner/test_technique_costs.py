@@ -6,6 +6,7 @@ forward except the MLP down projection, and keeps only the layer input) and of t
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -144,3 +145,21 @@ def test_sequence_parallel_saving_is_the_closed_form(setup):
         expected = f * plan.llm_layers[row - 1] * nu * s * per_tok
         assert t["sp_saved_bytes"][row] == pytest.approx(expected, rel=1e-9)
     assert not math.isnan(t["peak_bytes"][1])
+
+
+def test_optimizer_sharding_is_only_on_modules_with_replicas(setup):
+    """Sharding over one replica changes nothing (the trainer shards over a module's dp group; there
+    is none), so a plan may not claim it: forcing it on a plan whose vision tower has dp 1 shards
+    only the LLM, the table shows vision "no" and saves it nothing, and a plan naming it is refused."""
+    model, cost, cluster, pool = setup
+    info = model.info
+    lay = Layout("disjoint", 1, 1, 1, 1, 2, 2, 2)  # vision dp 1, llm dp 2
+    plan = Plan.uniform(lay, info.vision_layers, info.llm_layers).with_forced_techniques(shard_optimizer=True)
+    assert not plan.vision_techniques.shard_optimizer and plan.llm_techniques.shard_optimizer
+    table = _table(setup, plan)
+    assert list(table["shard_optimizer"]) == [False, True, True]
+    assert table["state_saved_bytes"].iloc[0] == 0 and (table["state_saved_bytes"].iloc[1:] > 0).all()
+    shown = [re.split(r"\s{2,}", row.strip()) for row in format_techniques(table).splitlines()[2:]]
+    assert [row[2] for row in shown] == ["no", "yes", "yes"]  # stage, recompute, shard opt, ...
+    with pytest.raises(ValueError, match="vision optimizer sharding needs data-parallel replicas"):
+        plan.with_techniques(Techniques(("none",), shard_optimizer=True), plan.llm_techniques)

@@ -126,6 +126,17 @@ def test_the_layout_and_the_data_define_the_run():
     assert pool_identity(_pool().copy()) == pool_identity(_pool())
 
 
+@pytest.mark.parametrize("column,value", [("n_tiles", 3), ("vision_tokens", 15), ("seq_len", 21),
+                                          ("sample_id", "z"), ("dataset", "other")])
+def test_every_shape_column_of_one_sample_defines_the_run(column, value):
+    """A step's batches are partitioned by each sample's tiles, vision tokens and length, and name
+    their samples by dataset and id: one sample's value changed in any of these is another run
+    (the columns written out here, not read from `POOL_COLUMNS`)."""
+    changed = _pool()
+    changed.loc[1, column] = value
+    assert _fp(pool=changed).differences(_fp()) == ["data.shapes"]
+
+
 def test_memory_techniques_that_keep_the_maths_keep_the_run():
     """Recomputation and sequence parallelism trade memory for time (same maths): a run that turns
     them on resumes. A sharded optimizer changes what the checkpoint holds: another run. A plan
@@ -134,8 +145,9 @@ def test_memory_techniques_that_keep_the_maths_keep_the_run():
     recompute = {**PLAN, "llm": {**PLAN["llm"], "recompute": ["full"]},
                  "vision": {**PLAN["vision"], "recompute": ["selective"]}}
     assert _fp(plan=recompute).differences(_fp()) == []
-    sharded = {**PLAN, "llm": {**PLAN["llm"], "shard_optimizer": True}}
-    assert _fp(plan=sharded).differences(_fp()) == ["plan"]
+    replicated = {**PLAN, "llm": {**PLAN["llm"], "dp": 2}, "world_size": 3}  # sharding needs replicas
+    sharded = {**replicated, "llm": {**replicated["llm"], "shard_optimizer": True}}
+    assert _fp(plan=sharded).differences(_fp(plan=replicated)) == ["plan"]
     layout = _fp().fields["plan"]
     assert set(layout["llm"]) == {"tp", "pp", "dp", "layers_per_stage"} == set(layout["vision"])
 

@@ -353,3 +353,36 @@ def test_noisy_demo_sized_steps_give_a_steady_corrected_prediction(make_costs):
             fixed = corr.corrected(costs, buckets_def.assign(shapes.n_tiles, shapes.seq_len))
             errors.append(abs(np.log(_demo_step_s(fixed, part) / _demo_step_s(_uniformly_slow(costs), part))))
     assert np.percentile(errors, 90) < 0.10 and np.mean(errors) < 0.05, (np.percentile(errors, 90), np.mean(errors))
+
+
+def test_factors_are_the_bayesian_posterior_mean_with_the_prior_spread_around_the_level():
+    """The module docstring's MAP, written here in its textbook form from raw rows: y = a @ f + noise,
+    noise variance sigma^2, prior f ~ N(level, (PRIOR_SPREAD * level)^2 I), level = sum(a'y) / sum(a'a);
+    posterior mean f = (G / sigma^2 + I / tau^2)^-1 (a'y / sigma^2 + level / tau^2), tau = spread x level,
+    with sigma^2 the residual variance of that mean over the rows left after its effective parameters
+    (iterated to its fixed point). The correction's factors (one stage, no numerical ridge) must be it;
+    a prior strength of sigma^2 / (spread * level) instead of its square gives other factors."""
+    from dflop.scheduler.correction import PRIOR_SPREAD
+
+    rng = np.random.default_rng(3)
+    a = np.column_stack([rng.uniform(0.5, 2.0, 8), np.ones(8)])  # predicted seconds of one bucket, the constant
+    y = a @ np.array([1.5, 1.1]) * (1 + 0.15 * rng.standard_normal(8))  # a slowdown, measured with noise
+    G, rhs = a.T @ a, a.T @ y
+    level = rhs.sum() / G.sum()
+    tau2 = (PRIOR_SPREAD * level) ** 2
+    sigma2 = np.var(y - level * a.sum(axis=1))
+    for _ in range(200):
+        precision = G / sigma2 + np.eye(2) / tau2
+        f = np.linalg.solve(precision, rhs / sigma2 + level / tau2)
+        p_eff = np.trace(np.linalg.solve(precision, G / sigma2))
+        sigma2 = np.sum((y - a @ f) ** 2) / (len(y) - p_eff)
+
+    corr = AdaptiveCorrection(1, ridge=0.0, per_stage=False)
+    state = corr.state_dict()
+    for mod in ("vision", "llm"):  # one stage each, these normal equations
+        state.update({f"gram_{mod}": [G.tolist()], f"rhs_{mod}": [rhs.tolist()], f"yy_{mod}": [float(y @ y)],
+                      f"rows_{mod}": [float(len(y))], f"stage_scales_{mod}": [1.0]})
+    assert corr.load_state_dict(state)
+    corr._solve("llm")
+    np.testing.assert_allclose(corr.factors_["llm"], f, rtol=1e-6)
+    assert abs(f[0] - np.linalg.solve(G, rhs)[0]) > 1e-3  # the prior moved the fit: its strength matters
