@@ -55,6 +55,7 @@ from dflop.costmodel.features import FEATURE_NAMES, MODULE_FEATURES, allowed_fea
 from dflop.costmodel.model import (LOAD_FEATURES, OPTIONAL_TARGETS, TARGETS, BytesLine, CostModel, LoadLine, ModuleCosts,
                                   Provenance, StepCosts)
 from dflop.errors import UserError
+from dflop.finite import check_finite_document
 from dflop.io import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -221,6 +222,7 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
             f"{source}: cost model format version {data.get('version')!r} is not supported "
             f"(this dflop reads version {FORMAT_VERSION}); re-run `dflop fit`"
         )
+    check_finite_document(data, source)  # the schema's "minimum": 0 lets NaN through
     try:
         jsonschema.validate(data, SCHEMA)
     except jsonschema.ValidationError as exc:
