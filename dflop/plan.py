@@ -41,6 +41,7 @@ import yaml
 
 from dflop.config import Config, ModelSpec
 from dflop.errors import UserError
+from dflop.finite import check_finite_document
 from dflop.io import read_yaml, write_text_atomic
 
 PLACEMENTS = ("disjoint", "colocated")
@@ -475,6 +476,7 @@ def plan_from_dict(raw: Any, source: str = "plan.yaml") -> PlanFile:
     """Validate plan data (a parsed plan.yaml); `source` names the file in errors."""
     if not isinstance(raw, Mapping):
         raise UserError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
+    check_finite_document(raw, source)  # YAML's .nan/.inf: the predictions simulate and compare-runs print
     plan, batch = _plan(raw, source)
     baseline = None
     if raw.get("baseline"):
