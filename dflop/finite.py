@@ -53,15 +53,17 @@ class Numbers:
     minimum: the smallest value allowed (None: any finite value).
     whole: only whole numbers (counts, sizes).
     missing_ok: NaN means "not measured" and is allowed (infinities are not).
+    above: values must be above `minimum`, not equal to it (a duration that divides).
     """
 
     minimum: float | None = 0
     whole: bool = False
     missing_ok: bool = False
+    above: bool = False
 
     def describe(self) -> str:
         kind = "a whole number" if self.whole else "a finite number"
-        return kind if self.minimum is None else f"{kind} >= {self.minimum:g}"
+        return kind if self.minimum is None else f"{kind} {'>' if self.above else '>='} {self.minimum:g}"
 
 
 def check_columns(table: pd.DataFrame, source: str, columns: dict[str, Numbers],
@@ -84,7 +86,7 @@ def check_columns(table: pd.DataFrame, source: str, columns: dict[str, Numbers],
             bad &= ~np.isnan(numbers)
         with np.errstate(invalid="ignore"):
             if rule.minimum is not None:
-                bad |= numbers < rule.minimum
+                bad |= (numbers <= rule.minimum) if rule.above else (numbers < rule.minimum)
             if rule.whole:
                 bad |= np.isfinite(numbers) & (numbers != np.round(numbers))
         if bad.any():
