@@ -125,10 +125,8 @@ def _measured_agreement(metrics: Path | None, plan: Path) -> str | None:
     path = metrics if metrics is not None else plan.parent.parent / "train" / "metrics.parquet"
     if metrics is None and not path.exists():
         return None
-    frame = read_metrics(path, missing_hint="--metrics: a training run's metrics.parquet")
-    missing = {"step", "step_s", "predicted_step_s"} - set(frame.columns)
-    if missing:
-        raise UserError(f"{path}: not a metrics.parquet of dflop train (no column {', '.join(sorted(missing))})")
+    frame = read_metrics(path, missing_hint="--metrics: a training run's metrics.parquet",
+                         columns=("step", "step_s", "predicted_step_s"))
     ran = sorted(c.removeprefix("busy_s_") for c in frame.columns if c.startswith("busy_s_"))
     planned = sorted(plan_stage_labels(read_plan(plan).plan))
     if ran and ran != planned:

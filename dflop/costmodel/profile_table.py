@@ -93,6 +93,10 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     anywhere = {c: Numbers(None, missing_ok=True) for c in (*NUMERIC_COLUMNS, *OPTIONAL_TARGETS)}
     check_columns(table, source, {**anywhere, **{c: Numbers(0, missing_ok=True) for c in MEASURED_IF_PRESENT}},
                   _row_name(table))
+    named = table["module"].map(lambda v: isinstance(v, str)).to_numpy(dtype=bool)
+    if not named.all():
+        i = int(np.flatnonzero(~named)[0])
+        raise UserError(f"{source}: row {table.index[i]} has module={table['module'].iloc[i]!r} (must be a module name)")
     step_costs = _step_costs(table, source)
     unknown = sorted(set(table["module"]) - set(MODULE_FEATURES) - set(LINK_MODULES))
     if unknown:

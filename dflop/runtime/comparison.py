@@ -32,10 +32,17 @@ METRICS_NUMBERS = {"step": Numbers(1, whole=True), "step_s": Numbers(0, above=Tr
                    "predicted_step_s": Numbers(0, missing_ok=True), "corrected_step_s": Numbers(0, missing_ok=True)}
 
 
-def read_metrics(path: str | Path, *, missing_hint: str) -> pd.DataFrame:
+COMPARED_COLUMNS = ("step", "step_s", "idle_frac")  # what `compare_runs` reads of each run
+
+
+def read_metrics(path: str | Path, *, missing_hint: str, columns=COMPARED_COLUMNS) -> pd.DataFrame:
     """A run's metrics.parquet for comparing it with a prediction or another run: one-line
-    UserError naming the file, column and row for a missing file, strings, NaN or inf."""
+    UserError naming the file (and the column and row) for a missing file, a missing one of
+    `columns`, strings, NaN or inf."""
     frame = read_parquet(path, missing_hint=missing_hint)
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise UserError(f"{path}: not a metrics.parquet of dflop train (no column {', '.join(missing)})")
     check_columns(frame, str(path), METRICS_NUMBERS)
     return frame
 
