@@ -78,8 +78,8 @@ def check_columns(table: pd.DataFrame, source: str, columns: dict[str, Numbers],
             continue
         values = table[column]
         if not pd.api.types.is_numeric_dtype(values.dtype) or pd.api.types.is_bool_dtype(values.dtype):
-            raise UserError(f"{source}: column {column} holds {values.dtype} values, expected numbers "
-                            f"({name(0)}: {_show(values.iloc[0]) if len(values) else 'empty'})")
+            first = f" ({name(0)}: {_show(values.iloc[0])})" if len(values) else ""
+            raise UserError(f"{source}: column {column} holds {values.dtype} values, expected numbers{first}")
         numbers = values.to_numpy(dtype=np.float64, na_value=np.nan)
         bad = ~np.isfinite(numbers)
         if rule.missing_ok:

@@ -68,12 +68,10 @@ def _perturb_doc(doc: dict, rng, kind: str) -> tuple[dict, str]:
         parent[key] = str(value)
     elif kind == "missing":
         del parent[key]
-    else:  # extra: a key the format does not have beside this one (or one more list item)
-        target = parent if isinstance(parent, dict) else parent
-        if isinstance(target, dict):
-            target["fuzz_extra"] = 1.5
-        else:
-            target.append(copy.deepcopy(value))
+    elif isinstance(parent, dict):  # extra: a key the format does not have, beside this one
+        parent["fuzz_extra"] = 1.5
+    else:  # extra: one more list item
+        parent.append(copy.deepcopy(value))
     return doc, ".".join(map(str, path))
 
 

@@ -40,7 +40,8 @@ model without any (written before they were fitted) prices them 0, and `load_cos
 tied embeddings), counted once on a stage holding both (absent: 0). A module may carry
 ``optimizer_s``: its optimizer step's seconds beyond ``step_costs.optimizer_call_s``
 (`dflop.costmodel.model.ModuleCosts.optimizer_s`; absent: not measured, the bytes line prices it).
-Floats are written with Python's shortest round-trip repr, so a loaded model predicts bit-identically.
+Floats are written with Python's shortest round-trip repr, so a loaded model predicts bit-identically;
+NaN and infinities are never written and refused on reading (`dflop.finite`).
 """
 
 from __future__ import annotations
