@@ -96,7 +96,8 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     named = table["module"].map(lambda v: isinstance(v, str)).to_numpy(dtype=bool)
     if not named.all():
         i = int(np.flatnonzero(~named)[0])
-        raise UserError(f"{source}: row {table.index[i]} has module={table['module'].iloc[i]!r} (must be a module name)")
+        raise UserError(f"{source}: row {table.index[i]} has module={table['module'].iloc[i]!r} "
+                        "(must be a module name)")
     step_costs = _step_costs(table, source)
     unknown = sorted(set(table["module"]) - set(MODULE_FEATURES) - set(LINK_MODULES))
     if unknown:
@@ -194,7 +195,8 @@ def _row_name(table: pd.DataFrame):
     """A row of the profile as errors name it: its position in the file and its shape."""
     def name(i: int) -> str:
         row = table.iloc[i]
-        return f"row {table.index[i]} (module={row['module']} tp={row['tp']} batch={row['batch']} seq_len={row['seq_len']})"
+        return (f"row {table.index[i]} (module={row['module']} tp={row['tp']} batch={row['batch']} "
+                f"seq_len={row['seq_len']})")
     return name
 
 
