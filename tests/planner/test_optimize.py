@@ -374,8 +374,15 @@ def test_simulate_refuses_non_finite_inputs_in_one_line(inputs, tmp_path, tiny_s
     bad_plan = _edited_plan(tmp_path / "plan.yaml", tmp_path / "nan_plan.yaml",
                             lambda d: d["cluster"].update(gpu_memory_gb=float("nan")))
     cases.append(([], bad_plan, r"cluster\.gpu_memory_gb: nan is not a finite number"))
+    for key, value, message in (("seed", "x", r"evaluation\.seed: expected an integer >= 0, got 'x'"),
+                                ("scheduler", {"budget_s": "fast"}, r"evaluation\.scheduler\.budget_s is 'fast', "
+                                                                    r"expected a finite number > 0"),
+                                ("sample_batches", 2.5, r"evaluation\.sample_batches: expected an integer >= 1")):
+        edited = _edited_plan(tmp_path / "plan.yaml", tmp_path / f"{key}.yaml",
+                              lambda d, key=key, value=value: d["evaluation"].update({key: value}))
+        cases.append(([], edited, message))  # wrong types: were ValueError tracebacks or a float seed
     for args, culprit, message in cases:
-        plan = bad_plan if culprit == bad_plan else str(tmp_path / "plan.yaml")
+        plan = culprit if culprit.endswith(".yaml") else str(tmp_path / "plan.yaml")
         gantt = tmp_path / "gantt.png"
         assert main(["simulate", "--plan", plan, "--gantt", str(gantt), *args]) == 2, culprit
         captured = capsys.readouterr()
