@@ -118,17 +118,15 @@ def _measured_agreement(metrics: Path | None, plan: Path) -> str | None:
     """What the run's metrics.parquet (given, or the workflow's beside the plan) says about the
     predictions: a sentence for the what-if summary, None without a run. A run whose pipeline
     stages are not the plan's trained another plan: said, not compared."""
-    from dflop.io import read_parquet
     from dflop.plan import read_plan
+    from dflop.runtime.comparison import read_metrics
     from dflop.runtime.metrics import plan_stage_labels, prediction_agreement
 
     path = metrics if metrics is not None else plan.parent.parent / "train" / "metrics.parquet"
     if metrics is None and not path.exists():
         return None
-    frame = read_parquet(path, missing_hint="--metrics: a training run's metrics.parquet")
-    missing = {"step", "step_s", "predicted_step_s"} - set(frame.columns)
-    if missing:
-        raise UserError(f"{path}: not a metrics.parquet of dflop train (no column {', '.join(sorted(missing))})")
+    frame = read_metrics(path, missing_hint="--metrics: a training run's metrics.parquet",
+                         columns=("step", "step_s", "predicted_step_s"))
     ran = sorted(c.removeprefix("busy_s_") for c in frame.columns if c.startswith("busy_s_"))
     planned = sorted(plan_stage_labels(read_plan(plan).plan))
     if ran and ran != planned:
@@ -147,13 +145,13 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_compare_runs(args: argparse.Namespace) -> None:
-    from dflop.io import read_parquet, read_yaml
-    from dflop.runtime.comparison import compare_runs, no_comparison_line, planned_steps, write_summary
+    from dflop.io import read_yaml
+    from dflop.runtime.comparison import compare_runs, no_comparison_line, planned_steps, read_metrics, write_summary
 
     hint = "a training run's metrics.parquet (rules train and train_baseline)"
     predicted = planned_steps(read_yaml(args.plan, missing_hint="run `dflop optimize` first"), str(args.plan))
-    comparison = compare_runs(read_parquet(args.metrics, missing_hint=hint),
-                              read_parquet(args.baseline_metrics, missing_hint=hint), predicted)
+    comparison = compare_runs(read_metrics(args.metrics, missing_hint=hint),
+                              read_metrics(args.baseline_metrics, missing_hint=hint), predicted)
     if args.out is not None:
         write_summary(comparison, args.out, {"inputs": {"plan_metrics": str(args.metrics),
                                                         "baseline_metrics": str(args.baseline_metrics),

@@ -20,6 +20,7 @@ import jsonschema
 import yaml
 
 from dflop.errors import UserError
+from dflop.finite import check_finite_document
 from dflop.io import read_yaml
 
 SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
@@ -82,7 +83,12 @@ def _one_line(error: jsonschema.ValidationError) -> str:
 
 
 def validate(config: Mapping[str, Any]) -> None:
-    """Raise ConfigError (one line naming the key and rule) if `config` breaks the schema."""
+    """Raise ConfigError (one line naming the key and rule) if `config` breaks the schema or holds
+    a NaN or infinite number (YAML's .nan/.inf pass a schema's minimum and end up in plan.yaml)."""
+    try:
+        check_finite_document(config, "config error")
+    except UserError as exc:
+        raise ConfigError(str(exc)) from None
     validator = jsonschema.Draft202012Validator(load_schema())
     errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
     if errors:

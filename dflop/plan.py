@@ -41,6 +41,7 @@ import yaml
 
 from dflop.config import Config, ModelSpec
 from dflop.errors import UserError
+from dflop.finite import check_finite_document
 from dflop.io import read_yaml, write_text_atomic
 
 PLACEMENTS = ("disjoint", "colocated")
@@ -398,7 +399,9 @@ class PlanFile:
 # -- reading and writing ---------------------------------------------------------------------------
 
 
-def _whole(value: Any, where: str, minimum: int = 1) -> int:
+def whole_number(value: Any, where: str, minimum: int = 1) -> int:
+    """`value` when it is an integer >= `minimum` (not a bool, not a float); else a one-line
+    UserError naming `where` (the file and key)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise UserError(f"{where}: expected an integer >= {minimum}, got {value!r}")
     return value
@@ -413,11 +416,11 @@ def _module(raw: Any, where: str) -> ModuleLayout:
     unknown = sorted(set(raw) - set(MODULE_KEYS) - set(TECHNIQUE_KEYS))
     if unknown:
         raise UserError(f"{where}.{unknown[0]}: unknown key (allowed: {', '.join(MODULE_KEYS + TECHNIQUE_KEYS)})")
-    tp, pp, dp = (_whole(raw[k], f"{where}.{k}") for k in ("tp", "pp", "dp"))
+    tp, pp, dp = (whole_number(raw[k], f"{where}.{k}") for k in ("tp", "pp", "dp"))
     layers = raw["layers_per_stage"]
     if not isinstance(layers, list) or len(layers) != pp:
         raise UserError(f"{where}.layers_per_stage: expected a list of {pp} layer counts (one per stage), got {layers!r}")
-    layers = tuple(_whole(n, f"{where}.layers_per_stage[{i}]", minimum=0) for i, n in enumerate(layers))
+    layers = tuple(whole_number(n, f"{where}.layers_per_stage[{i}]", minimum=0) for i, n in enumerate(layers))
     return ModuleLayout(tp, pp, dp, layers, _techniques(raw, where, pp, tp, dp))
 
 
@@ -452,9 +455,9 @@ def _plan(raw: Any, source: str, prefix: str = "") -> tuple[Plan, int]:
     placement = raw["placement"]
     if placement not in PLACEMENTS:
         raise UserError(f"{where}placement: expected disjoint or colocated, got {placement!r}")
-    m = _whole(raw["microbatches"], f"{where}microbatches")
-    batch = _whole(raw["global_batch_size"], f"{where}global_batch_size")
-    world = _whole(raw["world_size"], f"{where}world_size")
+    m = whole_number(raw["microbatches"], f"{where}microbatches")
+    batch = whole_number(raw["global_batch_size"], f"{where}global_batch_size")
+    world = whole_number(raw["world_size"], f"{where}world_size")
     if placement == "colocated":
         if vision.pp != 1:
             raise UserError(f"{where}vision.pp is {vision.pp} but colocated placement runs the whole vision "
@@ -480,6 +483,7 @@ def plan_from_dict(raw: Any, source: str = "plan.yaml") -> PlanFile:
     """Validate plan data (a parsed plan.yaml); `source` names the file in errors."""
     if not isinstance(raw, Mapping):
         raise UserError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
+    check_finite_document(raw, source)  # YAML's .nan/.inf: the predictions simulate and compare-runs print
     plan, batch = _plan(raw, source)
     baseline = None
     if raw.get("baseline"):

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from dflop.errors import UserError
+from dflop.finite import Numbers, check_columns
 from dflop.io import read_parquet
 
 SHAPES_SCHEMA = pa.schema(
@@ -43,28 +43,19 @@ OPTIONAL_COLUMNS = ("media_pixels",)  # added later: a file without it still rea
 OK = "ok"
 # What every use of a row needs, and the smallest value each numeric column may take.
 NEEDED = ("sample_id", "n_tiles", "seq_len")
-MINIMUM = {"n_tiles": 0, "vision_tokens": 0, "seq_len": 1, "media_pixels": 0}
+MINIMUM = {"n_images": 0, "n_frames": 0, "n_tiles": 0, "vision_tokens": 0, "text_tokens": 0, "seq_len": 1,
+           "media_pixels": 0}
 
 
 def check_shapes(shapes: pd.DataFrame, where: str = "shapes", *, columns=NEEDED) -> None:
     """One-line UserError naming the column or the sample unless `shapes` has `columns` and whole,
-    non-negative sizes (seq_len >= 1) in every numeric column it has."""
+    finite, non-negative sizes (seq_len >= 1) of a numeric dtype in every numeric column it has."""
     missing = [c for c in columns if c not in shapes.columns]
     if missing:
         raise UserError(f"{where}: missing column(s) {', '.join(missing)} (expected shapes.parquet columns "
                         f"{', '.join(SHAPE_COLUMNS)}; not a shapes.parquet?)")
-    for column, minimum in MINIMUM.items():
-        if column not in shapes.columns:
-            continue
-        values = shapes[column]
-        numeric = pd.to_numeric(values, errors="coerce")
-        bad = numeric.isna() | (numeric < minimum) | (numeric != np.round(numeric))
-        if bad.any():
-            i = int(np.flatnonzero(bad.to_numpy())[0])
-            value = values.iloc[i]
-            raise UserError(f"{where}: sample {shapes['sample_id'].iloc[i]!r} has invalid {column}="
-                            f"{value.item() if hasattr(value, 'item') else value!r} (must be a whole number "
-                            f">= {minimum})")
+    check_columns(shapes, where, {column: Numbers(minimum, whole=True) for column, minimum in MINIMUM.items()},
+                  lambda i: f"sample {shapes['sample_id'].iloc[i]!r}")
 
 
 def usable(shapes: pd.DataFrame, where: str = "shapes", *, columns=NEEDED) -> pd.DataFrame:

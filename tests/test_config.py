@@ -61,6 +61,17 @@ def test_bad_values_give_one_line_naming_key_and_rule(raw, key, rule):
     assert message.endswith(f"(rule: {rule})")
 
 
+@pytest.mark.parametrize("text, key, shown", [("cluster:\n  gpu_memory_gb: .nan\n", "cluster.gpu_memory_gb", "nan"),
+                                             ("data:\n  max_skip_frac: .nan\n", "data.max_skip_frac", "nan"),
+                                             ("planner:\n  time_limit_s: .inf\n", "planner.time_limit_s", "inf")])
+def test_non_finite_numbers_name_the_key(tmp_path, text, key, shown):
+    """The schema's minimum/maximum pass NaN: a NaN GPU memory let every plan "fit"."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^config error: {key}: {shown} is not a finite number$"):
+        cfgmod.load(path)
+
+
 def test_settings_json_overrides_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"run": {"seed": 3}, "data": {"max_skip_frac": 0.5}}))

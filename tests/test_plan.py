@@ -189,3 +189,16 @@ def test_memory_techniques_are_read_per_module_and_default_to_off():
     # the baseline split keeps the techniques; equality sees them
     assert plan.with_uniform_layers(2, 2).llm_techniques == plan.llm_techniques
     assert plan != plan.with_techniques(Techniques.off(1), Techniques.off(2))
+
+
+@pytest.mark.parametrize("literal", [".nan", ".inf", "-.inf", "1.0e+999"])
+def test_non_finite_numbers_anywhere_are_refused_naming_the_key(tmp_path, literal):
+    """YAML's .nan/.inf used to pass: a NaN prediction printed "step nan" and a NaN cluster memory let
+    every stage "fit" (nan > limit is false)."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(raw(predicted={"step_s": {"mean": 12345.5}})).replace("12345.5", literal))
+    with pytest.raises(UserError, match=r"^\S*plan\.yaml: predicted\.step_s\.mean: -?(nan|inf) is not a finite "
+                                        r"number$"):
+        read_plan(path)
+    with pytest.raises(UserError, match=r"^p\.yaml: cluster\.gpu_memory_gb: nan is not a finite number$"):
+        plan_from_dict(raw(cluster={"gpu_memory_gb": float("nan")}), "p.yaml")

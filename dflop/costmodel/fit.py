@@ -39,6 +39,7 @@ from dflop.costmodel.profile_table import ProfileSummary, read_profile
 from dflop.costmodel.regressor import NonNegativeLinearRegression
 from dflop.costmodel.validation import leave_one_shape_out
 from dflop.errors import UserError
+from dflop.finite import Numbers, check_columns
 from dflop.io import atomic_path, read_parquet
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,8 @@ def fit_load_line(table: pd.DataFrame, *, where: str = "load profile") -> LoadLi
         raise UserError(f"{where}: not a load profile, missing columns {missing}")
     if table.empty:
         raise UserError(f"{where}: no timed sample")
+    check_columns(table, where, {**{c: Numbers(0, whole=True) for c in LOAD_FEATURES[1:]}, "load_s": Numbers(0)},
+                  (lambda i: f"sample {table['sample_id'].iloc[i]!r}") if "sample_id" in table.columns else None)
     X = np.column_stack([np.ones(len(table))] + [table[c].to_numpy(dtype=np.float64) for c in LOAD_FEATURES[1:]])
     coef = NonNegativeLinearRegression(relative=False).fit(X, table["load_s"].to_numpy(dtype=np.float64)).coef_
     return LoadLine(tuple(float(c) for c in coef), n_samples=len(table))

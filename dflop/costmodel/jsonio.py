@@ -40,7 +40,8 @@ model without any (written before they were fitted) prices them 0, and `load_cos
 tied embeddings), counted once on a stage holding both (absent: 0). A module may carry
 ``optimizer_s``: its optimizer step's seconds beyond ``step_costs.optimizer_call_s``
 (`dflop.costmodel.model.ModuleCosts.optimizer_s`; absent: not measured, the bytes line prices it).
-Floats are written with Python's shortest round-trip repr, so a loaded model predicts bit-identically.
+Floats are written with Python's shortest round-trip repr, so a loaded model predicts bit-identically;
+NaN and infinities are never written and refused on reading (`dflop.finite`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from dflop.costmodel.features import FEATURE_NAMES, MODULE_FEATURES, allowed_fea
 from dflop.costmodel.model import (LOAD_FEATURES, OPTIONAL_TARGETS, TARGETS, BytesLine, CostModel, LoadLine, ModuleCosts,
                                   Provenance, StepCosts)
 from dflop.errors import UserError
+from dflop.finite import check_finite_document
 from dflop.io import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -221,6 +223,7 @@ def cost_model_from_dict(data: object, *, source: str = "cost model") -> CostMod
             f"{source}: cost model format version {data.get('version')!r} is not supported "
             f"(this dflop reads version {FORMAT_VERSION}); re-run `dflop fit`"
         )
+    check_finite_document(data, source)  # the schema's "minimum": 0 lets NaN through
     try:
         jsonschema.validate(data, SCHEMA)
     except jsonschema.ValidationError as exc:

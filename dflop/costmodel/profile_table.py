@@ -32,15 +32,20 @@ from dflop.costmodel.features import LAYER_MODULES, MODULE_FEATURES, ShapeKind
 from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, TRANSIENT
 from dflop.profiling.model_profiler import TRANSIENT_TARGETS
 from dflop.errors import UserError
+from dflop.finite import Numbers, check_columns
 from dflop.io import read_parquet
 from dflop.profiling.step_costs import LINK_MODULES
 
 log = logging.getLogger(__name__)
 
+# Numbers some rows lack (NaN): CUDA peaks on CPU, gradient bytes, optimizer and link timings.
+MEASURED_IF_PRESENT = ("peak_bytes", "grad_bytes", "optim_bytes", "optim_ms", "optim_call_ms", "bytes")
 REQUIRED_COLUMNS = (
     "module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
     "device", "dtype",
 )
+NUMERIC_COLUMNS = ("tp", "batch", "seq_len", "n_layers", "repeat", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
+                   "tied_bytes")
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,16 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     dtype = _single_value(table, "dtype", source)
     preset = _single_value(table, "preset", source) if "preset" in table.columns else None
 
+    # Numbers and no infinity in every row first (link rows have NaN shapes), before any arithmetic;
+    # _check_values then holds the module rows to their ranges.
+    anywhere = {c: Numbers(None, missing_ok=True) for c in (*NUMERIC_COLUMNS, *OPTIONAL_TARGETS)}
+    check_columns(table, source, {**anywhere, **{c: Numbers(0, missing_ok=True) for c in MEASURED_IF_PRESENT}},
+                  _row_name(table))
+    named = table["module"].map(lambda v: isinstance(v, str)).to_numpy(dtype=bool)
+    if not named.all():
+        i = int(np.flatnonzero(~named)[0])
+        raise UserError(f"{source}: row {table.index[i]} has module={table['module'].iloc[i]!r} "
+                        "(must be a module name)")
     step_costs = _step_costs(table, source)
     unknown = sorted(set(table["module"]) - set(MODULE_FEATURES) - set(LINK_MODULES))
     if unknown:
@@ -90,12 +105,12 @@ def summarize_profile(table: pd.DataFrame, *, source: str = "model profile") -> 
     table = table[table["module"].isin(list(MODULE_FEATURES))]
     if table.empty:
         raise UserError(f"{source}: no known modules; expected some of {', '.join(MODULE_FEATURES)}")
-    if TRANSIENT not in table.columns:
-        table = _derived_transients(table)
-    optional = [c for c in OPTIONAL_TARGETS if c in table.columns]
     if "tied_bytes" not in table.columns:
         table = table.assign(tied_bytes=0.0)
-    _check_values(table, source, optional)
+    _check_values(table, source, [c for c in OPTIONAL_TARGETS if c in table.columns])
+    if TRANSIENT not in table.columns:
+        table = _derived_transients(table)  # from checked numbers: finite or NaN (not measured)
+    optional = [c for c in OPTIONAL_TARGETS if c in table.columns]
 
     per_layer = table.copy()
     stacked = per_layer["module"].isin(list(LAYER_MODULES))
@@ -165,23 +180,24 @@ def _single_value(table: pd.DataFrame, column: str, source: str) -> str:
 
 
 def _check_values(table: pd.DataFrame, source: str, optional: list[str]) -> None:
-    """Required numbers finite and in range; optional targets may be missing (NaN), not infinite or negative."""
-    numeric = ["tp", "batch", "seq_len", "n_layers", *TARGETS, "param_bytes", "tied_bytes", *optional]
-    for column in numeric:
-        values = pd.to_numeric(table[column], errors="coerce").to_numpy(dtype=np.float64)
-        minimum = 1 if column in ("tp", "batch", "seq_len", "n_layers") else 0
-        bad = ~np.isfinite(values) | (values < minimum)
-        if column in optional:
-            bad &= ~np.isnan(values)
-        if column == "n_layers":
-            bad &= table["module"].isin(list(LAYER_MODULES)).to_numpy()
-        if bad.any():
-            row = table.iloc[int(np.flatnonzero(bad)[0])]
-            raise UserError(
-                f"{source}: {column}={row[column]} must be a finite number >= {minimum} "
-                f"(row module={row['module']} tp={row['tp']} batch={row['batch']} seq_len={row['seq_len']}; "
-                f"{int(bad.sum())} bad row(s))"
-            )
+    """Required numbers finite, numeric and in range; optional targets may be missing (NaN), not
+    infinite or negative. n_layers only counts on layer modules."""
+    counts = {c: Numbers(1, whole=True) for c in ("tp", "batch", "seq_len")}
+    counts["repeat"] = Numbers(0, whole=True)
+    costs = {c: Numbers(0) for c in (*TARGETS, "param_bytes", "tied_bytes")}
+    check_columns(table, source, {**counts, **costs, **{c: Numbers(0, missing_ok=True) for c in optional}},
+                  _row_name(table))
+    layers = table[table["module"].isin(list(LAYER_MODULES))]
+    check_columns(layers, source, {"n_layers": Numbers(1, whole=True)}, _row_name(layers))
+
+
+def _row_name(table: pd.DataFrame):
+    """A row of the profile as errors name it: its position in the file and its shape."""
+    def name(i: int) -> str:
+        row = table.iloc[i]
+        return (f"row {table.index[i]} (module={row['module']} tp={row['tp']} batch={row['batch']} "
+                f"seq_len={row['seq_len']})")
+    return name
 
 
 def _check_tile_size(shapes: pd.DataFrame, source: str) -> None:

@@ -145,9 +145,10 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
         except MemoryGuardError as exc:
             return _failed(plan, scheduler, f"memory: sampled batch {b}: {_name_sample(str(exc), batch)}", t0)
         mem = peak_memory(pc, part, plan, cluster.gpu_memory_bytes)
-        if not part.memory_ok or (mem > cluster.gpu_memory_bytes * (1 + 1e-9)).any():
-            s = int(np.argmax(mem - cluster.gpu_memory_bytes))
-            return _failed(plan, scheduler, f"memory: sampled batch {b} needs {mem[s] / 1e9:.3g} GB on "
+        if not part.memory_ok or not (mem <= cluster.gpu_memory_bytes * (1 + 1e-9)).all():  # NaN never fits
+            s = int(np.argmax(np.where(np.isnan(mem), np.inf, mem) - cluster.gpu_memory_bytes))
+            need = "an undefined (NaN) amount of memory" if np.isnan(mem[s]) else f"{mem[s] / 1e9:.3g} GB"
+            return _failed(plan, scheduler, f"memory: sampled batch {b} needs {need} on "
                            f"{plan.stage_name(s)} under the {scheduler.policy} partition", t0)
         steps.append(part.step_s)
         util.append(pc.busy_gpu_s / (cluster.world_size * part.step_s))

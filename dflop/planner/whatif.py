@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 import pandas as pd
@@ -29,7 +30,8 @@ import pandas as pd
 from dflop.costmodel.model import CostModel, charged_load_line
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
-from dflop.plan import Layout, Plan, PlanFile, read_plan
+from dflop.finite import check_finite_values
+from dflop.plan import Layout, Plan, PlanFile, read_plan, whole_number
 from dflop.planner.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
 from dflop.planner.means import Pool, TransferSizes
@@ -87,7 +89,7 @@ def load_plan_context(plan_path, *, shapes_path=None, costmodel_path=None, shape
     """Read plan.yaml and the inputs it names (or the ones given); one-line UserErrors for missing keys."""
     pf = read_plan(plan_path)
     doc = pf.doc
-    inputs, evaluation = doc.get("inputs") or {}, doc.get("evaluation") or {}
+    inputs, evaluation = _section(doc, "inputs", plan_path), _section(doc, "evaluation", plan_path)
     shapes_path = shapes_path or inputs.get("shapes")
     costmodel_path = costmodel_path or inputs.get("costmodel")
     if not shapes_path or not costmodel_path:
@@ -101,11 +103,22 @@ def load_plan_context(plan_path, *, shapes_path=None, costmodel_path=None, shape
     cluster = Cluster.from_record(doc.get("cluster"), str(plan_path))
     sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
                                     vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
-    recorded = evaluation.get("scheduler") or {}
-    scheduler = SchedulerSettings(budget_s=float(recorded.get("budget_s", 0.05)), ilp=str(recorded.get("ilp", "never")))
-    return PlanContext(pf, cost, shape, pool, cluster, sizes, scheduler, seed=int(evaluation.get("seed", 0)),
-                       sample_batches=int(evaluation.get("sample_batches", 8)), shapes_path=shapes_path,
-                       costmodel_path=costmodel_path)
+    recorded = _section(evaluation, "scheduler", f"{plan_path}: evaluation")
+    budget_s = recorded.get("budget_s", 0.05)
+    check_finite_values([("evaluation.scheduler.budget_s", budget_s)], str(plan_path), positive=True)
+    scheduler = SchedulerSettings(budget_s=float(budget_s), ilp=str(recorded.get("ilp", "never")))
+    seed = whole_number(evaluation.get("seed", 0), f"{plan_path}: evaluation.seed", minimum=0)
+    batches = whole_number(evaluation.get("sample_batches", 8), f"{plan_path}: evaluation.sample_batches")
+    return PlanContext(pf, cost, shape, pool, cluster, sizes, scheduler, seed=seed, sample_batches=batches,
+                       shapes_path=shapes_path, costmodel_path=costmodel_path)
+
+
+def _section(doc: Mapping, key: str, where) -> Mapping:
+    """A recorded plan.yaml section (absent: empty); one-line UserError when it is not a mapping."""
+    value = doc.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise UserError(f"{where}: {key}: expected a mapping, got {value!r}")
+    return value
 
 
 def scale_plan(plan: Plan, cluster: Cluster, global_batch: int) -> Plan:

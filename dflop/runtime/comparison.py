@@ -22,8 +22,29 @@ import pandas as pd
 import yaml
 
 from dflop.errors import UserError
-from dflop.io import write_text_atomic
+from dflop.finite import Numbers, check_columns, check_finite_values
+from dflop.io import read_parquet, write_text_atomic
 from dflop.runtime.metrics import WARMUP_STEPS
+
+# The metrics.parquet numbers a comparison divides and prints: a step's seconds divide, the
+# predictions are NaN where a step has none (corrected_step_s before the correction learned).
+METRICS_NUMBERS = {"step": Numbers(1, whole=True), "step_s": Numbers(0, above=True), "idle_frac": Numbers(None),
+                   "predicted_step_s": Numbers(0, missing_ok=True), "corrected_step_s": Numbers(0, missing_ok=True)}
+
+
+COMPARED_COLUMNS = ("step", "step_s", "idle_frac")  # what `compare_runs` reads of each run
+
+
+def read_metrics(path: str | Path, *, missing_hint: str, columns=COMPARED_COLUMNS) -> pd.DataFrame:
+    """A run's metrics.parquet for comparing it with a prediction or another run: one-line
+    UserError naming the file (and the column and row) for a missing file, a missing one of
+    `columns`, strings, NaN or inf."""
+    frame = read_parquet(path, missing_hint=missing_hint)
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise UserError(f"{path}: not a metrics.parquet of dflop train (no column {', '.join(missing)})")
+    check_columns(frame, str(path), METRICS_NUMBERS)
+    return frame
 
 
 @dataclass(frozen=True)
@@ -65,12 +86,14 @@ class RunComparison:
 def planned_steps(doc: Mapping[str, Any], source: str = "plan.yaml") -> tuple[float, float]:
     """(plan, baseline) mean predicted step of a plan.yaml mapping."""
     try:
-        plan = float(doc["predicted"]["step_s"]["mean"])
-        base = float(doc["baseline"]["predicted"]["step_s"]["mean"])
-    except (KeyError, TypeError, ValueError):
+        plan = doc["predicted"]["step_s"]["mean"]
+        base = doc["baseline"]["predicted"]["step_s"]["mean"]
+    except (KeyError, TypeError):
         raise UserError(f"{source}: predicted.step_s.mean or baseline.predicted.step_s.mean missing "
                         f"(re-run `dflop optimize`)") from None
-    return plan, base
+    check_finite_values((("predicted.step_s.mean", plan), ("baseline.predicted.step_s.mean", base)), source,
+                        positive=True)  # the predicted speedup divides them
+    return float(plan), float(base)
 
 
 def compare_runs(plan: pd.DataFrame, baseline: pd.DataFrame, predicted: tuple[float, float], *,

@@ -135,3 +135,16 @@ def test_measured_optimizer_steps_survive_the_round_trip_and_a_misplaced_tie_is_
     data["modules"][layer]["tied_param_bytes"] = 1.0
     with pytest.raises(UserError, match=rf"modules/{layer}/tied_param_bytes .* llm_layer has it"):
         load_cost_model(_write(tmp_path, data))
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_numbers_are_refused_naming_the_key(model, tmp_path, literal):
+    """json.loads takes NaN/Infinity literals (and 1e999 as inf), and the schema's minimum: 0 passes
+    NaN: a NaN act_bytes used to load and print "memory per stage nan"."""
+    data = cost_model_to_dict(model)
+    data["modules"][1]["coef"]["act_bytes"][0] = 12345.678  # a marker the literal replaces
+    path = tmp_path / "costmodel.json"
+    path.write_text(json.dumps(data).replace("12345.678", literal))
+    with pytest.raises(UserError, match=r"^\S*costmodel.json: modules\[1\]\.coef\.act_bytes\[0\]: -?(nan|inf) is not "
+                                        r"a finite number$"):
+        load_cost_model(path)

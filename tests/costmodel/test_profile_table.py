@@ -29,7 +29,8 @@ def test_missing_file_and_columns(tmp_path):
 def test_bad_value_names_the_row():
     profile = synthetic_profile(modules=("llm_head",))
     profile.loc[5, "fwd_ms"] = np.nan
-    with pytest.raises(UserError, match=r"fwd_ms=nan must be a finite number >= 0 \(row module=llm_head tp=1 batch=1 seq_len=4096"):
+    with pytest.raises(UserError, match=r"^p.parquet: row 5 \(module=llm_head tp=1 batch=1 seq_len=4096\) has invalid fwd_ms=nan \(must be a "
+                                        r"finite number >= 0\)$"):
         summarize_profile(profile, source="p.parquet")
 
 
@@ -66,5 +67,31 @@ def test_recompute_columns_take_the_median_of_the_measured_repeats_per_layer():
 def test_bad_recompute_value_names_the_row():
     profile = synthetic_profile(modules=("llm_layer",), recompute=True)
     profile.loc[3, "act_bytes:selective"] = -1.0
-    with pytest.raises(UserError, match=r"act_bytes:selective=-1.0 must be a finite number >= 0 \(row module=llm_layer"):
+    with pytest.raises(UserError, match=r"row 3 \(module=llm_layer .*\) has invalid act_bytes:selective=-1.0 \(must be a finite number >= 0\)"):
         summarize_profile(profile)
+
+
+@pytest.mark.parametrize("column,value,message", [
+    ("repeat", np.nan, r"row 2 \(module=llm_head .*\) has invalid repeat=nan \(must be a whole number >= 0\)"),
+    ("act_bytes", np.inf, r"row 2 \(module=llm_head .*\) has invalid act_bytes=inf \(must be a finite number\)"),
+    ("tp", 1.5, r"row 2 \(module=llm_head .*\) has invalid tp=1.5 \(must be a whole number >= 1\)"),
+    ("peak_bytes", -np.inf, r"row 2 \(module=llm_head .*\) has invalid peak_bytes=-inf"),
+])
+def test_non_finite_or_fractional_numbers_name_the_file_and_row(tmp_path, column, value, message):
+    """A NaN repeat and a fractional tp used to be fitted silently."""
+    profile = synthetic_profile(modules=("llm_head",))
+    profile[column] = profile[column].astype(np.float64)
+    profile.loc[2, column] = value
+    profile.to_parquet(tmp_path / "model_profile.parquet")
+    with pytest.raises(UserError, match=rf"^\S*model_profile.parquet: {message}"):
+        read_profile(tmp_path / "model_profile.parquet")
+
+
+def test_a_column_of_strings_is_refused(tmp_path):
+    """pd.to_numeric used to turn "4.25" into a number and the profile fitted."""
+    profile = synthetic_profile(modules=("llm_head",))
+    profile["bwd_ms"] = profile["bwd_ms"].astype(str)
+    profile.to_parquet(tmp_path / "model_profile.parquet")
+    with pytest.raises(UserError, match=r"^\S*model_profile.parquet: column bwd_ms holds \S+ values, expected numbers "
+                                        r"\(row 0 \(module=llm_head .*\): '[0-9.e+-]+'\)$"):
+        read_profile(tmp_path / "model_profile.parquet")

@@ -120,3 +120,19 @@ def test_a_shapes_file_from_before_media_pixels_still_reads_and_prices_without_i
     shapes.drop(columns=["n_tiles"]).to_parquet(tmp_path / "bad.parquet", index=False)
     with pytest.raises(UserError, match="bad.parquet: missing column\\(s\\) n_tiles"):
         read_shapes(tmp_path / "bad.parquet")
+
+
+@pytest.mark.parametrize("column,value,shown", [("load_s", np.nan, "nan"), ("load_s", np.inf, "inf"),
+                                                ("media_pixels", np.inf, "inf"), ("text_tokens", -3.0, "-3.0")])
+def test_a_load_profile_with_garbage_names_the_file_and_sample(tmp_path, column, value, shown):
+    """A NaN load time used to reach the solver (NaN coefficients) or the JSON writer (a traceback)."""
+    shapes = _with_pixels(toy_shapes(16, seed=3))
+    table = shapes.assign(load_s=_by_hand(shapes))
+    table[column] = table[column].astype(np.float64)
+    table.loc[5, column] = value
+    table.to_parquet(tmp_path / "load_profile.parquet")
+    with pytest.raises(UserError, match=rf"^\S*load_profile.parquet: sample 's5' has invalid {column}={shown} "):
+        fit_load_line(pd.read_parquet(tmp_path / "load_profile.parquet"), where=str(tmp_path / "load_profile.parquet"))
+    table[column] = table[column].astype(str)
+    with pytest.raises(UserError, match=rf"^load.parquet: column {column} holds \S+ values, expected numbers"):
+        fit_load_line(table, where="load.parquet")

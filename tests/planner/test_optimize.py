@@ -1,5 +1,8 @@
 """`optimize` and `simulate_plan` end to end: files, keys, the demo default, what-if, one-line errors."""
 
+import json
+import re
+
 import pandas as pd
 import pytest
 import yaml
@@ -344,3 +347,46 @@ def test_a_baseline_with_its_own_encoder_stage_scales_in_that_form():
                         placements=("disjoint",), vision_layers=4, llm_layers=8, global_batch=128, mean_tiles=1.0)
     layouts, _ = baseline_layouts(space, cluster)
     assert lay in [l for l in layouts if not l.colocated]
+
+
+def test_simulate_refuses_non_finite_inputs_in_one_line(inputs, tmp_path, tiny_shape, capsys):
+    """Issue 34: a NaN act_bytes in costmodel.json made `dflop simulate` print "step nan ... speedup
+    nanx", exit 0 and draw the Gantt chart; an Infinity one printed "memory per stage nan"."""
+    from dflop.cli import main
+
+    _optimize(inputs, tmp_path, tiny_shape)
+    text = (inputs / "costmodel.json").read_text()
+    doc = json.loads(text)
+    layer = next(i for i, m in enumerate(doc["modules"]) if m["module"] == "llm_layer")
+    shapes = toy_shapes(300, seed=3)
+    shapes["seq_len"] = shapes["seq_len"].astype(float)
+    shapes.loc[7, "seq_len"] = float("inf")
+    shapes.to_parquet(tmp_path / "inf.parquet")
+    cases = []
+    for literal in ("NaN", "Infinity"):
+        doc["modules"][layer]["coef"]["act_bytes"][0] = 12345.678
+        path = tmp_path / f"{literal}.json"
+        path.write_text(json.dumps(doc).replace("12345.678", literal))
+        cases.append((["--costmodel", str(path)], str(path),
+                      rf"modules\[{layer}\]\.coef\.act_bytes\[0\]: (nan|inf) is not a finite number"))
+    cases.append((["--shapes", str(tmp_path / "inf.parquet")], str(tmp_path / "inf.parquet"),
+                  r"sample 's7' has invalid seq_len=inf"))
+    bad_plan = _edited_plan(tmp_path / "plan.yaml", tmp_path / "nan_plan.yaml",
+                            lambda d: d["cluster"].update(gpu_memory_gb=float("nan")))
+    cases.append(([], bad_plan, r"cluster\.gpu_memory_gb: nan is not a finite number"))
+    for key, value, message in (("seed", "x", r"evaluation\.seed: expected an integer >= 0, got 'x'"),
+                                ("scheduler", {"budget_s": "fast"}, r"evaluation\.scheduler\.budget_s is 'fast', "
+                                                                    r"expected a finite number > 0"),
+                                ("sample_batches", 2.5, r"evaluation\.sample_batches: expected an integer >= 1")):
+        edited = _edited_plan(tmp_path / "plan.yaml", tmp_path / f"{key}.yaml",
+                              lambda d, key=key, value=value: d["evaluation"].update({key: value}))
+        cases.append(([], edited, message))  # wrong types: were ValueError tracebacks or a float seed
+    for args, culprit, message in cases:
+        plan = culprit if culprit.endswith(".yaml") else str(tmp_path / "plan.yaml")
+        gantt = tmp_path / "gantt.png"
+        assert main(["simulate", "--plan", plan, "--gantt", str(gantt), *args]) == 2, culprit
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"dflop simulate: {culprit}: "), err
+        assert re.search(message, err), err
+        assert "nan" not in captured.out and not gantt.exists()

@@ -104,3 +104,20 @@ def test_search_reports_both_baselines(sampled):
     # both searches simulate the same best-ranked layouts, and padding slows each of them
     assert padded.mean_s >= packed.mean_s
 
+
+
+def test_a_nan_memory_does_not_fit(sampled):
+    """`nan > limit` is False: a NaN activation size (a cost model built in code; the readers refuse
+    one in a file) used to "fit" and evaluate to a plan with step times and NaN memory."""
+    from dflop.costmodel.model import CostModel, ModuleCosts
+
+    pool, batches = sampled
+    cost = toy_cost_model()
+    layer = cost.modules[("llm_layer", 1)]
+    nan_act = {**layer.coef, "act_bytes": tuple(np.nan for _ in layer.coef["act_bytes"])}
+    modules = [m if m is not layer else ModuleCosts(m.module, m.tp, m.features, nan_act, m.param_bytes, m.n_shapes,
+                                                    m.profiled_batch, m.profiled_seq_len)
+               for m in cost.modules.values()]
+    ev = evaluate_plan(PLAN, CostModel(modules, cost.provenance), pool, batches, CLUSTER, SIZES,
+                       SchedulerSettings(policy="megatron"))
+    assert not ev.ok and "needs an undefined (NaN) amount of memory on llm stage" in ev.failure, ev.failure

@@ -69,3 +69,38 @@ def test_summary_file(tmp_path):
     assert doc["measured_speedup"] == pytest.approx(0.95 / 0.55) and doc["warmup_steps"] == 2
     assert len(doc["lines"]) == 3 and doc["inputs"] == {"plan_metrics": "a"}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.yaml"]  # no temp file left
+
+
+@pytest.mark.parametrize("column,value,message", [
+    ("step_s", float("nan"), r"row 3 has invalid step_s=nan \(must be a finite number > 0\)"),
+    ("step_s", 0.0, r"row 3 has invalid step_s=0.0 \(must be a finite number > 0\)"),
+    ("idle_frac", float("inf"), r"row 3 has invalid idle_frac=inf \(must be a finite number\)"),
+    ("predicted_step_s", float("-inf"), r"row 3 has invalid predicted_step_s=-inf"),
+    ("step", "3", r"column step holds \S+ values, expected numbers \(row 0: '1'\)"),
+])
+def test_compare_runs_refuses_garbage_metrics_in_one_line(tmp_path, capsys, column, value, message):
+    """A NaN step used to print "speedup nanx", a zero one a ZeroDivisionError traceback."""
+    from dflop.cli import main
+
+    bad = PLAN.copy()
+    if isinstance(value, str):
+        bad[column] = bad[column].astype(str)
+    else:
+        bad.loc[3, column] = value
+    bad.to_parquet(tmp_path / "plan_metrics.parquet")
+    BASE.to_parquet(tmp_path / "base_metrics.parquet")
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(PLAN_YAML))
+    args = ["compare-runs", "--metrics", str(tmp_path / "plan_metrics.parquet"),
+            "--baseline-metrics", str(tmp_path / "base_metrics.parquet"), "--plan", str(tmp_path / "plan.yaml")]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and __import__("re").search(rf"plan_metrics\.parquet: {message}", err), err
+
+
+@pytest.mark.parametrize("mean,shown", [(float("nan"), "nan"), (0.0, "0.0"), ("0.2", "'0.2'"), (float("inf"), "inf")])
+def test_planned_steps_must_be_positive_numbers(mean, shown):
+    doc = {"predicted": {"step_s": {"mean": mean}}, "baseline": {"predicted": {"step_s": {"mean": 0.3}}}}
+    with pytest.raises(UserError, match=rf"^p.yaml: predicted.step_s.mean is {shown}, expected a finite number > 0$"):
+        planned_steps(doc, "p.yaml")
