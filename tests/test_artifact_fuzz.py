@@ -126,9 +126,9 @@ def _use_cost_model(path: Path) -> bool:
 
 def _plan_doc() -> dict:
     keys = {"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2], "recompute": ["none"],
-                       "shard_optimizer": False, "sequence_parallel": False},
+                       "shard_optimizer": True, "sequence_parallel": False},
             "llm": {"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [1, 1], "recompute": ["none", "full"],
-                    "shard_optimizer": True, "sequence_parallel": True},
+                    "shard_optimizer": False, "sequence_parallel": True},
             "placement": "disjoint", "microbatches": 4, "global_batch_size": 16, "world_size": 6}
     predicted = {"step_s": {"mean": 1.5, "p50": 1.4, "p90": 1.9}, "utilisation": 0.6, "samples_per_s": 10.7,
                  "memory_bytes": {"vision": [2_000_000_000], "llm": [3_000_000_000, 2_500_000_000]},
