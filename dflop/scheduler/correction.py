@@ -183,6 +183,9 @@ class AdaptiveCorrection:
                        float(state["step_overhead_s"]), float(state["overhead_weight"]))
         except (KeyError, TypeError, ValueError):
             return False
+        for (part, mod), value in arrays.items():  # JSON keeps no shape for an empty array (pp still unknown)
+            if value.size == 0 and part in ("gram", "rhs"):
+                arrays[(part, mod)] = value.reshape((0, dim, dim) if part == "gram" else (0, dim))
         for mod in ("vision", "llm"):
             pp = arrays[("stage_scales", mod)].shape[0] if arrays[("stage_scales", mod)].ndim == 1 else -1
             shapes = {"gram": (pp, dim, dim), "rhs": (pp, dim), "yy": (pp,), "rows": (pp,), "factors": (dim,),

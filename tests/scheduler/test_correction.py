@@ -162,6 +162,8 @@ def test_state_survives_a_json_round_trip_and_continues_identically(make_costs):
     broken = dict(corr.state_dict(), factors_llm=[1.0, 2.0])  # wrong shape, after valid arrays
     assert not fresh.load_state_dict(broken) and not fresh.load_state_dict({"n_buckets": fresh.n_buckets})
     assert fresh.n_obs_ == 0 and np.all(fresh.factors_["vision"] == 1.0)  # untouched
+    # A checkpoint written before the first observed step holds empty per-stage arrays; they reload.
+    assert AdaptiveCorrection(buckets_def.n_buckets).load_state_dict(json.loads(json.dumps(fresh.state_dict())))
 
 
 # -- a drift on one pipeline stage of two (per-stage scales) ------------------------------------------
