@@ -20,6 +20,7 @@ import torch.distributed as dist
 from dflop.io import atomic_path
 from dflop.models.tensor_parallel import TPGroup
 from dflop.profiling.model_profiler import COLUMNS, profile_rank
+from dflop.runtime.process_group import end_worker
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,10 +43,11 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             with atomic_path(args.out) as tmp:
                 pd.DataFrame(rows, columns=list(COLUMNS)).to_parquet(tmp, index=False)
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
 
 
 if __name__ == "__main__":
     main()
+    end_worker()  # barrier, destroy the group, os._exit: gloo's threads outlive the group (see end_worker)

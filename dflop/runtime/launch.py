@@ -185,6 +185,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(load(args.config, args.settings), plan_path=args.plan, shapes_path=args.shapes,
               costmodel_path=args.costmodel, out_dir=args.out_dir, steps=args.steps, policy=args.policy,
               pad_to_longest=args.pad, export=not args.no_export, fresh=args.fresh)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker, done: leave as `end_worker` explains
+            from dflop.runtime.process_group import end_worker
+
+            end_worker(0)
     except UserError as exc:
         print(f"dflop train: {exc}", file=sys.stderr)
         if "RANK" in os.environ:

@@ -4,9 +4,12 @@ without a process group (tests, `read_checkpoint_model`), so the same code serve
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -81,3 +84,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def end_worker(code: int = 0) -> NoReturn:
+    """End a torchrun worker process that has finished: wait for every rank (a barrier: no rank
+    closes its connections while a peer still talks to it), destroy the process group, flush, and
+    leave with `os._exit(code)`.
+
+    Why not a plain return: once a functional collective has run on a gloo group (every DTensor
+    redistribution of tensor parallelism does), torch keeps the group's backend alive after
+    destroy_process_group, so gloo's threads (gloo_tcp_loop, pt_gloo_runloop) still run when the
+    interpreter and then the C++ runtime tear the process down; that teardown races with them, and
+    under load a rank died in it with "terminate called without an active exception" (SIGABRT) after
+    its work was done. The worker's output is complete once flushed, so it skips that teardown."""
+    if is_distributed():
+        barrier()
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -22,6 +22,7 @@ from dflop.models.packing import PackedSequence
 from dflop.models.precision import Precision
 from dflop.models.tensor_parallel import TPGroup, shard_llm_layer
 from dflop.profiling._memory import saved_tensor_bytes
+from dflop.runtime.process_group import end_worker
 
 TOKENS = 96
 
@@ -49,8 +50,8 @@ def main() -> None:
                 saved.append(result.bytes)
             if tp.rank == 0:
                 print(f"SAVED {dtype} {mode} {TOKENS} {saved[0]} {saved[1]}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    end_worker()  # barrier, destroy the group, os._exit (see end_worker)

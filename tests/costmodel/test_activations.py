@@ -14,8 +14,6 @@ from the parameters and subtracted, so both dtypes are held exactly, byte for by
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,8 @@ from dflop.models.tensor_parallel import TPGroup
 from dflop.profiling._memory import saved_tensor_bytes
 from dflop.profiling.model_modules import build_benches
 from dflop.runtime.vision import VisionRunner
+
+from torchrun_run import torchrun
 
 MODELS = {"tiny-llava_ov": ("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
           "tiny-internvl": ("internvl", "internvit-tiny", "llama3-tiny"),
@@ -237,9 +237,7 @@ def test_profiled_modules_keep_the_closed_forms_at_tp2():
     keeps, exactly. (Not here: the vocabulary-parallel embedding and head, which keep a few masks per
     token more than the TP=1 forms under either dtype.)"""
     worker = Path(__file__).with_name("tp_activations_worker.py")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(worker)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(worker, nproc=2, timeout=300)
     lines = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("SAVED ")]
     config = model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny")
     text = config.get_text_config()

@@ -4,8 +4,6 @@ each model.dtype's contract: the same bytes, since what SP shards is float32 und
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,14 +13,14 @@ from dflop.costmodel.activations import sequence_parallel_saving
 from dflop.costmodel.analytic import analytic_cost_model
 from dflop.models.builder import model_config
 
+from torchrun_run import torchrun
+
 WORKER = Path(__file__).with_name("sp_memory_worker.py")
 
 
 @pytest.mark.distributed
 def test_sequence_parallel_saving_matches_measured_saved_bytes():
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(WORKER)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(WORKER, nproc=2, timeout=300)
     lines = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("SAVED ")]
     assert [line[:2] for line in lines] == [["bfloat16", "none"], ["bfloat16", "full"], ["float32", "none"],
                                             ["float32", "full"]]

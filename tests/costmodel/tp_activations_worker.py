@@ -20,6 +20,7 @@ from dflop.models.tensor_parallel import TPGroup, local_tensor
 from dflop.profiling._memory import saved_tensor_bytes
 from dflop.profiling.model_modules import TILE_MODULES, build_benches
 from dflop.profiling.model_profiler import _measured_run, _RankSync
+from dflop.runtime.process_group import end_worker
 
 MODEL = ("llava_ov", "siglip-tiny", "qwen2.5-tiny")
 MODULES = ("vision_embed", "vision_layer", "projector", "llm_layer")
@@ -65,8 +66,8 @@ def main() -> None:
             _, transient = _measured_run(forward, list(head.module.parameters()), leaves, _RankSync(torch.device("cpu")))
             if tp.rank == 0:
                 print(f"TRANSIENT {dtype} llm_head {tokens} {transient}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    end_worker()  # barrier, destroy the group, os._exit (see end_worker)

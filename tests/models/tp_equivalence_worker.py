@@ -31,6 +31,7 @@ from dflop.models.tensor_parallel import (
     shard_stage,
     shard_vision_layer,
 )
+from dflop.runtime.process_group import end_worker
 
 FAILURES: list[str] = []
 
@@ -261,9 +262,8 @@ def main() -> int:
 
     for line in FAILURES:
         print(f"rank {tp.rank}: {line}", file=sys.stderr)
-    dist.destroy_process_group()
     return 1 if FAILURES else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_worker(main())  # barrier, destroy the group, os._exit (see end_worker)

@@ -34,7 +34,7 @@ from dflop.plan import plan_from_dict
 from dflop.runtime.agreement import rank0_result
 from dflop.shapes import read_shapes
 from dflop.data.training import pool_samples
-from dflop.runtime.process_group import init_distributed
+from dflop.runtime.process_group import end_worker, init_distributed
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import Trainer
 
@@ -90,9 +90,8 @@ def main() -> int:
     for case in spec["cases"]:
         run_case(case, case["shapes"] if "shapes" in case else spec["shapes"], spec["manifest"], device)
         dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_worker(main())  # barrier, destroy the group, os._exit (see end_worker)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dflop.runtime import schedule
-from dflop.runtime.process_group import init_distributed
+from dflop.runtime.process_group import end_worker, init_distributed
 from grad_worker import run_case
 
 EVENTS: list = []
@@ -51,9 +51,8 @@ def main() -> int:
         run_case(case, case["shapes"], spec["manifest"], device)
         (Path(case["out"]) / f"p2p_rank{dist.get_rank()}.json").write_text(json.dumps(EVENTS))
         dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_worker(main())  # barrier, destroy the group, os._exit (see end_worker)

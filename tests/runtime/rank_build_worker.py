@@ -20,7 +20,7 @@ from dflop.models.builder import build_model
 from dflop.models.handle import ModelHandle
 from dflop.plan import plan_from_dict
 from dflop.runtime.model import build_rank_modules, parameter_names
-from dflop.runtime.process_group import init_distributed
+from dflop.runtime.process_group import end_worker, init_distributed
 from dflop.runtime.topology import Topology
 
 from trainer_reference import MODELS, config_dict
@@ -56,9 +56,8 @@ def main() -> int:
     (out / f"rank{rank}.json").write_text(json.dumps({
         "held": sum(_local(p).numel() for p in modules.parameters()), "beyond": beyond, "differ": differ,
         "whole": sum({id(p): p.numel() for n, p in whole.items() if n not in untrained}.values())}))
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_worker(main())  # barrier, destroy the group, os._exit (see end_worker)

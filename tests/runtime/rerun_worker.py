@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dflop.config import Config, deep_merge
-from dflop.runtime.process_group import init_distributed
+from dflop.runtime.process_group import end_worker, init_distributed
 from dflop.runtime.run import train
 
 
@@ -43,9 +43,8 @@ def main() -> int:
             names = sorted(p.name for p in previous.iterdir()) if previous.exists() else []
             (keep / "previous_runs.json").write_text(json.dumps(names))
         dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_worker(main())  # barrier, destroy the group, os._exit (see end_worker)

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dflop.config import Config
-from dflop.runtime.process_group import init_distributed
+from dflop.runtime.process_group import end_worker, init_distributed
 from dflop.runtime.run import train
 
 
@@ -33,9 +32,8 @@ def main() -> int:
     train(cfg, out_dir=spec["resumed"], **common)  # re-run: resumes from the last checkpoint
     if "reference_plan" in spec:
         train(cfg, out_dir=spec["reference"], **{**common, "plan_path": spec["reference_plan"]})
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_worker(main())  # barrier, destroy the group, os._exit (see end_worker)

@@ -11,8 +11,6 @@ tensors actually sent.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from dflop.runtime.topology import LLM, VISION, Topology
 from test_checkpoint_helpers import spawn
 from test_pipeline_equivalence import case, plan
 from trainer_reference import config_dict
+from torchrun_run import torchrun
 
 
 def _recording(monkeypatch) -> list[list[tuple[str, int, tuple[int, ...]]]]:
@@ -139,10 +138,7 @@ def _run(world: int, tmp_path: Path, pools: dict, manifest) -> list[tuple[dict, 
               "shapes": pools[c["arch"]]} for c in CASES[world]]
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps({"manifest": str(manifest), "cases": cases}))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(world), str(WORKER), str(spec)], capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        pytest.fail(f"torchrun failed ({result.returncode}): {result.stderr[-3000:]}")
+    torchrun(WORKER, spec, nproc=world, timeout=600)
     return [(c, Path(c["out"])) for c in cases]
 
 

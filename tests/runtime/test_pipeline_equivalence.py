@@ -13,8 +13,6 @@ parallelism and sharded optimizer state (also with tensor parallelism).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from dflop.data.training import pool_samples
 from dflop.shapes import read_shapes
 
 from trainer_reference import MODELS, compare, config_dict, reference_gradients
+from torchrun_run import torchrun
 
 WORKER = Path(__file__).with_name("grad_worker.py")
 
@@ -122,11 +121,7 @@ def _run(world: int, tmp_path: Path, pools: dict, manifest) -> list[tuple[dict, 
         cases.append({**c, "out": str(out), "config": raw, "shapes": pools[c["arch"]]})
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps({"manifest": str(manifest), "cases": cases}))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(world), str(WORKER), str(spec)], capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if line.startswith("[rank") and "Error" in line]
-        pytest.fail(f"torchrun failed ({result.returncode}): " + ("\n".join(errors[-5:]) or result.stderr[-3000:]))
+    torchrun(WORKER, spec, nproc=world, timeout=600)
     return [(c, Path(c["out"])) for c in cases]
 
 

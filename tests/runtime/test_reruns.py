@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -22,6 +20,7 @@ import pytest
 
 from dflop.runtime.optim import warmup_cosine
 from trainer_reference import TWO_RANK_PLAN, config_dict, pick_pool
+from torchrun_run import torchrun
 
 WORKER = Path(__file__).with_name("rerun_worker.py")
 LR = 1e-3
@@ -49,9 +48,7 @@ def test_each_rerun_trains_what_its_settings_say(tmp_path, demo_shapes, runtime_
     spec = {"config": config, "plan": str(plan), "runs": runs, "out": str(tmp_path / "out"),
             "record": str(tmp_path / "record")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(WORKER), str(tmp_path / "spec.json")], capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(WORKER, tmp_path / "spec.json", nproc=2, timeout=900)
     log = result.stderr
 
     def metrics(name):

@@ -8,8 +8,6 @@ the same losses (the loss curve continues the interrupted one).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,7 @@ from safetensors.torch import load_file
 from dflop.models.builder import build_model
 from dflop.runtime.safe_dcp import SafeFileSystemReader
 from trainer_reference import TWO_RANK_PLAN, config_dict
+from torchrun_run import torchrun
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 DESIGN_COLUMNS = ["step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
@@ -37,9 +36,7 @@ def test_killed_run_resumes_to_the_same_parameters_and_metrics(tmp_path, demo_sh
     spec = {"config": config, "plan": str(plan), "shapes": str(demo_shapes["llava_ov"]),
             "full": str(tmp_path / "full"), "resumed": str(tmp_path / "resumed"), "stop_after": 3}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(WORKER), str(tmp_path / "spec.json")], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun(WORKER, tmp_path / "spec.json", nproc=2, timeout=600)
 
     full = pd.read_parquet(tmp_path / "full" / "metrics.parquet")
     resumed = pd.read_parquet(tmp_path / "resumed" / "metrics.parquet")
@@ -90,10 +87,7 @@ def test_sharded_optimizer_trains_as_the_unsharded_one_and_resumes(tp, tmp_path,
             "full": str(tmp_path / "full"), "resumed": str(tmp_path / "resumed"), "stop_after": 3,
             "reference_plan": str(tmp_path / "plain.yaml"), "reference": str(tmp_path / "reference")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(world), str(WORKER), str(tmp_path / "spec.json")], capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun(WORKER, tmp_path / "spec.json", nproc=world, timeout=600)
 
     losses = {run: torch.tensor(pd.read_parquet(tmp_path / run / "metrics.parquet")["loss"].to_numpy())
               for run in ("full", "resumed", "reference")}

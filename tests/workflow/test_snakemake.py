@@ -1,7 +1,9 @@
-"""The Snakemake workflow: lint, real runs of the data stages, and exact re-run triggers."""
+"""The Snakemake workflow: lint, what the data and model stages of a real run wrote, and exact re-run
+triggers (dry runs on a copy of the session's demo run)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -49,18 +51,16 @@ def planned_rules(workdir: Path, *args: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """A working directory with a small demo config, after one real run of the data stages."""
-    root = tmp_path_factory.mktemp("wf")
-    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    config["data"]["demo"]["n_samples"] = 40
-    config["data"]["load_profile_samples"] = 3
-    config["data"]["load_profile_seconds"] = 0  # two passes: the tests check the chain, not the profile's level
-    config["profile"] = {"repeats": 2, "warmup": 1, "max_seq_len": 256, "max_tiles": 8, "time_budget_s": 10}
-    (root / "config").mkdir()
-    (root / "config/config.yaml").write_text(yaml.safe_dump(config))
-    snakemake(root, "profile_data", "fit")
+def workdir(demo_workdir, tmp_path_factory):
+    """A copy of the session's demo run (`demo_workdir`: the small demo config, every stage run once),
+    so these tests cost no chain of their own; they change files and configs only in this copy."""
+    root = tmp_path_factory.mktemp("wf") / "demo"
+    shutil.copytree(demo_workdir, root)  # copy2: modification times are kept, nothing looks newer
     return root
+
+
+def _n_samples(workdir: Path) -> int:
+    return yaml.safe_load((workdir / "config/config.yaml").read_text())["data"]["demo"]["n_samples"]
 
 
 def test_lint_is_clean():
@@ -70,10 +70,11 @@ def test_lint_is_clean():
 
 
 def test_profile_data_writes_both_parquet_files(workdir):
+    n = _n_samples(workdir)
     shapes = pd.read_parquet(workdir / "results/data/shapes.parquet")
-    assert len(shapes) == 40 and (shapes["status"] == "ok").all()
+    assert len(shapes) == n and (shapes["status"] == "ok").all()
     assert len(pd.read_parquet(workdir / "results/data/histograms.parquet")) > 0
-    assert (workdir / "logs/profile_data.log").read_text().count("profiled 40 samples") == 1
+    assert (workdir / "logs/profile_data.log").read_text().count(f"profiled {n} samples") == 1
     assert planned_rules(workdir, "profile_data", "fit") == set()  # up to date
 
 
@@ -133,7 +134,7 @@ def test_changing_a_param_reruns_only_rules_that_use_it(workdir):
     assert planned_rules(workdir, "profile_data", "fit", "--configfile", skip) == {"profile_data", "profile_loading", "fit"}
     loads = _with_config(workdir, "loads", lambda c: c["data"].update(load_profile_samples=5))
     assert planned_rules(workdir, "profile_data", "fit", "--configfile", loads) == {"profile_loading", "fit"}
-    demo = _with_config(workdir, "demo", lambda c: c["data"]["demo"].update(n_samples=41))
+    demo = _with_config(workdir, "demo", lambda c: c["data"]["demo"].update(n_samples=_n_samples(workdir) + 1))
     assert planned_rules(workdir, "profile_data", "--configfile", demo) == {"make_demo_data", "profile_data"}
     # A value only the model profiler uses leaves the data stages alone, and vice versa.
     unrelated = _with_config(workdir, "unrelated", lambda c: c["profile"].update(repeats=9))
