@@ -3,6 +3,7 @@ a random step, then a re-run, end where an uninterrupted run ends?
 
     python benchmarks/bench_soak.py [--steps 2000] [--batch 2] [--checkpoint-every 100]
         [--kill-step K | --no-kill] [--seed 0] [--out-dir results/bench/soak]
+    python benchmarks/bench_soak.py --analyze [--out-dir ...]    # re-describe an earlier run's data
 
 The tiny preset (`bench_costmodel.PRESETS`) on the demo data, trained by `dflop.runtime.run.train`
 on 2 ranks under torchrun (gloo: vision tower on rank 0, the LLM on rank 1, 2 microbatches), with a
@@ -17,8 +18,9 @@ small global batch so that steps are short and many. Three runs:
 3. the same command again in ``killed``'s folder: it resumes from the last checkpoint.
 
 Prints, for step time, rank 0's overhead and each rank's RSS, the slope against the step count
-(Theil-Sen, per 1,000 steps, with its 95 % interval; the first `WARMUP` steps are left out) beside
-the median level, then how far the re-run's final weights and metrics are from the uninterrupted
+(Theil-Sen, per 1,000 steps, with its 95 % interval; after the first `WARMUP` steps, and over the
+second half alone, once allocations have settled) beside the median level, and the medians of each
+quarter of the run (the machine's load drifts: it moves step time and overhead alike), then how far the re-run's final weights and metrics are from the uninterrupted
 run's. Writes the per-step data to ``<out-dir>/soak_steps.csv`` and the summary to
 ``<out-dir>/soak_summary.json`` (both atomically).
 """
@@ -161,6 +163,37 @@ def slope(steps: np.ndarray, values: np.ndarray) -> dict:
             "low": float(fit.low_slope), "high": float(fit.high_slope)}
 
 
+SERIES = {"step_s": ("ms", 1e3), "overhead_s": ("ms", 1e3), "rss_mb_rank0": ("MB", 1.0), "rss_mb_rank1": ("MB", 1.0)}
+
+
+def describe(frame, checkpoint_every: int) -> dict:
+    """Print and return the slopes (after `WARMUP`, and over the second half alone) and the medians
+    of each quarter of the run: machine load that drifts during the run moves the step time and
+    the overhead alike, which the quarters show and the slope's interval (independent noise) does not."""
+    last = int(frame["step"].max())
+    spans = {"steady": frame[frame["step"] > WARMUP], "second_half": frame[frame["step"] > last // 2]}
+    out: dict = {"slopes": {}, "quarters": {}}
+    for span, rows in spans.items():
+        out["slopes"][span] = {c: slope(rows["step"].to_numpy(float), rows[c].to_numpy(float)) for c in SERIES}
+    quarter = (frame["step"] - 1) * 4 // last
+    for c in SERIES:
+        out["quarters"][c] = [float(v) for v in frame.groupby(quarter)[c].median()]
+    at_checkpoint = frame[frame["step"] % checkpoint_every == 0]["overhead_s"]
+    out["overhead_at_checkpoint_median_s"] = float(at_checkpoint.median())
+
+    for span, first in (("steady", WARMUP + 1), ("second_half", last // 2 + 1)):
+        print(f"slopes over steps {first}-{last} (Theil-Sen, per 1,000 steps, 95 % interval):")
+        for c, (unit, scale) in SERIES.items():
+            s = out["slopes"][span][c]
+            print(f"  {c:13s} median {s['median'] * scale:9.2f} {unit}  slope {s['slope_per_1000'] * scale:+8.3f} "
+                  f"{unit} [{s['low'] * scale:+.3f}, {s['high'] * scale:+.3f}]")
+    print("medians of each quarter of the run:")
+    for c, (unit, scale) in SERIES.items():
+        print(f"  {c:13s} " + "  ".join(f"{v * scale:9.2f}" for v in out["quarters"][c]) + f" {unit}")
+    print(f"rank 0's overhead after a checkpoint's step (median): {out['overhead_at_checkpoint_median_s'] * 1e3:.0f} ms")
+    return out
+
+
 def compare(full: Path, resumed: Path) -> dict:
     """How far the re-run's final weights and metrics are from the uninterrupted run's."""
     import pandas as pd
@@ -185,6 +218,8 @@ def main() -> int:
     p.add_argument("--no-kill", action="store_true", help="only the uninterrupted run")
     p.add_argument("--seed", type=int, default=0, help="picks the kill step")
     p.add_argument("--out-dir", type=Path, default=ROOT / "results" / "bench" / "soak")
+    p.add_argument("--analyze", action="store_true",
+                   help="only re-describe <out-dir>/soak_steps.csv of an earlier run (updates soak_summary.json)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -193,6 +228,13 @@ def main() -> int:
     from dflop.io import atomic_path, write_text_atomic
 
     out = args.out_dir.resolve()
+    if args.analyze:
+        import pandas as pd
+
+        summary = json.loads((out / "soak_summary.json").read_text())
+        summary.update(describe(pd.read_csv(out / "soak_steps.csv"), summary["checkpoint_every"]))
+        write_text_atomic(out / "soak_summary.json", json.dumps(summary, indent=2))
+        return 0
     manifest, shapes, _ = prepare(out.parent / "trainer", 300, "tiny", None, analytic=True)
     plan = out / "plan.yaml"
     plan.parent.mkdir(parents=True, exist_ok=True)
@@ -207,17 +249,9 @@ def main() -> int:
     frame = per_step(out / "full")
     with atomic_path(out / "soak_steps.csv") as tmp:
         frame.to_csv(tmp, index=False)
-    steady = frame[frame["step"] > WARMUP]
-    series = ["step_s", "overhead_s", "rss_mb_rank0", "rss_mb_rank1"]
+    print(f"uninterrupted run: {args.steps} steps in {wall['full']:.0f} s")
     summary = {"steps": args.steps, "batch": args.batch, "checkpoint_every": args.checkpoint_every,
-               "slopes": {c: slope(steady["step"].to_numpy(float), steady[c].to_numpy(float)) for c in series}}
-    print(f"uninterrupted run: {args.steps} steps in {wall['full']:.0f} s; slopes over steps {WARMUP + 1}-{args.steps} "
-          f"(Theil-Sen, per 1,000 steps, 95 % interval):")
-    for name, s in summary["slopes"].items():
-        unit = "MB" if name.startswith("rss") else "ms"
-        scale = 1.0 if unit == "MB" else 1e3
-        print(f"  {name:13s} median {s['median'] * scale:9.2f} {unit}  slope {s['slope_per_1000'] * scale:+8.3f} "
-              f"{unit} [{s['low'] * scale:+.3f}, {s['high'] * scale:+.3f}]")
+               **describe(frame, args.checkpoint_every)}
 
     if not args.no_kill:
         kill = args.kill_step or random.Random(args.seed).randrange(args.checkpoint_every + 1, args.steps)
