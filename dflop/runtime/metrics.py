@@ -20,12 +20,13 @@ to load in this step and were replaced, `dflop.runtime.skipping`), ``peak_bytes`
 allocator peak during the step; NaN on CPU), and per pipeline stage
 ``busy_s_<stage>`` / ``idle_s_<stage>`` (mean over the stage's ranks; stages named vision0.., llm0..).
 
-The file is rewritten atomically after every step. A resumed run first drops rows after its
-checkpoint's step, so the file never has lost or repeated steps.
+Rows are saved at every checkpoint and joined into metrics.parquet at the end (`MetricsWriter`). A
+resumed run first drops rows after its checkpoint's step, so the file never has lost or repeated steps.
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -42,38 +43,85 @@ from dflop.scheduler.correction import WARMUP_STEPS, MeasuredTimes
 BASE_COLUMNS = ("step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
                 "predicted_step_s", "corrected_step_s", "correction_active", "run_id")
 
+PART_PREFIX = "steps_from_"  # a part file of MetricsWriter: steps_from_<first step, 9 digits>.parquet
+
 
 class MetricsWriter:
-    """Accumulates one row per step (rank 0 only) in a working file next to the checkpoints.
+    """Collects one row per step (rank 0 only) and saves them where a killed run finds them.
 
-    The working file survives a killed run (Snakemake deletes the declared outputs of an
-    incomplete job, but not the checkpoint folder), so a re-run keeps the rows up to the checkpoint
-    it resumes from and drops later ones: no step is lost or repeated. `publish` copies the rows to
-    the run's metrics.parquet when training ends. Every write is atomic.
+    `append` only keeps the row in memory; `flush`, called before every checkpoint is written,
+    saves the rows since the previous flush as one more part file in `folder` (next to the
+    checkpoints). A step therefore costs the same however many steps came before it, and every
+    step up to a checkpoint is on disk before the checkpoint is. The folder survives a killed run
+    (Snakemake deletes the declared outputs of an incomplete job, but not the checkpoint folder), so
+    a re-run keeps the rows up to the checkpoint it resumes from and drops later ones: no step is
+    lost or repeated. `publish` joins the parts and the unflushed rows into the run's
+    metrics.parquet, one ordinary Parquet file, when training ends. Every write is atomic.
     """
 
-    def __init__(self, path: str | Path, resume_step: int = 0):
-        self.path = Path(path)
-        self.rows: list[dict] = []
-        if resume_step > 0 and self.path.exists():
-            old = pd.read_parquet(self.path)
-            self.rows = old[old["step"] <= resume_step].to_dict("records")
-        elif self.path.exists():
-            self.path.unlink()
+    def __init__(self, folder: str | Path, resume_step: int = 0):
+        self.folder = Path(folder)
+        self.pending: list[dict] = []
+        if resume_step > 0:
+            self._adopt_single_file()
+            self._drop_after(resume_step)
+        else:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
     def append(self, row: dict) -> None:
-        self.rows.append(row)
-        self._write(self.path)
+        self.pending.append(row)
+
+    def flush(self) -> None:
+        """Save the rows appended since the last flush as a part file (before a checkpoint)."""
+        if not self.pending:
+            return
+        frame = _frame(self.pending)
+        _write(frame, self.folder / f"{PART_PREFIX}{int(frame['step'].iloc[0]):09d}.parquet")
+        self.pending = []
 
     def publish(self, path: str | Path) -> None:
-        """Write every row so far to `path` (the stage's metrics.parquet)."""
-        self._write(Path(path))
+        """Write every row so far (the parts, then the unflushed rows) to `path` (the stage's metrics.parquet)."""
+        frames = [pd.read_parquet(part) for part in self._parts()]
+        if self.pending:
+            frames.append(pd.DataFrame(self.pending))
+        _write(_frame(frames), Path(path))
 
-    def _write(self, path: Path) -> None:
-        frame = pd.DataFrame(self.rows)
-        ordered = [c for c in BASE_COLUMNS if c in frame.columns] + [c for c in frame.columns if c not in BASE_COLUMNS]
-        with atomic_path(path) as tmp:
-            frame[ordered].to_parquet(tmp, index=False)
+    def _parts(self) -> list[Path]:
+        """The part files in step order (their names carry the first step, zero-padded)."""
+        return sorted(self.folder.glob(f"{PART_PREFIX}*.parquet"))
+
+    def _adopt_single_file(self) -> None:
+        """Make the one working file that earlier versions rewrote every step (``<folder>.parquet``)
+        the first part, so a run resumed across the upgrade keeps its earlier rows."""
+        single = self.folder.with_suffix(".parquet")
+        if single.exists() and not self._parts():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            single.rename(self.folder / f"{PART_PREFIX}{0:09d}.parquet")
+
+    def _drop_after(self, step: int) -> None:
+        """Remove the rows after `step` (saved before a checkpoint that a kill left incomplete)."""
+        for part in self._parts():
+            steps = pd.read_parquet(part, columns=["step"])["step"]
+            if steps.min() > step:
+                part.unlink()
+            elif steps.max() > step:
+                frame = pd.read_parquet(part)
+                _write(frame[frame["step"] <= step], part)
+
+
+def _frame(rows: list[dict] | list[pd.DataFrame]) -> pd.DataFrame:
+    """The rows (dicts, or frames read back from parts) as one frame, `BASE_COLUMNS` first."""
+    if rows and isinstance(rows[0], pd.DataFrame):
+        frame = pd.concat(rows, ignore_index=True)
+    else:
+        frame = pd.DataFrame(rows)
+    ordered = [c for c in BASE_COLUMNS if c in frame.columns] + [c for c in frame.columns if c not in BASE_COLUMNS]
+    return frame[ordered]
+
+
+def _write(frame: pd.DataFrame, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        frame.to_parquet(tmp, index=False)
 
 
 def step_flops(info: ModelInfo, n_tiles: Sequence[int], seq_len: Sequence[int], *, vision_trainable: bool = True,

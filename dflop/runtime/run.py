@@ -5,7 +5,8 @@ checkpoints a re-run resumes from.
 (`dflop.plan`), shapes.parquet (`dflop.shapes`) and the cost model, builds this rank's `Trainer`
 and, after each step, on rank 0: a metrics row (metrics.parquet), the progress bar and a one-line
 log, and the measured stage times for the scheduler's adaptive correction; every
-``train.checkpoint_every`` steps and at the end a checkpoint (`dflop.runtime.checkpoint`). A re-run
+``train.checkpoint_every`` steps and at the end the rows since the last checkpoint, then a
+checkpoint (`dflop.runtime.checkpoint`). A re-run
 resumes from the newest checkpoint when it is of the same run (`dflop.runtime.run_identity`).
 The steps of ``train.trace_steps`` are traced (`dflop.runtime.spans`): ``trace.json`` beside the
 checkpoints once the window's last step is done, published beside metrics.parquet at the end.
@@ -85,7 +86,7 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
         trainer.restore_extra(state.extra)
     trainer.follow_schedule()
     total = settings.train.steps
-    metrics = MetricsWriter(ckpt_dir / "metrics.parquet", resume_step=start) if trainer.rank == 0 else None
+    metrics = MetricsWriter(ckpt_dir / "metrics", resume_step=start) if trainer.rank == 0 else None
     bar = _progress_bar(total, start, progress and trainer.rank == 0)
     last = total if stop_after is None else min(total, start + stop_after)
     prefetch = not trainer.loads_in_step  # GPUs: the next step loads behind this one (Trainer.loads_in_step)
@@ -139,6 +140,8 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                          row["sched_gap"], row["predicted_step_s"], row["corrected_step_s"], row["lr"])
             done = step + 1
             if checkpoint_due(done, total, settings.train.checkpoint_every):
+                if metrics is not None:  # the rows first: a checkpoint never lacks a step's row
+                    metrics.flush()
                 save_checkpoint(ckpt_dir, done, trainer.train_state())
             if step + 1 < last:
                 plan_now = plan_next

@@ -12,7 +12,7 @@ from dflop.errors import UserError
 from dflop.models.info import model_info
 from dflop.plan import plan_from_dict, write_plan
 from dflop.runtime.launch import slurm_command, srun_environment, torchrun_command
-from dflop.runtime.metrics import MetricsWriter, step_flops
+from dflop.runtime.metrics import step_flops
 from dflop.models.optimizer import build_optimizer
 from dflop.runtime.optim import GradientSync, ParamInfo, warmup_cosine
 from dflop.runtime.topology import Topology
@@ -60,20 +60,6 @@ def test_tied_copies_and_replicated_tensors_are_counted_once():
     sync = GradientSync(_single_rank_topology(),
                         {p: ParamInfo("model.language_model.embed_tokens.weight", "llm", False, tied_copy=True)})
     assert sync.global_norm(torch.device("cpu")) == 0.0
-
-
-def test_metrics_rows_survive_a_resume_without_repeats(tmp_path):
-    path = tmp_path / "metrics.parquet"
-    writer = MetricsWriter(path)
-    for step in (1, 2, 3):
-        writer.append({"step": step, "loss": 1.0 / step, "step_s": 0.1, "busy_s_llm0": 0.05})
-    resumed = MetricsWriter(path, resume_step=2)  # the checkpoint was after step 2
-    resumed.append({"step": 3, "loss": 0.3, "step_s": 0.1, "busy_s_llm0": 0.05})
-    frame = pd.read_parquet(path)
-    assert frame["step"].tolist() == [1, 2, 3] and frame["loss"].iloc[-1] == 0.3
-    assert list(frame.columns[:3]) == ["step", "loss", "step_s"]
-    MetricsWriter(path)  # a fresh run starts a fresh file
-    assert not path.exists()
 
 
 def test_step_flops_closed_form():
