@@ -23,6 +23,10 @@ from dflop.costmodel.types import BatchCosts
 from dflop.scheduler.correction import AdaptiveCorrection, MeasuredTimes
 from dflop.scheduler.partition import Partition, greedy_partition, partition
 
+# How many steps back the service remembers anything (inputs never reported, taken steps, waits,
+# fallbacks): a run of any length holds the same amount.
+KEPT_STEPS = 64
+
 Solver = Callable[..., Partition]
 
 
@@ -56,11 +60,12 @@ class SchedulerService:
         self._queue: deque[int] = deque()
         self._inputs: dict[int, tuple[BatchCosts, np.ndarray | None]] = {}
         self._results: dict[int, tuple[Partition, bool]] = {}
-        self._taken: set[int] = set()
+        self._taken: set[int] = set()  # steps taken in the last KEPT_STEPS (older ones are forgotten)
         self._last_taken = -1
         self._closed = False
-        self.wait_s: list[float] = []      # seconds each `get` blocked the caller
-        self.fallbacks: list[tuple[int, str]] = []  # (step, reason) where greedy was used
+        # The last KEPT_STEPS of each: a long run must not grow them without end.
+        self.wait_s: deque[float] = deque(maxlen=KEPT_STEPS)  # seconds each `get` blocked the caller
+        self.fallbacks: deque[tuple[int, str]] = deque(maxlen=KEPT_STEPS)  # (step, reason) where greedy was used
         self.solved_corrected: dict[int, bool] = {}  # step taken -> partitioned with corrected costs
         self._worker = threading.Thread(target=self._run, name="dflop-scheduler", daemon=True)
         self._worker.start()
@@ -95,15 +100,18 @@ class SchedulerService:
                 self._cond.wait(left)
             result, corrected = self._results.pop(step, (None, False))
             costs, buckets = self._inputs.pop(step) if self.correction is None else self._inputs[step]
-            for old in [s for s in self._inputs if s < step - 64]:  # never reported: forget
+            for old in [s for s in self._inputs if s < step - KEPT_STEPS]:  # never reported: forget
                 del self._inputs[old]
+            self._taken = {s for s in self._taken if s >= step - KEPT_STEPS}
             self._taken.add(step)
             self._last_taken = max(self._last_taken, step)
             self._cond.notify_all()
         if result is None:
             self.fallbacks.append((step, "not ready"))
             result, corrected = self._fallback(costs, buckets)
-        self.solved_corrected[step] = corrected
+        self.solved_corrected[step] = corrected  # popped by the trainer's planner; forget any it never asks for
+        for old in [s for s in self.solved_corrected if s < step - KEPT_STEPS]:
+            del self.solved_corrected[old]
         self.wait_s.append(time.perf_counter() - t0)
         return result
 

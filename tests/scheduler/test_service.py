@@ -4,7 +4,7 @@ import time
 import pytest
 
 from dflop.scheduler.partition import greedy_partition, partition
-from dflop.scheduler.service import SchedulerService
+from dflop.scheduler.service import KEPT_STEPS, SchedulerService
 
 M, DP = 8, 2
 
@@ -31,7 +31,7 @@ def test_prefetch_hides_solve_time(make_costs):
             part = svc.get(step)
             assert not part.member.startswith("fallback"), step
             time.sleep(solve_s + 0.25)  # one training step, longer than one solve
-        assert svc.fallbacks == []
+        assert list(svc.fallbacks) == []
         # The loop never waited for a solve: each get took far less than the solve itself.
         assert max(svc.wait_s) < solve_s / 2
 
@@ -56,7 +56,7 @@ def test_not_ready_returns_greedy_within_greedy_time(make_costs):
     assert part.member.startswith("fallback:")
     assert part.same_assignment(want)
     assert waited < 3 * greedy_s + 0.05  # slack for a loaded 2-core machine
-    assert svc.fallbacks == [(0, "not ready")]
+    assert list(svc.fallbacks) == [(0, "not ready")]
 
 
 def test_solver_failure_falls_back_to_greedy(make_costs):
@@ -70,7 +70,7 @@ def test_solver_failure_falls_back_to_greedy(make_costs):
         part = svc.get(0, timeout_s=10)
     assert part.member.startswith("fallback:")
     assert part.same_assignment(greedy_partition(batch, M, DP, DP))
-    assert svc.fallbacks == [(0, "solver failed: RuntimeError: HiGHS exploded")]
+    assert list(svc.fallbacks) == [(0, "solver failed: RuntimeError: HiGHS exploded")]
 
 
 def test_deterministic_given_seed_and_budget(make_costs):
@@ -81,7 +81,7 @@ def test_deterministic_given_seed_and_budget(make_costs):
             for step, costs in enumerate(batches):
                 svc.submit(step, costs)
             runs.append([svc.get(step, timeout_s=30) for step in range(len(batches))])
-            assert svc.fallbacks == []
+            assert list(svc.fallbacks) == []
     for a, b in zip(*runs):
         assert a.same_assignment(b) and a.member == b.member and a.step_s == b.step_s
     # And equal to calling partition directly with seed + step.
@@ -101,3 +101,25 @@ def test_bad_use_is_reported(make_costs):
             svc.get(7)
     with pytest.raises(ValueError, match="prefetch must be >= 1"):
         SchedulerService(m=M, dp_llm=DP, dp_vision=DP, prefetch=0)
+
+
+def test_a_long_run_holds_no_more_state_than_a_short_one(make_costs):
+    """Every per-step record the service keeps is bounded: after 10x KEPT_STEPS steps, each of
+    them (with one solver failure per step, the worst case for `fallbacks`) is at most KEPT_STEPS
+    long, while the newest steps are still there."""
+    batch = _batches(make_costs, 1, n=16)[0]
+
+    def broken(*a, **k):
+        raise RuntimeError("no solver")
+
+    steps = 10 * KEPT_STEPS
+    with SchedulerService(m=4, dp_llm=DP, dp_vision=DP, solver=broken) as svc:
+        for step in range(steps):
+            svc.submit(step, batch)
+            svc.get(step, timeout_s=5)
+        kept = {"wait_s": svc.wait_s, "fallbacks": svc.fallbacks, "taken": svc._taken,
+                "solved_corrected": svc.solved_corrected, "inputs": svc._inputs, "results": svc._results}
+        assert {name: len(v) for name, v in kept.items() if len(v) > KEPT_STEPS + 1} == {}
+        assert svc.fallbacks[-1][0] == steps - 1 and steps - 1 in svc._taken
+        with pytest.raises(ValueError, match="already submitted"):
+            svc.submit(steps - 1, batch)
