@@ -14,7 +14,7 @@ from slurm_testlib import NODES, env, hostnames, run_snakemake, snakemake_comman
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-STEPS, CHECKPOINT_EVERY = 24, 4  # enough steps after a checkpoint to kill the job between two of them
+STEPS, CHECKPOINT_EVERY = 12, 4  # two checkpoints the kill can follow, each with steps after it
 
 
 def _running_train_job() -> str | None:
@@ -35,11 +35,17 @@ def _training_step(job_id: str) -> str | None:
     return None
 
 
-def _rows(path) -> pd.DataFrame:
-    try:
-        return pd.read_parquet(path)
-    except (OSError, ValueError):  # not written yet
-        return pd.DataFrame({"step": []})
+def _saved_rows(folder) -> pd.DataFrame:
+    """The metrics rows the run saved before its checkpoints (MetricsWriter's part files)."""
+    from dflop.runtime.metrics import PART_PREFIX
+    parts = sorted(folder.glob(f"{PART_PREFIX}*.parquet"))
+    return pd.concat([pd.read_parquet(p) for p in parts], ignore_index=True) if parts else pd.DataFrame({"step": []})
+
+
+def _last_logged_step(log) -> int:
+    """The last step rank 0 logged (its log line is written as the step ends)."""
+    steps = re.findall(rf"step (\d+)/{STEPS} loss", log.read_text()) if log.exists() else []
+    return int(steps[-1]) if steps else 0
 
 
 def test_scancel_mid_run_then_rerun_resumes_from_the_checkpoint(slurm_chain, tmp_path):
@@ -56,7 +62,8 @@ def test_scancel_mid_run_then_rerun_resumes_from_the_checkpoint(slurm_chain, tmp
     config["train"].update(steps=STEPS, checkpoint_every=CHECKPOINT_EVERY)
     (workdir / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     ckpt = workdir / "results/train/checkpoints"
-    working_metrics = ckpt / "metrics.parquet"  # rewritten after every step, published at the end
+    saved_metrics = ckpt / "metrics"  # rows saved at each checkpoint, published at the end
+    log = workdir / "logs/train.log"
 
     first = subprocess.Popen(snakemake_command("train"), cwd=workdir, env=env(), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -65,9 +72,8 @@ def test_scancel_mid_run_then_rerun_resumes_from_the_checkpoint(slurm_chain, tmp
     try:
         while killed is None and time.monotonic() < deadline and first.poll() is None:
             done = complete_checkpoints(ckpt)
-            rows = _rows(working_metrics)
             # Kill past a checkpoint, with steps done after it that the re-run must not lose or repeat.
-            if done and done[-1][0] >= CHECKPOINT_EVERY and len(rows) and rows["step"].max() > done[-1][0]:
+            if done and done[-1][0] >= CHECKPOINT_EVERY and _last_logged_step(log) > done[-1][0]:
                 job = _running_train_job()
                 step = _training_step(job) if job else None
                 if step:
@@ -84,7 +90,7 @@ def test_scancel_mid_run_then_rerun_resumes_from_the_checkpoint(slurm_chain, tmp
 
     resume_step = complete_checkpoints(ckpt)[-1][0]
     assert CHECKPOINT_EVERY <= resume_step < STEPS
-    before = _rows(working_metrics)
+    before = _saved_rows(saved_metrics)
     kept = before[before["step"] <= resume_step].reset_index(drop=True)
     assert kept["step"].tolist() == list(range(1, resume_step + 1))
 
