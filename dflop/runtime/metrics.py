@@ -29,16 +29,18 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import pandas as pd
 
 from dflop.io import atomic_path
-from dflop.models.info import ModelInfo
-from dflop.scheduler.online import StepPlan
-from dflop.runtime.topology import Topology
 from dflop.scheduler.correction import WARMUP_STEPS, MeasuredTimes
+
+if TYPE_CHECKING:  # annotations only: the report and compare-runs read metrics without torch or transformers
+    from dflop.models.info import ModelInfo
+    from dflop.runtime.topology import Topology
+    from dflop.scheduler.online import StepPlan
 
 BASE_COLUMNS = ("step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
                 "predicted_step_s", "corrected_step_s", "correction_active", "run_id")
