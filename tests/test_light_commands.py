@@ -1,13 +1,14 @@
-"""The workflow's light rules (the summary, the training and summary figures) start without torch or
-transformers: each is a process of its own in every chain, and importing those costs seconds of CPU
-that a rule reading two Parquet files should not pay."""
+"""The workflow's light rules (the summary; the training, summary and cost-model figures) start
+without torch or transformers: each is a process of its own in every chain, and importing those
+costs seconds of CPU that a rule reading a few Parquet and JSON files should not pay."""
 
 import subprocess
 import sys
 
 import pytest
 
-LIGHT_MODULES = ("dflop.runtime.comparison", "dflop.report.training_plots", "dflop.report.summary_plots")
+LIGHT_MODULES = ("dflop.runtime.comparison", "dflop.report.training_plots", "dflop.report.summary_plots",
+                 "dflop.report.costmodel_plots", "dflop.costmodel.profile_table")
 
 
 @pytest.mark.parametrize("module", LIGHT_MODULES)

@@ -41,11 +41,9 @@ from dflop.costmodel.features import (
     const_features,
     sample_features,
 )
-from dflop.costmodel import activations
 from dflop.costmodel.memory import canonical_dtype, training_state_bytes
 from dflop.errors import UserError
-from dflop.models.recompute import RECOMPUTE_TARGETS
-from dflop.profiling.model_profiler import TRANSIENT_TARGETS
+from dflop.profiling.columns import RECOMPUTE_TARGETS, TRANSIENT_TARGETS
 
 #: Fitted targets and their units; times are converted to seconds on prediction.
 TARGETS = ("fwd_ms", "bwd_ms", "act_bytes")
@@ -486,6 +484,8 @@ class CostModel:
         lens = _sizes(seq_lens, "seq_lens", minimum=1)
         terms = self._stage_terms(self._llm_parts(n_layers, first, last, tp, recompute), lens, shard_over)
         if sequence_parallel_hidden and tp > 1 and n_layers:
+            from dflop.costmodel import activations  # the model configs' closed forms: transformers, imported here only
+
             nbytes = activations.DTYPE_BYTES[canonical_dtype(self.provenance.dtype)]
             saving = activations.sequence_parallel_saving(int(sequence_parallel_hidden), int(tp), nbytes, recompute)
             terms = replace(terms, act_bytes=terms.act_bytes - n_layers * saving * lens)

@@ -30,11 +30,10 @@ import pandas as pd
 
 from dflop.costmodel.features import LAYER_MODULES, MODULE_FEATURES, ShapeKind
 from dflop.costmodel.model import OPTIONAL_TARGETS, TARGETS, TRANSIENT
-from dflop.profiling.model_profiler import TRANSIENT_TARGETS
+from dflop.profiling.columns import LINK_MODULES, TRANSIENT_TARGETS
 from dflop.errors import UserError
 from dflop.finite import Numbers, check_columns
 from dflop.io import read_parquet
-from dflop.profiling.step_costs import LINK_MODULES
 
 log = logging.getLogger(__name__)
 

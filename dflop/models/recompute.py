@@ -38,10 +38,6 @@ from dflop.plan import RECOMPUTE_MODES
 
 _SUFFIX = "+recompute"
 
-#: Per recompute mode other than none, the profile columns and cost-model targets of a layer module
-#: under it: the backward including the recomputed forward, and the bytes kept for backward.
-RECOMPUTE_TARGETS = {mode: (f"bwd_ms:{mode}", f"act_bytes:{mode}") for mode in RECOMPUTE_MODES if mode != "none"}
-
 
 def check_mode(mode: str, where: str) -> str:
     if mode not in RECOMPUTE_MODES:

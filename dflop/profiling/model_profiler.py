@@ -62,7 +62,7 @@ import torch.distributed as dist
 from transformers import PreTrainedConfig
 
 from dflop.config import ProfileSection
-from dflop.models.recompute import RECOMPUTE_TARGETS
+from dflop.profiling.columns import LINK_MODULES, RECOMPUTE_TARGETS, TRANSIENT_TARGETS
 from dflop.cpu_memory import reuse_large_cpu_allocations
 from dflop.errors import UserError
 from dflop.io import atomic_path
@@ -78,12 +78,9 @@ from dflop.profiling._memory import adam_state_bytes, allocated_peak, grad_bytes
 from dflop.profiling._timing import Timer
 from dflop.profiling.model_grid import AdaptiveCurve, geometric_points
 from dflop.profiling.model_modules import MODULES, RECOMPUTE_MODES, TILE_MODULES, ModuleBench, build_benches
-from dflop.profiling.step_costs import LINK_MODULES, link_rows, optimizer_call_ms, optimizer_step_ms
+from dflop.profiling.step_costs import link_rows, optimizer_call_ms, optimizer_step_ms
 
 log = logging.getLogger(__name__)
-
-#: The transient-bytes column of each recompute mode (none: every module; the others: layer modules).
-TRANSIENT_TARGETS = {"none": "transient_bytes", **{mode: f"transient_bytes:{mode}" for mode in RECOMPUTE_MODES}}
 
 COLUMNS = ("module", "tp", "batch", "seq_len", "n_layers", "fwd_ms", "bwd_ms", "act_bytes", "param_bytes",
            "peak_bytes", "device", "dtype", "repeat", "grad_bytes", "optim_bytes", "tied_bytes", "preset", "threads", "co_runners",

@@ -37,7 +37,6 @@ from dflop.models.optimizer import build_optimizer
 from dflop.models.tensor_parallel import local_tensor
 from dflop.profiling._timing import Timer
 
-LINK_MODULES = ("allreduce", "p2p")
 #: Message sizes (bytes) of the link sweeps: 4 KiB to 16 MiB on CPU (gloo), to 256 MiB on CUDA.
 CPU_MAX_BYTES, CUDA_MAX_BYTES = 2**24, 2**28
 

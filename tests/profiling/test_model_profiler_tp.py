@@ -9,7 +9,8 @@ from dflop.costmodel import activations
 from dflop.models.builder import model_config
 from dflop.models.info import model_info
 from dflop.profiling.model_modules import MODULES
-from dflop.profiling.step_costs import LINK_MODULES, link_sizes
+from dflop.profiling.columns import LINK_MODULES
+from dflop.profiling.step_costs import link_sizes
 from profiling_testlib import profile
 
 
