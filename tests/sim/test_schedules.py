@@ -297,3 +297,19 @@ def test_refusals_are_one_line():
         simulate(ones, ones, schedule="zb-h1", chunks=2)
     with pytest.raises(ValueError, match="wgrad_frac"):
         simulate(ones, ones, schedule="zb-h1", wgrad_frac=1.5)
+
+
+def test_gantt_draws_devices_and_weight_gradients(tmp_path):
+    import matplotlib.image as mpimg
+
+    from dflop.sim import plot_gantt
+
+    rng = np.random.default_rng(2)
+    vf, lf = rng.uniform(0.5, 1.0, (1, 4)), rng.uniform(0.5, 1.0, (1, 4, 4))
+    inter = simulate_dp(vf, 2 * vf, lf, 2 * lf, schedule="interleaved", chunks=2)
+    assert inter.n_devices == 3 and inter.w_start is None
+    plot_gantt(inter, tmp_path / "interleaved.png")
+    zb = simulate_dp(vf, 2 * vf, lf, 2 * lf, schedule="zb-h1")
+    assert np.isnan(zb.w_start[0]).all() and np.isfinite(zb.w_start[1:]).all()
+    rgb = (mpimg.imread(plot_gantt(zb, tmp_path / "zb.png"))[..., :3] * 255).round().astype(int).reshape(-1, 3)
+    assert ((np.abs(rgb - [0x55, 0xA8, 0x68]).sum(1)) < 6).any()  # weight-gradient bars (#55A868)
