@@ -169,13 +169,14 @@ def _device_orders(stage_replicas: tuple[int, ...], row_of: list[list[int]], m: 
     The LLM stages run ``schedule``. Vision stages keep an unsplit backward and run 1F1B (GPipe
     under ``gpipe``) timed to the LLM: vision stage ``g`` of ``Sv`` warms up with ``D + Sv - g - 1``
     forwards, ``D`` = the peak microbatches in flight on the LLM's first stage (its first chunk on
-    rank 0). Under plain 1F1B this is 1F1B over the whole pipeline; under any schedule it is the
-    fewest warm-up forwards that never leave the LLM's first stage waiting for a vision forward
-    queued behind a vision backward (which would deadlock).
+    rank 0). That is 1F1B's own rule between consecutive stages (a stage warms up with as many
+    forwards as the next stage holds in flight at its peak), so under plain 1F1B it is 1F1B over
+    the whole pipeline. It cannot deadlock: before its backward of microbatch ``i`` a vision stage
+    has run ``D + i + 1`` forwards, at least as many as the LLM's first stage runs before its own
+    backward of ``i`` (``D - 1`` would be the fewest that never deadlock).
     """
     n_vis = n_vision_stages
     p = _llm_ranks(stage_replicas, schedule, n_vis, chunks)
-    n_rows = sum(stage_replicas)
     # Device of each row: vision rows and non-interleaved rows are one device each; under
     # interleaving the rows of chunks r, r + p, ... of replica q share rank r's device.
     key_of_row = []
@@ -209,7 +210,6 @@ def _device_orders(stage_replicas: tuple[int, ...], row_of: list[list[int]], m: 
                else _one_f_one_b(lead + n_vis - g - 1, m))
         for row in row_of[g]:
             orders[row_device[row]] = [(row, kind, j) for kind, j in ops]
-    assert all(len(o) for o in orders) and len(row_device) == n_rows
     return row_device, orders
 
 
