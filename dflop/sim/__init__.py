@@ -1,10 +1,11 @@
-"""Pipeline simulator: exact op timelines of 1F1B / GPipe steps with heterogeneous microbatches,
-stages and data-parallel replicas, and a Gantt chart of a step."""
+"""Pipeline simulator: exact op timelines of 1F1B / GPipe / interleaved 1F1B / ZB-H1 steps with
+heterogeneous microbatches, stages and data-parallel replicas, and a Gantt chart of a step."""
 
 from dflop.sim.gantt import plot_gantt
-from dflop.sim.pipeline import (SCHEDULES, SimResult, simulate, simulate_dp, simulate_dp_steps, simulate_rows,
-                                 stage_op_order)
+from dflop.sim.pipeline import SimResult, simulate, simulate_dp, simulate_dp_steps, simulate_rows
+from dflop.sim.schedules import (SCHEDULES, SPLIT_BACKWARD, interleaved_op_order, interleaved_warmup,
+                                 stage_op_order, zb_h1_op_order)
 
-__all__ = ["SCHEDULES", "SimResult", "plot_gantt", "simulate", "simulate_dp", "simulate_dp_steps",
-           "simulate_rows",
-           "stage_op_order"]
+__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "SimResult", "interleaved_op_order", "interleaved_warmup",
+           "plot_gantt", "simulate", "simulate_dp", "simulate_dp_steps", "simulate_rows",
+           "stage_op_order", "zb_h1_op_order"]
