@@ -283,6 +283,10 @@ class LlavaOnevisionCollator:
     block-causal mask (sdpa/eager: only with ``use_cache=False``, set here); ``shift_labels`` are
     shifted per sample, so no sample's last token is trained on the next sample's first and the
     answer-token count (`Trainer`'s ``num_items_in_batch``) is the padded batch's.
+
+    transformers' LLaVA-OV takes a batch's videos as one [videos, frames, ...] tensor, so videos of
+    one batch must have the same frame count (a video shorter than ``video_frames`` has fewer): a
+    batch mixing counts is a one-line error naming them.
     """
 
     def __init__(self, data, pad_token_id: int, *, pack: bool = False):
@@ -303,7 +307,7 @@ class LlavaOnevisionCollator:
                     sizes.append(item.size_hw)
                     n_images += 1
                 elif item.kind == VIDEO:
-                    videos.append(tiles)
+                    videos.append((tiles, int(f["dflop_index"])))
             per_sample.append(n_images)
         batch: dict = {}
         if self.pack:
@@ -329,5 +333,9 @@ class LlavaOnevisionCollator:
             batch.update(pixel_values=stacked, image_sizes=torch.tensor(sizes, dtype=torch.long),
                          batch_num_images=torch.tensor(per_sample, dtype=torch.long))
         if videos:
-            batch["pixel_values_videos"] = torch.stack(videos)
+            frames = {len(tiles) for tiles, _ in videos}
+            if len(frames) > 1:  # the model takes [videos, frames, ...]: one frame count per batch
+                raise UserError("LlavaOnevisionCollator: videos of one batch must have the same frame count, got "
+                                + ", ".join(f"{self.data.samples[i].sample_id}: {len(t)}" for t, i in videos))
+            batch["pixel_values_videos"] = torch.stack([tiles for tiles, _ in videos])
         return batch
