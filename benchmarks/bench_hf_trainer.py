@@ -1,0 +1,310 @@
+"""DFLOP's sampler inside the Hugging Face Trainer, side by side with the Trainer's own samplers.
+
+    python benchmarks/bench_hf_trainer.py [--config FILE] [--preset tiny|small] [--rounds 3]
+        [--steps N] [--costmodel PATH] [--work DIR] [--quick]
+
+One torchrun of 2 gloo ranks (one torch thread each) trains transformers'
+`LlavaOnevisionForConditionalGeneration` (the config's model, or `--preset`'s; random weights,
+seed ``run.seed``) on the config's datasets (default: config/config.yaml, the demo data, made and
+profiled into ``--work`` if missing), with the config's ``train.global_batch_size`` over 2 ranks x
+2 accumulation steps, and AdamW at ``train.lr``. Variants, each a fresh model and `Trainer`:
+
+- ``hf_random``, ``hf_group_by_length``, ``hf_batch_rebalance``: HF's `Trainer` with
+  ``train_sampling_strategy`` of that name; samples padded to the longest of their microbatch
+  (`LlavaOnevisionCollator`, as LLaVA-OV's training code batches);
+- ``dflop_padded``: `dflop.integrations.hf.DflopTrainer` (DFLOP's sampler), same padded collator;
+- ``dflop_packed``: DFLOP's sampler with each microbatch packed into one row (what DFLOP's costs price).
+
+Every variant trains the same number of steps from step 0 of epoch 0 (default: the whole epoch, so
+each trains on the same samples, grouped differently); rounds run the variants interleaved,
+rotated one place per round, so the VM's speed phases hit all alike. Per variant and round:
+samples/s and tokens/s (real tokens, padding excluded) over the steps after the first (warm-up),
+step wall = one optimizer step end to the next (data loading, forward, backward, gradient
+all-reduce, AdamW); rank wait = wall seconds a rank's main thread did not compute (thread CPU time
+against wall: waiting for the other rank in DDP's all-reduce, or descheduled), per step, mean over
+ranks. The table shows medians over rounds. Peak activations: the most bytes autograd held for
+backward at once on either rank (`dflop.profiling._memory.live_saved_tensor_bytes`: what the
+microbatches' composition drives, parameters and optimizer state alike in every variant), from one
+extra, untimed pass of every variant after the rounds (the hooks slow the step).
+
+Loss check: ``dflop_padded`` and ``dflop_packed`` train the same global batches (DFLOP's sampler),
+so their per-step losses (the exact mean over the batch's answer tokens) must agree; the largest
+relative difference is printed and a difference above 1e-3 fails the run.
+
+HF's LLaVA-OV takes a batch's videos as one [videos, frames, ...] tensor, so videos shorter than
+the model's ``video_frames`` (fewer frames) are left out of the pool for every variant alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+VARIANTS = ("hf_random", "hf_group_by_length", "hf_batch_rebalance", "dflop_padded", "dflop_packed")
+PRESETS = {"tiny": ("siglip-tiny", "qwen2.5-tiny"), "small": ("siglip-small", "qwen2.5-small")}
+WORLD, ACCUM = 2, 2
+LOSS_RTOL = 1e-3
+
+
+def load_config(path: str, preset: str | None, work: Path):
+    """The config, its demo data made under `work` when the demo dataset is missing."""
+    from dflop import config
+
+    raw = config.load_yaml(path)
+    if preset is not None:
+        vision, llm = PRESETS[preset]
+        raw.setdefault("model", {}).update(vision=vision, llm=llm)
+    cfg = config.Config.from_dict(raw)
+    demo = Path(cfg.data.demo.dir) / "demo.json"
+    uses_demo = any(Path(d.path) == demo for d in cfg.datasets)
+    if uses_demo and not demo.exists():
+        raw["data"]["datasets"] = [{**d, "path": str(work / "demo" / "demo.json")} if Path(d["path"]) == demo else d
+                                   for d in raw["data"]["datasets"]]
+        cfg = config.Config.from_dict(raw)
+    return cfg, raw
+
+
+def prepare(cfg, work: Path, n_demo: int | None) -> Path:
+    """shapes.parquet of the config's datasets under `work` (demo data made first where needed)."""
+    from dflop.data.demo import make_demo_data
+    from dflop.profiling.data_profiler import profile_data
+
+    work.mkdir(parents=True, exist_ok=True)
+    for d in cfg.datasets:
+        if not Path(d.path).exists() and Path(d.path).parent == work / "demo":
+            make_demo_data(work / "demo", n_samples=n_demo or cfg.data.demo.n_samples, seed=cfg.data.demo.seed)
+    shapes = work / "shapes.parquet"
+    if not shapes.exists():
+        profile_data(cfg, shapes_path=shapes, histograms_path=work / "histograms.parquet", workers=1, progress=False)
+    return shapes
+
+
+def training_pool(shapes_path: Path, video_frames: int, limit: int | None):
+    """The usable shapes rows HF's LLaVA-OV can batch (module docstring), the first `limit`."""
+    from dflop.shapes import read_shapes
+
+    pool = read_shapes(shapes_path)
+    pool = pool[(pool["modality"] != "video") | (pool["n_frames"] == video_frames)].reset_index(drop=True)
+    return pool.head(limit).reset_index(drop=True) if limit else pool
+
+
+def run_variant(name: str, cfg, pool, data, items, steps: int, out_dir: Path, memory: bool = False) -> dict:
+    """Train `steps` optimizer steps of variant `name` from a fresh model: every rank's measurements.
+    memory: track the bytes autograd holds for backward (slower: an untimed pass)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from dflop.integrations.hf import DflopTrainer, LlavaOnevisionCollator, Sampling
+    from dflop.models.builder import build_model
+
+    from dflop.profiling._memory import live_saved_tensor_bytes
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model.arch, cfg.model.vision, cfg.model.llm, seed=cfg.seed, llm_attention="sdpa")
+    pad_id = 0
+    collator = LlavaOnevisionCollator(data, pad_id, pack=name == "dflop_packed")
+    steps_log: list[dict] = []
+    current = {"samples": 0, "tokens": 0, "loss": 0.0}
+    clock = {"wall": 0.0, "cpu": 0.0}
+
+    class Timing(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            clock.update(wall=time.perf_counter(), cpu=time.thread_time())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            steps_log.append({**current, "wall_s": wall - clock["wall"], "cpu_s": cpu - clock["cpu"]})
+            current.update(samples=0, tokens=0, loss=0.0)
+            clock.update(wall=wall, cpu=cpu)
+
+    def count(inputs) -> None:
+        if "position_ids" in inputs:  # packed: one row, positions restart at each sample
+            current["samples"] += int((inputs["position_ids"] == 0).sum())
+            current["tokens"] += int(inputs["input_ids"].numel())
+        else:
+            current["samples"] += int(inputs["input_ids"].shape[0])
+            current["tokens"] += int(inputs["attention_mask"].sum())
+
+    class Counting:
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            count(inputs)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            current["loss"] += float(loss)
+            return loss
+
+    per_device = cfg.train.global_batch_size // (WORLD * ACCUM)
+    strategy = name.removeprefix("hf_") if name.startswith("hf_") else "random"
+    args = TrainingArguments(output_dir=str(out_dir / "hf" / name), per_device_train_batch_size=per_device,
+                             gradient_accumulation_steps=ACCUM, max_steps=steps, learning_rate=cfg.train.lr,
+                             weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.grad_clip,
+                             lr_scheduler_type="constant", train_sampling_strategy=strategy, use_cpu=True,
+                             ddp_backend="gloo", report_to=[], save_strategy="no", logging_strategy="no",
+                             remove_unused_columns=False, dataloader_num_workers=0, seed=cfg.seed,
+                             disable_tqdm=True, dataloader_drop_last=True)
+    common = dict(model=model, args=args, train_dataset=items, data_collator=collator, callbacks=[Timing()])
+    if name.startswith("dflop"):
+        cls = type("Counted", (Counting, DflopTrainer), {})
+        trainer = cls(**common, dflop=Sampling.from_config(cfg, shapes=pool, costmodel=OPTIONS["costmodel"]))
+    else:
+        trainer = type("Counted", (Counting, Trainer), {})(**common)
+    if memory:
+        with live_saved_tensor_bytes(exclude=list(model.parameters())) as held:
+            trainer.train()
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, held.peak)
+        return {"peak_bytes": max(peaks)}
+    trainer.train()
+    rows = np.array([[s["samples"], s["tokens"], s["loss"], s["wall_s"], s["cpu_s"]] for s in steps_log])
+    summed = torch.tensor(rows[:, :3], dtype=torch.float64)
+    dist.all_reduce(summed)
+    walls = torch.tensor(rows[:, 3:], dtype=torch.float64)
+    gathered = [torch.zeros_like(walls) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, walls)
+    stacked = torch.stack(gathered).numpy()  # [rank, step, (wall, cpu)]
+    del trainer, model
+    return {"samples": summed[:, 0].tolist(), "tokens": summed[:, 1].tolist(),
+            "loss": (summed[:, 2] / dist.get_world_size()).tolist(),
+            "wall_s": stacked[:, :, 0].max(axis=0).tolist(),
+            "wait_s": (stacked[:, :, 0] - stacked[:, :, 1]).clip(min=0).mean(axis=0).tolist()}
+
+
+OPTIONS: dict = {}
+
+
+def worker(opts) -> None:
+    """One rank: every variant, `opts.rounds` rounds, interleaved and rotated."""
+    import torch
+    import torch.distributed as dist
+
+    from dflop.cpu_memory import reuse_large_cpu_allocations
+    from dflop.data.training import TrainingData, pool_samples
+    from dflop.integrations.hf import TokenItems
+    from dflop.models.handle import ModelHandle
+    from dflop.runtime.process_group import end_worker
+
+    reuse_large_cpu_allocations()
+    torch.set_num_threads(1)
+    work = Path(opts.work)
+    cfg, _ = load_config(opts.config, opts.preset, work)
+    OPTIONS["costmodel"] = opts.costmodel
+    handle = ModelHandle.resolve(cfg.model)
+    rules = handle.sample_rules()
+    pool = training_pool(work / "shapes.parquet", int(rules.arch_params["video_frames"]), opts.limit)
+    data = TrainingData(pool_samples(pool, cfg.datasets, cfg.seed), rules)
+
+    class CachedItems(TokenItems):  # HF's length samplers read every item once per Trainer: tokenise once
+        cache: dict = {}
+
+        def __getitem__(self, i):
+            if i not in self.cache:
+                self.cache[i] = super().__getitem__(i)
+            return self.cache[i]
+
+    items = CachedItems(data)
+    steps = opts.steps or len(pool) // cfg.train.global_batch_size
+    results: dict = {v: [] for v in opts.variants}
+    for r in range(opts.rounds):
+        order = opts.variants[r % len(opts.variants):] + opts.variants[:r % len(opts.variants)]
+        for name in order:
+            began = time.perf_counter()
+            results[name].append(run_variant(name, cfg, pool, data, items, steps, work))
+            if dist.get_rank() == 0:
+                print(f"round {r} {name}: {time.perf_counter() - began:.1f} s", flush=True)
+    memory = {name: run_variant(name, cfg, pool, data, items, steps, work, memory=True)["peak_bytes"]
+              for name in opts.variants}
+    if dist.get_rank() == 0:
+        meta = {"pool": len(pool), "steps": steps, "global_batch_size": cfg.train.global_batch_size,
+                "model": f"{cfg.model.arch}/{cfg.model.vision}/{cfg.model.llm}"}
+        (work / "bench_hf_trainer.json").write_text(json.dumps({"meta": meta, "results": results,
+                                                                 "peak_saved_bytes": memory}))
+    end_worker()
+
+
+def summarise(doc: dict) -> tuple[str, list[str]]:
+    """(the markdown table, problems) of the worker's results."""
+    lines = ["| variant | samples/s | tokens/s | step s | rank wait s/step | peak activations MB | rounds |",
+             "|---|---|---|---|---|---|---|"]
+    for name, rounds in doc["results"].items():
+        sps, tps, step, wait = [], [], [], []
+        for r in rounds:
+            wall = np.array(r["wall_s"][1:])  # after the warm-up step
+            sps.append(sum(r["samples"][1:]) / wall.sum())
+            tps.append(sum(r["tokens"][1:]) / wall.sum())
+            step.append(float(np.median(wall)))
+            wait.append(float(np.mean(r["wait_s"][1:])))
+        lines.append(f"| {name} | {np.median(sps):.2f} | {np.median(tps):.0f} | {np.median(step):.2f} | "
+                     f"{np.median(wait):.2f} | {doc['peak_saved_bytes'][name] / 2**20:.0f} | {len(rounds)} |")
+    problems = []
+    res = doc["results"]
+    if "dflop_padded" in res and "dflop_packed" in res:
+        worst = 0.0
+        for a, b in zip(res["dflop_padded"], res["dflop_packed"]):
+            la, lb = np.array(a["loss"]), np.array(b["loss"])
+            worst = max(worst, float(np.max(np.abs(la - lb) / np.maximum(np.abs(la), 1e-12))))
+        lines.append(f"\nloss check: dflop_padded vs dflop_packed (same global batches), largest relative "
+                     f"difference over steps and rounds {worst:.2e} (tolerance {LOSS_RTOL:g})")
+        if not worst <= LOSS_RTOL:
+            problems.append(f"dflop_padded and dflop_packed losses differ by {worst:.2e} (relative)")
+    return "\n".join(lines), problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "config" / "config.yaml"))
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="override the config's model with this preset's tower and LLM")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps per variant (0: one epoch)")
+    parser.add_argument("--limit", type=int, default=0, help="use only the first N samples of the pool")
+    parser.add_argument("--costmodel", default=None, help="costmodel.json for DFLOP's sampler (default: analytic)")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--work", default=None, help="data and results (default /tmp/bench_hf_trainer[_quick])")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 60 demo samples, 3 steps, 1 round")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    opts.variants = [v for v in opts.variants.split(",") if v]
+    unknown = sorted(set(opts.variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    if opts.worker:
+        return worker(opts)
+    if opts.quick:
+        opts.rounds, opts.steps = 1, opts.steps or 3
+    opts.work = opts.work or "/tmp/bench_hf_trainer" + ("_quick" if opts.quick else "")
+    work = Path(opts.work)
+    cfg, _ = load_config(opts.config, opts.preset, work)
+    began = time.perf_counter()
+    prepare(cfg, work, 60 if opts.quick else None)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+           __file__, "--worker", "--config", opts.config, "--rounds", str(opts.rounds), "--steps", str(opts.steps),
+           "--limit", str(opts.limit), "--variants", ",".join(opts.variants), "--work", str(work)]
+    cmd += ["--preset", opts.preset] if opts.preset else []
+    cmd += ["--costmodel", opts.costmodel] if opts.costmodel else []
+    subprocess.run(cmd, check=True, env=env)
+    doc = json.loads((work / "bench_hf_trainer.json").read_text())
+    table, problems = summarise(doc)
+    meta = doc["meta"]
+    print(f"\n{platform.node()} {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d', time.gmtime())}; {meta['model']}, "
+          f"{meta['pool']} samples, global batch {meta['global_batch_size']} = {WORLD} ranks x {ACCUM} "
+          f"microbatches, {meta['steps']} steps per variant; {time.perf_counter() - began:.0f} s in all\n")
+    print(table)
+    if problems:
+        sys.exit("bench_hf_trainer: " + "; ".join(problems))
+
+
+if __name__ == "__main__":
+    main()
