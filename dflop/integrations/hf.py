@@ -45,6 +45,7 @@ from transformers.trainer_utils import seed_worker
 from dflop.config import Config
 from dflop.costmodel.jsonio import load_cost_model
 from dflop.costmodel.model import CostModel
+from dflop.data.sampling import DatasetMix, dataset_mix
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan
@@ -93,6 +94,7 @@ class Sampling:
         analytic stand-in, `dflop.costmodel.analytic`, as `dflop train` without a profile);
     cluster: the device and its memory (the memory guard's limit) and links;
     seed: ``run.seed``: the global batches' order and the scheduler's seed (plus the step).
+    mix: the datasets' sampling ratios (``data.datasets[].weight``), None: each sample once per epoch.
     """
 
     pool: pd.DataFrame
@@ -101,6 +103,7 @@ class Sampling:
     cluster: Cluster
     seed: int
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    mix: DatasetMix | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, *, shapes: str | Path | pd.DataFrame,
@@ -113,8 +116,9 @@ class Sampling:
         table = read_shapes(shapes) if not isinstance(shapes, pd.DataFrame) else shapes
         cost = load_cost_model(costmodel) if isinstance(costmodel, (str, Path)) else costmodel
         sched = SchedulerSettings(policy="dflop", budget_s=cfg.scheduler.budget_ms / 1e3, ilp=cfg.scheduler.ilp)
-        return cls(align_shapes(table, keys, where), ModelHandle.resolve(cfg.model), cost,
-                   Cluster.from_section(cfg.cluster), cfg.seed, sched)
+        pool = align_shapes(table, keys, where)
+        mix = dataset_mix(pool["dataset"].tolist(), cfg.datasets) if "dataset" in pool.columns else None
+        return cls(pool, ModelHandle.resolve(cfg.model), cost, Cluster.from_section(cfg.cluster), cfg.seed, sched, mix)
 
     def pricing(self, world_size: int, grad_accum: int) -> Pricing:
         """The pricing of `hf_plan` (the trainer's: `dflop.runtime.trainer.training_pricing`)."""
@@ -159,7 +163,7 @@ class DflopBatchSampler(Sampler[list[int]]):
         self.global_batch_size = global_batch_size
         self.pricing = sampling.pricing(world_size, grad_accum)
         self.whole = Pool.from_shapes(sampling.pool, where="the sampler's shapes")
-        self.batches = GlobalBatches(len(self.whole), global_batch_size, sampling.seed)
+        self.batches = GlobalBatches(len(self.whole), global_batch_size, sampling.seed, mix=sampling.mix)
         self.epoch = 0
         self._last: tuple[int, list[list[list[int]]]] | None = None
 
