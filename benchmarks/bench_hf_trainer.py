@@ -51,7 +51,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-VARIANTS = ("hf_random", "hf_group_by_length", "hf_batch_rebalance", "dflop_padded", "dflop_packed")
+HF_VARIANTS = ("hf_random", "hf_group_by_length", "hf_batch_rebalance", "dflop_padded", "dflop_packed")
+VARIANTS = HF_VARIANTS + ("dflop_train",)
 PRESETS = {"tiny": ("siglip-tiny", "qwen2.5-tiny"), "small": ("siglip-small", "qwen2.5-small")}
 WORLD, ACCUM = 2, 2
 LOSS_RTOL = 1e-3
@@ -214,22 +215,74 @@ def worker(opts) -> None:
 
     items = CachedItems(data)
     steps = opts.steps or len(pool) // cfg.train.global_batch_size
-    results: dict = {v: [] for v in opts.variants}
-    for r in range(opts.rounds):
-        order = opts.variants[r % len(opts.variants):] + opts.variants[:r % len(opts.variants)]
-        for name in order:
+    variants = [v for v in opts.variants if v in HF_VARIANTS]
+    results: dict = {v: [] for v in variants}
+    memory: dict = {}
+    if opts.memory_only:
+        memory = {name: run_variant(name, cfg, pool, data, items, steps, work, memory=True)["peak_bytes"]
+                  for name in variants}
+    else:
+        r = opts.round_index
+        for name in variants[r % len(variants):] + variants[:r % len(variants)]:
             began = time.perf_counter()
             results[name].append(run_variant(name, cfg, pool, data, items, steps, work))
             if dist.get_rank() == 0:
                 print(f"round {r} {name}: {time.perf_counter() - began:.1f} s", flush=True)
-    memory = {name: run_variant(name, cfg, pool, data, items, steps, work, memory=True)["peak_bytes"]
-              for name in opts.variants}
     if dist.get_rank() == 0:
         meta = {"pool": len(pool), "steps": steps, "global_batch_size": cfg.train.global_batch_size,
                 "model": f"{cfg.model.arch}/{cfg.model.vision}/{cfg.model.llm}"}
-        (work / "bench_hf_trainer.json").write_text(json.dumps({"meta": meta, "results": results,
-                                                                 "peak_saved_bytes": memory}))
+        Path(opts.out).write_text(json.dumps({"meta": meta, "results": results, "peak_saved_bytes": memory}))
     end_worker()
+
+
+def write_pool_shapes(cfg, work: Path, limit: int | None) -> Path:
+    """The benchmark's pool as a shapes.parquet of its own (what `dflop train` reads)."""
+    from dflop.models.handle import ModelHandle
+
+    rules = ModelHandle.resolve(cfg.model).sample_rules()
+    path = work / "pool_shapes.parquet"
+    training_pool(work / "shapes.parquet", int(rules.arch_params["video_frames"]), limit).to_parquet(path, index=False)
+    return path
+
+
+def run_dflop_train(opts, cfg, raw: dict, work: Path, r: int, steps: int) -> dict:
+    """`dflop train` (packed, planned: DFLOP's own executor) on the same pool, the same seeded global
+    batches and the pp = 1 plan the HF variants run (2 data-parallel ranks x 2 microbatches, the
+    whole model on each rank); its metrics.parquet as this benchmark's measurements."""
+    import pandas as pd
+    import yaml
+
+    from dflop.integrations.hf import hf_plan
+    from dflop.models.handle import ModelHandle
+
+    plan = hf_plan(ModelHandle.resolve(cfg.model), WORLD, ACCUM)
+    plan_path = work / "plan_pp1.yaml"
+    plan_path.write_text(yaml.safe_dump(plan.to_dict(cfg.train.global_batch_size)))
+    config_path = work / "config_used.yaml"
+    config_path.write_text(yaml.safe_dump({**raw, "train": {**raw.get("train", {}), "checkpoint_every": 0}}))
+    out = work / "dflop_train" / f"round{r}"
+    cmd = [sys.executable, "-m", "dflop.runtime.launch", "--config", str(config_path), "--plan", str(plan_path),
+           "--shapes", str(work / "pool_shapes.parquet"), "--out-dir", str(out), "--steps", str(steps),
+           "--no-export", "--fresh"]
+    cmd += ["--costmodel", opts.costmodel] if opts.costmodel else []
+    began = time.perf_counter()
+    subprocess.run(cmd, check=True, env=worker_env())
+    print(f"round {r} dflop_train: {time.perf_counter() - began:.1f} s", flush=True)
+    m = pd.read_parquet(out / "metrics.parquet").sort_values("step")
+    idle = [c for c in m.columns if c.startswith("idle_s_")]
+    return {"samples": m["samples"].tolist(), "tokens": m["tokens"].tolist(), "loss": m["loss"].tolist(),
+            "wall_s": m["step_s"].tolist(), "wait_s": m[idle].mean(axis=1).tolist()}
+
+
+def worker_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+
+
+def pd_read(path: Path):
+    import pandas as pd
+
+    return pd.read_parquet(path)
 
 
 def summarise(doc: dict) -> tuple[str, list[str]]:
@@ -245,9 +298,18 @@ def summarise(doc: dict) -> tuple[str, list[str]]:
             step.append(float(np.median(wall)))
             wait.append(float(np.mean(r["wait_s"][1:])))
         lines.append(f"| {name} | {np.median(sps):.2f} | {np.median(tps):.0f} | {np.median(step):.2f} | "
-                     f"{np.median(wait):.2f} | {doc['peak_saved_bytes'][name] / 2**20:.0f} | {len(rounds)} |")
+                     f"{np.median(wait):.2f} | {peak_mb(doc, name)} | {len(rounds)} |")
     problems = []
     res = doc["results"]
+    if "dflop_train" in res and "dflop_padded" in res and res["dflop_train"] and res["dflop_padded"]:
+        # Same global batches and initial weights; the optimizers differ (dflop's warm-up + cosine
+        # and clipping), so only the first step, before any update, must agree.
+        first = [(t["loss"][0], p["loss"][0]) for t, p in zip(res["dflop_train"], res["dflop_padded"])]
+        worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in first)
+        lines.append(f"\nloss check: dflop_train vs dflop_padded, first step (same batch, same initial weights), "
+                     f"largest relative difference {worst:.2e} (tolerance {LOSS_RTOL:g})")
+        if not worst <= LOSS_RTOL:
+            problems.append(f"dflop_train's first loss differs from dflop_padded's by {worst:.2e} (relative)")
     if "dflop_padded" in res and "dflop_packed" in res:
         worst = 0.0
         for a, b in zip(res["dflop_padded"], res["dflop_packed"]):
@@ -258,6 +320,11 @@ def summarise(doc: dict) -> tuple[str, list[str]]:
         if not worst <= LOSS_RTOL:
             problems.append(f"dflop_padded and dflop_packed losses differ by {worst:.2e} (relative)")
     return "\n".join(lines), problems
+
+
+def peak_mb(doc: dict, name: str) -> str:
+    peak = doc.get("peak_saved_bytes", {}).get(name)
+    return "n/a" if peak is None else f"{peak / 2**20:.0f}"
 
 
 def main() -> None:
@@ -273,6 +340,9 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="data and results (default /tmp/bench_hf_trainer[_quick])")
     parser.add_argument("--quick", action="store_true", help="smoke test: 60 demo samples, 3 steps, 1 round")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--round-index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     opts.variants = [v for v in opts.variants.split(",") if v]
     unknown = sorted(set(opts.variants) - set(VARIANTS))
@@ -284,18 +354,39 @@ def main() -> None:
         opts.rounds, opts.steps = 1, opts.steps or 3
     opts.work = opts.work or "/tmp/bench_hf_trainer" + ("_quick" if opts.quick else "")
     work = Path(opts.work)
-    cfg, _ = load_config(opts.config, opts.preset, work)
+    cfg, raw = load_config(opts.config, opts.preset, work)
     began = time.perf_counter()
     prepare(cfg, work, 60 if opts.quick else None)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-           __file__, "--worker", "--config", opts.config, "--rounds", str(opts.rounds), "--steps", str(opts.steps),
-           "--limit", str(opts.limit), "--variants", ",".join(opts.variants), "--work", str(work)]
-    cmd += ["--preset", opts.preset] if opts.preset else []
-    cmd += ["--costmodel", opts.costmodel] if opts.costmodel else []
-    subprocess.run(cmd, check=True, env=env)
-    doc = json.loads((work / "bench_hf_trainer.json").read_text())
+    write_pool_shapes(cfg, work, opts.limit)
+    steps = opts.steps or len(pd_read(work / "pool_shapes.parquet")) // cfg.train.global_batch_size
+
+    def hf_run(extra: list[str], out: Path) -> dict:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+               __file__, "--worker", "--config", opts.config, "--steps", str(steps), "--limit", str(opts.limit),
+               "--variants", ",".join(opts.variants), "--work", str(work), "--out", str(out), *extra]
+        cmd += ["--preset", opts.preset] if opts.preset else []
+        cmd += ["--costmodel", opts.costmodel] if opts.costmodel else []
+        subprocess.run(cmd, check=True, env=worker_env())
+        return json.loads(out.read_text())
+
+    doc: dict = {"results": {v: [] for v in opts.variants}}
+    hf = [v for v in opts.variants if v in HF_VARIANTS]
+    for r in range(opts.rounds):
+        # dflop train is its own launch: before the HF Trainer's variants in even rounds, after in odd ones.
+        if "dflop_train" in opts.variants and r % 2 == 0:
+            doc["results"]["dflop_train"].append(run_dflop_train(opts, cfg, raw, work, r, steps))
+        if hf:
+            part = hf_run(["--round-index", str(r)], work / f"hf_round{r}.json")
+            doc["meta"] = part["meta"]
+            for name, rounds in part["results"].items():
+                doc["results"][name] += rounds
+        if "dflop_train" in opts.variants and r % 2 == 1:
+            doc["results"]["dflop_train"].append(run_dflop_train(opts, cfg, raw, work, r, steps))
+    doc["peak_saved_bytes"] = hf_run(["--memory-only"], work / "hf_memory.json")["peak_saved_bytes"] if hf else {}
+    doc.setdefault("meta", {"pool": len(pd_read(work / "pool_shapes.parquet")), "steps": steps,
+                            "global_batch_size": cfg.train.global_batch_size,
+                            "model": f"{cfg.model.arch}/{cfg.model.vision}/{cfg.model.llm}"})
+    (work / "bench_hf_trainer.json").write_text(json.dumps(doc))
     table, problems = summarise(doc)
     meta = doc["meta"]
     print(f"\n{platform.node()} {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d', time.gmtime())}; {meta['model']}, "
