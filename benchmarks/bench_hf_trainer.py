@@ -13,7 +13,12 @@ profiled into ``--work`` if missing), with the config's ``train.global_batch_siz
   ``train_sampling_strategy`` of that name; samples padded to the longest of their microbatch
   (`LlavaOnevisionCollator`, as LLaVA-OV's training code batches);
 - ``dflop_padded``: `dflop.integrations.hf.DflopTrainer` (DFLOP's sampler), same padded collator;
-- ``dflop_packed``: DFLOP's sampler with each microbatch packed into one row (what DFLOP's costs price).
+- ``dflop_packed``: DFLOP's sampler with each microbatch packed into one row (what DFLOP's costs price);
+- ``dflop_train``: `dflop train` (DFLOP's own executor: packed rows, its planned partition) on the
+  same pool, seeded global batches and a pp = 1 plan (2 data-parallel ranks x 2 microbatches), its
+  own launch, before the HF Trainer's variants in even rounds and after them in odd ones; its
+  numbers come from its metrics.parquet (rank wait: its stage's ``idle_s``, from its own spans, not
+  thread CPU time; no activation peak). Its optimizer (warm-up + cosine) is not the HF variants'.
 
 Every variant trains the same number of steps from step 0 of epoch 0 (default: the whole epoch, so
 each trains on the same samples, grouped differently); rounds run the variants interleaved,
@@ -25,11 +30,13 @@ against wall: waiting for the other rank in DDP's all-reduce, or descheduled), p
 ranks. The table shows medians over rounds. Peak activations: the most bytes autograd held for
 backward at once on either rank (`dflop.profiling._memory.live_saved_tensor_bytes`: what the
 microbatches' composition drives, parameters and optimizer state alike in every variant), from one
-extra, untimed pass of every variant after the rounds (the hooks slow the step).
+extra, untimed pass of every variant after the last round (the hooks slow the step).
 
 Loss check: ``dflop_padded`` and ``dflop_packed`` train the same global batches (DFLOP's sampler),
 so their per-step losses (the exact mean over the batch's answer tokens) must agree; the largest
-relative difference is printed and a difference above 1e-3 fails the run.
+relative difference is printed and a difference above 1e-3 fails the run. ``dflop_train`` trains
+the same global batches from the same initial weights, so its first step's loss (before any update)
+must equal ``dflop_padded``'s within the same tolerance.
 
 HF's LLaVA-OV takes a batch's videos as one [videos, frames, ...] tensor, so videos shorter than
 the model's ``video_frames`` (fewer frames) are left out of the pool for every variant alike.
@@ -218,16 +225,15 @@ def worker(opts) -> None:
     variants = [v for v in opts.variants if v in HF_VARIANTS]
     results: dict = {v: [] for v in variants}
     memory: dict = {}
-    if opts.memory_only:
+    r = opts.round_index
+    for name in variants[r % len(variants):] + variants[:r % len(variants)]:
+        began = time.perf_counter()
+        results[name].append(run_variant(name, cfg, pool, data, items, steps, work))
+        if dist.get_rank() == 0:
+            print(f"round {r} {name}: {time.perf_counter() - began:.1f} s", flush=True)
+    if opts.with_memory:  # after the timed round: the hooks would slow it
         memory = {name: run_variant(name, cfg, pool, data, items, steps, work, memory=True)["peak_bytes"]
                   for name in variants}
-    else:
-        r = opts.round_index
-        for name in variants[r % len(variants):] + variants[:r % len(variants)]:
-            began = time.perf_counter()
-            results[name].append(run_variant(name, cfg, pool, data, items, steps, work))
-            if dist.get_rank() == 0:
-                print(f"round {r} {name}: {time.perf_counter() - began:.1f} s", flush=True)
     if dist.get_rank() == 0:
         meta = {"pool": len(pool), "steps": steps, "global_batch_size": cfg.train.global_batch_size,
                 "model": f"{cfg.model.arch}/{cfg.model.vision}/{cfg.model.llm}"}
@@ -341,7 +347,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke test: 60 demo samples, 3 steps, 1 round")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--round-index", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--with-memory", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     opts.variants = [v for v in opts.variants.split(",") if v]
@@ -376,13 +382,14 @@ def main() -> None:
         if "dflop_train" in opts.variants and r % 2 == 0:
             doc["results"]["dflop_train"].append(run_dflop_train(opts, cfg, raw, work, r, steps))
         if hf:
-            part = hf_run(["--round-index", str(r)], work / f"hf_round{r}.json")
+            last = ["--with-memory"] if r == opts.rounds - 1 else []
+            part = hf_run(["--round-index", str(r), *last], work / f"hf_round{r}.json")
             doc["meta"] = part["meta"]
+            doc["peak_saved_bytes"] = part["peak_saved_bytes"]
             for name, rounds in part["results"].items():
                 doc["results"][name] += rounds
         if "dflop_train" in opts.variants and r % 2 == 1:
             doc["results"]["dflop_train"].append(run_dflop_train(opts, cfg, raw, work, r, steps))
-    doc["peak_saved_bytes"] = hf_run(["--memory-only"], work / "hf_memory.json")["peak_saved_bytes"] if hf else {}
     doc.setdefault("meta", {"pool": len(pd_read(work / "pool_shapes.parquet")), "steps": steps,
                             "global_batch_size": cfg.train.global_batch_size,
                             "model": f"{cfg.model.arch}/{cfg.model.vision}/{cfg.model.llm}"})
