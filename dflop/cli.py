@@ -100,7 +100,8 @@ def cmd_optimize(args: argparse.Namespace) -> None:
 
     cfg = _config(args)
     optimize(args.shapes, args.costmodel, args.plan, args.candidates, model=ModelHandle.resolve(cfg.model),
-             cluster=cfg.cluster, planner=cfg.planner, global_batch_size=cfg.train.global_batch_size, seed=cfg.seed)
+             cluster=cfg.cluster, planner=cfg.planner, global_batch_size=cfg.train.global_batch_size, seed=cfg.seed,
+             datasets=cfg.datasets)
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:

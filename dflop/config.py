@@ -167,6 +167,7 @@ class DatasetSpec:
     media_root: Path | None
     allow_absolute_paths: bool
     sample: str
+    weight: float | None  # sampling ratio in the mix (`dflop.data.sampling.DatasetMix`); None: by size
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DatasetSpec":
@@ -176,7 +177,8 @@ class DatasetSpec:
         media_root = item["media_root"]
         return cls(name=item["name"], path=Path(item["path"]), format=item["format"],
                    media_root=Path(media_root) if media_root else None,
-                   allow_absolute_paths=item["allow_absolute_paths"], sample=item["sample"])
+                   allow_absolute_paths=item["allow_absolute_paths"], sample=item["sample"],
+                   weight=None if item["weight"] is None else float(item["weight"]))
 
 
 @dataclass(frozen=True)
@@ -330,6 +332,7 @@ class Config:
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "Config":
         resolved = resolve(raw)
         _check_unique_dataset_names(resolved["data"]["datasets"])
+        _check_dataset_weights(resolved["data"]["datasets"])
         return cls(raw=resolved, run=_typed(RunSection, resolved["run"]), model=ModelSpec.from_dict(resolved["model"]),
                    data=DataSection.from_dict(resolved["data"]), profile=_typed(ProfileSection, resolved["profile"]),
                    scheduler=_typed(SchedulerSection, resolved["scheduler"]),
@@ -351,6 +354,20 @@ def _check_unique_dataset_names(datasets: list[Mapping[str, Any]]) -> None:
         if d["name"] in seen:
             raise ConfigError(f"config error: data.datasets[{i}].name: duplicate dataset name {d['name']!r} (rule: unique)")
         seen.add(d["name"])
+
+
+def _check_dataset_weights(datasets: list[Mapping[str, Any]]) -> None:
+    """Weights on every dataset or on none, and not all zero (the schema refuses negative and
+    non-numeric ones)."""
+    weights = [d.get("weight") for d in datasets]
+    if all(w is None for w in weights):
+        return
+    for i, w in enumerate(weights):
+        if w is None:
+            raise ConfigError(f"config error: data.datasets[{i}].weight: missing while other datasets have one "
+                              "(rule: a weight on every dataset or on none)")
+    if sum(weights) <= 0:
+        raise ConfigError("config error: data.datasets[].weight: all zero (rule: at least one positive weight)")
 
 
 def load(path: str | Path | None = None, settings: str | None = None) -> Config:

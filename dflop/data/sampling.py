@@ -10,6 +10,10 @@ Rules (the config's ``data.datasets[].sample``):
   and the choice is identical to the streaming one.
 - ``P%``: each sample kept iff a hash of (seed, sample_id) falls below P/100 of the hash range.
   Deterministic, independent of file order, and nested: the 10% subset lies inside the 20% one.
+
+The mix of the chosen samples (``data.datasets[].weight``, `DatasetMix`): how often training
+draws from each dataset, for the trainer's epoch order, the planner's sampled batches and the HF
+sampler alike.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ import itertools
 import random
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+
+import numpy as np
+
+from dflop.errors import UserError
 
 T = TypeVar("T")
 
@@ -135,3 +143,61 @@ def _rng(seed: int, stream_name: str) -> random.Random:
 def _unit_hash(seed: int, key: str) -> int:
     digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+@dataclass(frozen=True)
+class DatasetMix:
+    """The datasets' sampling ratios (``data.datasets[].weight``) over a pool of samples.
+
+    groups: [N] dataset index of every pool sample; shares: [D] fraction of draws from each
+    dataset (the weights over their sum). A dataset drawn more often than it has samples repeats
+    them (reshuffled each pass); one drawn less often leaves some out of the epoch.
+    """
+
+    groups: np.ndarray
+    shares: np.ndarray
+
+    @property
+    def probabilities(self) -> np.ndarray:
+        """[N] probability of drawing each pool sample in one draw: its dataset's share over the
+        dataset's size (the planner's sampled batches draw with these)."""
+        sizes = np.bincount(self.groups, minlength=len(self.shares)).astype(np.float64)
+        per_sample = np.divide(self.shares, sizes, out=np.zeros_like(self.shares), where=sizes > 0)
+        p = per_sample[self.groups]
+        return p / p.sum()
+
+    def order(self, rng: np.random.Generator) -> np.ndarray:
+        """[N] pool indices of one epoch: N draws of a dataset by `shares`, each dataset's draws
+        taking its samples in a fresh permutation (cycled as often as needed)."""
+        n = len(self.groups)
+        present = np.bincount(self.groups, minlength=len(self.shares)) > 0
+        shares = np.where(present, self.shares, 0.0)
+        picks = rng.choice(len(shares), size=n, p=shares / shares.sum())
+        out = np.empty(n, dtype=np.int64)
+        for d in np.flatnonzero(present):
+            members = np.flatnonzero(self.groups == d)
+            need = int((picks == d).sum())
+            passes = -(-need // len(members))
+            stream = np.concatenate([rng.permutation(members) for _ in range(passes)]) if passes else members[:0]
+            out[picks == d] = stream[:need]
+        return out
+
+
+def dataset_mix(dataset_of: Sequence[str], datasets: Sequence) -> DatasetMix | None:
+    """The mix of the config's `datasets` (`dflop.config.DatasetSpec`) over a pool whose sample k
+    comes from dataset ``dataset_of[k]``; None when no dataset has a weight (each sample once per
+    epoch: datasets count by their size)."""
+    weights = [d.weight for d in datasets]
+    if all(w is None for w in weights):
+        return None
+    index = {d.name: i for i, d in enumerate(datasets)}
+    groups = np.empty(len(dataset_of), dtype=np.int64)
+    for k, name in enumerate(dataset_of):
+        if name not in index:
+            raise UserError(f"shapes sample {k} is from dataset {name!r}, which data.datasets does not name")
+        groups[k] = index[name]
+    shares = np.asarray([float(w) for w in weights], dtype=np.float64)
+    present = np.bincount(groups, minlength=len(shares)) > 0
+    if not (shares * present).sum() > 0:
+        raise UserError("data.datasets[].weight: every dataset with a positive weight has no usable sample")
+    return DatasetMix(groups, shares / shares.sum())

@@ -99,15 +99,22 @@ class Evaluation:
                        utilisation=np.r_[self.utilisation, other.utilisation], wall_s=self.wall_s + other.wall_s)
 
 
-def sample_batches(n_pool: int, k: int, global_batch: int, seed: int) -> list[np.ndarray]:
+def sample_batches(n_pool: int, k: int, global_batch: int, seed: int,
+                   draw_p: np.ndarray | None = None) -> list[np.ndarray]:
     """`k` global batches of indices into the pool (without replacement inside a batch when possible),
     each in random order, as the trainer's shuffled batches come (`dflop.scheduler.online.GlobalBatches`).
 
     The order matters to the data-blind baselines, which cut microbatches from the batch in order:
     the pool lists its datasets one after the other, so a batch sorted by pool index would put one
     dataset's samples (say, the videos) in the same microbatches and price the baseline as more
-    unbalanced than a shuffling trainer ever runs it."""
+    unbalanced than a shuffling trainer ever runs it.
+
+    draw_p: [n_pool] probability of each sample (the datasets' mix, `Pool.draw_p`), so the plan is
+    made for the mix that is trained; None: uniform. A mix draws with replacement, as its epochs
+    repeat an upweighted dataset's samples."""
     rng = np.random.default_rng(seed)
+    if draw_p is not None:
+        return [rng.choice(n_pool, size=global_batch, replace=True, p=draw_p) for _ in range(k)]
     return [rng.choice(n_pool, size=global_batch, replace=n_pool < global_batch) for _ in range(k)]
 
 

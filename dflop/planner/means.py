@@ -10,7 +10,7 @@ numbers of each of its modules' transient bytes, of which a stage holds only the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import reduce
 
 import numpy as np
@@ -33,7 +33,8 @@ class Pool:
     sequence, and tokens the vision features become. sample_id: [N] for error messages.
     n_frames, n_images, media_pixels: [N] video frames, images and the pixels decoded, what a
     sample's load costs besides its tiles (`dflop.costmodel.model.LoadLine`); zeros where the
-    table has no such column.
+    table has no such column. draw_p: [N] probability of drawing each sample into a sampled global
+    batch (the datasets' mix, `dflop.data.sampling.DatasetMix.probabilities`); None: uniform.
     """
 
     sample_id: np.ndarray
@@ -43,6 +44,7 @@ class Pool:
     n_frames: np.ndarray | None = None
     n_images: np.ndarray | None = None
     media_pixels: np.ndarray | None = None
+    draw_p: np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self):
         for name in ("n_frames", "n_images", "media_pixels"):

@@ -9,8 +9,11 @@ naming the file or key.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from typing import Sequence
 
-from dflop.config import ClusterSection, PlannerSection
+from dflop.config import ClusterSection, DatasetSpec, PlannerSection
+from dflop.data.sampling import dataset_mix
 from dflop.models.handle import ModelHandle
 from dflop.plan import write_plan
 from dflop.planner.candidates import write_candidates
@@ -29,21 +32,25 @@ from dflop.costmodel.jsonio import load_cost_model
 def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: ModelHandle,
              cluster: ClusterSection, planner: PlannerSection, global_batch_size: int, seed: int,
              scheduler: SchedulerSettings = SchedulerSettings(), racing: bool = True, verbose: bool = True,
-             shape: ModelShape | None = None) -> SearchResult:
+             shape: ModelShape | None = None, datasets: Sequence[DatasetSpec] = ()) -> SearchResult:
     """Plan the parallel layout; write plan.yaml and candidates.parquet; return the search result.
 
     model: the resolved model (`ModelHandle`); cluster / planner: the config's sections;
     global_batch_size: train.global_batch_size; seed: run.seed. scheduler: how the online
     scheduler partitions each sampled batch (default: no ILP, so plans do not depend on machine
     load; see `SchedulerSettings`); racing: successive halving over the sampled batches (see
-    `dflop.planner.search`). `shape` overrides the model structure (tests).
+    `dflop.planner.search`). `shape` overrides the model structure (tests). datasets: the
+    config's ``data.datasets``, whose weights (if any) the sampled batches are drawn by.
     """
     t0 = time.perf_counter()
     cost = load_cost_model(costmodel_path)
     check_cost_model_matches(cost, model.spec, costmodel_path)
     shape = shape or ModelShape.from_info(model.info)
-    pool = Pool.from_shapes(read_shapes(shapes_path), where=str(shapes_path),
-                            llm_tokens_per_tile=shape.llm_tokens_per_tile)
+    table = read_shapes(shapes_path)
+    pool = Pool.from_shapes(table, where=str(shapes_path), llm_tokens_per_tile=shape.llm_tokens_per_tile)
+    mix = dataset_mix(table["dataset"].tolist(), datasets) if datasets else None
+    if mix is not None:
+        pool = replace(pool, draw_p=mix.probabilities)
     cluster = Cluster.from_section(cluster)
     p = planner
     settings = SearchSettings(global_batch=global_batch_size, placements=tuple(p.placements),

@@ -178,7 +178,7 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
         statuses = sorted({x.result.status for x in solved})
         raise UserError(f"no layer split found by the MILP for any feasible layout (statuses: {statuses})")
 
-    batches = sample_batches(len(pool), s.sample_batches, s.global_batch, s.seed)
+    batches = sample_batches(len(pool), s.sample_batches, s.global_batch, s.seed, draw_p=pool.draw_p)
 
     def evaluate(plan: Plan, subset: slice, scheduler: SchedulerSettings) -> Evaluation:
         return evaluate_plan(plan, cost, pool, batches[subset], cluster, sizes, scheduler,

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from dflop.costmodel.analytic import analytic_cost_model
 from dflop.costmodel.model import CostModel, loads_share_compute_cores
 from dflop.data.readers import RawSample
+from dflop.data.sampling import dataset_mix
 from dflop.data.training import ExpectedShape, TrainingData
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
@@ -142,7 +143,8 @@ class Trainer:
                     zip(pool["n_tiles"], pool["vision_tokens"], pool["seq_len"])]
         self.data = TrainingData(samples, self.rules, expected)
         self.loader = StepLoader(self.data, workers=train.loader_workers, device=self.device)
-        self.batches = GlobalBatches(len(pool), train.global_batch_size, settings.seed)
+        self.batches = GlobalBatches(len(pool), train.global_batch_size, settings.seed,
+                                     mix=dataset_mix(pool["dataset"].tolist(), settings.datasets))
         self.pricing = training_pricing(plan, model, cost,
                                         cluster if cluster is not None else Cluster.from_section(settings.cluster))
         self.planner = step_planner(settings, self.pricing, pool, self.batches, self.rules) if self.rank == 0 else None

@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from dflop.costmodel.types import BatchCosts
+from dflop.data.sampling import DatasetMix
 from dflop.errors import UserError
 from dflop.plan import Plan
 from dflop.scheduler.correction import WARMUP_STEPS, AdaptiveCorrection, MeasuredTimes, ShapeBuckets
@@ -77,12 +78,18 @@ class StepPlan:
 
 
 class GlobalBatches:
-    """Seeded global batches over a pool of `n_samples` (module docstring)."""
+    """Seeded global batches over a pool of `n_samples` (module docstring). mix: the datasets'
+    sampling ratios (`dflop.data.sampling.DatasetMix`): an epoch is then `n_samples` draws by
+    those ratios instead of a permutation; None: every sample once per epoch."""
 
-    def __init__(self, n_samples: int, batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, n_samples: int, batch_size: int, seed: int, shuffle: bool = True,
+                 mix: DatasetMix | None = None):
         if n_samples < batch_size:
             raise UserError(f"train.global_batch_size is {batch_size} but the data has only {n_samples} usable samples")
+        if mix is not None and len(mix.groups) != n_samples:
+            raise ValueError(f"the dataset mix covers {len(mix.groups)} samples, the pool has {n_samples}")
         self.n_samples, self.batch_size, self.seed, self.shuffle = n_samples, batch_size, seed, shuffle
+        self.mix = mix
         self.per_epoch = n_samples // batch_size
         self._cached: tuple[int | None, np.ndarray | None] = (None, None)
 
@@ -97,8 +104,13 @@ class GlobalBatches:
         busy thread (`benchmarks/bench_next_plan.py`). (Read once, swapped whole: thread-safe.)"""
         cached_epoch, order = self._cached
         if cached_epoch != epoch:
-            order = (np.random.default_rng([self.seed, epoch]).permutation(self.n_samples) if self.shuffle
-                     else np.arange(self.n_samples))
+            rng = np.random.default_rng([self.seed, epoch])
+            if not self.shuffle:
+                order = np.arange(self.n_samples)
+            elif self.mix is not None:
+                order = self.mix.order(rng)
+            else:
+                order = rng.permutation(self.n_samples)
             self._cached = (epoch, order)
         return order
 

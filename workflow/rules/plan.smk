@@ -1,12 +1,18 @@
 # The data-aware 3D parallelism optimizer.
 
 
+# The datasets reach the planner only when they carry weights (data.datasets[].weight: its sampled
+# batches are drawn by the mix); without, a run's settings and re-runs stay as they were.
+MIXED_DATASETS = {"data": {"datasets": config["data"]["datasets"]}} if any(
+    d.get("weight") is not None for d in config["data"]["datasets"]) else {}
+
 OPTIMIZE_SETTINGS = RuleSettings(
     run={"seed": config["run"]["seed"]},
     model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights")},
     cluster=config["cluster"],
     planner=config["planner"],
     train={"global_batch_size": config["train"]["global_batch_size"]},
+    **MIXED_DATASETS,
 )
 
 
