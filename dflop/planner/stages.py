@@ -5,7 +5,7 @@ microbatch (forward + backward, seconds), its backward, its peak memory (bytes) 
 bytes, where ``n_s`` is the number of layers the stage runs. The first stage of a module also holds
 that module's first-stage extras, the last its last-stage extras, and in the colocated placement
 the first LLM stage holds the whole vision tower. Transfers are charged to the receiving stage
-(see `dflop.planner.cluster`).
+(see `dflop.pricing.cluster`).
 
 Memory of a stage (bytes per rank) is its training state plus ``in_flight`` microbatches of
 activations (1F1B peak) plus the largest transient of the modules it runs on one microbatch (the
@@ -33,10 +33,12 @@ from functools import cached_property, lru_cache, reduce
 import numpy as np
 
 from dflop.costmodel.memory import sharded_state_scale
-from dflop.costmodel.model import BytesLine, StepCosts
+from dflop.costmodel.model import StepCosts
 from dflop.plan import Layout, Plan, Techniques
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Granularity, ModuleMeans, PartMeans, Pool, TransferSizes
+from dflop.planner.means import Granularity, ModuleMeans, PartMeans
+from dflop.pricing.cluster import Cluster, Links, links
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.pricing.tail import stage_modules, stage_tail_s, step_extras_s
 
 
 @dataclass(frozen=True)
@@ -64,124 +66,6 @@ class StageCoeffs:
                     for fixed, layer in ((self.mem_mean_fixed, self.mem_mean_layer),
                                          (self.mem_max_fixed, self.mem_max_layer))]
         return np.minimum(*caps)
-
-
-@dataclass(frozen=True)
-class Links:
-    """Link bandwidths (bytes/s), pipeline send latency (s) and all-reduce placement of layouts
-    (arrays broadcast)."""
-
-    vision_to_llm_bps: np.ndarray
-    llm_hop_bps: np.ndarray
-    vision_hop_bps: np.ndarray
-    vision_allreduce_intra: np.ndarray
-    llm_allreduce_intra: np.ndarray
-    p2p_latency_s: np.ndarray | float = 0.0
-
-
-def links(cluster: Cluster, *, colocated, tp_v, pp_v, dp_v, tp_l, pp_l, dp_l,
-          p2p: BytesLine | None = None) -> Links:
-    """Which links the layout's transfers and all-reduces use (rank layout in `dflop.planner.cluster`).
-
-    p2p: a measured pipeline message (`StepCosts.p2p`, already gated to the cluster's kind of
-    device): where the whole layout sits in one node, where it was measured, its per-byte cost is
-    every hop's bandwidth and its constant the send latency; elsewhere the cluster's numbers."""
-    n_vision = np.where(colocated, 0, np.asarray(tp_v) * pp_v * dp_v)
-    n_llm = np.asarray(tp_l) * pp_l * dp_l
-    found = Links(
-        vision_to_llm_bps=cluster.bandwidth(cluster.in_one_node(0, n_vision + n_llm)),
-        llm_hop_bps=cluster.bandwidth(cluster.in_one_node(n_vision, n_llm)),
-        vision_hop_bps=cluster.bandwidth(cluster.in_one_node(0, np.maximum(n_vision, 1))),
-        vision_allreduce_intra=cluster.dp_group_intra(0, tp_v, pp_v, dp_v),
-        llm_allreduce_intra=cluster.dp_group_intra(n_vision, tp_l, pp_l, dp_l),
-        p2p_latency_s=cluster.p2p_latency_s,
-    )
-    if p2p is None or p2p.per_byte_s <= 0:
-        return found
-    one_node = cluster.in_one_node(0, n_vision + n_llm)
-    measured_bps = 1.0 / p2p.per_byte_s
-    return Links(*(np.where(one_node, measured_bps, bps) for bps in
-                   (found.vision_to_llm_bps, found.llm_hop_bps, found.vision_hop_bps)),
-                 found.vision_allreduce_intra, found.llm_allreduce_intra,
-                 np.where(one_node, p2p.const_s, cluster.p2p_latency_s))
-
-
-def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: Cluster,
-                 measured: StepCosts, modules=1, optimizer_s=np.nan) -> np.ndarray:
-    """Seconds a stage spends after its last backward: its data-parallel gradient synchronisation,
-    then its optimizer step when `measured` has one. The sync
-    is the measured all-reduce line for `dp` inside a node, its constant paid once for each of the
-    stage's `modules` modules (`stage_modules`: the trainer buckets each module's gradients apart),
-    or for a sharded module once for its reduce-scatter and once for its all-gather, which together
-    move the same bytes; else the cluster's ring formula over the whole gradient. The optimizer
-    step is the measured call plus the stages' `optimizer_s` where every stage of the call has
-    them (none NaN) and the module is not sharded, else the measured bytes line on the rank's
-    parameter bytes (also for a sharded module: the bytes line / dp, which leaves out the
-    per-tensor cost each rank still pays for its shards, so sharding's optimizer is priced low on
-    CPU, `benchmarks/bench_optimizer_pricing.py`). Affine in the bytes and `optimizer_s` (the
-    planner splits it into a per-stage and a per-layer part). `measured`: `CostModel.step_costs_on`."""
-    sharded = sharded and int(dp) > 1  # state sharded over one replica is all of it
-    line = measured.allreduce.get(int(dp))  # (looked up first: without measured lines, no np.all per call)
-    if line is not None and not bool(np.all(intra)):
-        line = None
-    if line is not None:  # sharded: one reduce-scatter and one all-gather per module (one FSDP group each)
-        calls = np.asarray(modules, dtype=np.float64) * (2.0 if sharded else 1.0)
-        sync = line.const_s * calls + line.per_byte_s * np.asarray(grad_bytes, dtype=np.float64)
-    elif sharded:
-        sync = cluster.reduce_scatter_s(grad_bytes, dp, intra) + cluster.reduce_scatter_s(param_bytes, dp, intra)
-    else:
-        sync = cluster.allreduce_s(grad_bytes, dp, intra)
-    optimizer_s = np.asarray(optimizer_s, dtype=np.float64)
-    if measured.optimizer_call_s is not None and not sharded and not np.isnan(optimizer_s).any():
-        sync = sync + measured.optimizer_call_s + optimizer_s
-    elif measured.optimizer is not None:
-        sync = sync + measured.optimizer(np.asarray(param_bytes, dtype=np.float64) / (dp if sharded else 1))
-    return np.asarray(sync, dtype=np.float64)
-
-
-def stage_modules(layout: Layout, tied_bucket: bool = False) -> np.ndarray:
-    """[P] gradient buckets each stage syncs at least (vision stages first): one per module it
-    holds, 2 on a colocated layout's first LLM stage (the vision tower and the LLM are bucketed
-    apart, `dflop.runtime.optim.GradientSync`), and with `tied_bucket` (a tied embedding held on two
-    LLM stages, pp_l > 1, not sharded) one more on each of those two for the table's own bucket.
-
-    A module's gradients larger than one bucket (~25 MB; tensors larger than that alone) sync in
-    several all-reduces: the pricing charges the constant of one (a lower bound; the count depends
-    on the tensors' sizes, which the cost model does not hold)."""
-    modules = np.ones(layout.n_vision_stages + layout.pp_l)
-    if layout.colocated:
-        modules[0] = 2.0
-    if tied_bucket and layout.pp_l > 1:
-        modules[layout.n_vision_stages] += 1.0
-        modules[-1] += 1.0
-    return modules
-
-
-def step_extras_s(layout: Layout, tied_grad_bytes: float, *, cluster: Cluster, measured: StepCosts) -> np.ndarray:
-    """[P] seconds each stage's tail pays besides its own gradient sync and optimizer step:
-
-    - the step's two world all-reduces of a few numbers (the loss and answer-token totals, the
-      global gradient norm; `dflop.runtime.trainer`), at the measured all-reduce constant of the
-      world's size where the whole world sits in one node (not charged elsewhere: a ring formula
-      would charge a few-byte message ~2 x world latencies);
-    - on the first and the last LLM stage of a pipeline (pp_l > 1) with tied embeddings, the sum
-      of the table's gradient over those two ranks (`tied_grad_bytes` per rank): the measured
-      two-rank line inside a node, else the cluster's ring formula. With the LLM's state sharded
-      each rank sums only its shard; priced whole all the same, so that sharding never shortens the
-      step here (`dflop.planner.technique_choice.settle` switches a technique off wherever the
-      split fits without it, taking techniques to cost time).
-    """
-    extras = np.zeros(layout.n_vision_stages + layout.pp_l)
-    world = measured.allreduce.get(int(layout.world_size))
-    if world is not None and bool(cluster.in_one_node(0, layout.world_size)):
-        extras += 2.0 * world.const_s
-    if tied_grad_bytes > 0 and layout.pp_l > 1:
-        intra = bool(cluster.in_one_node(layout.vision_gpus, layout.llm_gpus))
-        pair = measured.allreduce.get(2)
-        tied = pair(tied_grad_bytes) if pair is not None and intra else cluster.allreduce_s(tied_grad_bytes, 2, intra)
-        extras[layout.n_vision_stages] += float(tied)
-        extras[-1] += float(tied)
-    return extras
 
 
 @dataclass(frozen=True)

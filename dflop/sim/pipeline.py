@@ -37,7 +37,7 @@ class SimResult:
         schedule: "1f1b" or "gpipe".
         makespan_s: end of the last backward op.
         allreduce_s: [stages] seconds added after each stage's last backward (gradient all-reduce,
-            and the optimizer step where the pricing measured one: `dflop.planner.stages.stage_tail_s`).
+            and the optimizer step where the pricing measured one: `dflop.pricing.tail.stage_tail_s`).
         step_s: makespan including all-reduce: max over stages of (last backward end + all-reduce).
         busy_s: [rows] seconds each row computes; idle_s: [rows] = makespan_s - busy_s.
     """

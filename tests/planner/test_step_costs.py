@@ -16,9 +16,9 @@ from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
 from dflop.errors import UserError
 from dflop.plan import Layout, Plan, Techniques
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.pricing import Pricing
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.pricing.pricing import Pricing
 from planner_testlib import toy_cost_model, toy_shapes
 
 SIZES = np.array([4096.0, 65536.0, 2**20, 2**24])

@@ -5,7 +5,7 @@ online scheduler's partitions and the trainer's ``predicted_step_s`` (metrics.pa
 what-if of `dflop simulate` and the benchmarks. For one global batch it gives every sample's cost
 on every stage of the plan (`CostModel.batch_costs`) with the transfers added to the receiving
 stages per sample (vision features into LLM stage 0 and their gradients back, hidden states
-between stages; bandwidths from `dflop.planner.cluster`), and, per plan, the per-stage gradient
+between stages; bandwidths from `dflop.pricing.cluster`), and, per plan, the per-stage gradient
 all-reduce seconds and the pipeline send latency that the simulation charges.
 
 Where the cost model carries measured step costs (`dflop.costmodel.model.StepCosts`, from the
@@ -23,15 +23,15 @@ from functools import cached_property
 
 import numpy as np
 
+from dflop.costmodel.batch import batch_costs
 from dflop.costmodel.model import CostModel, StepCosts, charged_load_line
 from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.plan import Plan
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.stages import links, step_extras_s, stage_modules, stage_tail_s
-from dflop.costmodel.batch import batch_costs
+from dflop.pricing.cluster import Cluster, links
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.pricing.tail import stage_modules, stage_tail_s, step_extras_s
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Pricing:
     def allreduce_s(self) -> np.ndarray:
         """[P] seconds each stage spends after its last backward (vision stages first): its
         data-parallel gradient synchronisation, then its optimizer step when the cost model measured
-        one (`dflop.planner.stages.stage_tail_s`, which the planner's stage model uses too), and the
+        one (`dflop.pricing.tail.stage_tail_s`, which the planner's stage model uses too), and the
         step's world all-reduces and tied-embedding sum (`step_extras_s`).
 
         A module with ``shard_optimizer`` (`dflop.runtime.sharding`) instead all-gathers its
