@@ -38,7 +38,8 @@ from dflop.plan import Layout, Plan, Techniques
 from dflop.planner.means import Granularity, ModuleMeans, PartMeans
 from dflop.pricing.cluster import Cluster, Links, links
 from dflop.pricing.pool import Pool, TransferSizes
-from dflop.pricing.tail import stage_modules, stage_tail_s, step_extras_s
+from dflop.pricing.pricing import stage_transfers
+from dflop.pricing.tail import stage_tails_s, step_extras_s
 
 
 @dataclass(frozen=True)
@@ -268,29 +269,24 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
     c = by_mode[modes[0]]
     n_v = lay.n_vision_stages
 
-    def allreduce(sl, dp, intra, sharded, modules):
-        # the tail is affine in the bytes and optimizer seconds: a per-stage part and one per layer;
-        # parameters and gradients share a dtype, so the gradient bytes are the parameter bytes too
-        def tail(nbytes, optim):
-            return stage_tail_s(nbytes, nbytes, dp, intra, sharded=sharded, cluster=cluster, measured=step_costs,
-                                modules=modules, optimizer_s=optim)
-        # one module's steps unmeasured: the module's every stage on the bytes line, as `Pricing` prices it
-        fixed, layer = c.optim_fixed[sl], c.optim_layer[sl]
-        if np.isnan(fixed).any() or np.isnan(layer).any():
-            fixed = layer = np.full(np.shape(fixed), np.nan)
-        return (tail(c.grad_fixed[sl], fixed),
-                tail(c.grad_layer[sl], layer) - tail(np.zeros_like(c.grad_layer[sl]), layer * 0.0))
+    # the tail is affine in the bytes and optimizer seconds: a per-stage part and one per layer;
+    # parameters and gradients share a dtype, so the gradient bytes are the parameter bytes too
+    def tail(nbytes, optim):
+        return stage_tails_s(lay, nbytes, nbytes, optim, shard=shard, tied_grad_bytes=tied_bytes, link=link,
+                             cluster=cluster, measured=step_costs)
 
+    # one module's steps unmeasured: the module's every stage on the bytes line, as `Pricing` prices it
+    # (each module's per-stage and per-layer parts fall back together)
+    optim_fixed, optim_layer = c.optim_fixed.copy(), c.optim_layer.copy()
+    for sl in (slice(0, n_v), slice(n_v, None)):
+        if np.isnan(optim_fixed[sl]).any() or np.isnan(optim_layer[sl]).any():
+            optim_fixed[sl] = optim_layer[sl] = np.nan
     tied_bytes = llm.tied.grad_bytes
-    ar = []
-    if n_v:
-        ar.append(allreduce(slice(0, n_v), lay.dp_v, link.vision_allreduce_intra, shard[0], 1))
-    ar.append(allreduce(slice(n_v, None), lay.dp_l, link.llm_allreduce_intra, shard[1],
-                        stage_modules(lay, tied_bucket=tied_bytes > 0 and not shard[1])[n_v:]))
     extras = step_extras_s(lay, tied_bytes, cluster=cluster, measured=step_costs)
+    ar_fixed = tail(c.grad_fixed, optim_fixed) + extras
+    ar_layer = tail(c.grad_layer, optim_layer) - tail(np.zeros_like(c.grad_layer), optim_layer * 0.0)
     return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(lay.pp_l, dtype=bool)],
-                      by_mode=by_mode, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64) + extras,
-                      ar_layer=np.concatenate([np.broadcast_to(a[1], np.shape(a[0])) for a in ar]).astype(np.float64),
+                      by_mode=by_mode, ar_fixed=ar_fixed, ar_layer=ar_layer,
                       vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=float(link.p2p_latency_s),
                       memory_bytes=cluster.gpu_memory_bytes, shard=shard,
                       sequence_parallel=llm.sequence_parallel)
@@ -310,7 +306,8 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
 
     Per stage (`_stage_row`): the module's layer, first and last parts at the stage's microbatch
     (`_PartScalars`), the vision tower on a colocated LLM stage 0, the training state scaled by
-    sharding, the in-flight microbatches' activations, and the transfers added to the times.
+    sharding, the in-flight microbatches' activations, and the transfers added to the times
+    (`stage_transfers`, where `Pricing` places them too).
     Evaluated stage by stage on Python floats: the search builds thousands of these for layouts of a
     few stages, where numpy's per-call overhead cost more than the arithmetic.
     `tests/planner/test_stage_coeffs_fast.py` holds it bit for bit against a whole-array numpy form.
@@ -319,28 +316,31 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
     in_flight = [float(f) for f in lay.in_flight()]
     n_v, pp_l = lay.n_vision_stages, lay.pp_l
     rows = []
+    nu_v = B / (m * lay.dp_v)
+    nu_l = B / (m * lay.dp_l)
+    v_hop = v_out = 0.0
     if n_v:
-        nu_v = B / (m * lay.dp_v)
+        v_hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
+        v_out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
+    l_hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
+    l_in = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
+    fwd_s, bwd_s = stage_transfers(lay, vision_hop=v_hop, vision_features=v_out, llm_hop=l_hop, llm_features=l_in)
+    if n_v:
         scale = _state_scale(dtype, lay.dp_v) if shard[0] else 1.0
-        hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
-        out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
         parts = _PartScalars.of(vision.layers[mode or vision.modes[0]], nu_v, 1.0 / lay.dp_v, nu_v), \
             _PartScalars.of(vision.first, nu_v, 1.0 / lay.dp_v, nu_v), _PartScalars.of(vision.last, nu_v, 1.0 / lay.dp_v, nu_v)
         for k in range(n_v):
             rows.append(_stage_row(*parts, None, float(k == 0), float(k == n_v - 1), 0.0, in_flight[k], scale,
-                                   hop if k > 0 else 0.0, hop if k < n_v - 1 else out, vision.tied))
-    nu_l = B / (m * lay.dp_l)
+                                   fwd_s[k], bwd_s[k], vision.tied))
     tnu = float(granularity.nu_time(nu_l, m))
     scale = _state_scale(dtype, lay.dp_l) if shard[1] else 1.0
-    hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
-    features = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
     # colocated: the whole vision tower rides on LLM stage 0
     extra = _PartScalars.of(vision.whole(mode), nu_l, 1.0, tnu) if lay.colocated else None
     parts = (_PartScalars.of(llm.layers[mode or llm.modes[0]], nu_l, 1.0, tnu), _PartScalars.of(llm.first, nu_l, 1.0, tnu),
              _PartScalars.of(llm.last, nu_l, 1.0, tnu))
     for j in range(pp_l):
         rows.append(_stage_row(*parts, extra, float(j == 0), float(j == pp_l - 1), float(j == 0), in_flight[n_v + j],
-                               scale, hop if j > 0 else features, hop if j < pp_l - 1 else 0.0, llm.tied))
+                               scale, fwd_s[n_v + j], bwd_s[n_v + j], llm.tied))
     table = np.array(rows, dtype=np.float64).T  # [fields, P]
     return StageCoeffs(*table)
 

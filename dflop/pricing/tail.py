@@ -11,7 +11,7 @@ import numpy as np
 
 from dflop.costmodel.model import StepCosts
 from dflop.plan import Layout
-from dflop.pricing.cluster import Cluster
+from dflop.pricing.cluster import Cluster, Links
 
 
 def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: Cluster,
@@ -45,6 +45,29 @@ def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: 
     elif measured.optimizer is not None:
         sync = sync + measured.optimizer(np.asarray(param_bytes, dtype=np.float64) / (dp if sharded else 1))
     return np.asarray(sync, dtype=np.float64)
+
+
+def stage_tails_s(layout: Layout, grad_bytes, param_bytes, optimizer_s, *, shard: tuple, tied_grad_bytes: float,
+                  link: Links, cluster: Cluster, measured: StepCosts) -> np.ndarray:
+    """[P] seconds every stage of `layout` (vision stages first) spends after its last backward on
+    its own gradient sync and optimizer step: `stage_tail_s` per module, on the module's stages
+    [P] `grad_bytes`, `param_bytes` and `optimizer_s` (NaN: unmeasured, then that module's every
+    stage is on the bytes line), with the gradient buckets of `stage_modules`. `shard`: (vision,
+    llm) whether each module's state is sharded over its replicas (colocated: the LLM's counts).
+    The step's extras (`step_extras_s`) are not included.
+
+    The one composition of a stage's tail: `Pricing.allreduce_s` calls it at a plan's split, the
+    planner's stage model (`dflop.planner.stages.build_stage_model`) at its per-stage and per-layer
+    parts, so a new cost of the tail is added here once."""
+    n_v = layout.n_vision_stages
+    modules = stage_modules(layout, tied_bucket=tied_grad_bytes > 0 and not shard[1])
+    grad_bytes, param_bytes = np.asarray(grad_bytes, dtype=np.float64), np.asarray(param_bytes, dtype=np.float64)
+    optimizer_s = np.asarray(optimizer_s, dtype=np.float64)
+    parts = [stage_tail_s(grad_bytes[sl], param_bytes[sl], dp, intra, sharded=sharded, cluster=cluster,
+                          measured=measured, modules=modules[sl], optimizer_s=optimizer_s[sl])
+             for sl, dp, intra, sharded in ((slice(0, n_v), layout.dp_v, link.vision_allreduce_intra, shard[0]),
+                                            (slice(n_v, None), layout.dp_l, link.llm_allreduce_intra, shard[1]))]
+    return np.r_[parts[0], parts[1]]
 
 
 def stage_modules(layout: Layout, tied_bucket: bool = False) -> np.ndarray:
