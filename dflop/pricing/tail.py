@@ -63,11 +63,12 @@ def stage_tails_s(layout: Layout, grad_bytes, param_bytes, optimizer_s, *, shard
     modules = stage_modules(layout, tied_bucket=tied_grad_bytes > 0 and not shard[1])
     grad_bytes, param_bytes = np.asarray(grad_bytes, dtype=np.float64), np.asarray(param_bytes, dtype=np.float64)
     optimizer_s = np.asarray(optimizer_s, dtype=np.float64)
-    parts = [stage_tail_s(grad_bytes[sl], param_bytes[sl], dp, intra, sharded=sharded, cluster=cluster,
-                          measured=measured, modules=modules[sl], optimizer_s=optimizer_s[sl])
-             for sl, dp, intra, sharded in ((slice(0, n_v), layout.dp_v, link.vision_allreduce_intra, shard[0]),
-                                            (slice(n_v, None), layout.dp_l, link.llm_allreduce_intra, shard[1]))]
-    return np.r_[parts[0], parts[1]]
+    sides = [(slice(n_v, None), layout.dp_l, link.llm_allreduce_intra, shard[1])]
+    if n_v:  # colocated: no vision stage of its own
+        sides.insert(0, (slice(0, n_v), layout.dp_v, link.vision_allreduce_intra, shard[0]))
+    return np.concatenate([stage_tail_s(grad_bytes[sl], param_bytes[sl], dp, intra, sharded=sharded, cluster=cluster,
+                                        measured=measured, modules=modules[sl], optimizer_s=optimizer_s[sl])
+                           for sl, dp, intra, sharded in sides])
 
 
 def stage_modules(layout: Layout, tied_bucket: bool = False) -> np.ndarray:
