@@ -83,7 +83,7 @@ def plan_layout(means, layout, *, memory_bytes: float, global_batch: int, transf
     """What the search does for one layout (`dflop.planner.search._solve_layouts`): the MILP over
     splits and modes under the leanest technique setting, then `settle`. Returns (StageModel,
     split, modes) or None when nothing fits."""
-    from dflop.planner.cluster import Cluster
+    from dflop.pricing.cluster import Cluster
     from dflop.planner.milp import solve_split
 
     kw = dict(cluster=Cluster(nodes=1, gpus_per_node=layout.world_size,
@@ -104,7 +104,7 @@ def choose_plan(cost, shapes: Path, batch: int, microbatches: int) -> dict:
     """The memory limit (module docstring, step 2), the planner's plan under it and its predictions."""
     from dflop.models.info import model_info
     from dflop.plan import Layout
-    from dflop.planner.means import Pool, TransferSizes
+    from dflop.pricing.pool import Pool, TransferSizes
     from dflop.planner.space import ModelShape
     from dflop.planner.stages import TransferMeans
     from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace

@@ -41,8 +41,8 @@ from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.models.builder import model_config
 from dflop.models.info import model_info
-from dflop.planner.cluster import GB, Cluster
-from dflop.planner.means import Pool
+from dflop.pricing.cluster import GB, Cluster
+from dflop.pricing.pool import Pool
 from dflop.planner.optimize import summary
 from dflop.planner.search import SearchSettings, search
 from dflop.planner.space import ModelShape, describe_plan

@@ -121,9 +121,9 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
     from dflop.config import Config
     from dflop.models.handle import ModelHandle
     from dflop.plan import plan_from_dict
-    from dflop.planner.cluster import Cluster
+    from dflop.pricing.cluster import Cluster
     from dflop.planner.expected import SchedulerSettings, run_partition
-    from dflop.planner.means import Pool
+    from dflop.pricing.pool import Pool
     from dflop.scheduler.greedy import MemoryGuardError
     from dflop.scheduler.online import GlobalBatches
     from dflop.runtime.settings import TrainSettings

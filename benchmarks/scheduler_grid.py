@@ -6,7 +6,7 @@ global batch, each policy partitions the batch; we record the simulated 1F1B ste
 max(T*, heaviest sample's critical path) and the wall time of the solve. Costs come from the
 synthetic per-sample model (`synthetic_costs`, the recorded table's) by default; with a fitted
 cost model, each grid point's plan (vision tp1 pp1 dp | LLM tp1 pp dp, an even layer split) is
-priced by the product's one pricing path (`dflop.planner.pricing`), transfers and all-reduces
+priced by the product's one pricing path (`dflop.pricing.pricing`), transfers and all-reduces
 included.
 """
 
@@ -84,7 +84,7 @@ class FittedPricing:
 
     def __call__(self, m: int, dp: int):
         from dflop.plan import Layout, Plan
-        from dflop.planner.pricing import Pricing
+        from dflop.pricing.pricing import Pricing
 
         if (m, dp) not in self._plans:
             plan = Plan.uniform(Layout("disjoint", 1, 1, dp, 1, self.pp_llm, dp, m), self.model.n_vision_layers,
@@ -98,7 +98,7 @@ def run_grid(pool: pd.DataFrame, dataset: str, *, grid, batches: int, budget_s: 
              pricing: FittedPricing | None = None) -> pd.DataFrame:
     """One row per (grid point, batch, policy) with step_s, bound_s, ratio, solve_s, member.
     Costs: `costs_fn` on `layout` (synthetic), or `pricing` (a fitted cost model) when given."""
-    from dflop.planner.means import Pool
+    from dflop.pricing.pool import Pool
 
     rows = []
     for n, m, dp, b, shapes in draw_batches(pool, grid=grid, batches=batches, seed=seed):
@@ -286,7 +286,7 @@ def run_from_args(args: argparse.Namespace) -> pd.DataFrame | None:
     grid = parse_grid(args.grid)
     pricing = None
     if args.costmodel:
-        from dflop.planner.cluster import GB, Cluster
+        from dflop.pricing.cluster import GB, Cluster
 
         pricing = FittedPricing(args.costmodel, pp_llm=args.pp_llm,
                                 cluster=Cluster(nodes=8, gpus_per_node=8, gpu_memory_bytes=args.gpu_memory_gb * GB))

@@ -1,6 +1,6 @@
 """Synthetic per-sample stage costs (`BatchCosts`) for the scheduler's benchmarks and tests.
 
-Not a pricing path of the product (that is `dflop.planner.pricing`): a documented closed-form
+Not a pricing path of the product (that is `dflop.pricing.pricing`): a documented closed-form
 stand-in (`AnalyticCostModel`) that gives partitioning experiments a skewed vision/LLM cost mix
 without a cost model or a plan. `batch_costs_from_shapes` checks what a ``costs_fn(shapes,
 layout)`` returns.

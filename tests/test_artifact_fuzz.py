@@ -30,8 +30,8 @@ from dflop.costmodel.synthetic import synthetic_profile
 from dflop.errors import UserError
 from dflop.io import read_parquet
 from dflop.plan import read_plan
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Pool
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pool import Pool
 from dflop.runtime.comparison import compare_runs, planned_steps, read_metrics
 from dflop.runtime.metrics import prediction_agreement
 from dflop.shapes import read_shapes

@@ -65,7 +65,7 @@ def test_an_empty_config_gets_every_schema_default_in_its_sections():
 def _library_defaults():
     """(config key, what the library does when the key is absent)."""
     from dflop.data.demo import make_demo_data
-    from dflop.planner.cluster import GB, Cluster
+    from dflop.pricing.cluster import GB, Cluster
     from dflop.planner.search import SearchSettings
     from dflop.profiling.data_profiler import profile_data
     from dflop.profiling.model_profiler import ProfileSettings

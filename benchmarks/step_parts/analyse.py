@@ -19,7 +19,7 @@ import pandas as pd
 
 from dflop.costmodel.jsonio import load_cost_model
 from dflop.costmodel.model import _set_prediction
-from dflop.planner.means import Pool
+from dflop.pricing.pool import Pool
 from dflop.shapes import read_shapes
 
 FIRST_STEP = 3

@@ -118,7 +118,7 @@ class LoadLine:
 
     def __call__(self, features) -> np.ndarray:
         """Seconds per sample; `features` maps each name of LOAD_FEATURES but "const" to [n] values
-        (a load profile or shapes table, `dflop.planner.means.Pool.load_features`)."""
+        (a load profile or shapes table, `dflop.pricing.pool.Pool.load_features`)."""
         return self.coef[0] + sum(c * np.asarray(features[name], dtype=np.float64)
                                   for c, name in zip(self.coef[1:], LOAD_FEATURES[1:]))
 
@@ -134,7 +134,7 @@ class StepCosts:
     allreduce: per group size, one sum all-reduce of a message of n bytes;
     p2p: one pipeline message of n bytes, sent and received;
     loading: one sample's load on the host CPU (`LoadLine`): it shares the cores with compute on a
-        CPU cluster (`dflop.planner.pricing.Pricing` charges it there) and hides behind a GPU's step.
+        CPU cluster (`dflop.pricing.pricing.Pricing` charges it there) and hides behind a GPU's step.
     """
 
     optimizer: BytesLine | None = None

@@ -10,8 +10,8 @@ What it does, per optimizer step (`DflopBatchSampler`):
 
 1. the step's global batch is the one `dflop train` takes: `dflop.scheduler.online.GlobalBatches`
    over the pool (one shapes row per dataset index) with the config's ``run.seed``;
-2. it is priced by the one pricing path (`dflop.planner.pricing`, through `dflop.planner.expected`'s
-   ``price`` and ``run_partition``, as the planner prices its sampled batches) on a pp = 1 plan:
+2. it is priced by the one pricing path (`dflop.pricing`, through `dflop.scheduler.padded.price`
+   and `dflop.planner.expected.run_partition`, as the planner prices its sampled batches) on a pp = 1 plan:
    the whole model on every rank (``colocated``), dp = world size, m = gradient-accumulation steps;
 3. DFLOP's scheduler (`dflop.scheduler.partition`, seed ``run.seed + step`` as the trainer's
    service uses) splits it into m microbatches x dp bins; every rank computes the same partition
@@ -49,13 +49,14 @@ from dflop.data.sampling import DatasetMix, dataset_mix
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan
-from dflop.planner.cluster import Cluster
-from dflop.planner.expected import SchedulerSettings, price, run_partition
-from dflop.planner.means import Pool
-from dflop.planner.pricing import Pricing
+from dflop.planner.expected import SchedulerSettings, run_partition
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pool import Pool
+from dflop.pricing.pricing import Pricing
 from dflop.runtime.trainer import training_pricing
 from dflop.scheduler.greedy import MemoryGuardError
 from dflop.scheduler.online import GlobalBatches
+from dflop.scheduler.padded import price
 from dflop.scheduler.partition import Partition
 from dflop.shapes import read_shapes, usable
 

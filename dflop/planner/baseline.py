@@ -14,7 +14,7 @@ reported speedup is what data awareness buys over a tuned data-blind layout, not
 
 Two data-blind trainers are searched over the same layouts (`BASELINE_POLICIES`): "megatron"
 packs each microbatch's samples into one sequence; "padded" is the HF/LLaVA trainer, which pads
-them to the microbatch's longest sample (`dflop.planner.expected.padded_pool`). Their
+them to the microbatch's longest sample (`dflop.scheduler.padded.padded_pool`). Their
 candidates.parquet rows are kinds "baseline" and "baseline_padded".
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from dflop.plan import Layout, Plan
 from dflop.planner.candidates import evaluation_columns, plan_columns
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.means import Granularity
 from dflop.planner.screen import SearchSpace

@@ -1,11 +1,11 @@
 """Expected step time of a plan: simulate sampled global batches partitioned by the online scheduler.
 
 Each global batch (B samples drawn from the data) is priced on the plan by the one pricing path
-(`dflop.planner.pricing`: the cost model's per-sample stage costs plus transfers); the online scheduler
+(`dflop.pricing.pricing`: the cost model's per-sample stage costs plus transfers); the online scheduler
 (`dflop.scheduler.partition.partition`) splits the batch into m microbatches x dp_l bins under the
 per-stage memory limits and simulates the exact 1F1B step with the per-stage gradient
 all-reduces. Policy "padded" is the HF/LLaVA trainer: Megatron's fixed-count bins, but every
-sample of an LLM bin padded to the bin's longest sequence (`padded_pool`), priced by the same path. The step time of the plan is the distribution of those simulated steps — variance and
+sample of an LLM bin padded to the bin's longest sequence (`dflop.scheduler.padded`), priced by the same path. The step time of the plan is the distribution of those simulated steps — variance and
 DP stragglers included — not the mean-shape formula.
 
 Utilisation of a step: busy GPU-seconds (the cost model's compute of every op, times the TP ranks
@@ -22,12 +22,12 @@ import numpy as np
 
 from dflop.costmodel.model import CostModel
 from dflop.plan import Plan
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.pricing import PlanCosts, Pricing
-from dflop.scheduler import baselines
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.pricing.pricing import PlanCosts, Pricing
 from dflop.scheduler.evaluate import simulate_times, stage_times
 from dflop.scheduler.greedy import MemoryGuardError
+from dflop.scheduler.padded import price
 from dflop.scheduler.partition import Partition, partition
 from dflop.sim import SimResult
 
@@ -37,7 +37,7 @@ class SchedulerSettings:
     """How the online scheduler partitions each sampled batch (see `partition`).
 
     policy: "dflop" (the portfolio), "megatron" (data-blind, fixed-count contiguous microbatches,
-    packed sequences) or "padded" (the same microbatches, padded to their longest sample: `padded_pool`);
+    packed sequences) or "padded" (the same microbatches, padded to their longest sample: `dflop.scheduler.padded`);
     budget_s: wall seconds its exact ILP may use per batch; ilp: "auto", "always" or "never".
     The default leaves the ILP out: its wall-clock budget makes results depend on machine load, and
     the same inputs must give the same plan. Online the ILP can only improve on the greedy members,
@@ -161,27 +161,6 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
         util.append(pc.busy_gpu_s / (cluster.world_size * part.step_s))
         peak = np.maximum(peak, mem)
     return Evaluation(plan, scheduler.policy, np.array(steps), peak, np.array(util), None, time.perf_counter() - t0)
-
-
-def padded_pool(batch: Pool, m: int, dp_l: int) -> Pool:
-    """`batch` as the HF/LLaVA trainer runs it: Megatron's fixed-count bins in batch order
-    (`dflop.scheduler.baselines.megatron`), each sample's seq_len raised to its bin's longest (pad
-    tokens cost time and activation memory like real ones, attention per sample, so a bin of k
-    samples costs k samples of the longest). Tiles are not padded: the vision tower batches tiles."""
-    bin_of = baselines.megatron(len(batch), m, dp_l)
-    longest = np.zeros(m * dp_l, dtype=batch.seq_len.dtype)
-    np.maximum.at(longest, bin_of, batch.seq_len)
-    return replace(batch, seq_len=longest[bin_of])
-
-
-def price(pricing: Pricing, batch: Pool, policy: str) -> PlanCosts:
-    """`batch` priced for `policy`: padded to its bins for "padded" (utilisation still counts only
-    the real tokens' compute: padding keeps the GPU busy but is waste), as it is otherwise."""
-    if policy != "padded":
-        return pricing.batch(batch)
-    lay = pricing.plan.layout
-    padded = pricing.batch(padded_pool(batch, lay.m, lay.dp_l))
-    return replace(padded, busy_gpu_s=pricing.batch(batch).busy_gpu_s)
 
 
 def run_partition(pc: PlanCosts, pricing: Pricing, scheduler: SchedulerSettings, *, seed: int = 0) -> Partition:

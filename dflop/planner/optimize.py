@@ -17,10 +17,10 @@ from dflop.data.sampling import dataset_mix
 from dflop.models.handle import ModelHandle
 from dflop.plan import write_plan
 from dflop.planner.candidates import write_candidates
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings
 from dflop.planner.inputs import check_cost_model_matches
-from dflop.planner.means import Pool
+from dflop.pricing.pool import Pool
 from dflop.planner.planfile import BASELINE_LABELS, plan_document
 from dflop.planner.search import SearchResult, SearchSettings, search
 from dflop.planner.space import ModelShape, describe_plan

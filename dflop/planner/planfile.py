@@ -56,7 +56,7 @@ import numpy as np
 
 from dflop.errors import UserError
 from dflop.plan import RANK_ORDER, Plan
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.space import ModelShape
 
@@ -124,18 +124,11 @@ def check_plan_runs(plan: Plan, shape: ModelShape, cluster: Cluster, where: str)
     """One-line UserError unless `plan` can run `shape`'s model on `cluster`: layer splits that
     cover the model's layers, TP degrees that split its heads (vision: after zero-head padding) and
     widths, and a rank layout that
-    fits the cluster and that the launcher can start (`Cluster.launchable`). plan.yaml's own
+    fits the cluster and that the launcher can start (`Cluster.check_runs`). plan.yaml's own
     keys (world size against the layout, ...) are checked when it is read (`dflop.plan`)."""
     plan = Plan(plan.layout, plan.vision_layers, plan.llm_layers, where, plan.vision_techniques, plan.llm_techniques)
     plan.check_model(shape.vision_layers, shape.llm_layers, shape.vision_tp_ok, shape.llm_tp_ok)
-    lay = plan.layout
-    if lay.world_size > cluster.world_size:
-        raise UserError(f"{where}: the plan needs {lay.world_size} GPUs but the cluster has {cluster.world_size} "
-                        f"({cluster.nodes} node(s) x {cluster.gpus_per_node})")
-    if not bool(cluster.launchable(lay.world_size, lay.vision_gpus, lay.tp_l)):
-        raise UserError(f"{where}: {lay.describe()} cannot be launched on {cluster.gpus_per_node}-GPU nodes: the "
-                        f"{lay.world_size} ranks must fill one node or whole nodes, and the {lay.vision_gpus} vision "
-                        f"ranks must be a multiple of llm tp={lay.tp_l} so no LLM TP group spans two nodes")
+    cluster.check_runs(plan.layout, where)
 
 
 def _plain(x):

@@ -31,9 +31,10 @@ import pandas as pd
 
 from dflop.costmodel.memory import sharded_state_scale
 from dflop.plan import Layout
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.means import Granularity, ModuleMeans, PartMeans
-from dflop.planner.stages import TransferMeans, links
+from dflop.planner.stages import TransferMeans
+from dflop.pricing.cluster import links
 
 LAYOUT_COLUMNS = ("colocated", "tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m")
 

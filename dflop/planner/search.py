@@ -38,9 +38,10 @@ from dflop.errors import UserError
 from dflop.plan import Layout, Plan
 from dflop.planner.baseline import BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches
-from dflop.planner.means import Granularity, Pool, TransferSizes
+from dflop.planner.means import Granularity
+from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.milp import SplitResult, objective_bound_s, solve_split
 from dflop.planner.screen import ScreenResult, SearchSpace, layout_of, screen
 from dflop.planner.space import ModelShape, build_space

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.plan import PLACEMENTS
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.screen import SearchSpace
 
 VISION_MODULES = ("vision_embed", "vision_layer", "projector")

@@ -5,7 +5,7 @@ microbatch (forward + backward, seconds), its backward, its peak memory (bytes) 
 bytes, where ``n_s`` is the number of layers the stage runs. The first stage of a module also holds
 that module's first-stage extras, the last its last-stage extras, and in the colocated placement
 the first LLM stage holds the whole vision tower. Transfers are charged to the receiving stage
-(see `dflop.planner.cluster`).
+(see `dflop.pricing.cluster`).
 
 Memory of a stage (bytes per rank) is its training state plus ``in_flight`` microbatches of
 activations (1F1B peak) plus the largest transient of the modules it runs on one microbatch (the
@@ -33,10 +33,13 @@ from functools import cached_property, lru_cache, reduce
 import numpy as np
 
 from dflop.costmodel.memory import sharded_state_scale
-from dflop.costmodel.model import BytesLine, StepCosts
+from dflop.costmodel.model import StepCosts
 from dflop.plan import Layout, Plan, Techniques
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Granularity, ModuleMeans, PartMeans, Pool, TransferSizes
+from dflop.planner.means import Granularity, ModuleMeans, PartMeans
+from dflop.pricing.cluster import Cluster, Links, links
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.pricing.pricing import stage_transfers
+from dflop.pricing.tail import stage_tails_s, step_extras_s
 
 
 @dataclass(frozen=True)
@@ -64,124 +67,6 @@ class StageCoeffs:
                     for fixed, layer in ((self.mem_mean_fixed, self.mem_mean_layer),
                                          (self.mem_max_fixed, self.mem_max_layer))]
         return np.minimum(*caps)
-
-
-@dataclass(frozen=True)
-class Links:
-    """Link bandwidths (bytes/s), pipeline send latency (s) and all-reduce placement of layouts
-    (arrays broadcast)."""
-
-    vision_to_llm_bps: np.ndarray
-    llm_hop_bps: np.ndarray
-    vision_hop_bps: np.ndarray
-    vision_allreduce_intra: np.ndarray
-    llm_allreduce_intra: np.ndarray
-    p2p_latency_s: np.ndarray | float = 0.0
-
-
-def links(cluster: Cluster, *, colocated, tp_v, pp_v, dp_v, tp_l, pp_l, dp_l,
-          p2p: BytesLine | None = None) -> Links:
-    """Which links the layout's transfers and all-reduces use (rank layout in `dflop.planner.cluster`).
-
-    p2p: a measured pipeline message (`StepCosts.p2p`, already gated to the cluster's kind of
-    device): where the whole layout sits in one node, where it was measured, its per-byte cost is
-    every hop's bandwidth and its constant the send latency; elsewhere the cluster's numbers."""
-    n_vision = np.where(colocated, 0, np.asarray(tp_v) * pp_v * dp_v)
-    n_llm = np.asarray(tp_l) * pp_l * dp_l
-    found = Links(
-        vision_to_llm_bps=cluster.bandwidth(cluster.in_one_node(0, n_vision + n_llm)),
-        llm_hop_bps=cluster.bandwidth(cluster.in_one_node(n_vision, n_llm)),
-        vision_hop_bps=cluster.bandwidth(cluster.in_one_node(0, np.maximum(n_vision, 1))),
-        vision_allreduce_intra=cluster.dp_group_intra(0, tp_v, pp_v, dp_v),
-        llm_allreduce_intra=cluster.dp_group_intra(n_vision, tp_l, pp_l, dp_l),
-        p2p_latency_s=cluster.p2p_latency_s,
-    )
-    if p2p is None or p2p.per_byte_s <= 0:
-        return found
-    one_node = cluster.in_one_node(0, n_vision + n_llm)
-    measured_bps = 1.0 / p2p.per_byte_s
-    return Links(*(np.where(one_node, measured_bps, bps) for bps in
-                   (found.vision_to_llm_bps, found.llm_hop_bps, found.vision_hop_bps)),
-                 found.vision_allreduce_intra, found.llm_allreduce_intra,
-                 np.where(one_node, p2p.const_s, cluster.p2p_latency_s))
-
-
-def stage_tail_s(grad_bytes, param_bytes, dp, intra, *, sharded: bool, cluster: Cluster,
-                 measured: StepCosts, modules=1, optimizer_s=np.nan) -> np.ndarray:
-    """Seconds a stage spends after its last backward: its data-parallel gradient synchronisation,
-    then its optimizer step when `measured` has one. The sync
-    is the measured all-reduce line for `dp` inside a node, its constant paid once for each of the
-    stage's `modules` modules (`stage_modules`: the trainer buckets each module's gradients apart),
-    or for a sharded module once for its reduce-scatter and once for its all-gather, which together
-    move the same bytes; else the cluster's ring formula over the whole gradient. The optimizer
-    step is the measured call plus the stages' `optimizer_s` where every stage of the call has
-    them (none NaN) and the module is not sharded, else the measured bytes line on the rank's
-    parameter bytes (also for a sharded module: the bytes line / dp, which leaves out the
-    per-tensor cost each rank still pays for its shards, so sharding's optimizer is priced low on
-    CPU, `benchmarks/bench_optimizer_pricing.py`). Affine in the bytes and `optimizer_s` (the
-    planner splits it into a per-stage and a per-layer part). `measured`: `CostModel.step_costs_on`."""
-    sharded = sharded and int(dp) > 1  # state sharded over one replica is all of it
-    line = measured.allreduce.get(int(dp))  # (looked up first: without measured lines, no np.all per call)
-    if line is not None and not bool(np.all(intra)):
-        line = None
-    if line is not None:  # sharded: one reduce-scatter and one all-gather per module (one FSDP group each)
-        calls = np.asarray(modules, dtype=np.float64) * (2.0 if sharded else 1.0)
-        sync = line.const_s * calls + line.per_byte_s * np.asarray(grad_bytes, dtype=np.float64)
-    elif sharded:
-        sync = cluster.reduce_scatter_s(grad_bytes, dp, intra) + cluster.reduce_scatter_s(param_bytes, dp, intra)
-    else:
-        sync = cluster.allreduce_s(grad_bytes, dp, intra)
-    optimizer_s = np.asarray(optimizer_s, dtype=np.float64)
-    if measured.optimizer_call_s is not None and not sharded and not np.isnan(optimizer_s).any():
-        sync = sync + measured.optimizer_call_s + optimizer_s
-    elif measured.optimizer is not None:
-        sync = sync + measured.optimizer(np.asarray(param_bytes, dtype=np.float64) / (dp if sharded else 1))
-    return np.asarray(sync, dtype=np.float64)
-
-
-def stage_modules(layout: Layout, tied_bucket: bool = False) -> np.ndarray:
-    """[P] gradient buckets each stage syncs at least (vision stages first): one per module it
-    holds, 2 on a colocated layout's first LLM stage (the vision tower and the LLM are bucketed
-    apart, `dflop.runtime.optim.GradientSync`), and with `tied_bucket` (a tied embedding held on two
-    LLM stages, pp_l > 1, not sharded) one more on each of those two for the table's own bucket.
-
-    A module's gradients larger than one bucket (~25 MB; tensors larger than that alone) sync in
-    several all-reduces: the pricing charges the constant of one (a lower bound; the count depends
-    on the tensors' sizes, which the cost model does not hold)."""
-    modules = np.ones(layout.n_vision_stages + layout.pp_l)
-    if layout.colocated:
-        modules[0] = 2.0
-    if tied_bucket and layout.pp_l > 1:
-        modules[layout.n_vision_stages] += 1.0
-        modules[-1] += 1.0
-    return modules
-
-
-def step_extras_s(layout: Layout, tied_grad_bytes: float, *, cluster: Cluster, measured: StepCosts) -> np.ndarray:
-    """[P] seconds each stage's tail pays besides its own gradient sync and optimizer step:
-
-    - the step's two world all-reduces of a few numbers (the loss and answer-token totals, the
-      global gradient norm; `dflop.runtime.trainer`), at the measured all-reduce constant of the
-      world's size where the whole world sits in one node (not charged elsewhere: a ring formula
-      would charge a few-byte message ~2 x world latencies);
-    - on the first and the last LLM stage of a pipeline (pp_l > 1) with tied embeddings, the sum
-      of the table's gradient over those two ranks (`tied_grad_bytes` per rank): the measured
-      two-rank line inside a node, else the cluster's ring formula. With the LLM's state sharded
-      each rank sums only its shard; priced whole all the same, so that sharding never shortens the
-      step here (`dflop.planner.technique_choice.settle` switches a technique off wherever the
-      split fits without it, taking techniques to cost time).
-    """
-    extras = np.zeros(layout.n_vision_stages + layout.pp_l)
-    world = measured.allreduce.get(int(layout.world_size))
-    if world is not None and bool(cluster.in_one_node(0, layout.world_size)):
-        extras += 2.0 * world.const_s
-    if tied_grad_bytes > 0 and layout.pp_l > 1:
-        intra = bool(cluster.in_one_node(layout.vision_gpus, layout.llm_gpus))
-        pair = measured.allreduce.get(2)
-        tied = pair(tied_grad_bytes) if pair is not None and intra else cluster.allreduce_s(tied_grad_bytes, 2, intra)
-        extras[layout.n_vision_stages] += float(tied)
-        extras[-1] += float(tied)
-    return extras
 
 
 @dataclass(frozen=True)
@@ -384,29 +269,24 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
     c = by_mode[modes[0]]
     n_v = lay.n_vision_stages
 
-    def allreduce(sl, dp, intra, sharded, modules):
-        # the tail is affine in the bytes and optimizer seconds: a per-stage part and one per layer;
-        # parameters and gradients share a dtype, so the gradient bytes are the parameter bytes too
-        def tail(nbytes, optim):
-            return stage_tail_s(nbytes, nbytes, dp, intra, sharded=sharded, cluster=cluster, measured=step_costs,
-                                modules=modules, optimizer_s=optim)
-        # one module's steps unmeasured: the module's every stage on the bytes line, as `Pricing` prices it
-        fixed, layer = c.optim_fixed[sl], c.optim_layer[sl]
-        if np.isnan(fixed).any() or np.isnan(layer).any():
-            fixed = layer = np.full(np.shape(fixed), np.nan)
-        return (tail(c.grad_fixed[sl], fixed),
-                tail(c.grad_layer[sl], layer) - tail(np.zeros_like(c.grad_layer[sl]), layer * 0.0))
+    # the tail is affine in the bytes and optimizer seconds: a per-stage part and one per layer;
+    # parameters and gradients share a dtype, so the gradient bytes are the parameter bytes too
+    def tail(nbytes, optim):
+        return stage_tails_s(lay, nbytes, nbytes, optim, shard=shard, tied_grad_bytes=tied_bytes, link=link,
+                             cluster=cluster, measured=step_costs)
 
+    # one module's steps unmeasured: the module's every stage on the bytes line, as `Pricing` prices it
+    # (each module's per-stage and per-layer parts fall back together)
+    optim_fixed, optim_layer = c.optim_fixed.copy(), c.optim_layer.copy()
+    for sl in (slice(0, n_v), slice(n_v, None)):
+        if np.isnan(optim_fixed[sl]).any() or np.isnan(optim_layer[sl]).any():
+            optim_fixed[sl] = optim_layer[sl] = np.nan
     tied_bytes = llm.tied.grad_bytes
-    ar = []
-    if n_v:
-        ar.append(allreduce(slice(0, n_v), lay.dp_v, link.vision_allreduce_intra, shard[0], 1))
-    ar.append(allreduce(slice(n_v, None), lay.dp_l, link.llm_allreduce_intra, shard[1],
-                        stage_modules(lay, tied_bucket=tied_bytes > 0 and not shard[1])[n_v:]))
     extras = step_extras_s(lay, tied_bytes, cluster=cluster, measured=step_costs)
+    ar_fixed = tail(c.grad_fixed, optim_fixed) + extras
+    ar_layer = tail(c.grad_layer, optim_layer) - tail(np.zeros_like(c.grad_layer), optim_layer * 0.0)
     return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(lay.pp_l, dtype=bool)],
-                      by_mode=by_mode, ar_fixed=np.concatenate([a[0] for a in ar]).astype(np.float64) + extras,
-                      ar_layer=np.concatenate([np.broadcast_to(a[1], np.shape(a[0])) for a in ar]).astype(np.float64),
+                      by_mode=by_mode, ar_fixed=ar_fixed, ar_layer=ar_layer,
                       vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=float(link.p2p_latency_s),
                       memory_bytes=cluster.gpu_memory_bytes, shard=shard,
                       sequence_parallel=llm.sequence_parallel)
@@ -426,7 +306,8 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
 
     Per stage (`_stage_row`): the module's layer, first and last parts at the stage's microbatch
     (`_PartScalars`), the vision tower on a colocated LLM stage 0, the training state scaled by
-    sharding, the in-flight microbatches' activations, and the transfers added to the times.
+    sharding, the in-flight microbatches' activations, and the transfers added to the times
+    (`stage_transfers`, where `Pricing` places them too).
     Evaluated stage by stage on Python floats: the search builds thousands of these for layouts of a
     few stages, where numpy's per-call overhead cost more than the arithmetic.
     `tests/planner/test_stage_coeffs_fast.py` holds it bit for bit against a whole-array numpy form.
@@ -435,28 +316,31 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
     in_flight = [float(f) for f in lay.in_flight()]
     n_v, pp_l = lay.n_vision_stages, lay.pp_l
     rows = []
+    nu_v = B / (m * lay.dp_v)
+    nu_l = B / (m * lay.dp_l)
+    v_hop = v_out = 0.0
     if n_v:
-        nu_v = B / (m * lay.dp_v)
+        v_hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
+        v_out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
+    l_hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
+    l_in = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
+    fwd_s, bwd_s = stage_transfers(lay, vision_hop=v_hop, vision_features=v_out, llm_hop=l_hop, llm_features=l_in)
+    if n_v:
         scale = _state_scale(dtype, lay.dp_v) if shard[0] else 1.0
-        hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
-        out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
         parts = _PartScalars.of(vision.layers[mode or vision.modes[0]], nu_v, 1.0 / lay.dp_v, nu_v), \
             _PartScalars.of(vision.first, nu_v, 1.0 / lay.dp_v, nu_v), _PartScalars.of(vision.last, nu_v, 1.0 / lay.dp_v, nu_v)
         for k in range(n_v):
             rows.append(_stage_row(*parts, None, float(k == 0), float(k == n_v - 1), 0.0, in_flight[k], scale,
-                                   hop if k > 0 else 0.0, hop if k < n_v - 1 else out, vision.tied))
-    nu_l = B / (m * lay.dp_l)
+                                   fwd_s[k], bwd_s[k], vision.tied))
     tnu = float(granularity.nu_time(nu_l, m))
     scale = _state_scale(dtype, lay.dp_l) if shard[1] else 1.0
-    hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
-    features = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
     # colocated: the whole vision tower rides on LLM stage 0
     extra = _PartScalars.of(vision.whole(mode), nu_l, 1.0, tnu) if lay.colocated else None
     parts = (_PartScalars.of(llm.layers[mode or llm.modes[0]], nu_l, 1.0, tnu), _PartScalars.of(llm.first, nu_l, 1.0, tnu),
              _PartScalars.of(llm.last, nu_l, 1.0, tnu))
     for j in range(pp_l):
         rows.append(_stage_row(*parts, extra, float(j == 0), float(j == pp_l - 1), float(j == 0), in_flight[n_v + j],
-                               scale, hop if j > 0 else features, hop if j < pp_l - 1 else 0.0, llm.tied))
+                               scale, fwd_s[n_v + j], bwd_s[n_v + j], llm.tied))
     table = np.array(rows, dtype=np.float64).T  # [fields, P]
     return StageCoeffs(*table)
 

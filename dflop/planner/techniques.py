@@ -5,7 +5,7 @@ module's data-parallel replicas and run the LLM sequence-parallel. Users should 
 choice buys on each stage and what it costs, so `technique_costs` prices every stage with its
 techniques and with each one switched off (the others kept as planned), through the cost model's
 own stage terms (`CostModel.*_stage_terms`, `recompute=` / `shard_over=`) and the one pricing
-path's all-reduce (`dflop.planner.pricing.Pricing.allreduce_s`); no cost formula lives here.
+path's all-reduce (`dflop.pricing.pricing.Pricing.allreduce_s`); no cost formula lives here.
 
 Figures are at the plan's MEAN microbatch, as the planner's stage model takes it
 (`dflop.planner.stages.build_stage_model`): ``global_batch / (m * dp)`` mean samples of the pool
@@ -27,9 +27,10 @@ import pandas as pd
 
 from dflop.costmodel.model import CostModel
 from dflop.plan import Plan
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import PartMeans, Pool, TransferSizes
-from dflop.planner.pricing import Pricing
+from dflop.pricing.cluster import Cluster
+from dflop.planner.means import PartMeans
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.pricing.pricing import Pricing
 
 COLUMNS = ("stage", "name", "module", "layers", "recompute", "shard_optimizer", "sequence_parallel",
            "recompute_extra_s", "activation_saved_bytes", "state_saved_bytes", "sp_saved_bytes",

@@ -32,9 +32,9 @@ from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.finite import check_finite_values
 from dflop.plan import Layout, Plan, PlanFile, read_plan, whole_number
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
-from dflop.planner.means import Pool, TransferSizes
+from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.inputs import check_cost_model_matches
 from dflop.planner.planfile import BASELINE_LABELS, check_plan_runs
 from dflop.planner.space import ModelShape

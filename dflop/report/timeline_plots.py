@@ -16,7 +16,7 @@ its adaptive correction may have moved the costs), so the figure also prints the
 prediction for that step (metrics.parquet ``predicted_step_s``) beside the re-simulated one.
 
 On a CPU cluster the pricing charges each sample's load to the forward of the stage that decodes it
-(`dflop.planner.pricing.Pricing.load_s`), while the trainer loads the step's samples before its
+(`dflop.pricing.pricing.Pricing.load_s`), while the trainer loads the step's samples before its
 first forward (trace.json's data spans, not drawn). Both charts leave the loads out: the
 re-simulation prices the batch without the cost model's load line, so the bars compare compute
 with compute.

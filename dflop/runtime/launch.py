@@ -94,15 +94,14 @@ def srun_environment(env: dict | None = None) -> dict:
 def check_before_launch(cfg, plan_path: str | Path) -> None:
     """One-line UserError, before any process starts, unless the plan can train the config's model
     on its cluster: layer splits, TP degrees, world size, a launchable rank layout
-    (`dflop.planner.planfile.check_plan_runs`) and the global batch."""
+    (`Plan.check_model`, `Cluster.check_runs`: what `dflop simulate` checks too) and the global batch."""
     from dflop.models.handle import ModelHandle
-    from dflop.planner.cluster import Cluster
-    from dflop.planner.planfile import check_plan_runs
-    from dflop.planner.space import ModelShape
+    from dflop.pricing.cluster import Cluster
 
     plan_file = read_plan(plan_path)
-    shape = ModelShape.from_info(ModelHandle.resolve(cfg.model).info)
-    check_plan_runs(plan_file.plan, shape, Cluster.from_section(cfg.cluster), str(plan_path))
+    info = ModelHandle.resolve(cfg.model).info
+    plan_file.plan.check_model(info.vision_layers, info.llm_layers, info.vision_tp_degrees, info.llm_tp_degrees)
+    Cluster.from_section(cfg.cluster).check_runs(plan_file.plan.layout, str(plan_path))
     plan_file.check_batch(cfg.train.global_batch_size)
 
 

@@ -44,7 +44,7 @@ def feature_rows_fn(rules: SampleRules) -> Callable[[pd.DataFrame], np.ndarray]:
 
 def decode_seconds(plan: StepPlan, topo: Topology, loaded: dict[int, LoadedSample]) -> np.ndarray:
     """[m] seconds this rank spent loading the samples of each execution position that the pricing
-    charges to its stage's forward (`dflop.planner.pricing.Pricing.load_s`): pixels on the first
+    charges to its stage's forward (`dflop.pricing.pricing.Pricing.load_s`): pixels on the first
     vision stage; text-only samples, or every sample under a colocated tower, on the first LLM stage.
     What the trainer adds to its measured forwards where it loads each step in the step (CPU)."""
     seconds = np.zeros(plan.n_microbatches)

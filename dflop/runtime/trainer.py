@@ -3,7 +3,7 @@
 `Trainer` does one step at a time (the loop and its checkpoints are `dflop.runtime.run`):
 
 1. rank 0's `StepPlanner` (the online scheduler in its background thread) has partitioned the
-   step's global batch, priced by the one pricing path (`dflop.planner.pricing`); the plan is
+   step's global batch, priced by the one pricing path (`dflop.pricing.pricing`); the plan is
    broadcast, and every rank's loader started on it one step ago (`next_plan`, `load`; samples
    that fail to load are replaced on every rank alike: `without_failures`). On CPU each rank
    loads the step's samples at its start instead and computes while the ranks agree that every
@@ -42,10 +42,9 @@ from dflop.models.packing import select_packed_kernel
 from dflop.models.precision import Precision
 from dflop.models.tensor_parallel import is_tp_shard
 from dflop.plan import Plan, PlanFile
-from dflop.planner.cluster import Cluster
-from dflop.planner.expected import price
-from dflop.planner.means import Pool
-from dflop.planner.pricing import Pricing
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pool import Pool
+from dflop.pricing.pricing import Pricing
 from dflop.runtime.agreement import rank0_result
 from dflop.runtime.loading import StepLoader, decode_seconds, feature_rows_fn, requests_for
 from dflop.runtime.model import EMBEDDING_NAME, build_rank_modules, parameter_names
@@ -60,6 +59,7 @@ from dflop.runtime.sharding import StepSharding, is_sharded_parameter
 from dflop.runtime.skipping import FailureCheck, SkippedSamples, StepAborted, checked_load, load_without_failures
 from dflop.runtime.topology import LLM, VISION, Topology
 from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner
+from dflop.scheduler.padded import price
 
 log = logging.getLogger("dflop.train")
 
@@ -89,7 +89,7 @@ def step_planner(settings: TrainSettings, pricing: Pricing, pool: pd.DataFrame, 
     """Rank 0's online scheduler for `pricing`'s plan: every global batch priced by the one pricing
     path, partitioned with its send latency and all-reduces (``scheduler.ilp`` says whether the
     portfolio's exact member runs). The padded baseline (``scheduler.pad_to_longest``) is priced as
-    the planner prices it (`dflop.planner.expected.price`): its fixed-count bins do not depend on
+    the planner prices it (`dflop.scheduler.padded.price`): its fixed-count bins do not depend on
     the costs, but its predicted step must pay the padding the executor computes."""
     sched = settings.scheduler
     policy = "padded" if sched.pad_to_longest and sched.policy == "baseline" else sched.policy
@@ -190,7 +190,7 @@ class Trainer:
     def loads_in_step(self) -> bool:
         """Whether each step loads its own samples at its start instead of during the previous
         step: on CPU, where that load would run on the cores the ranks compute on (the pricing then
-        charges it, `dflop.planner.pricing.Pricing.load_s`); on GPUs it is prefetched, hidden."""
+        charges it, `dflop.pricing.pricing.Pricing.load_s`); on GPUs it is prefetched, hidden."""
         return loads_share_compute_cores(self.device.type)
 
     def in_step_loads(self, plan: StepPlan, loaded: Mapping[int, Any]) -> np.ndarray | None:

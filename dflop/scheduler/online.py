@@ -149,7 +149,7 @@ class StepPlanner:
     """Rank 0's side of the data path: global batches -> costs -> scheduler service -> StepPlans.
 
     costs_fn: [n] pool indices of one global batch (in batch order) -> BatchCosts for the plan's
-        layout (the trainer's: the one pricing path, `dflop.planner.pricing`, on a `Pool` built and
+        layout (the trainer's: the one pricing path, `dflop.pricing.pricing`, on a `Pool` built and
         checked once).
     feature_rows_fn: shapes rows -> [n] feature rows per sample.
     policy: "dflop" (portfolio) or "baseline" (fixed count per microbatch in batch order).

@@ -57,7 +57,7 @@ class SimResult:
         schedule: one of `SCHEDULES`.
         makespan_s: end of the last backward op.
         allreduce_s: [stages] seconds added after each stage's last backward (gradient all-reduce,
-            and the optimizer step where the pricing measured one: `dflop.planner.stages.stage_tail_s`).
+            and the optimizer step where the pricing measured one: `dflop.pricing.tail.stage_tail_s`).
         step_s: makespan including all-reduce: max over stages of (last backward end + all-reduce).
         busy_s: [rows] seconds each row's ops compute; idle_s: [rows] seconds the row's device is
             idle during the makespan (``makespan_s - busy_s`` when a device has one row).

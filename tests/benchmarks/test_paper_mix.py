@@ -99,7 +99,7 @@ def test_internvit_pads_to_every_node_tp_degree(bench):
     inside an 8-GPU node every degree is admitted for the tower (and the colocated placement),
     named as padded in candidates; a fitted profile that lacks a degree still rejects it."""
     from dflop.costmodel.model import CostModel
-    from dflop.planner.cluster import GB, Cluster
+    from dflop.pricing.cluster import GB, Cluster
     from dflop.planner.space import VISION_MODULES, ModelShape, build_space
 
     class Args:

@@ -3,7 +3,7 @@ memory techniques, and what it chose fits the GPU by the cost model's own stage 
 
 The reference peak (`_stage_peaks`) is re-derived from `CostModel.*_stage_terms` with the
 techniques the plan names and the scheduler's partition of the sampled batch, not from the pricing
-path the planner used (`dflop.planner.pricing`), so a technique the plan names but the planner did
+path the planner used (`dflop.pricing.pricing`), so a technique the plan names but the planner did
 not price (or priced but did not write into the plan) shows up as a difference.
 """
 
@@ -15,7 +15,8 @@ import pytest
 import bench_planner  # benchmarks/ is on sys.path (tests/conftest.py)
 from dflop.models.info import model_info
 from dflop.plan import Plan, Techniques
-from dflop.planner.expected import padded_pool, sample_batches, simulate_batch
+from dflop.scheduler.padded import padded_pool
+from dflop.planner.expected import sample_batches, simulate_batch
 from dflop.planner.search import SearchSettings, search
 from dflop.planner.space import ModelShape
 from synthetic_mix import llava_ov_mix

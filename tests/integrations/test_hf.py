@@ -15,7 +15,7 @@ import torch
 from dflop.config import Config
 from dflop.errors import UserError
 from dflop.integrations.hf import DflopBatchSampler, Sampling
-from dflop.planner.means import Pool
+from dflop.pricing.pool import Pool
 from dflop.scheduler import partition
 
 HERE = Path(__file__).resolve().parent

@@ -11,9 +11,9 @@ import pytest
 
 from dflop.plan import Layout, Plan
 from dflop.planner.baseline import baseline_layouts, search_baseline
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings, evaluate_plan, sample_batches
-from dflop.planner.means import Pool, TransferSizes
+from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.search import bin_granularity, prepare_means
 from dflop.planner.space import ModelShape, build_space
 from dflop.planner.stages import TransferMeans, build_stage_model

@@ -12,9 +12,9 @@ from dflop.costmodel.analytic import analytic_cost_model
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Pool
-from dflop.planner.pricing import Pricing
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pool import Pool
+from dflop.pricing.pricing import Pricing
 from dflop.planner.search import SearchSettings
 from dflop.planner.technique_choice import TechniqueSpace
 from synthetic_mix import llava_ov_mix

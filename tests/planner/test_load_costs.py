@@ -12,7 +12,7 @@ from dflop.costmodel.jsonio import cost_model_from_dict, cost_model_to_dict, loa
 from dflop.costmodel.model import BytesLine, CostModel, LoadLine, StepCosts
 from dflop.errors import UserError
 from dflop.plan import Layout
-from dflop.planner.means import Pool
+from dflop.pricing.pool import Pool
 from planner_testlib import toy_cost_model, toy_shapes
 from test_step_costs import _pricing
 

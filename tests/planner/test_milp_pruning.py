@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import dflop.planner.search as search_module
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Pool, TransferSizes
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.milp import objective_bound_s, some_split_fits, tail_bound_s
 from dflop.planner.search import SearchSettings, bin_granularity, prepare_means, search
 from dflop.planner.space import build_space

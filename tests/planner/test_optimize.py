@@ -165,7 +165,7 @@ def test_outputs_are_written_atomically(inputs, tmp_path, tiny_shape, monkeypatc
 
 
 def test_what_if_scaling_keeps_layouts_launchable():
-    from dflop.planner.cluster import Cluster
+    from dflop.pricing.cluster import Cluster
     from dflop.plan import Layout, Plan
     from dflop.planner.whatif import scale_baseline, scale_plan
 
@@ -236,7 +236,7 @@ def test_simulate_on_more_gpus_scales_the_global_batch_and_says_so(inputs, tmp_p
 def test_scaled_batch_keeps_the_baseline_runnable_on_more_gpus():
     """A 16-sample plan on 6 GPUs scaled to 64: samples per GPU would give 171, which no fixed-count
     baseline splits; the batch follows the baseline's microbatches instead, and the baseline scales."""
-    from dflop.planner.cluster import Cluster
+    from dflop.pricing.cluster import Cluster
     from dflop.plan import Layout, Plan
     from dflop.plan import PlanFile
     from dflop.planner.whatif import scale_baseline, scaled_global_batch
@@ -330,7 +330,7 @@ def test_a_baseline_with_its_own_encoder_stage_scales_in_that_form():
     to 64 GPUs stays an encoder stage per LLM replica, and is a layout the planner's own baseline
     search lists for that cluster; turned colocated, its vision TP would become the LLM's 4."""
     from dflop.planner.baseline import baseline_layouts
-    from dflop.planner.cluster import Cluster
+    from dflop.pricing.cluster import Cluster
     from dflop.planner.screen import SearchSpace
     from dflop.plan import Layout, Plan
     from dflop.planner.whatif import scale_baseline

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from dflop.plan import Layout, Plan
-from dflop.planner.cluster import Cluster
-from dflop.planner.expected import SchedulerSettings, evaluate_plan, price, sample_batches
-from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.pricing import Pricing
+from dflop.pricing.cluster import Cluster
+from dflop.planner.expected import SchedulerSettings, evaluate_plan, sample_batches
+from dflop.scheduler.padded import price
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.pricing.pricing import Pricing
 from dflop.planner.search import SearchSettings, search
 from dflop.planner.space import ModelShape
 from planner_testlib import toy_cost_model, toy_shapes

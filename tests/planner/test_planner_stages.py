@@ -8,9 +8,10 @@ import pytest
 
 from dflop.costmodel.model import CostModel
 from dflop.plan import in_flight_1f1b
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.plan import Layout
-from dflop.planner.means import Pool, TransferSizes, module_means
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.planner.means import module_means
 from dflop.planner.stages import TransferMeans, build_stage_model
 from dflop.sim import simulate
 from planner_testlib import random_stage_model

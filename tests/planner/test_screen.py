@@ -7,8 +7,9 @@ import pytest
 
 from dflop.costmodel.model import CostModel
 
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Pool, TransferSizes, module_means
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.planner.means import module_means
 from dflop.planner.screen import SearchSpace, layout_of, screen
 from dflop.planner.stages import TransferMeans, build_stage_model
 from planner_testlib import all_splits, enumerate_layouts

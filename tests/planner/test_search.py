@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from dflop.errors import UserError
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import evaluate_plan, sample_batches
-from dflop.planner.means import Pool, TransferSizes
+from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.search import SearchSettings, prepare_means, search
 from dflop.planner.space import ModelShape, build_space
 from dflop.planner.stages import TransferMeans, build_stage_model

@@ -15,9 +15,11 @@ from dflop.costmodel.model import CostModel, StepCosts
 from dflop.models.builder import model_config
 from dflop.models.info import model_info
 from dflop.plan import Layout
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Granularity, PartMeans, Pool, TransferSizes, module_means
-from dflop.planner.stages import StageCoeffs, TransferMeans, build_stage_model, links
+from dflop.pricing.cluster import Cluster
+from dflop.planner.means import Granularity, PartMeans, module_means
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.planner.stages import StageCoeffs, TransferMeans, build_stage_model
+from dflop.pricing.cluster import links
 from dflop.planner.space import ModelShape
 from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
 from synthetic_mix import llava_ov_mix

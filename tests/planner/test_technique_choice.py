@@ -24,8 +24,8 @@ from dflop.errors import UserError
 from dflop.models.builder import model_config
 from dflop.models.info import model_info
 from dflop.plan import Layout
-from dflop.planner.cluster import GB, Cluster
-from dflop.planner.means import Pool, TransferSizes
+from dflop.pricing.cluster import GB, Cluster
+from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.milp import solve_split
 from dflop.planner.screen import SearchSpace, layout_of, screen
 from dflop.planner.search import SearchSettings, search

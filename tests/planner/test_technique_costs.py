@@ -15,9 +15,9 @@ from dflop.config import Config
 from dflop.costmodel.analytic import analytic_cost_model
 from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan, Techniques
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Pool
-from dflop.planner.pricing import Pricing
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pool import Pool
+from dflop.pricing.pricing import Pricing
 from dflop.planner.techniques import format_techniques, technique_costs
 from synthetic_mix import llava_ov_mix
 

@@ -18,8 +18,8 @@ from dflop.costmodel.analytic import analytic_cost_model
 from dflop.models.builder import model_config
 from dflop.models.info import info_of, model_info, padded_vision_heads
 from dflop.plan import Layout
-from dflop.planner.cluster import GB, Cluster
-from dflop.planner.means import Pool, TransferSizes
+from dflop.pricing.cluster import GB, Cluster
+from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.planfile import vision_padding_record
 from dflop.planner.search import prepare_means
 from dflop.planner.space import ModelShape, build_space, describe_plan

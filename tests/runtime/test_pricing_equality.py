@@ -24,9 +24,9 @@ from dflop.costmodel.profile_table import summarize_profile
 from dflop.costmodel.synthetic import synthetic_profile
 from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan, plan_from_dict
-from dflop.planner.cluster import Cluster
+from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import SchedulerSettings, evaluate_plan, simulate_batch
-from dflop.planner.means import Pool, TransferSizes
+from dflop.pricing.pool import Pool, TransferSizes
 from dflop.scheduler.online import GlobalBatches
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import plan_cluster, step_planner, training_pricing

@@ -24,8 +24,8 @@ from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.models.tensor_parallel import TPGroup
 from dflop.plan import Layout, Plan, Techniques, plan_from_dict
-from dflop.planner.cluster import Cluster
-from dflop.planner.pricing import Pricing
+from dflop.pricing.cluster import Cluster
+from dflop.pricing.pricing import Pricing
 from dflop.runtime.topology import Topology
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sharding.py"

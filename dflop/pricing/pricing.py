@@ -5,7 +5,7 @@ online scheduler's partitions and the trainer's ``predicted_step_s`` (metrics.pa
 what-if of `dflop simulate` and the benchmarks. For one global batch it gives every sample's cost
 on every stage of the plan (`CostModel.batch_costs`) with the transfers added to the receiving
 stages per sample (vision features into LLM stage 0 and their gradients back, hidden states
-between stages; bandwidths from `dflop.planner.cluster`), and, per plan, the per-stage gradient
+between stages; bandwidths from `dflop.pricing.cluster`), and, per plan, the per-stage gradient
 all-reduce seconds and the pipeline send latency that the simulation charges.
 
 Where the cost model carries measured step costs (`dflop.costmodel.model.StepCosts`, from the
@@ -23,15 +23,35 @@ from functools import cached_property
 
 import numpy as np
 
+from dflop.costmodel.batch import batch_costs
 from dflop.costmodel.model import CostModel, StepCosts, charged_load_line
 from dflop.costmodel.types import BatchCosts
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.plan import Plan
-from dflop.planner.cluster import Cluster
-from dflop.planner.means import Pool, TransferSizes
-from dflop.planner.stages import links, step_extras_s, stage_modules, stage_tail_s
-from dflop.costmodel.batch import batch_costs
+from dflop.pricing.cluster import Cluster, links
+from dflop.pricing.pool import Pool, TransferSizes
+from dflop.pricing.tail import stage_tails_s, step_extras_s
+
+
+def stage_transfers(layout, *, vision_hop=0.0, vision_features=0.0, llm_hop=0.0, llm_features=0.0) -> tuple[list, list]:
+    """([P] forward, [P] backward) transfer seconds charged to each stage of `layout` (vision
+    stages first): the receiving stage pays, in its forward for activations and in its backward
+    for their gradients. Each entry is one of the arguments (seconds, a float or [B] per sample) or 0.0.
+
+    vision_hop / llm_hop: hidden states between two stages of a module; vision_features: the
+    features the last vision stage sends (its backward receives their gradient); llm_features: the
+    same features as LLM stage 0 receives them (none when colocated: the tower is on that stage).
+    The two features arguments differ where a vision microbatch and an LLM bin hold different
+    samples (the planner's mean shapes); `Pricing.batch` passes the same per-sample seconds.
+    The one placement of the transfers: `Pricing.batch` per sample, the planner's stage model
+    (`dflop.planner.stages`) per mean microbatch."""
+    n_v, pp_l = layout.n_vision_stages, layout.pp_l
+    fwd = [vision_hop if k > 0 else 0.0 for k in range(n_v)]
+    bwd = [vision_hop if k < n_v - 1 else vision_features for k in range(n_v)]
+    fwd += [llm_hop if j > 0 else (0.0 if layout.colocated else llm_features) for j in range(pp_l)]
+    bwd += [llm_hop if j < pp_l - 1 else 0.0 for j in range(pp_l)]
+    return fwd, bwd
 
 
 @dataclass(frozen=True)
@@ -77,7 +97,7 @@ class Pricing:
     def allreduce_s(self) -> np.ndarray:
         """[P] seconds each stage spends after its last backward (vision stages first): its
         data-parallel gradient synchronisation, then its optimizer step when the cost model measured
-        one (`dflop.planner.stages.stage_tail_s`, which the planner's stage model uses too), and the
+        one (`dflop.pricing.tail.stage_tails_s`, which the planner's stage model uses too), and the
         step's world all-reduces and tied-embedding sum (`step_extras_s`).
 
         A module with ``shard_optimizer`` (`dflop.runtime.sharding`) instead all-gathers its
@@ -85,21 +105,14 @@ class Pricing:
         one fixed cost per step, like the all-reduce (the simulation charges it after the stage's
         last backward; the all-gather really runs before its first forward, neither overlaps)."""
         lay = self.plan.layout
-        link = self._links
         grads, params = self._stage_grad_bytes(), self._stage_grad_bytes("param_bytes")
         optimizer_s = np.array([optim for _, optim in self._stage_state], dtype=np.float64)
-        n_v = lay.n_vision_stages
         tied_bytes = self.cost.tied_llm_state(lay.tp_l).grad_bytes
-        sharded_llm = self.plan.llm.techniques.shard_optimizer
-        modules = stage_modules(lay, tied_bucket=tied_bytes > 0 and not sharded_llm)
-        parts = [stage_tail_s(grads[sl], params[sl], dp, intra, sharded=module.techniques.shard_optimizer,
-                              cluster=self.cluster, measured=self._measured, modules=modules[sl],
-                              optimizer_s=optimizer_s[sl])
-                 # colocated: plan.llm's flags (n_v = 0)
-                 for module, sl, dp, intra in ((self.plan.vision, slice(0, n_v), lay.dp_v, link.vision_allreduce_intra),
-                                               (self.plan.llm, slice(n_v, None), lay.dp_l, link.llm_allreduce_intra))]
-        extras = step_extras_s(lay, tied_bytes, cluster=self.cluster, measured=self._measured)
-        return np.r_[parts[0], parts[1]] + extras
+        # colocated: plan.llm's flags (no vision stage)
+        shard = (self.plan.vision.techniques.shard_optimizer, self.plan.llm.techniques.shard_optimizer)
+        tails = stage_tails_s(lay, grads, params, optimizer_s, shard=shard, tied_grad_bytes=tied_bytes,
+                              link=self._links, cluster=self.cluster, measured=self._measured)
+        return tails + step_extras_s(lay, tied_bytes, cluster=self.cluster, measured=self._measured)
 
     @property
     def sp_hidden(self) -> int:
@@ -131,15 +144,18 @@ class Pricing:
         llm_fwd, llm_bwd = base.llm_fwd.copy(), base.llm_bwd.copy()
         vis_fwd, vis_bwd = base.vision_fwd.copy(), base.vision_bwd.copy()
         hop = batch.seq_len * sizes.llm_token_bytes / float(link.llm_hop_bps)
-        llm_fwd[1:] += hop
-        llm_bwd[:-1] += hop
+        features = vhop = 0.0
         if not lay.colocated:
             features = batch.vision_tokens * sizes.llm_token_bytes / float(link.vision_to_llm_bps)
-            llm_fwd[0] += features
-            vis_bwd[-1] += features
             vhop = batch.n_tiles * sizes.vision_tile_bytes / float(link.vision_hop_bps)
-            vis_fwd[1:] += vhop
-            vis_bwd[:-1] += vhop
+        fwd, bwd = stage_transfers(lay, vision_hop=vhop, vision_features=features, llm_hop=hop, llm_features=features)
+        n_v = lay.n_vision_stages
+        for k in range(n_v):
+            vis_fwd[k] += fwd[k]
+            vis_bwd[k] += bwd[k]
+        for j in range(lay.pp_l):
+            llm_fwd[j] += fwd[n_v + j]
+            llm_bwd[j] += bwd[n_v + j]
         load = self.load_s(batch)
         if load is not None and (lay.colocated or not len(vis_fwd)):  # one stage decodes everything
             llm_fwd[0] += load

@@ -1,4 +1,4 @@
-"""The machines a plan is for, and the communication times the planner charges.
+"""The machines a plan is for, and the communication times every pricing of a plan charges.
 
 Rank layout (what plan.yaml's topology describes): the vision ranks come first, then the LLM ranks
 (in the colocated placement the vision tower runs on the LLM's first-stage ranks). Inside a module
@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from dflop.config import ClusterSection
+from dflop.costmodel.model import BytesLine
 from dflop.errors import UserError
 
 GB = 1e9  # config sizes and bandwidths are decimal gigabytes
@@ -102,6 +103,18 @@ class Cluster:
         return Cluster(gpus // self.gpus_per_node, self.gpus_per_node, self.gpu_memory_bytes,
                        self.intra_node_bytes_per_s, self.inter_node_bytes_per_s, self.p2p_latency_s, self.device)
 
+    def check_runs(self, layout, where: str) -> None:
+        """One-line UserError unless `layout` (a `dflop.plan.Layout`) fits this cluster and the
+        launcher can start it (`launchable`); `where` names the plan in the message."""
+        if layout.world_size > self.world_size:
+            raise UserError(f"{where}: the plan needs {layout.world_size} GPUs but the cluster has {self.world_size} "
+                            f"({self.nodes} node(s) x {self.gpus_per_node})")
+        if not bool(self.launchable(layout.world_size, layout.vision_gpus, layout.tp_l)):
+            raise UserError(f"{where}: {layout.describe()} cannot be launched on {self.gpus_per_node}-GPU nodes: the "
+                            f"{layout.world_size} ranks must fill one node or whole nodes, and the "
+                            f"{layout.vision_gpus} vision ranks must be a multiple of llm tp={layout.tp_l} so no "
+                            "LLM TP group spans two nodes")
+
     # ---- communication (array-friendly) --------------------------------------------------------
 
     def launchable(self, world, vision_ranks, tp_l):
@@ -171,3 +184,43 @@ class Cluster:
         dp = np.asarray(dp, dtype=np.float64)
         ring = 2.0 * (dp - 1.0) / dp * np.asarray(grad_bytes) / self.bandwidth(intra)
         return np.where(dp > 1, ring + 2.0 * (dp - 1.0) * self.p2p_latency_s, 0.0)
+
+
+@dataclass(frozen=True)
+class Links:
+    """Link bandwidths (bytes/s), pipeline send latency (s) and all-reduce placement of layouts
+    (arrays broadcast)."""
+
+    vision_to_llm_bps: np.ndarray
+    llm_hop_bps: np.ndarray
+    vision_hop_bps: np.ndarray
+    vision_allreduce_intra: np.ndarray
+    llm_allreduce_intra: np.ndarray
+    p2p_latency_s: np.ndarray | float = 0.0
+
+
+def links(cluster: Cluster, *, colocated, tp_v, pp_v, dp_v, tp_l, pp_l, dp_l,
+          p2p: BytesLine | None = None) -> Links:
+    """Which links the layout's transfers and all-reduces use (rank layout: this module's docstring).
+
+    p2p: a measured pipeline message (`StepCosts.p2p`, already gated to the cluster's kind of
+    device): where the whole layout sits in one node, where it was measured, its per-byte cost is
+    every hop's bandwidth and its constant the send latency; elsewhere the cluster's numbers."""
+    n_vision = np.where(colocated, 0, np.asarray(tp_v) * pp_v * dp_v)
+    n_llm = np.asarray(tp_l) * pp_l * dp_l
+    found = Links(
+        vision_to_llm_bps=cluster.bandwidth(cluster.in_one_node(0, n_vision + n_llm)),
+        llm_hop_bps=cluster.bandwidth(cluster.in_one_node(n_vision, n_llm)),
+        vision_hop_bps=cluster.bandwidth(cluster.in_one_node(0, np.maximum(n_vision, 1))),
+        vision_allreduce_intra=cluster.dp_group_intra(0, tp_v, pp_v, dp_v),
+        llm_allreduce_intra=cluster.dp_group_intra(n_vision, tp_l, pp_l, dp_l),
+        p2p_latency_s=cluster.p2p_latency_s,
+    )
+    if p2p is None or p2p.per_byte_s <= 0:
+        return found
+    one_node = cluster.in_one_node(0, n_vision + n_llm)
+    measured_bps = 1.0 / p2p.per_byte_s
+    return Links(*(np.where(one_node, measured_bps, bps) for bps in
+                   (found.vision_to_llm_bps, found.llm_hop_bps, found.vision_hop_bps)),
+                 found.vision_allreduce_intra, found.llm_allreduce_intra,
+                 np.where(one_node, p2p.const_s, cluster.p2p_latency_s))
