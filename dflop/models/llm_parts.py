@@ -13,7 +13,6 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from dflop.errors import UserError
 from dflop.models.packing import PackedSequence
-from dflop.models.recompute import checkpointed_call
 
 
 class TokenEmbedding(nn.Module):
@@ -63,21 +62,16 @@ class CausalLMHead(nn.Module):
 
 
 def run_decoder_layers(layers, hidden: torch.Tensor, packed: PackedSequence,
-                       position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                       checkpoint_layers: bool = False) -> torch.Tensor:
+                       position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Decoder layers on one packed row: hidden [1, T, d] -> [1, T, d].
 
     `position_embeddings` is the rotary (cos, sin) for ``packed.position_ids``; the packed
     boundaries travel to the attention function (``dflop_packed`` or flash-attention) as kwargs.
-    checkpoint_layers: run each layer under activation checkpointing (recompute ``full``).
+    A layer may be wrapped for recomputation (`dflop.models.recompute.recompute_layer`).
     """
     kwargs = packed.attention_kwargs()
     position_ids = packed.position_ids.unsqueeze(0)
     for layer in layers:
-        if checkpoint_layers:
-            hidden = checkpointed_call(layer, hidden, attention_mask=None, position_ids=position_ids,
-                                       position_embeddings=position_embeddings, **kwargs)
-        else:
-            hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
-                           position_embeddings=position_embeddings, **kwargs)
+        hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
+                       position_embeddings=position_embeddings, **kwargs)
     return hidden

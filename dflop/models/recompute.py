@@ -1,17 +1,24 @@
-"""Activation recomputation of a pipeline stage (plan key ``recompute``: none | selective | full).
+"""Activation recomputation of a pipeline stage (plan key ``recompute``: none | selective | full),
+applied as wrappers over the plain layers (`recompute_layer`, `apply_recompute`).
 
 Recomputation trades backward time for the memory of the tensors autograd keeps from a
 microbatch's forward to its backward (docs/design.md; 1F1B keeps up to pp of them in flight):
 
-- ``full``: every layer of the stage runs under non-reentrant `torch.utils.checkpoint`, so a layer
-  keeps only its inputs and runs its forward again in backward;
+- ``full``: every layer of the stage is wrapped (torch's ``checkpoint_wrapper``, whose checkpoint
+  function is `checkpointed_call`: non-reentrant `torch.utils.checkpoint`), so a layer keeps only
+  its inputs and runs its forward again in backward;
 - ``selective``: only the attention core (the attention function: query, key, value -> output) is
   recomputed, as Megatron's selective recomputation recomputes core attention. The hook is the
   attention function transformers' attention modules look up by ``config._attn_implementation``:
   the layer's attention module gets a copy of its config naming a checkpointing wrapper of its own
   function (``"<name>+recompute"``), so the packed LLM path (``dflop_packed``, flash-attention) and
   the vision towers' SDPA (SigLIP, InternViT) are covered alike;
-- ``none``: the stage's code path is unchanged.
+- ``none``: the layers run as they are.
+
+Selective is not a ``create_selective_checkpoint_contexts`` policy over the whole layer: that
+checkpoints the layer, so it would keep the layer's inputs and hold the tensors its policy saves in
+its own cache, out of sight of saved-tensor hooks, where this keeps what mode none keeps except the
+core's internals, all of it visible to `dflop.profiling._memory.saved_tensor_bytes`.
 
 With flash-style kernels (CPU flash SDPA, flash-attn varlen) the core keeps only q, k, v, its
 output and the log-sum-exp, so selective saves little; it saves the O(L^2) probabilities of
@@ -27,6 +34,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
@@ -113,3 +121,25 @@ def set_core_recompute(layer: nn.Module, on: bool) -> None:
     config._attn_implementation_internal = wrapped  # this config only (the setter would also walk sub-configs)
     module._config_without_recompute = module.config
     module.config = config
+
+
+def recompute_layer(layer: nn.Module, mode: str) -> nn.Module:
+    """`layer` as a stage in recompute `mode` runs it (module docstring): under ``full`` a checkpoint
+    wrapper around it, else the layer itself, its attention core recomputing under ``selective``
+    only. A wrapper passed in is unwrapped first, so a layer can be switched between modes."""
+    if isinstance(layer, CheckpointWrapper):
+        layer = layer._checkpoint_wrapped_module
+    set_core_recompute(layer, mode == "selective")
+    return checkpoint_wrapper(layer, checkpoint_fn=checkpointed_call) if mode == "full" else layer
+
+
+def apply_recompute(stage: nn.Module, mode: str, where: str) -> None:
+    """Make each of ``stage.layers`` (an ``nn.ModuleList`` of transformer layers) recompute as
+    `mode` says, in place (`recompute_layer`), and record the mode as ``stage.recompute``.
+
+    The stage's embeddings, image-feature tail and LM head are never recomputed. `where` names the
+    stage in the error for an unknown mode."""
+    check_mode(mode, where)
+    for i, layer in enumerate(stage.layers):
+        stage.layers[i] = recompute_layer(layer, mode)
+    stage.recompute = mode

@@ -9,9 +9,10 @@ Chaining the stages computes exactly what the full transformers model computes (
 loss and every gradient against ``model(..., labels=...)``). Between stages only activations
 travel: vision [n_tiles, S, d_vision], LLM [1, T, d_model].
 
-Each stage takes a recompute mode (none | selective | full, `dflop.models.recompute`): ``full``
-checkpoints each of its layers, ``selective`` the attention core of each layer; embeddings, the
-image-feature tail and the LM head are never recomputed.
+The stages are plain model code: memory techniques are applied over them as wrappers, in place
+(`dflop.runtime.parallelize.parallelize_stage`: tensor parallelism, then activation recomputation,
+then FSDP2). ``build_*_stage(..., recompute=mode)`` applies the recompute wrappers alone
+(`dflop.models.recompute.apply_recompute`), for single-process use.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dflop.errors import UserError
 from dflop.models.architectures import ImageLayout, architecture_of
 from dflop.models.llm_parts import CausalLMHead, TokenEmbedding, run_decoder_layers
 from dflop.models.packing import PACKED_ATTENTION, PackedSequence
-from dflop.models.recompute import check_mode, checkpointed_call, set_core_recompute
+from dflop.models.recompute import apply_recompute
 from dflop.plan import uniform_layer_split
 
 _PACKING_ATTENTIONS = (PACKED_ATTENTION, "flash_attention_2", "flash_attention_3")
@@ -52,8 +53,7 @@ class VisionStage(nn.Module):
     """Vision stage: pixels [n_tiles, 3, H, W] (first) or hidden [n_tiles, S, d_vision] in;
     hidden out, or image features [n_image_tokens, d_model] from the last stage."""
 
-    def __init__(self, model: PreTrainedModel, stage: int, n_stages: int, layer_range: Sequence[int] | None = None,
-                 recompute: str = "none"):
+    def __init__(self, model: PreTrainedModel, stage: int, n_stages: int, layer_range: Sequence[int] | None = None):
         super().__init__()
         arch = architecture_of(model)
         n_layers = arch.n_feature_layers(model.config)
@@ -63,7 +63,7 @@ class VisionStage(nn.Module):
         self.embeddings = arch.vision_embeddings(model) if self.is_first else None
         self.layers = nn.ModuleList(arch.vision_layers(model)[self.layer_range[0]:self.layer_range[1]])
         self.image_features = arch.image_features(model) if self.is_last else None
-        self.recompute = _apply_recompute(check_mode(recompute, f"vision stage {stage}"), self.layers)
+        self.recompute = "none"  # the mode `apply_recompute` wrapped the layers in
 
     def forward(self, x: torch.Tensor, layout: ImageLayout) -> torch.Tensor:
         if x.shape[0] != layout.n_tiles:
@@ -72,13 +72,10 @@ class VisionStage(nn.Module):
         return self.image_features(hidden, layout) if self.is_last else hidden
 
     def run_layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The stage's layers on hidden [n_tiles, P, d_vision], each checkpointed under full recompute:
-        the one place the plan's vision recompute mode takes effect (the trainer's `VisionRunner` too)."""
+        """The stage's layers (as wrapped) on hidden [n_tiles, P, d_vision] -> [n_tiles, P, d_vision]
+        (also the trainer's `VisionRunner`)."""
         for layer in self.layers:
-            if self.recompute == "full":
-                hidden = checkpointed_call(self._run_layer, layer, hidden)
-            else:
-                hidden = self._run_layer(layer, hidden)
+            hidden = self._run_layer(layer, hidden)
         return hidden
 
 
@@ -86,8 +83,7 @@ class LLMStage(nn.Module):
     """LLM stage on one packed row: token ids [T] (first) or hidden [1, T, d] in; hidden out, or
     the loss (scalar) from the last stage."""
 
-    def __init__(self, model: PreTrainedModel, stage: int, n_stages: int, layer_range: Sequence[int] | None = None,
-                 recompute: str = "none"):
+    def __init__(self, model: PreTrainedModel, stage: int, n_stages: int, layer_range: Sequence[int] | None = None):
         super().__init__()
         lm = model.model.language_model
         attn = lm.config._attn_implementation
@@ -100,7 +96,7 @@ class LLMStage(nn.Module):
         self.embedding = TokenEmbedding(lm.embed_tokens, model.config.image_token_id) if self.is_first else None
         self.layers = nn.ModuleList(lm.layers[self.layer_range[0]:self.layer_range[1]])
         self.head = CausalLMHead(lm.norm, model.lm_head) if self.is_last else None
-        self.recompute = _apply_recompute(check_mode(recompute, f"LLM stage {stage}"), self.layers)
+        self.recompute = "none"  # the mode `apply_recompute` wrapped the layers in
         self.sequence_sharding = None  # set by tensor_parallel.shard_stage for sequence parallelism
 
     def forward(
@@ -121,8 +117,7 @@ class LLMStage(nn.Module):
         if sharding is not None and self.is_first:
             hidden = sharding.scatter(hidden, packed.total_tokens)
         position_embeddings = self.rotary_emb(hidden, packed.position_ids.unsqueeze(0))
-        hidden = run_decoder_layers(self.layers, hidden, packed, position_embeddings,
-                                    checkpoint_layers=self.recompute == "full")
+        hidden = run_decoder_layers(self.layers, hidden, packed, position_embeddings)
         if not self.is_last:
             return hidden
         if shift_labels is None:
@@ -130,20 +125,20 @@ class LLMStage(nn.Module):
         return self.head(hidden, shift_labels, num_items_in_batch)
 
 
-def _apply_recompute(mode: str, layers: nn.ModuleList) -> str:
-    """Selective mode switches the layers' attention to its recomputing wrapper (others switch it off)."""
-    for layer in layers:
-        set_core_recompute(layer, mode == "selective")
-    return mode
-
-
 def build_vision_stage(model: PreTrainedModel, stage: int, n_stages: int,
                        layer_range: Sequence[int] | None = None, recompute: str = "none") -> VisionStage:
-    """Vision stage `stage` of `n_stages` over layers [start, stop) (default: uniform split)."""
-    return VisionStage(model, stage, n_stages, layer_range, recompute)
+    """Vision stage `stage` of `n_stages` over layers [start, stop) (default: uniform split), its
+    layers recomputing as `recompute` says (mode none also switches off a selective mode an earlier
+    stage over the same layers set)."""
+    built = VisionStage(model, stage, n_stages, layer_range)
+    apply_recompute(built, recompute, f"vision stage {stage}")
+    return built
 
 
 def build_llm_stage(model: PreTrainedModel, stage: int, n_stages: int,
                     layer_range: Sequence[int] | None = None, recompute: str = "none") -> LLMStage:
-    """LLM stage `stage` of `n_stages` over decoder layers [start, stop) (default: uniform split)."""
-    return LLMStage(model, stage, n_stages, layer_range, recompute)
+    """LLM stage `stage` of `n_stages` over decoder layers [start, stop) (default: uniform split),
+    its layers recomputing as `recompute` says (as `build_vision_stage`)."""
+    built = LLMStage(model, stage, n_stages, layer_range)
+    apply_recompute(built, recompute, f"LLM stage {stage}")
+    return built

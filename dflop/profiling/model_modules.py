@@ -14,8 +14,8 @@ tensor-parallel shard), with inputs for one shape.
 The modules are the ones the pipeline stages run (`dflop.models.llm_parts`, transformers layers),
 so the profile times the training code. Rotary cos/sin are inputs of `llm_layer` because a stage
 computes them once for all its layers. vision_layer and llm_layer, the layers a stage recomputes,
-also run as a stage with recompute selective / full runs them (`dflop.models.recompute`;
-`ModuleBench.recomputing`).
+also run wrapped as a stage with recompute selective / full wraps them (the same wrappers,
+`dflop.models.recompute.recompute_layer`; `ModuleBench.recomputing`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dflop.models.builder import ties_embeddings
 from dflop.models.llm_parts import CausalLMHead, TokenEmbedding, run_decoder_layers
 from dflop.models.packing import PackedSequence, packed_attention_forward
 from dflop.models.precision import Precision
-from dflop.models.recompute import checkpointed_call, set_core_recompute
+from dflop.models.recompute import recompute_layer
 from dflop.models.tensor_parallel import (
     TPGroup,
     VocabParallelCausalLMHead,
@@ -158,9 +158,9 @@ class _BenchFactory:
         width = self.vision_cfg.hidden_size
         run = self.arch.run_vision_layer
 
-        def recompute(mode):  # as `dflop.models.stages.VisionStage` runs its layers
-            set_core_recompute(layer, mode == "selective")
-            return (lambda hidden: checkpointed_call(run, layer, hidden)) if mode == "full" else forward
+        def recompute(mode):  # as `dflop.models.stages.VisionStage` runs its layers, wrapped
+            wrapped = recompute_layer(layer, mode)
+            return lambda hidden: run(wrapped, hidden)
 
         def forward(hidden):
             return run(layer, hidden)
@@ -203,10 +203,9 @@ class _BenchFactory:
                 cos_sin = rotary(hidden, packed.position_ids.unsqueeze(0))
             return hidden, packed, cos_sin
 
-        def recompute(mode):  # as `dflop.models.stages.LLMStage` runs its layers
-            set_core_recompute(layer, mode == "selective")
-            return lambda hidden, packed, cos_sin: run_decoder_layers([layer], hidden, packed, cos_sin,
-                                                                      checkpoint_layers=mode == "full")
+        def recompute(mode):  # as `dflop.models.stages.LLMStage` runs its layers, wrapped
+            wrapped = recompute_layer(layer, mode)
+            return lambda hidden, packed, cos_sin: run_decoder_layers([wrapped], hidden, packed, cos_sin)
 
         return ModuleBench("llm_layer", layer, inputs,
                            lambda hidden, packed, cos_sin: run_decoder_layers([layer], hidden, packed, cos_sin),

@@ -3,8 +3,9 @@
 Every rank builds the full transformers model on the meta device (no memory), takes the stage views
 of it that the `Topology` assigns (docs/design.md), materialises only the tensors those reach on its
 device (random init by seed and tensor name, the same under any layout, or read from the local
-weights: `dflop.models.materialize`), shards them for tensor parallelism
-(`dflop.models.tensor_parallel`: DTensor, Megatron's layout), and freezes parameters by their global name:
+weights: `dflop.models.materialize`), and applies the plan's techniques to each stage
+(`dflop.runtime.parallelize.parallelize_stage`: tensor parallelism, recomputation, FSDP2), freezing
+parameters by their global name before FSDP2:
 
 - ``vision``: ``model.vision_tower.*`` (InternVL's final tower norm included);
 - ``projector``: ``model.multi_modal_projector.*`` and LLaVA-OV's ``model.image_newline``;
@@ -39,11 +40,10 @@ from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.handle import ModelHandle
 from dflop.models.info import llm_tp_degrees, vision_tp_degrees
-from dflop.models.stages import LLMStage, VisionStage, build_llm_stage, build_vision_stage
-from dflop.models.tensor_parallel import shard_stage
+from dflop.models.stages import LLMStage, VisionStage
+from dflop.runtime.parallelize import parallelize_stage
 from dflop.runtime.param_names import full_model_on_meta, untrained_parameter_names
-from dflop.runtime.sharding import shard_stages
-from dflop.runtime.topology import Topology
+from dflop.runtime.topology import LLM, VISION, Topology
 
 EMBEDDING_NAME = "model.language_model.embed_tokens.weight"  # global name of the LLM's input embedding
 
@@ -95,45 +95,48 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
     untrained: set[str] = set()
     if topo.vision_role is not None:
         role = topo.vision_role
-        vision = build_vision_stage(model, role.stage, role.n_stages, plan.vision.layer_ranges()[role.stage],
-                                    recompute=plan.vision.techniques.recompute[role.stage])
+        vision = VisionStage(model, role.stage, role.n_stages, plan.vision.layer_ranges()[role.stage])
         if role.is_last:
             untrained = untrained_parameter_names(full_model_on_meta(config))
     if topo.llm_role is not None:
         role = topo.llm_role
-        llm = build_llm_stage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage],
-                              recompute=plan.llm.techniques.recompute[role.stage])
+        llm = LLMStage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage])
     fill = handle.materializer(model, seed=seed, device=device)
     fill(untrained, optional=untrained)
-    if vision is not None:  # each part filled just before it is sharded: one unsharded part at a time
-        shard_stage(vision, topo.vision_tp, plan.vision_techniques.sequence_parallel, materialize=fill.module)
-    if llm is not None:
-        shard_stage(llm, topo.llm_tp, plan.llm_techniques.sequence_parallel, materialize=fill.module)
     modules = RankModules(model, vision, llm)
-    freeze(modules, handle.spec)
-    modules.sharded = shard_stages(topo, model, {"vision": vision, "llm": llm}, torch.device(device).type)
+    for module, stage, role in ((VISION, vision, topo.vision_role), (LLM, llm, topo.llm_role)):
+        if stage is None:
+            continue
+        sharded = parallelize_stage(stage, topo.layout(module), role.stage, topo, full=model,
+                                    device_type=torch.device(device).type, materialize=fill.module,
+                                    freeze=lambda part: freeze(model, part, handle.spec))
+        if sharded is not None:
+            modules.sharded.append(sharded)
     return modules
 
 
-def freeze(modules: RankModules, spec: ModelSpec) -> None:
-    """Set requires_grad from the freeze flags (the config's model section), by global parameter name."""
+def freeze(full: PreTrainedModel, stage: nn.Module, spec: ModelSpec) -> None:
+    """Set requires_grad of `stage`'s parameters from the freeze flags (the config's model
+    section), by global parameter name (`full`: the rank's full model, of which it is a view)."""
     frozen = tuple(prefix for part, flag in (("vision", spec.freeze_vision), ("projector", spec.freeze_projector),
                                              ("llm", spec.freeze_llm)) if flag for prefix in FREEZE_PREFIXES[part])
-    names = parameter_names(modules)
-    for param in modules.parameters():
+    names = _global_names(full, [stage])
+    for param in stage.parameters():
         param.requires_grad_(not names[id(param)].startswith(frozen) if frozen else True)
 
 
 def parameter_names(modules: RankModules) -> dict[int, str]:
     """id(parameter) -> global name, without the checkpoint module (identity, then TP wrappers)."""
-    full = modules.full
+    return _global_names(modules.full, [part for part in (modules.vision, modules.llm) if part is not None])
+
+
+def _global_names(full: PreTrainedModel, parts: list[nn.Module]) -> dict[int, str]:
+    """id(parameter) -> global name of the parameters of `parts`, views of `full`."""
     by_identity: dict[int, str] = {}
     for n, p in full.named_parameters(remove_duplicate=False):
         by_identity.setdefault(id(p), n)  # a tied tensor keeps its first (canonical) name
     out = {}
-    for part in (modules.vision, modules.llm):
-        if part is None:
-            continue
+    for part in parts:
         for local, param in part.named_parameters():
             name = by_identity.get(id(param))
             if name is None and local == "embedding.embed_tokens.weight":

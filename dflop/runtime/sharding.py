@@ -48,35 +48,33 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dflop.models.tensor_parallel import DP_DIM
-from dflop.runtime.topology import LLM, VISION, Topology
+from dflop.runtime.topology import VISION, Topology
 
 
-def shard_stages(topo: Topology, full: nn.Module, stages: dict[str, nn.Module | None],
-                 device_type: str) -> list[FSDPModule]:
-    """``fully_shard`` each stage of `stages` (module name -> this rank's stage) whose module asks
-    for it, has dp > 1 and trains something here; returns the sharded stages. Call after freezing.
+def shard_stage_over_replicas(topo: Topology, module: str, stage: nn.Module, full: nn.Module,
+                              device_type: str) -> FSDPModule | None:
+    """``fully_shard`` this rank's stage of `module` (vision | llm) if the module asks for it, has
+    dp > 1 and the stage trains something here; returns the sharded stage, else None. Call after
+    freezing and after tensor parallelism (module docstring).
 
-    full: the rank's full model, of which the stages are views: its modules get the sharded
+    full: the rank's full model, of which the stage is a view: its modules get the sharded
     parameters too (FSDP replaces them only inside the stage; e.g. LLaVA-OV's ``image_newline`` is
     also registered on the inner model), so global names keep resolving by identity."""
-    groups = {VISION: topo.groups.vision_dp, LLM: topo.groups.llm_dp}
-    out = []
-    for module, stage in stages.items():
-        if stage is None or not topo.layout(module).techniques.shard_optimizer or groups[module] is None:
-            continue
-        if not any(p.requires_grad for p in stage.parameters()):
-            continue
-        tp = topo.vision_tp if module == VISION else topo.llm_tp
-        if tp.dp_group is not None:  # tensor-parallel: shard over "dp" of the mesh whose "tp" TP uses
-            mesh = tp.dp_tp_mesh(device_type)[DP_DIM]
-        else:
-            mesh = DeviceMesh.from_group(groups[module], device_type, mesh_dim_names=(f"{module}_dp",))
-        before = dict(stage.named_parameters(remove_duplicate=False))
-        sharded = fully_shard(stage, mesh=mesh, reshard_after_forward=False)
-        _rebind(full, before, dict(stage.named_parameters(remove_duplicate=False)))
-        sum_over_replicas(sharded)
-        out.append(sharded)
-    return out
+    group = topo.groups.vision_dp if module == VISION else topo.groups.llm_dp
+    if not topo.layout(module).techniques.shard_optimizer or group is None:
+        return None
+    if not any(p.requires_grad for p in stage.parameters()):
+        return None
+    tp = topo.vision_tp if module == VISION else topo.llm_tp
+    if tp.dp_group is not None:  # tensor-parallel: shard over "dp" of the mesh whose "tp" TP uses
+        mesh = tp.dp_tp_mesh(device_type)[DP_DIM]
+    else:
+        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"{module}_dp",))
+    before = dict(stage.named_parameters(remove_duplicate=False))
+    sharded = fully_shard(stage, mesh=mesh, reshard_after_forward=False)
+    _rebind(full, before, dict(stage.named_parameters(remove_duplicate=False)))
+    sum_over_replicas(sharded)
+    return sharded
 
 
 def sum_over_replicas(sharded: FSDPModule) -> None:

@@ -20,6 +20,7 @@ from dflop.models.builder import model_config
 from dflop.models.llm_parts import run_decoder_layers
 from dflop.models.packing import PackedSequence
 from dflop.models.precision import Precision
+from dflop.models.recompute import recompute_layer
 from dflop.models.tensor_parallel import TPGroup, shard_llm_layer
 from dflop.profiling._memory import saved_tensor_bytes
 from dflop.runtime.process_group import end_worker
@@ -45,7 +46,7 @@ def main() -> None:
                 x = torch.randn(1, rows, cfg.hidden_size, dtype=precision.stream_dtype, requires_grad=True)
                 cos_sin = rotary(x, packed.position_ids[None])
                 with saved_tensor_bytes(exclude=sharded.parameters()) as result, precision.autocast("cpu"):
-                    out = run_decoder_layers([sharded], x, packed, cos_sin, checkpoint_layers=mode == "full")
+                    out = run_decoder_layers([recompute_layer(sharded, mode)], x, packed, cos_sin)
                 out.sum().backward()
                 saved.append(result.bytes)
             if tp.rank == 0:

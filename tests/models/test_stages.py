@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
 
 from dflop.errors import UserError
 from dflop.models.architectures import ImageLayout
 from dflop.models.builder import build_model
 from dflop.models.packing import PackedSequence
+from dflop.models.recompute import apply_recompute, attention_module
 from dflop.models.stages import build_llm_stage, build_vision_stage
 from dflop.plan import uniform_layer_split
 
@@ -218,3 +220,20 @@ def test_selective_recompute_switches_only_its_stage_layers_and_back():
     assert attention.config is config
     with pytest.raises(UserError, match="recompute mode 'partial'"):
         build_llm_stage(model, 0, 1, recompute="partial")
+
+
+def test_recompute_is_a_wrapper_over_the_plain_layers():
+    """Full recompute wraps each layer of the stage (the same module inside), selective only gives
+    its attention the recomputing config, and mode none gives back exactly the plain layers."""
+    _, model = _models("llava_ov")
+    plain = list(build_llm_stage(model, 0, 1).layers)
+    stage = build_llm_stage(model, 0, 1, recompute="full")
+    assert stage.recompute == "full"
+    assert all(isinstance(w, CheckpointWrapper) and w._checkpoint_wrapped_module is p for w, p in zip(stage.layers, plain))
+    apply_recompute(stage, "selective", "LLM stage 0")
+    assert [id(m) for m in stage.layers] == [id(p) for p in plain]
+    assert all(attention_module(p).config._attn_implementation.endswith("+recompute") for p in plain)
+    apply_recompute(stage, "full", "LLM stage 0")
+    apply_recompute(stage, "none", "LLM stage 0")
+    assert [id(m) for m in stage.layers] == [id(p) for p in plain] and stage.recompute == "none"
+    assert all(attention_module(p).config is model.config.text_config for p in plain)
