@@ -33,7 +33,7 @@ from dflop.models.tensor_parallel import (
 )
 from dflop.runtime.checkpoint import TrainState, load_latest, save_checkpoint
 from dflop.runtime.param_names import RankParameters, rank_parameters
-from dflop.runtime.process_group import global_rank, world_size
+from dflop.runtime.process_group import end_worker, global_rank, world_size
 
 # --------------------------------------------------------------------------------------------------
 # Processes
@@ -45,8 +45,12 @@ def _entry(rank: int, world: int, store: str, fn, args: tuple) -> None:
     torch.set_num_threads(1)
     try:
         fn(rank, *args)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # torch.multiprocessing reports it to the parent, which ends the other ranks
+    # Done: as a torchrun worker ends (a barrier, then no interpreter teardown racing gloo's threads,
+    # where a finished forked rank hung under load in the process group's destructor).
+    end_worker()
 
 
 def spawn(fn, world: int, tmp_path: Path, *args) -> None:
