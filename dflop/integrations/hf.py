@@ -110,13 +110,15 @@ class Sampling:
     def from_config(cls, cfg: Config, *, shapes: str | Path | pd.DataFrame,
                     costmodel: str | Path | CostModel | None = None,
                     keys: Sequence[tuple[str, str]] | None = None) -> "Sampling":
-        """From a dflop config (model, cluster, ``run.seed``, the scheduler's ``ilp`` and budget), a
+        """From a dflop config (model, cluster, ``run.seed``, ``data.datasets`` weights), a
         shapes table (`dflop profile-data`'s file, or a DataFrame such as `shapes_of_samples`' rows)
         and optionally a fitted costmodel.json."""
         where = str(shapes) if not isinstance(shapes, pd.DataFrame) else "shapes"
         table = read_shapes(shapes) if not isinstance(shapes, pd.DataFrame) else shapes
         cost = load_cost_model(costmodel) if isinstance(costmodel, (str, Path)) else costmodel
-        sched = SchedulerSettings(policy="dflop", budget_s=cfg.scheduler.budget_ms / 1e3, ilp=cfg.scheduler.ilp)
+        # Every rank partitions on its own, so only the deterministic members may run: the exact ILP
+        # (`scheduler.ilp`) stops at a wall-clock deadline and could leave ranks with different splits.
+        sched = SchedulerSettings(policy="dflop", budget_s=cfg.scheduler.budget_ms / 1e3, ilp="never")
         pool = align_shapes(table, keys, where)
         mix = dataset_mix(pool["dataset"].tolist(), cfg.datasets) if "dataset" in pool.columns else None
         return cls(pool, ModelHandle.resolve(cfg.model), cost, Cluster.from_section(cfg.cluster), cfg.seed, sched, mix)
@@ -157,6 +159,9 @@ class DflopBatchSampler(Sampler[list[int]]):
                 raise UserError(f"DflopBatchSampler: {name} must be a positive integer, got {value!r}")
         if not 0 <= rank < world_size:
             raise UserError(f"DflopBatchSampler: rank {rank} is outside world size {world_size}")
+        if sampling.scheduler.ilp != "never" and world_size > 1:
+            raise UserError("DflopBatchSampler: scheduler ilp must be 'never' on more than one rank: every rank "
+                            "partitions on its own, and the ILP's wall-clock deadline could split differently")
         if global_batch_size < world_size * grad_accum:
             raise UserError(f"DflopBatchSampler: a global batch of {global_batch_size} samples cannot give each of "
                             f"{world_size} ranks x {grad_accum} microbatches a sample")
@@ -249,10 +254,20 @@ class DflopTrainer(Trainer):
         loader = self.accelerator.prepare(loader)
         # accelerate wraps a batch sampler in a `BatchSamplerShard` that deals batches out to the
         # processes; ours yields only this rank's already, so the wrapper must pass them all through.
-        shard = getattr(loader, "batch_sampler", None)
-        if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
-            shard.num_processes, shard.process_index = 1, 0
+        pass_through(loader, sampler)
         return loader
+
+
+def pass_through(loader: DataLoader, sampler: DflopBatchSampler) -> None:
+    """Make accelerate's `BatchSamplerShard` around `sampler` (`Accelerator.prepare`) hand on every
+    batch: `sampler` yields only this rank's already. Also expose `sampler` as the shard's
+    ``sampler``, so `set_epoch` still reaches it when a resume wraps the shard in a
+    `SkipBatchSampler` (accelerate's `DataLoaderShard.set_epoch` looks two levels down for a
+    ``sampler``; the `Trainer` forwards only one level)."""
+    shard = getattr(loader, "batch_sampler", None)
+    if shard is not None and getattr(shard, "batch_sampler", None) is sampler:
+        shard.num_processes, shard.process_index = 1, 0
+        shard.sampler = sampler
 
 
 class TokenItems(torch.utils.data.Dataset):

@@ -21,8 +21,8 @@ from dflop.scheduler import partition
 HERE = Path(__file__).resolve().parent
 
 
-def tiny_config(memory_gb: float = 1000.0, seed: int = 3) -> Config:
-    return Config.from_dict({"run": {"seed": seed},
+def tiny_config(memory_gb: float = 1000.0, seed: int = 3, ilp: str = "never") -> Config:
+    return Config.from_dict({"run": {"seed": seed}, "scheduler": {"ilp": ilp},
                              "model": {"arch": "llava_ov", "vision": "siglip-tiny", "llm": "qwen2.5-tiny"},
                              "data": {"datasets": [{"name": "mix", "path": "unused.json"}]},
                              "cluster": {"device": "cpu", "nodes": 1, "gpus_per_node": 4,
@@ -116,3 +116,33 @@ def test_hf_trainer_loss_and_gradients_are_the_whole_batch_mean(demo_manifest, t
         scale = max(1e-3, float(ref.abs().max()))
         assert torch.allclose(grads[name], ref, rtol=1e-4, atol=1e-5 * scale), \
             (name, float((grads[name] - ref).abs().max()), scale)
+
+
+def test_a_resumed_epoch_still_reaches_the_sampler(sampling):
+    """A resume wraps the sharded batch sampler in accelerate's `SkipBatchSampler`; `set_epoch` on the
+    resumed loader must still pick the sampler's epoch, or a resume in epoch e > 0 trains epoch 0."""
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderShard, skip_first_batches
+
+    from dflop.integrations.hf import pass_through
+
+    mine = sampler(sampling, 2, 1, 2)
+    loader = DataLoaderShard(list(range(len(sampling.pool))), batch_sampler=BatchSamplerShard(mine, 2, 1),
+                             collate_fn=list)
+    pass_through(loader, mine)
+    resumed = skip_first_batches(loader, 3)
+    resumed.set_epoch(2)
+    assert mine.epoch == 2
+    reference = sampler(sampling, 2, 1, 2)
+    reference.set_epoch(2)
+    assert list(resumed) == list(reference)[3:]  # this rank's epoch-2 microbatches after the 3 skipped
+
+
+def test_only_deterministic_members_split_across_ranks(sampling):
+    """Every rank partitions alone: a wall-clock-limited ILP could give ranks different splits."""
+    from dataclasses import replace
+
+    with_ilp = replace(sampling, scheduler=replace(sampling.scheduler, ilp="auto"))
+    with pytest.raises(UserError, match="ilp must be 'never'"):
+        sampler(with_ilp, 2, 0, 2)
+    sampler(with_ilp, 1, 0, 2)  # one rank: nothing to disagree with
+    assert Sampling.from_config(tiny_config(ilp="always"), shapes=sampling.pool).scheduler.ilp == "never"
