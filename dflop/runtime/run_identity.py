@@ -104,7 +104,8 @@ def run_fingerprint(settings: "TrainSettings", plan: "Plan", pool: pd.DataFrame)
         "plan": layout,
         "scheduler.policy": sched.policy,
         "scheduler.pad_to_longest": sched.pad_to_longest,
-        "data.datasets": [{"name": d.name, "format": d.format, "sample": d.sample, "files": dataset_identity(d.path)}
+        "data.datasets": [{"name": d.name, "format": d.format, "sample": d.sample, "files": dataset_identity(d.path),
+                           **({"weight": d.weight} if d.weight is not None else {})}  # the mix decides the batches
                           for d in settings.datasets],
         "data.shapes": pool_identity(pool),
         "train.global_batch_size": t.global_batch_size,

@@ -77,6 +77,7 @@ def _section(key: str, value) -> dict:
     ("scheduler.policy", _section("scheduler.policy", "baseline")),
     ("scheduler.pad_to_longest", _section("scheduler.pad_to_longest", True)),
     ("data.datasets", {"data": {"datasets": [{"name": "demo", "path": "/data/demo.json", "sample": "first:2"}]}}),
+    ("data.datasets", {"data": {"datasets": [{"name": "demo", "path": "/data/demo.json", "weight": 2.0}]}}),
 ])
 def test_each_setting_that_defines_the_run_is_named_when_it_changes(key, change):
     assert _fp(_settings(change)).differences(_fp()) == [key]

@@ -141,6 +141,14 @@ def test_changing_a_param_reruns_only_rules_that_use_it(workdir):
     assert "profile_data" not in planned_rules(workdir, "profile_data", "--configfile", unrelated)
 
 
+def test_dataset_weights_replan_and_retrain_without_reprofiling(workdir):
+    """The mix (data.datasets[].weight) decides which samples train, not any sample's shape: the
+    plan and the training follow it, the data stages and the load profile do not."""
+    weighted = _with_config(workdir, "weighted", lambda c: c["data"]["datasets"][0].update(weight=2.0))
+    ran = planned_rules(workdir, "train", "--configfile", weighted)
+    assert {"optimize", "train"} <= ran and not ran & {"make_demo_data", "profile_data", "profile_loading"}, ran
+
+
 def test_a_changed_value_is_a_short_reason_naming_its_section(workdir):
     """The reason Snakemake prints compares per-section digests, not two copies of the settings."""
     skip = _with_config(workdir, "skip_reason", lambda c: c["data"].update(max_skip_frac=0.25))

@@ -58,6 +58,14 @@ class RuleSettings:
         return self.json
 
 
+def datasets_setting(weights: bool) -> list:
+    """data.datasets as a rule's settings. weights=False: without `weight` (what the data stages
+    read does not depend on the mix); True: with it only where set, so a config without weights has
+    the settings (and digests) it had before weights existed."""
+    return [{k: v for k, v in ds.items() if k != "weight" or (weights and v is not None)}
+            for ds in config["data"]["datasets"]]
+
+
 def dataset_files(wildcards=None):
     """Files whose change must re-run profile_data: each manifest, or each Parquet part of a directory."""
     files = []

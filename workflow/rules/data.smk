@@ -20,7 +20,7 @@ rule make_demo_data:
 PROFILE_DATA_SETTINGS = RuleSettings(
     run={"seed": config["run"]["seed"]},
     model={k: config["model"][k] for k in ("arch", "vision", "tokenizer", config["model"]["arch"])},
-    data={k: config["data"][k] for k in ("datasets", "max_skip_frac")},
+    data={"datasets": datasets_setting(weights=False), "max_skip_frac": config["data"]["max_skip_frac"]},
 )
 
 
@@ -46,7 +46,8 @@ rule profile_data:
 PROFILE_LOADING_SETTINGS = RuleSettings(
     run={"seed": config["run"]["seed"]},
     model={k: config["model"][k] for k in ("arch", "vision", "llm", "weights", "tokenizer", config["model"]["arch"])},
-    data={k: config["data"][k] for k in ("datasets", "load_profile_samples", "load_profile_seconds")},
+    data={"datasets": datasets_setting(weights=False),
+          **{k: config["data"][k] for k in ("load_profile_samples", "load_profile_seconds")}},
     profile={"co_runners": profile_co_runners()},  # the node's ranks load at once, as in training
 )
 

@@ -3,7 +3,7 @@
 
 # The datasets reach the planner only when they carry weights (data.datasets[].weight: its sampled
 # batches are drawn by the mix); without, a run's settings and re-runs stay as they were.
-MIXED_DATASETS = {"data": {"datasets": config["data"]["datasets"]}} if any(
+MIXED_DATASETS = {"data": {"datasets": datasets_setting(weights=True)}} if any(
     d.get("weight") is not None for d in config["data"]["datasets"]) else {}
 
 OPTIMIZE_SETTINGS = RuleSettings(

@@ -8,7 +8,7 @@
 TRAIN_SETTINGS = RuleSettings(
     run={"seed": config["run"]["seed"]},
     model=config["model"],
-    data={k: config["data"][k] for k in ("datasets", "max_skip_frac")},
+    data={"datasets": datasets_setting(weights=True), "max_skip_frac": config["data"]["max_skip_frac"]},
     cluster={k: config["cluster"][k] for k in ("device", "gpu_memory_gb")},
     train=config["train"],
     scheduler=config["scheduler"],
