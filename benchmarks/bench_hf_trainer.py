@@ -285,12 +285,6 @@ def worker_env() -> dict:
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
 
-def pd_read(path: Path):
-    import pandas as pd
-
-    return pd.read_parquet(path)
-
-
 def summarise(doc: dict) -> tuple[str, list[str]]:
     """(the markdown table, problems) of the worker's results."""
     lines = ["| variant | samples/s | tokens/s | step s | rank wait s/step | peak activations MB | rounds |",
@@ -363,8 +357,10 @@ def main() -> None:
     cfg, raw = load_config(opts.config, opts.preset, work)
     began = time.perf_counter()
     prepare(cfg, work, 60 if opts.quick else None)
-    write_pool_shapes(cfg, work, opts.limit)
-    steps = opts.steps or len(pd_read(work / "pool_shapes.parquet")) // cfg.train.global_batch_size
+    import pandas as pd
+
+    pool_size = len(pd.read_parquet(write_pool_shapes(cfg, work, opts.limit)))
+    steps = opts.steps or pool_size // cfg.train.global_batch_size
 
     def hf_run(extra: list[str], out: Path) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
@@ -390,7 +386,7 @@ def main() -> None:
                 doc["results"][name] += rounds
         if "dflop_train" in opts.variants and r % 2 == 1:
             doc["results"]["dflop_train"].append(run_dflop_train(opts, cfg, raw, work, r, steps))
-    doc.setdefault("meta", {"pool": len(pd_read(work / "pool_shapes.parquet")), "steps": steps,
+    doc.setdefault("meta", {"pool": pool_size, "steps": steps,
                             "global_batch_size": cfg.train.global_batch_size,
                             "model": f"{cfg.model.arch}/{cfg.model.vision}/{cfg.model.llm}"})
     (work / "bench_hf_trainer.json").write_text(json.dumps(doc))

@@ -48,7 +48,7 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
     shape = shape or ModelShape.from_info(model.info)
     table = read_shapes(shapes_path)
     pool = Pool.from_shapes(table, where=str(shapes_path), llm_tokens_per_tile=shape.llm_tokens_per_tile)
-    mix = dataset_mix(table["dataset"].tolist(), datasets) if datasets else None
+    mix = dataset_mix(table["dataset"].tolist(), datasets)  # None without weights
     if mix is not None:
         pool = replace(pool, draw_p=mix.probabilities)
     cluster = Cluster.from_section(cluster)
