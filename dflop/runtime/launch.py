@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fresh", action="store_true",
                         help="start afresh even if out-dir/checkpoints holds this run's checkpoint (the old "
                              "checkpoints are moved to out-dir/previous_runs/, not deleted)")
+    parser.add_argument("--take-turns", metavar="DIR/NAME",
+                        help="take each step in turn with the other jobs of DIR (dflop.runtime.turns; "
+                             "`dflop head-to-head` starts such jobs)")
     parser.add_argument("--nodes", type=int, default=None,
                         help="nodes (default: those of the enclosing Slurm job, else 1)")
     parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (multi-node without Slurm)")
@@ -135,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _worker_args(args: argparse.Namespace) -> list[str]:
     out = []
-    for flag in ("config", "settings", "plan", "shapes", "costmodel", "out_dir", "steps", "policy"):
+    for flag in ("config", "settings", "plan", "shapes", "costmodel", "out_dir", "steps", "policy", "take_turns"):
         value = getattr(args, flag)
         if value is not None:
             out += [f"--{flag.replace('_', '-')}", str(value)]
@@ -183,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         train(load(args.config, args.settings), plan_path=args.plan, shapes_path=args.shapes,
               costmodel_path=args.costmodel, out_dir=args.out_dir, steps=args.steps, policy=args.policy,
-              pad_to_longest=args.pad, export=not args.no_export, fresh=args.fresh)
+              pad_to_longest=args.pad, export=not args.no_export, fresh=args.fresh, take_turns=args.take_turns)
         if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker, done: leave as `end_worker` explains
             from dflop.runtime.process_group import end_worker
 

@@ -27,11 +27,12 @@ from dflop.progress import progress as progress_counter
 from dflop.runtime.agreement import rank0_result
 from dflop.data.training import pool_samples
 from dflop.runtime.metrics import MetricsWriter, measured_times, metrics_row
-from dflop.runtime.process_group import init_distributed
+from dflop.runtime.process_group import barrier, init_distributed
 from dflop.runtime.run_identity import prepare_checkpoints
 from dflop.runtime.spans import publish_trace, rank_labels, write_trace
 from dflop.runtime.settings import TrainSettings
 from dflop.runtime.trainer import Trainer, plan_cluster
+from dflop.runtime.turns import NoTurns, Turns
 from dflop.shapes import read_shapes
 from dflop.costmodel.jsonio import load_cost_model
 
@@ -40,7 +41,8 @@ log = logging.getLogger("dflop.train")
 
 def train(cfg, *, plan_path: str | Path, shapes_path: str | Path, costmodel_path: str | Path | None,
           out_dir: str | Path, steps: int | None = None, policy: str | None = None, pad_to_longest: bool | None = None,
-          export: bool = True, progress: bool = True, stop_after: int | None = None, fresh: bool = False) -> Path:
+          export: bool = True, progress: bool = True, stop_after: int | None = None, fresh: bool = False,
+          take_turns: str | Path | None = None) -> Path:
     """Train inside a torchrun worker (every rank calls it); returns metrics.parquet's path.
 
     cfg: a `dflop.config.Config`. plan_path: plan.yaml; shapes_path: shapes.parquet; costmodel_path:
@@ -51,15 +53,18 @@ def train(cfg, *, plan_path: str | Path, shapes_path: str | Path, costmodel_path
     starts afresh).
     steps / policy / pad_to_longest: override train.steps / scheduler.policy / the baseline's
     padding variant. stop_after: stop (as if killed) after this many steps of this run (tests).
+    take_turns: ``DIR/NAME``: take each step in turn with the other jobs of DIR (`dflop.runtime.turns`).
     """
     settings = TrainSettings.from_config(cfg, steps=steps, policy=policy, pad_to_longest=pad_to_longest)
     return run_training(settings, plan_path=plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path,
-                        out_dir=out_dir, export=export, progress=progress, stop_after=stop_after, fresh=fresh)
+                        out_dir=out_dir, export=export, progress=progress, stop_after=stop_after, fresh=fresh,
+                        take_turns=take_turns)
 
 
 def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path: str | Path,
                  costmodel_path: str | Path | None, out_dir: str | Path, export: bool = True,
-                 progress: bool = True, stop_after: int | None = None, fresh: bool = False) -> Path:
+                 progress: bool = True, stop_after: int | None = None, fresh: bool = False,
+                 take_turns: str | Path | None = None) -> Path:
     """`train` with explicit settings (see there)."""
     from dflop.runtime.checkpoint import load_latest, save_checkpoint
 
@@ -90,12 +95,14 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
     bar = _progress_bar(total, start, progress and trainer.rank == 0)
     last = total if stop_after is None else min(total, start + stop_after)
     prefetch = not trainer.loads_in_step  # GPUs: the next step loads behind this one (Trainer.loads_in_step)
+    turns = Turns(take_turns, rank=trainer.rank, barrier=barrier) if take_turns is not None else NoTurns()
     try:
         if start < last:
             plan_now = trainer.next_plan(start)
             pending = trainer.load(plan_now) if prefetch else None
         spans = trainer.spans
         for step in range(start, last):
+            turns.wait()
             spans.begin_step(step + 1)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -145,6 +152,9 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                 save_checkpoint(ckpt_dir, done, trainer.train_state())
             if step + 1 < last:
                 plan_now = plan_next
+                turns.done()
+            else:
+                turns.finish()
         if metrics is not None and last == total:
             metrics.publish(out_dir / "metrics.parquet")
             publish_trace(ckpt_dir / "trace.json", out_dir / "trace.json")
