@@ -99,11 +99,11 @@ def prepare(cfg, work: Path, n_demo: int | None) -> Path:
 
 
 def training_pool(shapes_path: Path, video_frames: int, limit: int | None):
-    """The usable shapes rows HF's LLaVA-OV can batch (module docstring), the first `limit`."""
+    """The usable shapes rows HF's LLaVA-OV can batch (`dflop.integrations.hf_run.hf_pool`), the first `limit`."""
+    from dflop.integrations.hf_run import hf_pool
     from dflop.shapes import read_shapes
 
-    pool = read_shapes(shapes_path)
-    pool = pool[(pool["modality"] != "video") | (pool["n_frames"] == video_frames)].reset_index(drop=True)
+    pool = hf_pool(read_shapes(shapes_path), video_frames)
     return pool.head(limit).reset_index(drop=True) if limit else pool
 
 
@@ -112,61 +112,28 @@ def run_variant(name: str, cfg, pool, data, items, steps: int, out_dir: Path, me
     memory: track the bytes autograd holds for backward (slower: an untimed pass)."""
     import torch
     import torch.distributed as dist
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer
 
     from dflop.integrations.hf import DflopTrainer, LlavaOnevisionCollator, Sampling
+    from dflop.integrations.hf_run import (StepRecorder, per_device_batch, recording_trainer, step_callback,
+                                           training_arguments)
     from dflop.models.builder import build_model
-
     from dflop.profiling._memory import live_saved_tensor_bytes
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model.arch, cfg.model.vision, cfg.model.llm, seed=cfg.seed, llm_attention="sdpa")
-    pad_id = 0
-    collator = LlavaOnevisionCollator(data, pad_id, pack=name == "dflop_packed")
-    steps_log: list[dict] = []
-    current = {"samples": 0, "tokens": 0, "loss": 0.0}
-    clock = {"wall": 0.0, "cpu": 0.0}
-
-    class Timing(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            clock.update(wall=time.perf_counter(), cpu=time.thread_time())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            wall, cpu = time.perf_counter(), time.thread_time()
-            steps_log.append({**current, "wall_s": wall - clock["wall"], "cpu_s": cpu - clock["cpu"]})
-            current.update(samples=0, tokens=0, loss=0.0)
-            clock.update(wall=wall, cpu=cpu)
-
-    def count(inputs) -> None:
-        if "position_ids" in inputs:  # packed: one row, positions restart at each sample
-            current["samples"] += int((inputs["position_ids"] == 0).sum())
-            current["tokens"] += int(inputs["input_ids"].numel())
-        else:
-            current["samples"] += int(inputs["input_ids"].shape[0])
-            current["tokens"] += int(inputs["attention_mask"].sum())
-
-    class Counting:
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            count(inputs)
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            current["loss"] += float(loss)
-            return loss
-
-    per_device = cfg.train.global_batch_size // (WORLD * ACCUM)
+    collator = LlavaOnevisionCollator(data, 0, pack=name == "dflop_packed")
+    recorder = StepRecorder()
     strategy = name.removeprefix("hf_") if name.startswith("hf_") else "random"
-    args = TrainingArguments(output_dir=str(out_dir / "hf" / name), per_device_train_batch_size=per_device,
-                             gradient_accumulation_steps=ACCUM, max_steps=steps, learning_rate=cfg.train.lr,
-                             weight_decay=cfg.train.weight_decay, max_grad_norm=cfg.train.grad_clip,
-                             lr_scheduler_type="constant", train_sampling_strategy=strategy, use_cpu=True,
-                             ddp_backend="gloo", report_to=[], save_strategy="no", logging_strategy="no",
-                             remove_unused_columns=False, dataloader_num_workers=0, seed=cfg.seed,
-                             disable_tqdm=True, dataloader_drop_last=True)
-    common = dict(model=model, args=args, train_dataset=items, data_collator=collator, callbacks=[Timing()])
+    args = training_arguments(cfg, out_dir / "hf" / name, per_device=per_device_batch(
+        cfg.train.global_batch_size, WORLD, ACCUM), accum=ACCUM, steps=steps, strategy=strategy)
+    common = dict(model=model, args=args, train_dataset=items, data_collator=collator,
+                  callbacks=[step_callback(recorder)])
     if name.startswith("dflop"):
-        cls = type("Counted", (Counting, DflopTrainer), {})
-        trainer = cls(**common, dflop=Sampling.from_config(cfg, shapes=pool, costmodel=OPTIONS["costmodel"]))
+        trainer = recording_trainer(DflopTrainer, recorder)(
+            **common, dflop=Sampling.from_config(cfg, shapes=pool, costmodel=OPTIONS["costmodel"]))
     else:
-        trainer = type("Counted", (Counting, Trainer), {})(**common)
+        trainer = recording_trainer(Trainer, recorder)(**common)
     if memory:
         with live_saved_tensor_bytes(exclude=list(model.parameters())) as held:
             trainer.train()
@@ -174,18 +141,8 @@ def run_variant(name: str, cfg, pool, data, items, steps: int, out_dir: Path, me
         dist.all_gather_object(peaks, held.peak)
         return {"peak_bytes": max(peaks)}
     trainer.train()
-    rows = np.array([[s["samples"], s["tokens"], s["loss"], s["wall_s"], s["cpu_s"]] for s in steps_log])
-    summed = torch.tensor(rows[:, :3], dtype=torch.float64)
-    dist.all_reduce(summed)
-    walls = torch.tensor(rows[:, 3:], dtype=torch.float64)
-    gathered = [torch.zeros_like(walls) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, walls)
-    stacked = torch.stack(gathered).numpy()  # [rank, step, (wall, cpu)]
     del trainer, model
-    return {"samples": summed[:, 0].tolist(), "tokens": summed[:, 1].tolist(),
-            "loss": (summed[:, 2] / dist.get_world_size()).tolist(),
-            "wall_s": stacked[:, :, 0].max(axis=0).tolist(),
-            "wait_s": (stacked[:, :, 0] - stacked[:, :, 1]).clip(min=0).mean(axis=0).tolist()}
+    return recorder.gathered()
 
 
 OPTIONS: dict = {}

@@ -9,6 +9,7 @@ transformers) happen inside the subcommands so `dflop --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -147,17 +148,34 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_compare_runs(args: argparse.Namespace) -> None:
     from dflop.io import read_yaml
-    from dflop.runtime.comparison import compare_runs, no_comparison_line, planned_steps, read_metrics, write_summary
+    from dflop.runtime.comparison import (HF_COLUMNS, compare_runs, compare_with_hf, planned_steps, read_metrics,
+                                          summary_lines, write_summary)
 
     hint = "a training run's metrics.parquet (rules train and train_baseline)"
     predicted = planned_steps(read_yaml(args.plan, missing_hint="run `dflop optimize` first"), str(args.plan))
-    comparison = compare_runs(read_metrics(args.metrics, missing_hint=hint),
-                              read_metrics(args.baseline_metrics, missing_hint=hint), predicted)
+    plan = read_metrics(args.metrics, missing_hint=hint)
+    comparison = compare_runs(plan, read_metrics(args.baseline_metrics, missing_hint=hint), predicted)
+    hf = None
+    if args.hf_metrics is not None:
+        hf_hint = "the Hugging Face Trainer's metrics.parquet (dflop head-to-head)"
+        hf = compare_with_hf(read_metrics(args.metrics, missing_hint=hint, columns=HF_COLUMNS),
+                             read_metrics(args.hf_metrics, missing_hint=hf_hint, columns=HF_COLUMNS))
     if args.out is not None:
-        write_summary(comparison, args.out, {"inputs": {"plan_metrics": str(args.metrics),
-                                                        "baseline_metrics": str(args.baseline_metrics),
-                                                        "plan": str(args.plan)}})
-    print("\n".join(comparison.lines() if comparison is not None else [no_comparison_line()]), flush=True)
+        inputs = {"plan_metrics": str(args.metrics), "baseline_metrics": str(args.baseline_metrics),
+                  "plan": str(args.plan)}
+        inputs.update({"hf_metrics": str(args.hf_metrics)} if args.hf_metrics is not None else {})
+        write_summary(comparison, args.out, {"inputs": inputs}, hf=hf)
+    print("\n".join(summary_lines(comparison, hf)), flush=True)
+
+
+def cmd_head_to_head(args: argparse.Namespace) -> None:
+    from dflop.integrations.head_to_head import head_to_head
+
+    paths = head_to_head(str(args.config) if args.config else None, json.loads(args.settings) if args.settings else None,
+                         plan=args.plan, shapes=args.shapes, costmodel=args.costmodel, out_dir=args.out_dir,
+                         baseline_dir=args.baseline_dir)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -252,6 +270,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", type=Path, required=True,
                    help="plan.yaml: the predicted steps of the plan and its baseline (over the sampled batches)")
     p.add_argument("--out", type=Path, default=None, help="write the comparison as YAML here (summary.yaml)")
+    p.add_argument("--hf-metrics", type=Path, default=None,
+                   help="the Hugging Face Trainer's metrics.parquet (dflop head-to-head): adds the speedup over it; "
+                        "then --metrics and --baseline-metrics should be head-to-head's too (taken in turn)")
+
+    p = add("head-to-head", cmd_head_to_head,
+            "train the plan, its data-blind baseline and the Hugging Face Trainer side by side, one step each in turn")
+    p.add_argument("--config", type=Path, help="YAML config (default: the demo default)")
+    p.add_argument("--settings", help="JSON object laid over --config")
+    p.add_argument("--plan", type=Path, required=True, help="plan.yaml")
+    p.add_argument("--shapes", type=Path, required=True, help="shapes.parquet")
+    p.add_argument("--costmodel", type=Path, help="costmodel.json (default: the analytic stand-in)")
+    p.add_argument("--out-dir", type=Path, required=True,
+                   help="the plan's and HF's runs (plan/, hf/), their logs and the shared pool")
+    p.add_argument("--baseline-dir", type=Path, required=True, help="the baseline's run (metrics.parquet, trace.json)")
 
     p = add("report", cmd_report, "draw the report plots of one artifact group (summary, data, costmodel, plan, candidates, training, timeline)")
     add_report_arguments(p)

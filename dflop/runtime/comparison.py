@@ -9,6 +9,10 @@ batches the runs trained on: the ratio of the runs' median ``predicted_step_s`` 
 steps (each step's partition priced as profiled, never corrected), which tells a cost-model miss
 from the sampled batches differing from the trained ones.
 Idle: the median ``idle_frac`` of each run over the compared steps.
+
+Against the Hugging Face `Trainer` (`dflop head-to-head`, whose runs take their steps in turn):
+HF's sampler picks its own global batches, so the two are compared by throughput, not step by
+step: the samples of the steady-state steps both runs have over the seconds those steps took.
 """
 
 from __future__ import annotations
@@ -122,14 +126,59 @@ def compare_runs(plan: pd.DataFrame, baseline: pd.DataFrame, predicted: tuple[fl
                          trained)
 
 
+@dataclass(frozen=True)
+class HfComparison:
+    """The plan against the Hugging Face `Trainer` over `steps` (module docstring)."""
+
+    steps: list[int]
+    plan_samples_per_s: float
+    hf_samples_per_s: float
+    measured_speedup: float      # plan_samples_per_s / hf_samples_per_s
+    hf_idle_frac: float          # median idle_frac (`dflop.integrations.hf_run`: wall minus thread CPU time)
+    strategy: str = "group_by_length"
+
+    def line(self) -> str:
+        return (f"measured speedup of the plan over the Hugging Face Trainer (padded, {self.strategy}): "
+                f"{self.measured_speedup:.2f}x ({self.hf_samples_per_s:.1f} -> {self.plan_samples_per_s:.1f} "
+                f"samples/s, steps {self.steps[0]}-{self.steps[-1]} of both, taken in turn)")
+
+
+HF_COLUMNS = ("step", "step_s", "idle_frac", "samples")
+
+
+def compare_with_hf(plan: pd.DataFrame, hf: pd.DataFrame, *, warmup_steps: int = WARMUP_STEPS,
+                    strategy: str = "group_by_length") -> HfComparison | None:
+    """Throughput of the plan's run against HF's over their common steady-state steps; None when
+    they share none."""
+    steps = [int(s) for s in sorted(set(plan["step"]) & set(hf["step"])) if s > warmup_steps]
+    if not steps:
+        return None
+    p = plan.set_index("step").loc[steps]
+    h = hf.set_index("step").loc[steps]
+    plan_rate = float(p["samples"].sum() / p["step_s"].sum())
+    hf_rate = float(h["samples"].sum() / h["step_s"].sum())
+    return HfComparison(steps, plan_rate, hf_rate, plan_rate / hf_rate, float(np.median(h["idle_frac"])), strategy)
+
+
 def no_comparison_line(warmup_steps: int = WARMUP_STEPS) -> str:
     return (f"no speedup measured: the runs share no step after the {warmup_steps} warm-up steps "
             f"(train.steps must be above {warmup_steps})")
 
 
-def write_summary(comparison: RunComparison | None, path: str | Path, extra: Mapping | None = None) -> None:
-    """summary.yaml (atomically): the comparison's fields and its three lines (None: no steady
-    steps; `lines` says so and the other fields are absent), and `extra` records."""
-    doc = comparison.to_dict() if comparison is not None else {"steps": [], "lines": [no_comparison_line()]}
+def summary_lines(comparison: RunComparison | None, hf: HfComparison | None = None) -> list[str]:
+    """What `make demo` ends with: the comparison's lines (or why there is none), then HF's line."""
+    lines = comparison.lines() if comparison is not None else [no_comparison_line()]
+    return lines + ([hf.line()] if hf is not None else [])
+
+
+def write_summary(comparison: RunComparison | None, path: str | Path, extra: Mapping | None = None,
+                  hf: HfComparison | None = None) -> None:
+    """summary.yaml (atomically): the comparison's fields and its lines (None: no steady steps;
+    `lines` says so and the other fields are absent), HF's comparison under ``hf_trainer`` when
+    given, and `extra` records."""
+    doc = comparison.to_dict() if comparison is not None else {"steps": []}
+    doc["lines"] = summary_lines(comparison, hf)
+    if hf is not None:
+        doc["hf_trainer"] = asdict(hf)
     doc.update(extra or {})
     write_text_atomic(path, yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=200))

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from dflop.errors import UserError
-from dflop.runtime.comparison import compare_runs, planned_steps, write_summary
+from dflop.runtime.comparison import compare_runs, compare_with_hf, planned_steps, summary_lines, write_summary
 
 
 def _frame(step_s, idle, predicted, steps=None):
@@ -69,6 +69,31 @@ def test_summary_file(tmp_path):
     assert doc["measured_speedup"] == pytest.approx(0.95 / 0.55) and doc["warmup_steps"] == 2
     assert len(doc["lines"]) == 3 and doc["inputs"] == {"plan_metrics": "a"}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.yaml"]  # no temp file left
+
+
+def test_against_the_hf_trainer_by_throughput(tmp_path):
+    # HF's steps hold other samples than the plan's (its own sampler): compared by samples per second
+    # over the steady steps both have. Hand: plan steps 3-6 carry 16+16+8+16 = 56 samples in
+    # 0.5+0.7+0.6+0.4 = 2.2 s -> 25.45/s; HF 16*4 = 64 in 1.0+1.5+0.5+2.0 = 5.0 s -> 12.8/s; 1.989x.
+    # (Medians of step times would give 0.95 / 0.55 = 1.73x with the plan's short step 5 counted as a
+    # full one: throughput is what a user's epoch takes.)
+    plan = PLAN.assign(samples=[16, 16, 16, 16, 8, 16])
+    hf = pd.DataFrame({"step": range(1, 8), "step_s": [30.0, 9.0, 1.0, 1.5, 0.5, 2.0, 9.9],
+                       "idle_frac": [0.9, 0.9, 0.1, 0.2, 0.3, 0.4, 0.9], "samples": [16] * 7})
+    c = compare_with_hf(plan, hf)
+    assert c.steps == [3, 4, 5, 6]  # not HF's step 7: the plan has none
+    assert c.plan_samples_per_s == pytest.approx(56 / 2.2) and c.hf_samples_per_s == pytest.approx(64 / 5.0)
+    assert c.measured_speedup == pytest.approx((56 / 2.2) / (64 / 5.0))
+    assert c.hf_idle_frac == pytest.approx(0.25)
+    assert compare_with_hf(plan.iloc[:2], hf) is None
+    # The summary names both baselines, the data-blind one first.
+    lines = summary_lines(compare_runs(PLAN, BASE, (0.2, 0.3)), c)
+    assert "over the data-blind baseline: 1.73x" in lines[0]
+    assert lines[-1].startswith("measured speedup of the plan over the Hugging Face Trainer (padded, "
+                                "group_by_length): 1.99x (12.8 -> 25.5 samples/s, steps 3-6")
+    write_summary(compare_runs(PLAN, BASE, (0.2, 0.3)), tmp_path / "s.yaml", hf=c)
+    doc = yaml.safe_load((tmp_path / "s.yaml").read_text())
+    assert doc["lines"] == lines and doc["hf_trainer"]["measured_speedup"] == pytest.approx(c.measured_speedup)
 
 
 @pytest.mark.parametrize("column,value,message", [
