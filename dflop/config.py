@@ -311,6 +311,7 @@ class TrainSection:
     loader_workers: int
     overlap_grad_sync: bool
     trace_steps: tuple[int, int]
+    compare_with_hf_trainer: bool
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ def demo_manifest(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_workdir(tmp_path_factory) -> Path:
-    """A working copy after one demo run of the whole workflow (`all`; 60 samples, 2 training
+    """A working copy after one demo run of the whole workflow (`all`; 60 samples, 3 training
     steps); treat it as read-only: copy it (`shutil.copytree`) to change it."""
     from workflow_run import demo_run
 

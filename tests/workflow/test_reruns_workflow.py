@@ -60,16 +60,25 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
     workdir = tmp_path / "demo"
     shutil.copytree(demo_workdir, workdir)
     first = pd.read_parquet(workdir / "results/train/metrics.parquet")
-    assert first["step"].tolist() == [1, 2] and first["run_id"].nunique() == 1
+    assert first["step"].tolist() == [1, 2, 3] and first["run_id"].nunique() == 1
     run_a = first["run_id"].iat[0]
-    # The data-blind baseline trained the same global batches (same tokens, same loss from the same
-    # initial weights); 2 steps are all warm-up, so the summary measures no speedup and says why.
+    # The demo compares with the HF Trainer: the data-blind baseline trained beside a second run of
+    # the plan, on the same global batches (same tokens, same loss from the same initial weights);
+    # the summary names both measured speedups (step 3 is the one after the warm-up).
     base = pd.read_parquet(workdir / "results/train_baseline/metrics.parquet")
-    assert base["step"].tolist() == [1, 2] and (base["member"] == "megatron").all()
-    assert base["tokens"].tolist() == first["tokens"].tolist()
-    assert base["loss"].tolist() == pytest.approx(first["loss"].tolist(), rel=1e-4)
+    beside = pd.read_parquet(workdir / "results/head_to_head/plan/metrics.parquet")
+    hf = pd.read_parquet(workdir / "results/head_to_head/hf/metrics.parquet")
+    assert base["step"].tolist() == beside["step"].tolist() == hf["step"].tolist() == [1, 2, 3]
+    assert (base["member"] == "megatron").all()
+    assert base["tokens"].tolist() == beside["tokens"].tolist()
+    assert base["loss"].tolist() == pytest.approx(beside["loss"].tolist(), rel=1e-4)
+    assert (hf["samples"] == 16).all()  # train.global_batch_size per HF step
     summary = yaml.safe_load((workdir / "results/summary.yaml").read_text())
-    assert summary["steps"] == [] and summary["lines"][0].startswith("no speedup measured")
+    assert summary["steps"] == [3] and summary["hf_trainer"]["steps"] == [3]
+    lines = (workdir / "results/summary.txt").read_text().splitlines()
+    assert lines == summary["lines"] and len(lines) == 4
+    assert lines[0].startswith("measured speedup of the plan over the data-blind baseline: ")
+    assert lines[-1].startswith("measured speedup of the plan over the Hugging Face Trainer (padded, group_by_length): ")
 
     lr_config = _configfile(workdir, "lr", lambda c: c.setdefault("train", {}).update(lr=2e-3))
     assert _would_run(workdir, lr_config, "all") == {"train", "train_baseline", "summary", "plot_training",
@@ -77,16 +86,19 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
     ran, lr, log, previous = _rerun(workdir, lr_config)
     assert ran == {"train"}
     run_b = lr["run_id"].iat[0]
-    assert run_b != run_a and lr["step"].tolist() == [1, 2]
+    assert run_b != run_a and lr["step"].tolist() == [1, 2, 3]
     assert lr["loss"].iat[0] == pytest.approx(first["loss"].iat[0], rel=1e-5)  # from the same initial weights
     assert "differs in train.lr (0.001 -> 0.002)" in log and len(previous) == 1 and previous[0].startswith(run_a)
+    # Turning the comparison off re-runs the baseline alone, not the training.
+    off = _configfile(workdir, "off", lambda c: c["train"].update(lr=2e-3, compare_with_hf_trainer=False))
+    assert _would_run(workdir, off, "all") == {"train_baseline", "summary", "plot_summary"}
 
-    steps_config = _configfile(workdir, "steps", lambda c: c["train"].update(lr=2e-3, steps=3))
+    steps_config = _configfile(workdir, "steps", lambda c: c["train"].update(lr=2e-3, steps=4))
     ran, longer, log, previous = _rerun(workdir, steps_config)
     assert ran == {"train"}
-    assert longer["step"].tolist() == [1, 2, 3] and (longer["run_id"] == run_b).all()
-    pd.testing.assert_frame_equal(longer.iloc[:2].reset_index(drop=True), lr, check_dtype=False)
-    assert f"train.steps 2 -> 3: resuming run {run_b} at step 2" in log and len(previous) == 1
+    assert longer["step"].tolist() == [1, 2, 3, 4] and (longer["run_id"] == run_b).all()
+    pd.testing.assert_frame_equal(longer.iloc[:3].reset_index(drop=True), lr, check_dtype=False)
+    assert f"train.steps 3 -> 4: resuming run {run_b} at step 3" in log and len(previous) == 1
 
     def fewer_samples(c):
         c["train"].update(lr=2e-3, steps=3)

@@ -105,12 +105,15 @@ def train_gres(wildcards, input):
 
 def summary_inputs(wildcards):
     """plan.yaml, and the training runs' metrics where the workflow trains them (report.smk's
-    HAS_TRAIN / HAS_TRAIN_BASELINE, read when the DAG is built)."""
+    HAS_TRAIN / HAS_TRAIN_BASELINE, read when the DAG is built): the plan's and the baseline's that
+    rule summary compares."""
     inputs = {"plan": rules.optimize.output.plan}
     if HAS_TRAIN:
         inputs["metrics"] = rules.train.output.metrics
     if HAS_TRAIN_BASELINE:
         inputs["baseline_metrics"] = rules.train_baseline.output.metrics
+        if COMPARE_WITH_HF:  # the plan's run taken in turn with the baseline's (rule train_baseline)
+            inputs["metrics"] = rules.train_baseline.output.plan_metrics
     return inputs
 
 

@@ -5,14 +5,16 @@
 # results/train/previous_runs/ (dflop.runtime.run_identity).
 
 
-TRAIN_SETTINGS = RuleSettings(
+COMPARE_WITH_HF = config["train"]["compare_with_hf_trainer"]
+TRAIN_SECTIONS = dict(
     run={"seed": config["run"]["seed"]},
     model=config["model"],
     data={"datasets": datasets_setting(weights=True), "max_skip_frac": config["data"]["max_skip_frac"]},
     cluster={k: config["cluster"][k] for k in ("device", "gpu_memory_gb")},
-    train=config["train"],
+    train={k: v for k, v in config["train"].items() if k != "compare_with_hf_trainer"},  # rule train_baseline's
     scheduler=config["scheduler"],
 )
+TRAIN_SETTINGS = RuleSettings(**TRAIN_SECTIONS)
 
 
 rule train:
@@ -46,19 +48,39 @@ rule train:
 
 # The data-blind baseline of plan.yaml (its `baseline` section: uniform split, fixed-count
 # microbatches in batch order), trained like the plan on the same global batches (same seed and
-# data), so rule summary compares measured steps, not only predicted ones.
+# data), so rule summary compares measured steps, not only predicted ones. With
+# train.compare_with_hf_trainer (the demo) the baseline trains beside a second run of the plan and
+# the Hugging Face Trainer, one step each in turn (dflop head-to-head): the summary's speedups over
+# both come from those three runs, measured under the same machine phases.
+BASELINE_OUTPUT = {"metrics": f"{RESULTS}/train_baseline/metrics.parquet",
+                   "trace": f"{RESULTS}/train_baseline/trace.json"}
+HEAD_TO_HEAD = f"{RESULTS}/head_to_head"
+if COMPARE_WITH_HF:
+    BASELINE_OUTPUT.update(plan_metrics=f"{HEAD_TO_HEAD}/plan/metrics.parquet",
+                           hf_metrics=f"{HEAD_TO_HEAD}/hf/metrics.parquet")
+    BASELINE_COMMAND = (
+        "dflop head-to-head --settings {params.settings:q} --plan {input.plan} --shapes {input.shapes}"
+        f" --costmodel {{input.costmodel}} --out-dir {HEAD_TO_HEAD} --baseline-dir {{params.out_dir}} > {{log}} 2>&1")
+else:
+    BASELINE_COMMAND = (
+        "dflop train --baseline --no-export --settings {params.settings:q} --plan {input.plan}"
+        " --shapes {input.shapes} --costmodel {input.costmodel} --out-dir {params.out_dir} > {log} 2>&1")
+# Without the comparison, the settings of before it existed (a workspace from then does not re-run).
+BASELINE_SETTINGS = RuleSettings(**{**TRAIN_SECTIONS, **(
+    {"train": {**TRAIN_SECTIONS["train"], "compare_with_hf_trainer": True}} if COMPARE_WITH_HF else {})})
+
+
 rule train_baseline:
     input:
         plan=rules.optimize.output.plan,
         shapes=rules.profile_data.output.shapes,
         costmodel=rules.fit.output.costmodel,
     output:
-        metrics=f"{RESULTS}/train_baseline/metrics.parquet",
-        trace=f"{RESULTS}/train_baseline/trace.json",
+        **BASELINE_OUTPUT,
     params:
         out_dir=lambda wildcards, output: os.path.dirname(output.metrics),
-        settings=TRAIN_SETTINGS,
-        settings_digest=TRAIN_SETTINGS.digest,
+        settings=BASELINE_SETTINGS,
+        settings_digest=BASELINE_SETTINGS.digest,
     threads: config["cluster"]["gpus_per_node"]
     resources:
         nodes=train_nodes,
@@ -71,8 +93,7 @@ rule train_baseline:
     conda:
         ENV_FILE
     shell:
-        "dflop train --baseline --no-export --settings {params.settings:q} --plan {input.plan}"
-        " --shapes {input.shapes} --costmodel {input.costmodel} --out-dir {params.out_dir} > {log} 2>&1"
+        BASELINE_COMMAND
 
 
 localrules:
@@ -80,19 +101,20 @@ localrules:
 
 
 # The last lines of `make demo`: measured and predicted speedup of the plan over the baseline and
-# the idle time of each (dflop.runtime.comparison), printed and kept in summary.yaml / summary.txt.
+# the idle time of each, and with train.compare_with_hf_trainer the speedup over the Hugging Face
+# Trainer (dflop.runtime.comparison), printed and kept in summary.yaml / summary.txt.
 rule summary:
     input:
-        plan=rules.optimize.output.plan,
-        metrics=rules.train.output.metrics,
-        baseline=rules.train_baseline.output.metrics,
+        unpack(summary_inputs),
     output:
         summary=f"{RESULTS}/summary.yaml",
         lines=f"{RESULTS}/summary.txt",
+    params:
+        hf=f" --hf-metrics {BASELINE_OUTPUT['hf_metrics']}" if COMPARE_WITH_HF else "",
     log:
         "logs/summary.log",
     conda:
         ENV_FILE
     shell:
-        "dflop compare-runs --metrics {input.metrics} --baseline-metrics {input.baseline} --plan {input.plan}"
-        " --out {output.summary} 2> {log} | tee {output.lines}"
+        "dflop compare-runs --metrics {input.metrics} --baseline-metrics {input.baseline_metrics} --plan {input.plan}"
+        "{params.hf} --out {output.summary} 2> {log} | tee {output.lines}"
