@@ -80,6 +80,10 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
     assert lines[0].startswith("measured speedup of the plan over the data-blind baseline: ")
     assert lines[-1].startswith("measured speedup of the plan over the Hugging Face Trainer (padded, group_by_length): ")
 
+    # Turning the comparison off re-runs the baseline alone (and what reads it), not the training.
+    off = _configfile(workdir, "off", lambda c: c["train"].update(compare_with_hf_trainer=False))
+    assert _would_run(workdir, off, "all") == {"train_baseline", "summary", "plot_summary"}
+
     lr_config = _configfile(workdir, "lr", lambda c: c.setdefault("train", {}).update(lr=2e-3))
     assert _would_run(workdir, lr_config, "all") == {"train", "train_baseline", "summary", "plot_training",
                                                      "plot_summary", "plot_timeline"}
@@ -89,9 +93,6 @@ def test_changed_settings_retrain_as_they_should(demo_workdir, tmp_path):
     assert run_b != run_a and lr["step"].tolist() == [1, 2, 3]
     assert lr["loss"].iat[0] == pytest.approx(first["loss"].iat[0], rel=1e-5)  # from the same initial weights
     assert "differs in train.lr (0.001 -> 0.002)" in log and len(previous) == 1 and previous[0].startswith(run_a)
-    # Turning the comparison off re-runs the baseline alone, not the training.
-    off = _configfile(workdir, "off", lambda c: c["train"].update(lr=2e-3, compare_with_hf_trainer=False))
-    assert _would_run(workdir, off, "all") == {"train_baseline", "summary", "plot_summary"}
 
     steps_config = _configfile(workdir, "steps", lambda c: c["train"].update(lr=2e-3, steps=4))
     ran, longer, log, previous = _rerun(workdir, steps_config)
