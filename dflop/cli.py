@@ -276,8 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("head-to-head", cmd_head_to_head,
             "train the plan, its data-blind baseline and the Hugging Face Trainer side by side, one step each in turn")
-    p.add_argument("--config", type=Path, help="YAML config (default: the demo default)")
-    p.add_argument("--settings", help="JSON object laid over --config")
+    _add_config_args(p)
     p.add_argument("--plan", type=Path, required=True, help="plan.yaml")
     p.add_argument("--shapes", type=Path, required=True, help="shapes.parquet")
     p.add_argument("--costmodel", type=Path, help="costmodel.json (default: the analytic stand-in)")
