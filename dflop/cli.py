@@ -9,7 +9,6 @@ transformers) happen inside the subcommands so `dflop --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -169,9 +168,10 @@ def cmd_compare_runs(args: argparse.Namespace) -> None:
 
 
 def cmd_head_to_head(args: argparse.Namespace) -> None:
+    from dflop.config import parse_settings
     from dflop.integrations.head_to_head import head_to_head
 
-    paths = head_to_head(str(args.config) if args.config else None, json.loads(args.settings) if args.settings else None,
+    paths = head_to_head(str(args.config) if args.config else None, parse_settings(args.settings) if args.settings else None,
                          plan=args.plan, shapes=args.shapes, costmodel=args.costmodel, out_dir=args.out_dir,
                          baseline_dir=args.baseline_dir)
     for name, path in paths.items():
