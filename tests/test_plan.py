@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from dflop.errors import UserError
-from dflop.plan import (Layout, ModuleLayout, Plan, PlanFile, Techniques, baseline_plan_doc, in_flight_1f1b,
+from dflop.plan import (Layout, ModuleLayout, Plan, PlanFile, Prediction, Techniques, baseline_plan_doc, in_flight_1f1b,
                         plan_from_dict, read_plan, write_plan)
 
 
@@ -202,3 +202,33 @@ def test_non_finite_numbers_anywhere_are_refused_naming_the_key(tmp_path, litera
         read_plan(path)
     with pytest.raises(UserError, match=r"^p\.yaml: cluster\.gpu_memory_gb: nan is not a finite number$"):
         plan_from_dict(raw(cluster={"gpu_memory_gb": float("nan")}), "p.yaml")
+
+
+# -- the predicted record (dflop.plan.Prediction) ------------------------------------------------
+
+def test_prediction_writes_the_documented_record_and_reads_it_back(tmp_path):
+    """The record as the optimizer wrote it before `Prediction` existed (planfile.predicted_section,
+    by hand), in the file's key order; and read back from plan.yaml as every reader reads it."""
+    pred = Prediction(0.5, 0.4, 0.9, 0.45, 0.7, 32.0, (10,), (20, 30), 80, 4)
+    expected = {"step_s": {"mean": 0.5, "p50": 0.4, "p90": 0.9}, "mean_shape_step_s": 0.45, "utilisation": 0.7,
+                "samples_per_s": 32.0, "memory_bytes": {"vision": [10], "llm": [20, 30]},
+                "memory_limit_bytes": 80, "batches": 4}
+    assert pred.to_dict() == expected and list(pred.to_dict()) == list(expected)
+    path = tmp_path / "plan.yaml"
+    write_plan(raw(predicted=pred.to_dict(), baseline=raw(predicted={"step_s": {"mean": 2.0}})), path)
+    pf = read_plan(path)
+    assert pf.prediction() == pred
+    assert pf.prediction("baseline") == Prediction(step_mean_s=2.0)
+    assert pf.prediction("padded_baseline") is None
+
+
+@pytest.mark.parametrize("doc,message", [
+    ({"predicted": {"step_s": {"mean": "0.2"}}}, "predicted.step_s.mean is '0.2', expected a finite number > 0"),
+    ({"baseline": {"predicted": {"step_s": {"p90": 0}}}}, "baseline.predicted.step_s.p90 is 0, expected"),
+    ({"predicted": [1.0]}, r"predicted: expected a mapping, got \[1.0\]"),
+    ({"predicted": {"step_s": 0.2}}, "predicted.step_s: expected a mapping, got 0.2"),
+])
+def test_prediction_errors_name_the_file_and_key(doc, message):
+    section = "baseline" if "baseline" in doc else None
+    with pytest.raises(UserError, match=f"^p.yaml: {message}"):
+        Prediction.read(doc, section, "p.yaml")

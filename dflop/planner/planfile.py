@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from dflop.errors import UserError
-from dflop.plan import RANK_ORDER, Plan
+from dflop.plan import RANK_ORDER, Plan, Prediction
 from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.space import ModelShape
@@ -63,17 +63,12 @@ from dflop.planner.space import ModelShape
 
 def predicted_section(ev: Evaluation, *, global_batch: int, memory_limit_bytes: float,
                       mean_shape_step_s: float | None) -> dict:
+    """`ev`'s plan.yaml ``predicted`` record (`dflop.plan.Prediction`)."""
     n_v = ev.plan.layout.n_vision_stages
-    mem = [int(round(x)) for x in ev.memory_bytes]
-    return {
-        "step_s": {"mean": ev.mean_s, "p50": ev.p50_s, "p90": ev.p90_s},
-        "mean_shape_step_s": mean_shape_step_s,
-        "utilisation": ev.mean_utilisation,
-        "samples_per_s": global_batch / ev.mean_s,
-        "memory_bytes": {"vision": mem[:n_v], "llm": mem[n_v:]},
-        "memory_limit_bytes": int(round(memory_limit_bytes)),
-        "batches": len(ev.step_s),
-    }
+    mem = tuple(int(round(x)) for x in ev.memory_bytes)
+    return Prediction(ev.mean_s, ev.p50_s, ev.p90_s, mean_shape_step_s, ev.mean_utilisation,
+                      global_batch / ev.mean_s, mem[:n_v], mem[n_v:], int(round(memory_limit_bytes)),
+                      len(ev.step_s)).to_dict()
 
 
 BASELINE_LABELS = {"megatron": "Megatron-style packed data-blind", "padded": "HF/LLaVA padded"}
