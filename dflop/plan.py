@@ -336,17 +336,33 @@ class Plan:
             raise UserError(f"{self.source}: world_size is {self.world_size} but {launched} processes were "
                             f"launched (torchrun --nproc-per-node x nodes must equal the plan's world_size)")
 
-    def check_model(self, vision_layers: int, llm_layers: int, vision_tp_ok=None, llm_tp_ok=None) -> None:
-        """One-line UserError unless the layer splits cover the model's layers and (when the
-        degrees that split the model evenly are given) the TP degrees divide its heads and widths."""
-        for name, layout, n, ok in (("vision", self.vision, vision_layers, vision_tp_ok),
-                                    ("llm", self.llm, llm_layers, llm_tp_ok)):
+    def check(self, model, cluster=None) -> None:
+        """One-line UserError naming the file and the key unless this plan can train `model` on
+        `cluster`: the one check of a plan against what it runs on, made where a plan enters (the
+        launcher of `dflop train`, the trainer's model build, `dflop simulate`). plan.yaml's own keys
+        (world size against the layout, ...) are checked when it is read.
+
+        model: its layer counts and the TP degrees that split it evenly (``vision_layers``,
+        ``llm_layers``, ``vision_tp_degrees`` (after zero-head padding), ``llm_tp_degrees``:
+        a `dflop.models.info.ModelInfo` or the planner's `ModelShape`). The layer splits must cover
+        its layers, the TP degrees split it, and the vision tower may not ask for sequence
+        parallelism (the trainer has it for the LLM only).
+        cluster: a `dflop.pricing.cluster.Cluster` the rank layout must fit and launch on
+        (`Cluster.check_runs`); None: not checked (inside the launched workers).
+        """
+        for name, layout, n, ok in (("vision", self.vision, model.vision_layers, model.vision_tp_degrees),
+                                    ("llm", self.llm, model.llm_layers, model.llm_tp_degrees)):
             if layout.n_layers != n:
                 raise UserError(f"{self.source}: {name}.layers_per_stage {list(layout.layers_per_stage)} sums to "
                                 f"{layout.n_layers} but the model has {n} {name} layers")
-            if ok is not None and layout.tp not in ok:
+            if layout.tp not in ok:
                 raise UserError(f"{self.source}: {name}.tp is {layout.tp}, which does not split the {name} model's "
                                 f"heads and widths evenly (possible: {', '.join(map(str, ok))})")
+        if self.vision_techniques.sequence_parallel:
+            raise UserError(f"{self.source}: vision.sequence_parallel: sequence parallelism is implemented for the "
+                            f"LLM only; set it to false for the vision tower")
+        if cluster is not None:
+            cluster.check_runs(self.layout, self.source)
 
     def describe(self) -> str:
         text = f"{self.layout.describe()}; vision layers {list(self.vision_layers)}, llm layers {list(self.llm_layers)}"

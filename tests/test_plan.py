@@ -163,14 +163,22 @@ def test_writer_refuses_what_the_reader_would(tmp_path):
     assert yaml.safe_load((tmp_path / "plan.yaml").read_text())["world_size"] == 6
 
 
+def _model(**changes):
+    """A model the plan of `raw()` fits (2 vision, 2 LLM layers; any TP degree up to 8), with `changes`."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"vision_layers": 2, "llm_layers": 2, "vision_tp_degrees": (1, 2, 4, 8),
+                              "llm_tp_degrees": (1, 2, 4, 8), **changes})
+
+
 def test_world_size_model_and_batch_checks_name_both_numbers():
     pf = plan_from_dict(raw(), "p.yaml")
     with pytest.raises(UserError, match="world_size is 6 but 4 processes were launched"):
         pf.plan.check_world_size(4)
     with pytest.raises(UserError, match=r"llm.layers_per_stage \[1, 1\] sums to 2 but the model has 24 llm layers"):
-        pf.plan.check_model(2, 24)
+        pf.plan.check(_model(llm_layers=24))
     with pytest.raises(UserError, match=r"vision.tp is 1, which does not split .* \(possible: 2, 4\)"):
-        pf.plan.check_model(2, 2, vision_tp_ok=(2, 4))
+        pf.plan.check(_model(vision_tp_degrees=(2, 4)))
     with pytest.raises(UserError, match="train.global_batch_size is 8 but p.yaml was planned for 16"):
         pf.check_batch(8)
     assert isinstance(pf, PlanFile)
@@ -232,3 +240,19 @@ def test_prediction_errors_name_the_file_and_key(doc, message):
     section = "baseline" if "baseline" in doc else None
     with pytest.raises(UserError, match=f"^p.yaml: {message}"):
         Prediction.read(doc, section, "p.yaml")
+
+
+def test_the_one_plan_check_names_the_key_for_the_model_the_vision_tower_and_the_cluster():
+    """`Plan.check` against the model (above) and its two other parts: no sequence parallelism for
+    the vision tower, and the cluster's own check (`Cluster.check_runs`, which names the file)."""
+    from dflop.pricing.cluster import Cluster
+
+    pf = plan_from_dict(raw(), "p.yaml")
+    pf.plan.check(_model())  # fits; no cluster: the rank layout is not checked
+    vision = {"tp": 2, "pp": 1, "dp": 1, "layers_per_stage": [2], "sequence_parallel": True}
+    sp = plan_from_dict(raw(vision=vision, world_size=6), "p.yaml")
+    with pytest.raises(UserError, match=r"^p.yaml: vision.sequence_parallel: .*LLM only"):
+        sp.plan.check(_model())
+    pf.plan.check(_model(), Cluster(nodes=1, gpus_per_node=8))
+    with pytest.raises(UserError, match=r"^p.yaml: the plan needs 6 GPUs but the cluster has 4"):
+        pf.plan.check(_model(), Cluster(nodes=1, gpus_per_node=4))

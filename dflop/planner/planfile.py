@@ -1,8 +1,7 @@
 """What the optimizer writes into plan.yaml (DESIGN §4), and the checks a plan must pass to run.
 
 The file's type, reader, writer and validator are `dflop.plan`; this module assembles the
-optimizer's mapping (`plan_document`) and checks a plan against a model and a cluster
-(`check_plan_runs`), which need the planner's model shape and cluster.
+optimizer's mapping (`plan_document`).
 
 Top-level keys::
 
@@ -113,17 +112,6 @@ def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Eva
     doc.update({"solver": solver, "evaluation": evaluation, "cluster": cluster.to_config(), "model": model,
                 "inputs": inputs})
     return _plain(doc)
-
-
-def check_plan_runs(plan: Plan, shape: ModelShape, cluster: Cluster, where: str) -> None:
-    """One-line UserError unless `plan` can run `shape`'s model on `cluster`: layer splits that
-    cover the model's layers, TP degrees that split its heads (vision: after zero-head padding) and
-    widths, and a rank layout that
-    fits the cluster and that the launcher can start (`Cluster.check_runs`). plan.yaml's own
-    keys (world size against the layout, ...) are checked when it is read (`dflop.plan`)."""
-    plan = Plan(plan.layout, plan.vision_layers, plan.llm_layers, where, plan.vision_techniques, plan.llm_techniques)
-    plan.check_model(shape.vision_layers, shape.llm_layers, shape.vision_tp_ok, shape.llm_tp_ok)
-    cluster.check_runs(plan.layout, where)
 
 
 def _plain(x):

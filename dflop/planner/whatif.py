@@ -36,7 +36,7 @@ from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.inputs import check_cost_model_matches
-from dflop.planner.planfile import BASELINE_LABELS, check_plan_runs
+from dflop.planner.planfile import BASELINE_LABELS
 from dflop.planner.space import ModelShape
 from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.shapes import read_shapes
@@ -180,7 +180,7 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
     """Re-evaluate plan.yaml (optionally on `gpus` GPUs and/or other shapes); draw the Gantt chart.
 
     The plan (and its baselines) is first checked against the model and its recorded cluster
-    (`check_plan_runs`). gpus: scale data parallelism to this many GPUs; global_batch: the global
+    (`Plan.check`). gpus: scale data parallelism to this many GPUs; global_batch: the global
     batch to simulate (default: plan.yaml's, scaled by gpus / the plan's world size when `gpus` is
     given). shapes_path / costmodel_path default to the ones recorded in plan.yaml;
     sample_batches_k, seed and the scheduler settings to its evaluation settings; out_png: where to
@@ -192,10 +192,10 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
     ctx = load_plan_context(plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path, shape=shape)
     pf, cost, pool, cluster, sizes, scheduler = ctx.plan_file, ctx.cost, ctx.pool, ctx.cluster, ctx.sizes, ctx.scheduler
     shapes_path = ctx.shapes_path
-    check_plan_runs(pf.plan, ctx.shape, cluster, str(plan_path))
+    replace(pf.plan, source=str(plan_path)).check(ctx.shape, cluster)
     bases = {policy: b for policy, b in (("megatron", pf.baseline), ("padded", pf.padded_baseline)) if b is not None}
     for policy, b in bases.items():
-        check_plan_runs(b, ctx.shape, cluster, f"{plan_path}: {_BASELINE_KEY[policy]}")
+        replace(b, source=f"{plan_path}: {_BASELINE_KEY[policy]}").check(ctx.shape, cluster)
     plan, notes = pf.plan, []
     if gpus is not None:
         cluster = cluster.with_gpus(int(gpus))

@@ -13,7 +13,7 @@ from dflop.planner.stages import TransferMeans, build_stage_model
 from planner_testlib import all_splits, enumerate_layouts, toy_cost_model, toy_shapes
 
 LV, LL, B, K = 2, 5, 8, 3
-SHAPE = ModelShape(vision_layers=LV, llm_layers=LL, vision_tp_ok=(1, 2), llm_tp_ok=(1, 2), vision_heads=4, llm_heads=4,
+SHAPE = ModelShape(vision_layers=LV, llm_layers=LL, vision_tp_degrees=(1, 2), llm_tp_degrees=(1, 2), vision_heads=4, llm_heads=4,
                    llm_kv_heads=2, vocab_size=1000, llm_hidden=256, vision_hidden=128, vision_tokens_per_tile=64,
                    llm_tokens_per_tile=64)
 # (GPU memory, GPUs, GPUs per node, vision time factor): tight and loose memory, vision-light and -heavy
@@ -82,7 +82,7 @@ def test_every_simulated_plan_respects_the_constraints(pool, memory, world, per_
         vision_ranks = 0 if r.placement == "colocated" else r.tp_v * r.pp_v * r.dp_v
         assert vision_ranks % r.tp_l == 0  # so every LLM TP group sits in one node
         assert r.world_size <= per_node or r.world_size % per_node == 0  # torchrun: same ranks on every node
-        assert r.tp_v in SHAPE.vision_tp_ok and r.tp_l in SHAPE.llm_tp_ok  # TP divides the heads
+        assert r.tp_v in SHAPE.vision_tp_degrees and r.tp_l in SHAPE.llm_tp_degrees  # TP divides the heads
         assert sum(r.llm_layers) == LL and sum(r.vision_layers) == LV
         assert min(r.llm_layers) >= 1 and len(r.llm_layers) == r.pp_l
         assert r.m * r.dp_l <= B
@@ -129,7 +129,7 @@ def test_nothing_fits_names_the_smallest_shortfall(pool):
 
 def test_degree_rejections_are_explained(pool):
     cost = toy_cost_model(tp_degrees=(1, 2))
-    shape = ModelShape(**{**SHAPE.__dict__, "llm_tp_ok": (1,), "vision_tp_ok": (1, 2, 4)})
+    shape = ModelShape(**{**SHAPE.__dict__, "llm_tp_degrees": (1,), "vision_tp_degrees": (1, 2, 4)})
     cluster = Cluster(nodes=1, gpus_per_node=4, gpu_memory_bytes=3e9)
     result = search(cost, shape, pool, cluster, SearchSettings(global_batch=B, microbatches=(1, 2, 16), top_k=2,
                                                                sample_batches=1))
