@@ -90,7 +90,7 @@ def test_search_reports_both_baselines(sampled):
     pool, _ = sampled
     cluster = Cluster(nodes=1, gpus_per_node=4, gpu_memory_bytes=3e9)
     result = search(toy_cost_model(), SHAPE, pool, cluster,
-                    SearchSettings(global_batch=8, microbatches=(1, 2, 4), sample_batches=2, top_k=4))
+                    SearchSettings.from_config(global_batch=8, microbatches=(1, 2, 4), sample_batches=2, top_k=4))
     packed, padded = result.baseline.evaluation, result.padded_baseline.evaluation
     assert packed.policy == "megatron" and padded.policy == "padded"
     rows = result.candidates
