@@ -58,6 +58,7 @@ from dflop.plan import RANK_ORDER, Plan, Prediction
 from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.space import ModelShape
+from dflop.scheduler.policy import Policy
 
 
 def predicted_section(ev: Evaluation, *, global_batch: int, memory_limit_bytes: float,
@@ -70,7 +71,7 @@ def predicted_section(ev: Evaluation, *, global_batch: int, memory_limit_bytes: 
                       len(ev.step_s)).to_dict()
 
 
-BASELINE_LABELS = {"megatron": "Megatron-style packed data-blind", "padded": "HF/LLaVA padded"}
+BASELINE_LABELS = {Policy.MEGATRON: "Megatron-style packed data-blind", Policy.PADDED: "HF/LLaVA padded"}
 
 
 def vision_padding_record(plan: Plan, shape: ModelShape | None) -> dict:
@@ -126,4 +127,6 @@ def _plain(x):
         return int(x)
     if isinstance(x, np.floating):
         return float(x)
+    if isinstance(x, str):  # a Policy: its name
+        return str(x)
     return x

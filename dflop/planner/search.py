@@ -45,6 +45,7 @@ from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.milp import SplitResult, objective_bound_s, solve_split
 from dflop.planner.screen import ScreenResult, SearchSpace, layout_of, screen
 from dflop.planner.space import ModelShape, build_space
+from dflop.scheduler.policy import Policy
 from dflop.planner.stages import StageModel, TransferMeans, min_peak_split
 from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
 
@@ -202,8 +203,8 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
                                simulate=s.baseline_simulate, policy=policy, also=also)
 
     # the padded trainer first: the packed one also simulates its layout (packing it can only help)
-    padded = baseline_for("padded")
-    baseline = baseline_for("megatron", also=(padded.evaluation.plan.layout,) if padded.evaluation else ())
+    padded = baseline_for(Policy.PADDED)
+    baseline = baseline_for(Policy.MEGATRON, also=(padded.evaluation.plan.layout,) if padded.evaluation else ())
     t_base = time.perf_counter()
 
     rows = list(rejected) + [_layout_row(x) for x in solved] + unsolved + baseline.rows + padded.rows
