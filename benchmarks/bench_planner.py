@@ -136,7 +136,7 @@ def run_paper(args) -> None:
         for gpus in args.gpus:
             batch, k, top_k = SCALE.get(gpus, (2 * gpus, 2, 4))
             cluster = cluster_for(gpus, args)
-            settings = SearchSettings(global_batch=batch, sample_batches=k, top_k=top_k)
+            settings = SearchSettings.from_config(global_batch=batch, sample_batches=k, top_k=top_k)
             print(f"\n--- {gpus} GPUs, global batch {batch}, {k} sampled batches, top_k {top_k}")
             row = {"config": name, "gpus": gpus, "batch": batch, "cost": source.split(":")[0]}
             t0 = time.perf_counter()
@@ -223,7 +223,7 @@ def main() -> None:
         for gpus in args.gpus:
             batch, k, top_k = SCALE.get(gpus, (2 * gpus, 2, 4))
             cluster = cluster_for(gpus, args)
-            settings = SearchSettings(global_batch=batch, sample_batches=k, top_k=top_k)
+            settings = SearchSettings.from_config(global_batch=batch, sample_batches=k, top_k=top_k)
             print(f"\n--- {gpus} GPUs, global batch {batch}, {k} sampled batches, top_k {top_k}")
             t0 = time.perf_counter()
             try:

@@ -41,7 +41,7 @@ import yaml
 
 from dflop.config import Config, ModelSpec
 from dflop.errors import UserError
-from dflop.finite import check_finite_document
+from dflop.finite import check_finite_document, check_finite_values
 from dflop.io import read_yaml, write_text_atomic
 
 PLACEMENTS = ("disjoint", "colocated")
@@ -336,17 +336,33 @@ class Plan:
             raise UserError(f"{self.source}: world_size is {self.world_size} but {launched} processes were "
                             f"launched (torchrun --nproc-per-node x nodes must equal the plan's world_size)")
 
-    def check_model(self, vision_layers: int, llm_layers: int, vision_tp_ok=None, llm_tp_ok=None) -> None:
-        """One-line UserError unless the layer splits cover the model's layers and (when the
-        degrees that split the model evenly are given) the TP degrees divide its heads and widths."""
-        for name, layout, n, ok in (("vision", self.vision, vision_layers, vision_tp_ok),
-                                    ("llm", self.llm, llm_layers, llm_tp_ok)):
+    def check(self, model, cluster=None) -> None:
+        """One-line UserError naming the file and the key unless this plan can train `model` on
+        `cluster`: the one check of a plan against what it runs on, made where a plan enters (the
+        launcher of `dflop train`, the trainer's model build, `dflop simulate`). plan.yaml's own keys
+        (world size against the layout, ...) are checked when it is read.
+
+        model: its layer counts and the TP degrees that split it evenly (``vision_layers``,
+        ``llm_layers``, ``vision_tp_degrees`` (after zero-head padding), ``llm_tp_degrees``:
+        a `dflop.models.info.ModelInfo` or the planner's `ModelShape`). The layer splits must cover
+        its layers, the TP degrees split it, and the vision tower may not ask for sequence
+        parallelism (the trainer has it for the LLM only).
+        cluster: a `dflop.pricing.cluster.Cluster` the rank layout must fit and launch on
+        (`Cluster.check_runs`); None: not checked (inside the launched workers).
+        """
+        for name, layout, n, ok in (("vision", self.vision, model.vision_layers, model.vision_tp_degrees),
+                                    ("llm", self.llm, model.llm_layers, model.llm_tp_degrees)):
             if layout.n_layers != n:
                 raise UserError(f"{self.source}: {name}.layers_per_stage {list(layout.layers_per_stage)} sums to "
                                 f"{layout.n_layers} but the model has {n} {name} layers")
-            if ok is not None and layout.tp not in ok:
+            if layout.tp not in ok:
                 raise UserError(f"{self.source}: {name}.tp is {layout.tp}, which does not split the {name} model's "
                                 f"heads and widths evenly (possible: {', '.join(map(str, ok))})")
+        if self.vision_techniques.sequence_parallel:
+            raise UserError(f"{self.source}: vision.sequence_parallel: sequence parallelism is implemented for the "
+                            f"LLM only; set it to false for the vision tower")
+        if cluster is not None:
+            cluster.check_runs(self.layout, self.source)
 
     def describe(self) -> str:
         text = f"{self.layout.describe()}; vision layers {list(self.vision_layers)}, llm layers {list(self.llm_layers)}"
@@ -390,10 +406,71 @@ class PlanFile:
         except UserError as exc:
             raise UserError(f"{self.source}: model record: {exc}") from None
 
+    def prediction(self, section: str | None = None) -> "Prediction | None":
+        """The plan's ``predicted`` record (`section`: a baseline's); None when absent."""
+        return Prediction.read(self.doc, section, self.source)
+
     def check_batch(self, global_batch_size: int, key: str = "train.global_batch_size") -> None:
         if global_batch_size != self.global_batch_size:
             raise UserError(f"{key} is {global_batch_size} but {self.source} was planned for "
                             f"{self.global_batch_size} (re-run optimize)")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """plan.yaml's ``predicted`` record of one plan (the chosen one, or a baseline's): what the
+    optimizer expects of it over its sampled global batches. Seconds per step, bytes per rank.
+
+    The one writer (`to_dict`, called by `dflop.planner.planfile`) and reader (`read`, for
+    `dflop compare-runs` and the report). Fields a hand-written or older file leaves out are None
+    (memory: empty), so a reader asks only for what it needs.
+    """
+
+    step_mean_s: float | None = None
+    step_p50_s: float | None = None
+    step_p90_s: float | None = None
+    mean_shape_step_s: float | None = None  # the MILP's mean-shape step (null for the padded baseline)
+    utilisation: float | None = None
+    samples_per_s: float | None = None
+    memory_vision_bytes: tuple[int, ...] = ()  # [pp_v] peak per stage (empty when colocated)
+    memory_llm_bytes: tuple[int, ...] = ()  # [pp_l]
+    memory_limit_bytes: int | None = None
+    batches: int | None = None
+
+    def to_dict(self) -> dict:
+        """The ``predicted`` mapping as plan.yaml holds it (key order is the file's)."""
+        return {
+            "step_s": {"mean": self.step_mean_s, "p50": self.step_p50_s, "p90": self.step_p90_s},
+            "mean_shape_step_s": self.mean_shape_step_s,
+            "utilisation": self.utilisation,
+            "samples_per_s": self.samples_per_s,
+            "memory_bytes": {"vision": list(self.memory_vision_bytes), "llm": list(self.memory_llm_bytes)},
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "batches": self.batches,
+        }
+
+    @classmethod
+    def read(cls, doc: Mapping[str, Any], section: str | None = None,
+             source: str = "plan.yaml") -> "Prediction | None":
+        """The ``predicted`` record of plan.yaml's mapping `doc` (`section`: ``baseline`` or
+        ``padded_baseline`` for theirs); None when that record is absent. A one-line UserError
+        naming `source` and the key for a record that is not a mapping or a step time that is not
+        a finite number > 0 (the comparisons divide by them)."""
+        where = f"{section}.predicted" if section else "predicted"
+        owner = doc.get(section) if section else doc
+        if not isinstance(owner, Mapping) or owner.get("predicted") is None:
+            return None
+        raw = owner["predicted"]
+        steps = raw.get("step_s", {}) if isinstance(raw, Mapping) else None
+        memory = raw.get("memory_bytes", {}) if isinstance(raw, Mapping) else None
+        for key, value in (("", raw), (".step_s", steps), (".memory_bytes", memory)):
+            if not isinstance(value, Mapping):
+                raise UserError(f"{source}: {where}{key}: expected a mapping, got {value!r}")
+        check_finite_values([(f"{where}.step_s.{k}", steps[k]) for k in ("mean", "p50", "p90")
+                             if steps.get(k) is not None], source, positive=True)
+        return cls(steps.get("mean"), steps.get("p50"), steps.get("p90"), raw.get("mean_shape_step_s"),
+                   raw.get("utilisation"), raw.get("samples_per_s"), tuple(memory.get("vision", ())),
+                   tuple(memory.get("llm", ())), raw.get("memory_limit_bytes"), raw.get("batches"))
 
 
 # -- reading and writing ---------------------------------------------------------------------------

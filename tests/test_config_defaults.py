@@ -66,7 +66,6 @@ def _library_defaults():
     """(config key, what the library does when the key is absent)."""
     from dflop.data.demo import make_demo_data
     from dflop.pricing.cluster import GB, Cluster
-    from dflop.planner.search import SearchSettings
     from dflop.profiling.data_profiler import profile_data
     from dflop.profiling.model_profiler import ProfileSettings
     from dflop.scheduler.online import StepPlanner
@@ -74,7 +73,7 @@ def _library_defaults():
     from dflop.runtime.optim import GradientSync
     from dflop.runtime.schedule import PipelineExecutor
 
-    cluster, profile, search = Cluster(), ProfileSettings(), SearchSettings()
+    cluster, profile = Cluster(), ProfileSettings()
     parser = cli.build_parser()
     demo_args = parser.parse_args(["make-demo-data", "--out-dir", "x"])
     data_args = parser.parse_args(["profile-data", "--shapes", "s", "--histograms", "h"])
@@ -90,10 +89,6 @@ def _library_defaults():
         ("scheduler.budget_ms", _default(StepPlanner, "budget_s") * 1e3),
         ("scheduler.prefetch", _default(StepPlanner, "prefetch")),
         ("scheduler.ilp", _default(StepPlanner, "ilp")),
-        *((f"planner.{k}", list(v) if isinstance(v, tuple) else v) for k, v in
-          ((k, getattr(search, k)) for k in ("placements", "microbatches", "sample_batches", "top_k",
-                                              "time_limit_s", "rel_gap"))),
-        ("train.global_batch_size", search.global_batch), ("run.seed", search.seed),
         ("scheduler.pad_to_longest", _default(PipelineExecutor, "pad_to_longest")),
         ("train.schedule", _default(PipelineExecutor, "schedule")),
         ("train.loader_workers", _default(StepLoader, "workers")),
@@ -109,3 +104,27 @@ def _library_defaults():
 def test_library_defaults_that_stand_for_a_config_key_equal_the_schema(key, library):
     assert library == pytest.approx(_schema_default(key)) if isinstance(library, float) else \
         library == _schema_default(key), key
+
+
+SEARCH_KEYS = {"placements": "planner.placements", "microbatches": "planner.microbatches",
+               "sample_batches": "planner.sample_batches", "top_k": "planner.top_k",
+               "time_limit_s": "planner.time_limit_s", "rel_gap": "planner.rel_gap", "recompute": "planner.recompute",
+               "shard_optimizer": "planner.shard_optimizer", "sequence_parallel": "planner.sequence_parallel",
+               "global_batch": "train.global_batch_size", "seed": "run.seed"}
+
+
+def test_search_settings_keep_no_default_of_a_config_key_and_read_the_schemas():
+    """`SearchSettings` takes every config key from the config (`from_config`), none from a default
+    of its own: a copy would drift from the schema."""
+    from dflop.planner.search import SearchSettings
+
+    for f in dataclasses.fields(SearchSettings):
+        if f.name in ("planner", "global_batch", "seed"):
+            assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, f.name
+    settings = SearchSettings.from_config()
+    for name, key in SEARCH_KEYS.items():
+        got = getattr(settings.planner if key.startswith("planner.") else settings, name)
+        assert (list(got) if isinstance(got, tuple) else got) == _schema_default(key), key
+    ours = SearchSettings.from_config(Config.from_dict({"planner": {"top_k": 3}}).planner, global_batch=8, seed=2,
+                                      rel_gap=0.5, racing=False)
+    assert (ours.planner.top_k, ours.planner.rel_gap, ours.global_batch, ours.seed, ours.racing) == (3, 0.5, 8, 2, False)

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from dflop.errors import UserError
-from dflop.plan import (Layout, ModuleLayout, Plan, PlanFile, Techniques, baseline_plan_doc, in_flight_1f1b,
+from dflop.plan import (Layout, ModuleLayout, Plan, PlanFile, Prediction, Techniques, baseline_plan_doc, in_flight_1f1b,
                         plan_from_dict, read_plan, write_plan)
 
 
@@ -163,14 +163,22 @@ def test_writer_refuses_what_the_reader_would(tmp_path):
     assert yaml.safe_load((tmp_path / "plan.yaml").read_text())["world_size"] == 6
 
 
+def _model(**changes):
+    """A model the plan of `raw()` fits (2 vision, 2 LLM layers; any TP degree up to 8), with `changes`."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"vision_layers": 2, "llm_layers": 2, "vision_tp_degrees": (1, 2, 4, 8),
+                              "llm_tp_degrees": (1, 2, 4, 8), **changes})
+
+
 def test_world_size_model_and_batch_checks_name_both_numbers():
     pf = plan_from_dict(raw(), "p.yaml")
     with pytest.raises(UserError, match="world_size is 6 but 4 processes were launched"):
         pf.plan.check_world_size(4)
     with pytest.raises(UserError, match=r"llm.layers_per_stage \[1, 1\] sums to 2 but the model has 24 llm layers"):
-        pf.plan.check_model(2, 24)
+        pf.plan.check(_model(llm_layers=24))
     with pytest.raises(UserError, match=r"vision.tp is 1, which does not split .* \(possible: 2, 4\)"):
-        pf.plan.check_model(2, 2, vision_tp_ok=(2, 4))
+        pf.plan.check(_model(vision_tp_degrees=(2, 4)))
     with pytest.raises(UserError, match="train.global_batch_size is 8 but p.yaml was planned for 16"):
         pf.check_batch(8)
     assert isinstance(pf, PlanFile)
@@ -202,3 +210,49 @@ def test_non_finite_numbers_anywhere_are_refused_naming_the_key(tmp_path, litera
         read_plan(path)
     with pytest.raises(UserError, match=r"^p\.yaml: cluster\.gpu_memory_gb: nan is not a finite number$"):
         plan_from_dict(raw(cluster={"gpu_memory_gb": float("nan")}), "p.yaml")
+
+
+# -- the predicted record (dflop.plan.Prediction) ------------------------------------------------
+
+def test_prediction_writes_the_documented_record_and_reads_it_back(tmp_path):
+    """The record as the optimizer wrote it before `Prediction` existed (planfile.predicted_section,
+    by hand), in the file's key order; and read back from plan.yaml as every reader reads it."""
+    pred = Prediction(0.5, 0.4, 0.9, 0.45, 0.7, 32.0, (10,), (20, 30), 80, 4)
+    expected = {"step_s": {"mean": 0.5, "p50": 0.4, "p90": 0.9}, "mean_shape_step_s": 0.45, "utilisation": 0.7,
+                "samples_per_s": 32.0, "memory_bytes": {"vision": [10], "llm": [20, 30]},
+                "memory_limit_bytes": 80, "batches": 4}
+    assert pred.to_dict() == expected and list(pred.to_dict()) == list(expected)
+    path = tmp_path / "plan.yaml"
+    write_plan(raw(predicted=pred.to_dict(), baseline=raw(predicted={"step_s": {"mean": 2.0}})), path)
+    pf = read_plan(path)
+    assert pf.prediction() == pred
+    assert pf.prediction("baseline") == Prediction(step_mean_s=2.0)
+    assert pf.prediction("padded_baseline") is None
+
+
+@pytest.mark.parametrize("doc,message", [
+    ({"predicted": {"step_s": {"mean": "0.2"}}}, "predicted.step_s.mean is '0.2', expected a finite number > 0"),
+    ({"baseline": {"predicted": {"step_s": {"p90": 0}}}}, "baseline.predicted.step_s.p90 is 0, expected"),
+    ({"predicted": [1.0]}, r"predicted: expected a mapping, got \[1.0\]"),
+    ({"predicted": {"step_s": 0.2}}, "predicted.step_s: expected a mapping, got 0.2"),
+])
+def test_prediction_errors_name_the_file_and_key(doc, message):
+    section = "baseline" if "baseline" in doc else None
+    with pytest.raises(UserError, match=f"^p.yaml: {message}"):
+        Prediction.read(doc, section, "p.yaml")
+
+
+def test_the_one_plan_check_names_the_key_for_the_model_the_vision_tower_and_the_cluster():
+    """`Plan.check` against the model (above) and its two other parts: no sequence parallelism for
+    the vision tower, and the cluster's own check (`Cluster.check_runs`, which names the file)."""
+    from dflop.pricing.cluster import Cluster
+
+    pf = plan_from_dict(raw(), "p.yaml")
+    pf.plan.check(_model())  # fits; no cluster: the rank layout is not checked
+    vision = {"tp": 2, "pp": 1, "dp": 1, "layers_per_stage": [2], "sequence_parallel": True}
+    sp = plan_from_dict(raw(vision=vision, world_size=6), "p.yaml")
+    with pytest.raises(UserError, match=r"^p.yaml: vision.sequence_parallel: .*LLM only"):
+        sp.plan.check(_model())
+    pf.plan.check(_model(), Cluster(nodes=1, gpus_per_node=8))
+    with pytest.raises(UserError, match=r"^p.yaml: the plan needs 6 GPUs but the cluster has 4"):
+        pf.plan.check(_model(), Cluster(nodes=1, gpus_per_node=4))

@@ -58,6 +58,7 @@ from dflop.scheduler.greedy import MemoryGuardError
 from dflop.scheduler.online import GlobalBatches
 from dflop.scheduler.padded import price
 from dflop.scheduler.partition import Partition
+from dflop.scheduler.policy import Policy
 from dflop.shapes import read_shapes, usable
 
 
@@ -118,7 +119,7 @@ class Sampling:
         cost = load_cost_model(costmodel) if isinstance(costmodel, (str, Path)) else costmodel
         # Every rank partitions on its own, so only the deterministic members may run: the exact ILP
         # (`scheduler.ilp`) stops at a wall-clock deadline and could leave ranks with different splits.
-        sched = SchedulerSettings(policy="dflop", budget_s=cfg.scheduler.budget_ms / 1e3, ilp="never")
+        sched = SchedulerSettings(policy=Policy.DFLOP, budget_s=cfg.scheduler.budget_ms / 1e3, ilp="never")
         pool = align_shapes(table, keys, where)
         mix = dataset_mix(pool["dataset"].tolist(), cfg.datasets) if "dataset" in pool.columns else None
         return cls(pool, ModelHandle.resolve(cfg.model), cost, Cluster.from_section(cfg.cluster), cfg.seed, sched, mix)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflop.plan import Layout, Plan
+from dflop.scheduler.policy import Policy
 from dflop.planner.candidates import evaluation_columns, plan_columns
 from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation
@@ -33,8 +34,8 @@ from dflop.planner.screen import SearchSpace
 from dflop.planner.stages import StageModel, TransferMeans
 from dflop.planner.technique_choice import TechniqueMeans
 
-BASELINE_POLICIES = ("megatron", "padded")
-ROW_KIND = {"megatron": "baseline", "padded": "baseline_padded"}
+BASELINE_POLICIES = (Policy.MEGATRON, Policy.PADDED)
+ROW_KIND = {Policy.MEGATRON: "baseline", Policy.PADDED: "baseline_padded"}
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _colocated_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layou
 
 
 def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster, transfer: TransferMeans,
-                    granularity: Granularity, evaluate, *, simulate: int = 4, policy: str = "megatron",
+                    granularity: Granularity, evaluate, *, simulate: int = 4, policy: Policy = Policy.MEGATRON,
                     also: tuple[Layout, ...] = ()) -> BaselineResult:
     """The best data-blind layout for `policy` (one of `BASELINE_POLICIES`); `evaluate(plan) ->
     Evaluation` runs the sampled batches under that policy. Layouts are ranked for simulation by

@@ -29,6 +29,7 @@ from dflop.scheduler.evaluate import simulate_times, stage_times
 from dflop.scheduler.greedy import MemoryGuardError
 from dflop.scheduler.padded import price
 from dflop.scheduler.partition import Partition, partition
+from dflop.scheduler.policy import Policy
 from dflop.sim import SimResult
 
 
@@ -36,15 +37,15 @@ from dflop.sim import SimResult
 class SchedulerSettings:
     """How the online scheduler partitions each sampled batch (see `partition`).
 
-    policy: "dflop" (the portfolio), "megatron" (data-blind, fixed-count contiguous microbatches,
-    packed sequences) or "padded" (the same microbatches, padded to their longest sample: `dflop.scheduler.padded`);
+    policy: a `dflop.scheduler.policy.Policy`: the portfolio, the packed data-blind baseline or the
+    padded one (its microbatches padded to their longest sample: `dflop.scheduler.padded`);
     budget_s: wall seconds its exact ILP may use per batch; ilp: "auto", "always" or "never".
     The default leaves the ILP out: its wall-clock budget makes results depend on machine load, and
     the same inputs must give the same plan. Online the ILP can only improve on the greedy members,
     so planning without it is conservative.
     """
 
-    policy: str = "dflop"
+    policy: Policy = Policy.DFLOP
     budget_s: float = 0.05
     ilp: str = "never"
 
@@ -167,9 +168,8 @@ def run_partition(pc: PlanCosts, pricing: Pricing, scheduler: SchedulerSettings,
     """The online scheduler's partition of one priced batch (the step it simulates is the prediction);
     "padded" runs Megatron's bins on the padded costs (`price`)."""
     lay = pricing.plan.layout
-    policy = "megatron" if scheduler.policy == "padded" else scheduler.policy
     return partition(pc.costs, lay.m, lay.dp_l, lay.vision_replicas, budget_s=scheduler.budget_s,
-                     seed=seed, policy=policy, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s,
+                     seed=seed, policy=Policy(scheduler.policy).bins, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s,
                      ilp=scheduler.ilp)
 
 
@@ -181,7 +181,7 @@ def quick_step_s(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, siz
     scheduler runs on the best of them.
     """
     pricing = Pricing(plan, cost, cluster, sizes)
-    return run_partition(pricing.batch(batch), pricing, SchedulerSettings(policy="lpt1d")).step_s
+    return run_partition(pricing.batch(batch), pricing, SchedulerSettings(policy=Policy.LPT1D)).step_s
 
 
 def simulate_batch(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes,

@@ -26,6 +26,7 @@ from dflop.planner.search import SearchResult, SearchSettings, search
 from dflop.planner.space import ModelShape, describe_plan
 from dflop.planner.techniques import technique_costs, techniques_record
 from dflop.shapes import read_shapes
+from dflop.scheduler.policy import Policy
 from dflop.costmodel.jsonio import load_cost_model
 
 
@@ -53,10 +54,8 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
         pool = replace(pool, draw_p=mix.probabilities)
     cluster = Cluster.from_section(cluster)
     p = planner
-    settings = SearchSettings(global_batch=global_batch_size, placements=tuple(p.placements),
-                              microbatches=tuple(p.microbatches), sample_batches=p.sample_batches, top_k=p.top_k,
-                              time_limit_s=p.time_limit_s, rel_gap=p.rel_gap, seed=seed, racing=racing,
-                              scheduler=scheduler, **SearchSettings.techniques_of(p))
+    settings = SearchSettings.from_config(p, global_batch=global_batch_size, seed=seed, racing=racing,
+                                          scheduler=scheduler)
     result = search(cost, shape, pool, cluster, settings)
     base = result.baseline
     doc = plan_document(
@@ -103,9 +102,9 @@ def summary(result: SearchResult, cluster: Cluster, global_batch: int, plan_path
              f"{ev.p90_s:.4g} p90 over {len(ev.step_s)} sampled batches, utilisation {100 * ev.mean_utilisation:.1f}%",
              "           memory per stage (GB): " + ", ".join(
                  f"{ev.plan.stage_name(s)} {m / 1e9:.3g}" for s, m in enumerate(ev.memory_bytes))]
-    bases = [(result.baseline, "baseline", "megatron")]
+    bases = [(result.baseline, "baseline", Policy.MEGATRON)]
     if result.padded_baseline is not None:
-        bases.append((result.padded_baseline, "baseline_padded", "padded"))
+        bases.append((result.padded_baseline, "baseline_padded", Policy.PADDED))
     for base, kind, policy in bases:
         b, label = base.evaluation, BASELINE_LABELS[policy]
         if b is not None:

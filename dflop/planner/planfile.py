@@ -1,8 +1,7 @@
 """What the optimizer writes into plan.yaml (DESIGN §4), and the checks a plan must pass to run.
 
 The file's type, reader, writer and validator are `dflop.plan`; this module assembles the
-optimizer's mapping (`plan_document`) and checks a plan against a model and a cluster
-(`check_plan_runs`), which need the planner's model shape and cluster.
+optimizer's mapping (`plan_document`).
 
 Top-level keys::
 
@@ -55,28 +54,24 @@ from typing import Any
 import numpy as np
 
 from dflop.errors import UserError
-from dflop.plan import RANK_ORDER, Plan
+from dflop.plan import RANK_ORDER, Plan, Prediction
 from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation
 from dflop.planner.space import ModelShape
+from dflop.scheduler.policy import Policy
 
 
 def predicted_section(ev: Evaluation, *, global_batch: int, memory_limit_bytes: float,
                       mean_shape_step_s: float | None) -> dict:
+    """`ev`'s plan.yaml ``predicted`` record (`dflop.plan.Prediction`)."""
     n_v = ev.plan.layout.n_vision_stages
-    mem = [int(round(x)) for x in ev.memory_bytes]
-    return {
-        "step_s": {"mean": ev.mean_s, "p50": ev.p50_s, "p90": ev.p90_s},
-        "mean_shape_step_s": mean_shape_step_s,
-        "utilisation": ev.mean_utilisation,
-        "samples_per_s": global_batch / ev.mean_s,
-        "memory_bytes": {"vision": mem[:n_v], "llm": mem[n_v:]},
-        "memory_limit_bytes": int(round(memory_limit_bytes)),
-        "batches": len(ev.step_s),
-    }
+    mem = tuple(int(round(x)) for x in ev.memory_bytes)
+    return Prediction(ev.mean_s, ev.p50_s, ev.p90_s, mean_shape_step_s, ev.mean_utilisation,
+                      global_batch / ev.mean_s, mem[:n_v], mem[n_v:], int(round(memory_limit_bytes)),
+                      len(ev.step_s)).to_dict()
 
 
-BASELINE_LABELS = {"megatron": "Megatron-style packed data-blind", "padded": "HF/LLaVA padded"}
+BASELINE_LABELS = {Policy.MEGATRON: "Megatron-style packed data-blind", Policy.PADDED: "HF/LLaVA padded"}
 
 
 def vision_padding_record(plan: Plan, shape: ModelShape | None) -> dict:
@@ -120,17 +115,6 @@ def plan_document(*, chosen: Evaluation, mean_shape_step_s: float, baseline: Eva
     return _plain(doc)
 
 
-def check_plan_runs(plan: Plan, shape: ModelShape, cluster: Cluster, where: str) -> None:
-    """One-line UserError unless `plan` can run `shape`'s model on `cluster`: layer splits that
-    cover the model's layers, TP degrees that split its heads (vision: after zero-head padding) and
-    widths, and a rank layout that
-    fits the cluster and that the launcher can start (`Cluster.check_runs`). plan.yaml's own
-    keys (world size against the layout, ...) are checked when it is read (`dflop.plan`)."""
-    plan = Plan(plan.layout, plan.vision_layers, plan.llm_layers, where, plan.vision_techniques, plan.llm_techniques)
-    plan.check_model(shape.vision_layers, shape.llm_layers, shape.vision_tp_ok, shape.llm_tp_ok)
-    cluster.check_runs(plan.layout, where)
-
-
 def _plain(x):
     """numpy scalars/arrays -> Python types, so yaml.safe_dump can write them."""
     if isinstance(x, dict):
@@ -143,4 +127,6 @@ def _plain(x):
         return int(x)
     if isinstance(x, np.floating):
         return float(x)
+    if isinstance(x, str):  # a Policy: its name
+        return str(x)
     return x

@@ -27,12 +27,12 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import pandas as pd
 
-from dflop.config import PlannerSection
+from dflop.config import Config, PlannerSection
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.plan import Layout, Plan
@@ -45,13 +45,15 @@ from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.milp import SplitResult, objective_bound_s, solve_split
 from dflop.planner.screen import ScreenResult, SearchSpace, layout_of, screen
 from dflop.planner.space import ModelShape, build_space
+from dflop.scheduler.policy import Policy
 from dflop.planner.stages import StageModel, TransferMeans, min_peak_split
 from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
 
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """Knobs of the search (config: planner.*, train.global_batch_size, run.seed).
+    """Knobs of the search: the config's planner section, train.global_batch_size (global_batch) and
+    run.seed, whose defaults are the schema's only (`from_config`), then the search's own.
 
     prescreen: layouts (best by MILP objective) ranked by the LPT simulation before the top_k are
     chosen (default max(2 top_k, 16)); keep: layouts kept by the screen for the tighter bound
@@ -61,14 +63,9 @@ class SearchSettings:
     split at or below the n_prescreen-th best objective and is pruned (milp_bound) when none exists.
     """
 
-    global_batch: int = 16
-    placements: tuple[str, ...] = ("disjoint", "colocated")
-    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    sample_batches: int = 8
-    top_k: int = 16
-    time_limit_s: float = 10.0
-    rel_gap: float = 0.01
-    seed: int = 0
+    planner: PlannerSection
+    global_batch: int
+    seed: int
     racing: bool = True
     prescreen: int | None = None
     keep: int | None = None
@@ -76,32 +73,41 @@ class SearchSettings:
     baseline_simulate: int = 4
     milp_cutoff: bool = True
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
-    recompute: str = "auto"                 # memory techniques (`dflop.planner.technique_choice`):
-    shard_optimizer: str | bool = "auto"    # auto = the planner chooses (for its plans and the
-    sequence_parallel: str | bool = "auto"  # baselines alike), otherwise forced on or off
 
-    @staticmethod
-    def techniques_of(planner: PlannerSection) -> dict:
-        """The memory-technique keys of the config's planner section."""
-        return {"recompute": planner.recompute, "shard_optimizer": planner.shard_optimizer,
-                "sequence_parallel": planner.sequence_parallel}
+    @classmethod
+    def from_config(cls, planner: PlannerSection | None = None, *, global_batch: int | None = None,
+                    seed: int | None = None, **others) -> "SearchSettings":
+        """The settings of the config's planner section, train.global_batch_size and run.seed (each
+        None: the schema's default, as a config without the key reads); `others`: the search's own
+        fields, or planner keys set over the section (tests, benchmarks)."""
+        if planner is None or global_batch is None or seed is None:
+            empty = Config.from_dict({})
+            planner = planner or empty.planner
+            global_batch = empty.train.global_batch_size if global_batch is None else global_batch
+            seed = empty.seed if seed is None else seed
+        keys = {f.name for f in fields(PlannerSection)}
+        planner = replace(planner, **{k: v for k, v in others.items() if k in keys})
+        return cls(planner, global_batch, seed, **{k: v for k, v in others.items() if k not in keys})
 
     @property
     def technique_space(self) -> TechniqueSpace:
-        return TechniqueSpace.of(self.recompute, self.shard_optimizer, self.sequence_parallel)
+        p = self.planner
+        return TechniqueSpace.of(p.recompute, p.shard_optimizer, p.sequence_parallel)
 
     @property
     def n_prescreen(self) -> int:
-        return max(self.top_k, self.prescreen or max(2 * self.top_k, 16))
+        return max(self.planner.top_k, self.prescreen or max(2 * self.planner.top_k, 16))
 
     def __post_init__(self):
-        for key in ("sample_batches", "top_k", "baseline_simulate"):
-            if int(getattr(self, key)) != getattr(self, key) or getattr(self, key) < 1:
-                raise UserError(f"planner.{key} must be a whole number >= 1, got {getattr(self, key)!r}")
-        if not self.time_limit_s > 0:
-            raise UserError(f"planner.time_limit_s must be > 0, got {self.time_limit_s!r}")
-        if not self.rel_gap >= 0:
-            raise UserError(f"planner.rel_gap must be >= 0, got {self.rel_gap!r}")
+        """Planner keys set directly (`from_config`'s `others`) bypass the schema: checked here."""
+        for key, value in (("planner.sample_batches", self.planner.sample_batches),
+                           ("planner.top_k", self.planner.top_k), ("baseline_simulate", self.baseline_simulate)):
+            if int(value) != value or value < 1:
+                raise UserError(f"{key} must be a whole number >= 1, got {value!r}")
+        if not self.planner.time_limit_s > 0:
+            raise UserError(f"planner.time_limit_s must be > 0, got {self.planner.time_limit_s!r}")
+        if not self.planner.rel_gap >= 0:
+            raise UserError(f"planner.rel_gap must be >= 0, got {self.planner.rel_gap!r}")
         self.technique_space  # noqa: B018 (validates the technique keys)
 
 
@@ -155,11 +161,13 @@ def prepare_means(cost: CostModel, shape: ModelShape, pool: Pool, space: SearchS
 
 
 def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
-           settings: SearchSettings = SearchSettings()) -> SearchResult:
-    """Run the whole search (module docstring); raises UserError when nothing can run."""
+           settings: SearchSettings | None = None) -> SearchResult:
+    """Run the whole search (module docstring) with `settings` (None: the config's defaults);
+    raises UserError when nothing can run."""
     t0 = time.perf_counter()
-    s = settings
-    space, rejected = build_space(shape, cost, cluster, placements=s.placements, microbatches=s.microbatches,
+    s = settings if settings is not None else SearchSettings.from_config()
+    space, rejected = build_space(shape, cost, cluster, placements=s.planner.placements,
+                                  microbatches=s.planner.microbatches,
                                   global_batch=s.global_batch, mean_tiles=float(pool.n_tiles.mean()))
     means = prepare_means(cost, shape, pool, space, s.technique_space)
     vision, llm = means.for_times()
@@ -179,7 +187,7 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
         statuses = sorted({x.result.status for x in solved})
         raise UserError(f"no layer split found by the MILP for any feasible layout (statuses: {statuses})")
 
-    batches = sample_batches(len(pool), s.sample_batches, s.global_batch, s.seed, draw_p=pool.draw_p)
+    batches = sample_batches(len(pool), s.planner.sample_batches, s.global_batch, s.seed, draw_p=pool.draw_p)
 
     def evaluate(plan: Plan, subset: slice, scheduler: SchedulerSettings) -> Evaluation:
         return evaluate_plan(plan, cost, pool, batches[subset], cluster, sizes, scheduler,
@@ -195,8 +203,8 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
                                simulate=s.baseline_simulate, policy=policy, also=also)
 
     # the padded trainer first: the packed one also simulates its layout (packing it can only help)
-    padded = baseline_for("padded")
-    baseline = baseline_for("megatron", also=(padded.evaluation.plan.layout,) if padded.evaluation else ())
+    padded = baseline_for(Policy.PADDED)
+    baseline = baseline_for(Policy.MEGATRON, also=(padded.evaluation.plan.layout,) if padded.evaluation else ())
     t_base = time.perf_counter()
 
     rows = list(rejected) + [_layout_row(x) for x in solved] + unsolved + baseline.rows + padded.rows
@@ -280,7 +288,7 @@ def _solve_layouts(screened: ScreenResult, space: SearchSpace, means: TechniqueM
             res = SplitResult("single_split", split, None, None, 0.0)
         else:
             cutoff = sorted(objectives)[want - 1] if s.milp_cutoff and len(objectives) >= want else None
-            res = solve_split(sm, time_limit_s=s.time_limit_s, rel_gap=s.rel_gap, cutoff_s=cutoff)
+            res = solve_split(sm, time_limit_s=s.planner.time_limit_s, rel_gap=s.planner.rel_gap, cutoff_s=cutoff)
             n_calls += 1
             if res.status == "cutoff":  # its optimum, so its settled objective, is above the want-th best
                 cut.append(_unsolved_row(lay, cutoff, "milp_bound", cutoff, want, max_milps, solve_s=res.solve_s,
@@ -346,11 +354,11 @@ def _unlisted(groups: pd.DataFrame, listed: dict) -> pd.DataFrame:
 def _prescreen(ranked: list[_Solved], s: SearchSettings, quick) -> list[_Solved]:
     """The best `n_prescreen` by MILP objective, re-ranked by `quick(plan)` (seconds); the rest after."""
     head, tail = ranked[:s.n_prescreen], ranked[s.n_prescreen:]
-    if len(head) <= s.top_k:
+    if len(head) <= s.planner.top_k:
         return ranked
     steps = {id(x): quick(x.plan) for x in head}
     head = sorted(head, key=lambda x: (steps[id(x)], x.result.objective_s))
-    for x in head[s.top_k:]:
+    for x in head[s.planner.top_k:]:
         x.status, x.reason = "pruned", "prescreen"
         x.detail = f"LPT-partitioned step on sampled batch 0: {steps[id(x)]:.4g} s"
     return head + tail
@@ -358,8 +366,8 @@ def _prescreen(ranked: list[_Solved], s: SearchSettings, quick) -> list[_Solved]
 
 def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _Solved:
     """Simulate the top_k (racing or not), mark statuses, return the winner."""
-    finalists, rest = ranked[:s.top_k], ranked[s.top_k:]
-    K = s.sample_batches
+    finalists, rest = ranked[:s.planner.top_k], ranked[s.planner.top_k:]
+    K = s.planner.sample_batches
     for x in rest:
         if x.status not in ("pruned", "rejected"):
             x.status, x.reason = "solved", ""

@@ -31,15 +31,15 @@ LLM_MODULES = ("llm_embed", "llm_layer", "llm_head")
 class ModelShape:
     """The model structure the planner needs (from `dflop.models.info.ModelInfo`).
 
-    *_tp_ok: TP degrees that split the module evenly (vision: after zero-head padding); hidden
+    *_tp_degrees: TP degrees that split the module evenly (vision: after zero-head padding); hidden
     sizes and tokens per tile size the activations that cross pipeline hops; vision_padded_heads:
-    the vision heads at each of vision_tp_ok after padding (empty: no padding anywhere).
+    the vision heads at each of vision_tp_degrees after padding (empty: no padding anywhere).
     """
 
     vision_layers: int
     llm_layers: int
-    vision_tp_ok: tuple[int, ...]
-    llm_tp_ok: tuple[int, ...]
+    vision_tp_degrees: tuple[int, ...]
+    llm_tp_degrees: tuple[int, ...]
     vision_heads: int
     llm_heads: int
     llm_kv_heads: int
@@ -52,7 +52,7 @@ class ModelShape:
 
     def vision_heads_at(self, tp: int) -> int:
         """The vision tower's head count at TP degree `tp`, padding included."""
-        return dict(zip(self.vision_tp_ok, self.vision_padded_heads)).get(tp, self.vision_heads)
+        return dict(zip(self.vision_tp_degrees, self.vision_padded_heads)).get(tp, self.vision_heads)
 
     def vision_padding(self, tp: int) -> str:
         """"25 heads padded to 32" when `tp` needs zero heads, else ""."""
@@ -129,10 +129,10 @@ def build_space(shape: ModelShape, cost: CostModel, cluster: Cluster, *, placeme
                                        **{key: t}))
         return keep
 
-    vision_tp = admissible("vision", shape.vision_tp_ok, vision_prof,
+    vision_tp = admissible("vision", shape.vision_tp_degrees, vision_prof,
                            f"the vision tower's MLP and projector widths ({shape.vision_heads} heads, padded where needed)"
                            if shape.vision_padded_heads else f"{shape.vision_heads} vision heads")
-    llm_tp = admissible("llm", shape.llm_tp_ok, llm_prof,
+    llm_tp = admissible("llm", shape.llm_tp_degrees, llm_prof,
                         f"{shape.llm_heads} heads / {shape.llm_kv_heads} key-value heads / vocabulary {shape.vocab_size}")
     shared_tp = [t for t in llm_tp if t in vision_tp]
     colocated_tp = shared_tp if "colocated" in placements else []

@@ -36,11 +36,12 @@ from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.inputs import check_cost_model_matches
-from dflop.planner.planfile import BASELINE_LABELS, check_plan_runs
+from dflop.planner.planfile import BASELINE_LABELS
 from dflop.planner.space import ModelShape
 from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.shapes import read_shapes
 from dflop.sim import plot_gantt
+from dflop.scheduler.policy import Policy
 from dflop.costmodel.jsonio import load_cost_model
 
 
@@ -180,7 +181,7 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
     """Re-evaluate plan.yaml (optionally on `gpus` GPUs and/or other shapes); draw the Gantt chart.
 
     The plan (and its baselines) is first checked against the model and its recorded cluster
-    (`check_plan_runs`). gpus: scale data parallelism to this many GPUs; global_batch: the global
+    (`Plan.check`). gpus: scale data parallelism to this many GPUs; global_batch: the global
     batch to simulate (default: plan.yaml's, scaled by gpus / the plan's world size when `gpus` is
     given). shapes_path / costmodel_path default to the ones recorded in plan.yaml;
     sample_batches_k, seed and the scheduler settings to its evaluation settings; out_png: where to
@@ -192,10 +193,11 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
     ctx = load_plan_context(plan_path, shapes_path=shapes_path, costmodel_path=costmodel_path, shape=shape)
     pf, cost, pool, cluster, sizes, scheduler = ctx.plan_file, ctx.cost, ctx.pool, ctx.cluster, ctx.sizes, ctx.scheduler
     shapes_path = ctx.shapes_path
-    check_plan_runs(pf.plan, ctx.shape, cluster, str(plan_path))
-    bases = {policy: b for policy, b in (("megatron", pf.baseline), ("padded", pf.padded_baseline)) if b is not None}
+    replace(pf.plan, source=str(plan_path)).check(ctx.shape, cluster)
+    bases = {policy: b for policy, b in ((Policy.MEGATRON, pf.baseline), (Policy.PADDED, pf.padded_baseline))
+             if b is not None}
     for policy, b in bases.items():
-        check_plan_runs(b, ctx.shape, cluster, f"{plan_path}: {_BASELINE_KEY[policy]}")
+        replace(b, source=f"{plan_path}: {_BASELINE_KEY[policy]}").check(ctx.shape, cluster)
     plan, notes = pf.plan, []
     if gpus is not None:
         cluster = cluster.with_gpus(int(gpus))
@@ -242,15 +244,15 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
         png = plot_gantt(timeline, out_png, title=f"{plan.layout.describe()}: step {timeline.step_s:.4g} s "
                          f"(median of {len(ev.step_s)} sampled batches), idle {100 * timeline.idle_fraction():.1f}%")
     techniques = technique_costs(plan, cost, pool, cluster, sizes, global_batch=B)
-    result = WhatIf(ev, evaluated.get("megatron"), cluster, png, tuple(notes), techniques,
+    result = WhatIf(ev, evaluated.get(Policy.MEGATRON), cluster, png, tuple(notes), techniques,
                     cost_model=f"{ctx.costmodel_path}: {cost.provenance.describe()}", measured=measured,
-                    loading=loading_note(cost, cluster, pool, B), padded_baseline=evaluated.get("padded"))
+                    loading=loading_note(cost, cluster, pool, B), padded_baseline=evaluated.get(Policy.PADDED))
     if verbose:
         print(whatif_summary(result, B, shapes_path))
     return result
 
 
-_BASELINE_KEY = {"megatron": "baseline", "padded": "padded_baseline"}  # plan.yaml's section of each policy
+_BASELINE_KEY = {Policy.MEGATRON: "baseline", Policy.PADDED: "padded_baseline"}  # plan.yaml's section of each policy
 
 
 def loading_note(cost: CostModel, cluster: Cluster, pool: Pool, global_batch: int) -> str | None:

@@ -92,7 +92,8 @@ def plot_candidates(*, candidates: str | Path, out_png: str | Path, memory_limit
     if memory_limit_gb is None and plan is not None:
         from dflop.plan import read_plan
 
-        limit = (read_plan(plan).doc.get("predicted") or {}).get("memory_limit_bytes")
+        predicted = read_plan(plan).prediction()
+        limit = predicted.memory_limit_bytes if predicted is not None else None
         memory_limit_gb = float(limit) / 1e9 if limit is not None else None
     table = read_table(candidates, "candidates.parquet", CANDIDATE_COLUMNS)
     if table.empty:

@@ -34,6 +34,7 @@ from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.planner.whatif import load_plan_context
 from dflop.report.style import BASELINE_COLOUR, PLAN_COLOUR, save_figure
 from dflop.sim import SimResult, plot_gantt
+from dflop.scheduler.policy import Policy
 
 
 @dataclass(frozen=True)
@@ -110,11 +111,11 @@ def compare_plan(plan_path: str | Path, *, shapes: str | Path | None = None,
     baseline = None
     if pf.baseline is not None:
         baseline, _ = simulate(f"{BASELINE_LABELS['megatron']} baseline", pf.baseline,
-                               replace(scheduler, policy="megatron"), median)
+                               replace(scheduler, policy=Policy.MEGATRON), median)
     padded = None
     if pf.padded_baseline is not None:
         padded = evaluate_plan(pf.padded_baseline, cost, pool, batches, cluster, sizes,
-                               replace(scheduler, policy="padded"), seed=seed)
+                               replace(scheduler, policy=Policy.PADDED), seed=seed)
         if not padded.ok:
             raise UserError(f"{plan_path}: padded baseline {pf.padded_baseline.describe()} cannot run on {shapes}: "
                             f"{padded.failure}")

@@ -86,8 +86,10 @@ class Summary:
     @property
     def planner_speedup(self) -> float | None:
         """plan.yaml's: baseline mean / plan mean over the planner's sampled batches."""
-        value = self.plan_file.doc.get("speedup")
-        return float(value) if value is not None else None
+        plan, base = self.plan_file.prediction(), self.plan_file.prediction("baseline")
+        if plan is None or base is None or plan.step_mean_s is None or base.step_mean_s is None:
+            return None
+        return base.step_mean_s / plan.step_mean_s
 
 
 def plan_lines(pf: PlanFile) -> list[str]:
@@ -104,12 +106,11 @@ def plan_lines(pf: PlanFile) -> list[str]:
     if pf.baseline is not None:
         lines.append(f"data-blind baseline: {pf.baseline.layout.describe()}".replace(" (", "\n    (", 1)
                      + f", layers {list(pf.baseline.vision_layers)} / {list(pf.baseline.llm_layers)}")
-    predicted = (pf.doc.get("predicted") or {}).get("step_s") or {}
-    base = (((pf.doc.get("baseline") or {}).get("predicted") or {}).get("step_s") or {})
-    if "mean" in predicted:
-        text = f"planner's predicted step: {predicted['mean']:.3g} s"
-        if "mean" in base:
-            text += f" (baseline {base['mean']:.3g} s)"
+    predicted, base = pf.prediction(), pf.prediction("baseline")
+    if predicted is not None and predicted.step_mean_s is not None:
+        text = f"planner's predicted step: {predicted.step_mean_s:.3g} s"
+        if base is not None and base.step_mean_s is not None:
+            text += f" (baseline {base.step_mean_s:.3g} s)"
         lines.append(text)
     return lines
 

@@ -42,6 +42,7 @@ from dflop.runtime.metrics import WARMUP_STEPS
 from dflop.runtime.spans import makespan, op_differences, simulated_ops, trace_ops
 from dflop.scheduler.online import GlobalBatches
 from dflop.sim import SimResult
+from dflop.scheduler.policy import Policy
 
 OP_COLOURS = {"F": PLAN_COLOUR, "B": BASELINE_COLOUR}
 
@@ -94,7 +95,7 @@ def simulate_traced_step(plan: str | Path, step: int, seed: int, *, shapes: str 
     compute_only = CostModel(ctx.cost.modules.values(), ctx.cost.provenance,  # loads: before the first forward
                              replace(ctx.cost.step_costs, loading=None))
     _, result = simulate_batch(pf.plan, compute_only, ctx.pool.take(rows), ctx.cluster, ctx.sizes,
-                               replace(ctx.scheduler, policy="dflop"), seed=seed)
+                               replace(ctx.scheduler, policy=Policy.DFLOP), seed=seed)
     return result
 
 

@@ -26,8 +26,9 @@ import pandas as pd
 import yaml
 
 from dflop.errors import UserError
-from dflop.finite import Numbers, check_columns, check_finite_values
+from dflop.finite import Numbers, check_columns
 from dflop.io import read_parquet, write_text_atomic
+from dflop.plan import Prediction
 from dflop.runtime.metrics import WARMUP_STEPS
 
 # The metrics.parquet numbers a comparison divides and prints: a step's seconds divide, the
@@ -88,16 +89,12 @@ class RunComparison:
 
 
 def planned_steps(doc: Mapping[str, Any], source: str = "plan.yaml") -> tuple[float, float]:
-    """(plan, baseline) mean predicted step of a plan.yaml mapping."""
-    try:
-        plan = doc["predicted"]["step_s"]["mean"]
-        base = doc["baseline"]["predicted"]["step_s"]["mean"]
-    except (KeyError, TypeError):
+    """(plan, baseline) mean predicted step of a plan.yaml mapping (`dflop.plan.Prediction`)."""
+    plan, base = Prediction.read(doc, None, source), Prediction.read(doc, "baseline", source)
+    if plan is None or base is None or plan.step_mean_s is None or base.step_mean_s is None:
         raise UserError(f"{source}: predicted.step_s.mean or baseline.predicted.step_s.mean missing "
-                        f"(re-run `dflop optimize`)") from None
-    check_finite_values((("predicted.step_s.mean", plan), ("baseline.predicted.step_s.mean", base)), source,
-                        positive=True)  # the predicted speedup divides them
-    return float(plan), float(base)
+                        f"(re-run `dflop optimize`)")
+    return float(plan.step_mean_s), float(base.step_mean_s)
 
 
 def compare_runs(plan: pd.DataFrame, baseline: pd.DataFrame, predicted: tuple[float, float], *,

@@ -94,14 +94,12 @@ def srun_environment(env: dict | None = None) -> dict:
 def check_before_launch(cfg, plan_path: str | Path) -> None:
     """One-line UserError, before any process starts, unless the plan can train the config's model
     on its cluster: layer splits, TP degrees, world size, a launchable rank layout
-    (`Plan.check_model`, `Cluster.check_runs`: what `dflop simulate` checks too) and the global batch."""
+    (`Plan.check`: what `dflop simulate` and the workers check too) and the global batch."""
     from dflop.models.handle import ModelHandle
     from dflop.pricing.cluster import Cluster
 
     plan_file = read_plan(plan_path)
-    info = ModelHandle.resolve(cfg.model).info
-    plan_file.plan.check_model(info.vision_layers, info.llm_layers, info.vision_tp_degrees, info.llm_tp_degrees)
-    Cluster.from_section(cfg.cluster).check_runs(plan_file.plan.layout, str(plan_path))
+    plan_file.plan.check(ModelHandle.resolve(cfg.model).info, Cluster.from_section(cfg.cluster))
     plan_file.check_batch(cfg.train.global_batch_size)
 
 

@@ -27,9 +27,9 @@ resumed run first drops rows after its checkpoint's step, so the file never has 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -42,8 +42,57 @@ if TYPE_CHECKING:  # annotations only: the report and compare-runs read metrics 
     from dflop.runtime.topology import Topology
     from dflop.scheduler.online import StepPlan
 
-BASE_COLUMNS = ("step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
-                "predicted_step_s", "corrected_step_s", "correction_active", "run_id")
+
+
+@dataclass(frozen=True)
+class MetricsRow:
+    """One step's row of metrics.parquet (module docstring): the fields are the file's columns, in
+    the file's order, except `stage_busy_s`, which becomes ``busy_s_<stage>`` / ``idle_s_<stage>``
+    (idle: step_s less busy) per stage at its place (`to_dict`). Values keep their Python types
+    (int, float, bool, str), so the columns' dtypes are int64, float64, bool and object."""
+
+    step: int
+    loss: float
+    step_s: float
+    samples: int
+    tokens: int
+    tflops: float
+    idle_frac: float
+    sched_ms: float
+    sched_gap: float
+    predicted_step_s: float
+    corrected_step_s: float
+    correction_active: bool
+    run_id: str
+    lr: float
+    grad_norm: float
+    answer_tokens: int
+    data_wait_s: float
+    member: str
+    stage_busy_s: Mapping[str, float]  # seconds per stage label (`stage_labels`), in chain order
+    skipped_samples: int
+    peak_bytes: float  # NaN on CPU
+
+    def to_dict(self) -> dict:
+        """The row as metrics.parquet's columns, in order."""
+        row = {}
+        for f in fields(self):
+            if f.name == "stage_busy_s":
+                for label, seconds in self.stage_busy_s.items():
+                    row[f"busy_s_{label}"] = seconds
+                    row[f"idle_s_{label}"] = self.step_s - seconds
+            else:
+                row[f.name] = getattr(self, f.name)
+        return row
+
+    @classmethod
+    def columns(cls, stages: Sequence[str]) -> list[str]:
+        """metrics.parquet's columns for a run with these stage labels."""
+        out = []
+        for f in fields(cls):
+            out += ([c for s in stages for c in (f"busy_s_{s}", f"idle_s_{s}")] if f.name == "stage_busy_s"
+                    else [f.name])
+        return out
 
 PART_PREFIX = "steps_from_"  # a part file of MetricsWriter: steps_from_<first step, 9 digits>.parquet
 
@@ -63,15 +112,15 @@ class MetricsWriter:
 
     def __init__(self, folder: str | Path, resume_step: int = 0):
         self.folder = Path(folder)
-        self.pending: list[dict] = []
+        self.pending: list[dict] = []  # MetricsRow.to_dict() of the rows since the last flush
         if resume_step > 0:
             self._adopt_single_file()
             self._drop_after(resume_step)
         else:
             shutil.rmtree(self.folder, ignore_errors=True)
 
-    def append(self, row: dict) -> None:
-        self.pending.append(row)
+    def append(self, row: MetricsRow) -> None:
+        self.pending.append(row.to_dict())
 
     def flush(self) -> None:
         """Save the rows appended since the last flush as a part file (before a checkpoint)."""
@@ -112,13 +161,11 @@ class MetricsWriter:
 
 
 def _frame(rows: list[dict] | list[pd.DataFrame]) -> pd.DataFrame:
-    """The rows (dicts, or frames read back from parts) as one frame, `BASE_COLUMNS` first."""
+    """The rows (`MetricsRow.to_dict`s, or frames read back from parts) as one frame, in their
+    columns' order."""
     if rows and isinstance(rows[0], pd.DataFrame):
-        frame = pd.concat(rows, ignore_index=True)
-    else:
-        frame = pd.DataFrame(rows)
-    ordered = [c for c in BASE_COLUMNS if c in frame.columns] + [c for c in frame.columns if c not in BASE_COLUMNS]
-    return frame[ordered]
+        return pd.concat(rows, ignore_index=True)
+    return pd.DataFrame(rows)
 
 
 def _write(frame: pd.DataFrame, path: Path) -> None:
@@ -232,25 +279,18 @@ def stage_busy(topo: Topology, times: np.ndarray) -> dict[str, float]:
     return {labels[s]: float(np.mean(v)) for s, v in sorted(per_stage.items())}
 
 
-def metrics_row(trainer, plan: StepPlan, stats: dict, times: np.ndarray, step_s: float,
-                data_wait: float, norm: float, lr: float) -> dict:
+def metrics_row(trainer, plan: StepPlan, stats: dict, times: np.ndarray, step_s: float, data_wait: float,
+                norm: float, lr: float, *, skipped_samples: int, peak_bytes: float) -> MetricsRow:
     """Rank 0's metrics.parquet row of one step (module docstring); `times`: `Trainer.gather_times`."""
     model = trainer.model
     flops = step_flops(model.info, plan.n_tiles, plan.seq_len, vision_trainable=model.vision_side_trainable,
                        llm_trainable=not model.spec.freeze_llm)
-    busy = stage_busy(trainer.topo, times)
-    row = {
-        "step": plan.step + 1, "run_id": trainer.fingerprint.run_id, "loss": stats["loss"], "step_s": step_s,
-        "samples": len(plan.rows),
-        "tokens": int(sum(plan.seq_len)), "tflops": flops / step_s / 1e12,
-        "idle_frac": float(1 - times.sum() / (trainer.world * step_s)),
-        "sched_ms": plan.sched_s * 1e3, "sched_gap": plan.predicted_step_s / plan.lower_bound_s
-        if plan.lower_bound_s > 0 else float("nan"),
-        "predicted_step_s": plan.predicted_step_s, "corrected_step_s": plan.corrected_step_s,
-        "correction_active": bool(plan.correction_active), "lr": lr,
-        "grad_norm": norm, "answer_tokens": stats["n_answer"], "data_wait_s": data_wait, "member": plan.member,
-    }
-    for label, seconds in busy.items():
-        row[f"busy_s_{label}"] = seconds
-        row[f"idle_s_{label}"] = step_s - seconds
-    return row
+    return MetricsRow(
+        step=plan.step + 1, loss=stats["loss"], step_s=step_s, samples=len(plan.rows),
+        tokens=int(sum(plan.seq_len)), tflops=flops / step_s / 1e12,
+        idle_frac=float(1 - times.sum() / (trainer.world * step_s)), sched_ms=plan.sched_s * 1e3,
+        sched_gap=plan.predicted_step_s / plan.lower_bound_s if plan.lower_bound_s > 0 else float("nan"),
+        predicted_step_s=plan.predicted_step_s, corrected_step_s=plan.corrected_step_s,
+        correction_active=bool(plan.correction_active), run_id=trainer.fingerprint.run_id, lr=lr, grad_norm=norm,
+        answer_tokens=stats["n_answer"], data_wait_s=data_wait, member=plan.member,
+        stage_busy_s=stage_busy(trainer.topo, times), skipped_samples=skipped_samples, peak_bytes=peak_bytes)

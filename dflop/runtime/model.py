@@ -37,9 +37,7 @@ from transformers import PreTrainedModel
 
 from dflop.config import ModelSpec
 from dflop.errors import UserError
-from dflop.models.architectures import architecture_of
 from dflop.models.handle import ModelHandle
-from dflop.models.info import llm_tp_degrees, vision_tp_degrees
 from dflop.models.stages import LLMStage, VisionStage
 from dflop.runtime.parallelize import parallelize_stage
 from dflop.runtime.param_names import full_model_on_meta, untrained_parameter_names
@@ -82,15 +80,10 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
     """Build (random init from `seed`, or the handle's weights), shard and freeze the modules of
     this rank (see module docstring)."""
     handle.check_trainable()
-    model = handle.build_on_meta()
     plan = topo.plan
-    arch = architecture_of(model)
+    plan.check(handle.info)  # every rank refuses, before any collective
+    model = handle.build_on_meta()
     config = model.config
-    plan.check_model(arch.n_feature_layers(config), config.get_text_config().num_hidden_layers,
-                     vision_tp_ok=vision_tp_degrees(config, padded=True), llm_tp_ok=llm_tp_degrees(config))
-    if plan.vision_techniques.sequence_parallel:  # every rank refuses, before any collective
-        raise UserError(f"{plan.source}: vision.sequence_parallel: sequence parallelism is implemented for the "
-                        f"LLM only; set it to false for the vision tower")
     vision = llm = None
     untrained: set[str] = set()
     if topo.vision_role is not None:

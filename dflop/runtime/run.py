@@ -136,15 +136,15 @@ def run_training(settings: TrainSettings, *, plan_path: str | Path, shapes_path:
                             process_names=names, process_args=args)
             times = trainer.gather_times(stats["result"])
             if trainer.rank == 0:
-                row = metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm, lr)
-                row["skipped_samples"] = n_skipped
-                row["peak_bytes"] = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else np.nan
+                peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else np.nan
+                row = metrics_row(trainer, plan_now, stats, times, step_s, data_wait, norm, lr,
+                                  skipped_samples=n_skipped, peak_bytes=peak)
                 metrics.append(row)
                 trainer.planner.report(step, measured_times(trainer.topo, times, plan_now), step_s=step_s)
                 bar.update(1)
                 log.info("step %d/%d loss %.4f step %.3fs idle %.1f%% sched %.1fms gap %.3f pred %.3fs corrected %.3fs "
-                         "lr %.2e", step + 1, total, row["loss"], step_s, 100 * row["idle_frac"], row["sched_ms"],
-                         row["sched_gap"], row["predicted_step_s"], row["corrected_step_s"], row["lr"])
+                         "lr %.2e", step + 1, total, row.loss, step_s, 100 * row.idle_frac, row.sched_ms,
+                         row.sched_gap, row.predicted_step_s, row.corrected_step_s, row.lr)
             done = step + 1
             if checkpoint_due(done, total, settings.train.checkpoint_every):
                 if metrics is not None:  # the rows first: a checkpoint never lacks a step's row

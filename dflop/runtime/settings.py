@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from dflop.config import ClusterSection, Config, DataSection, DatasetSpec, ModelSpec, SchedulerSection, TrainSection
+from dflop.scheduler.policy import Policy
 
 # `dflop train` flags (and benchmarks) that override one key of a section.
 OVERRIDES = {"steps": "train", "overlap_grad_sync": "train", "policy": "scheduler", "pad_to_longest": "scheduler"}
@@ -47,4 +48,4 @@ class TrainSettings:
     @property
     def baseline(self) -> bool:
         """The data-blind comparison run: fixed-count microbatches, uniform layer split."""
-        return self.scheduler.policy == "baseline"
+        return Policy.of_config(self.scheduler).data_blind

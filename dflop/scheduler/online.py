@@ -34,10 +34,9 @@ from dflop.plan import Plan
 from dflop.scheduler.correction import WARMUP_STEPS, AdaptiveCorrection, MeasuredTimes, ShapeBuckets
 from dflop.scheduler.evaluate import lower_bound, simulate_times, stage_times
 from dflop.scheduler.partition import Partition, greedy_partition, partition
+from dflop.scheduler.policy import Policy
 from dflop.scheduler.service import SchedulerService
 from dflop.shapes import numpy_backed
-
-POLICIES = {"dflop": "dflop", "baseline": "megatron"}
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,8 @@ class StepPlanner:
         layout (the trainer's: the one pricing path, `dflop.pricing.pricing`, on a `Pool` built and
         checked once).
     feature_rows_fn: shapes rows -> [n] feature rows per sample.
-    policy: "dflop" (portfolio) or "baseline" (fixed count per microbatch in batch order).
+    policy: a `Policy`: the portfolio, or a data-blind baseline (fixed count per microbatch in batch
+        order; the padded one prices its padding in `costs_fn`).
     p2p_s, allreduce_s: the pipeline send latency and the [P] per-stage gradient all-reduce seconds
         the 1F1B simulation charges (the pricing's), so predictions match the planner's.
     ilp: the portfolio's exact member, as `partition` takes it (opt-in: it has not earned its place
@@ -161,23 +161,24 @@ class StepPlanner:
 
     def __init__(self, pool: pd.DataFrame, batches: GlobalBatches, plan: Plan,
                  costs_fn: Callable[[np.ndarray], BatchCosts], feature_rows_fn: Callable[[pd.DataFrame], np.ndarray],
-                 *, policy: str = "dflop", budget_s: float = 0.2, prefetch: int = 2, seed: int = 0,
+                 *, policy: Policy | str = Policy.DFLOP, budget_s: float = 0.2, prefetch: int = 2, seed: int = 0,
                  total_steps: int | None = None, adaptive: bool = True, p2p_s: float = 0.0, allreduce_s=0.0,
                  ilp: str = "never"):
-        if policy not in POLICIES:
-            raise UserError(f"scheduler.policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+        if policy not in (Policy.DFLOP, Policy.MEGATRON, Policy.PADDED):  # what the trainer runs
+            raise UserError(f"StepPlanner: policy must be dflop, megatron or padded, got {policy!r}")
+        policy = Policy(policy)
         self.pool, self.batches, self.plan = numpy_backed(pool.reset_index(drop=True)), batches, plan
         self.costs_fn, self.feature_rows_fn = costs_fn, feature_rows_fn
         self.policy, self.prefetch, self.total_steps = policy, prefetch, total_steps
         self.buckets = ShapeBuckets()
-        self.correction = AdaptiveCorrection(self.buckets.n_buckets) if adaptive and policy == "dflop" else None
+        self.correction = AdaptiveCorrection(self.buckets.n_buckets) if adaptive and not policy.data_blind else None
         dp_vision = plan.vision_replicas
         self.budget_s = budget_s
         self.p2p_s, self.allreduce_s = p2p_s, allreduce_s
         # The baseline's split is instant and must not fall back to the DFLOP greedy: no service.
-        self.service = None if policy == "baseline" else SchedulerService(
+        self.service = None if policy.data_blind else SchedulerService(
             m=plan.microbatches, dp_llm=plan.llm.dp, dp_vision=dp_vision, budget_s=budget_s, seed=seed,
-            prefetch=prefetch, policy=POLICIES[policy], p2p_s=p2p_s, allreduce_s=allreduce_s,
+            prefetch=prefetch, policy=policy.bins, p2p_s=p2p_s, allreduce_s=allreduce_s,
             correction=self.correction, solver=functools.partial(partition, ilp=ilp))
         self._submitted = -1
         self._first: int | None = None
@@ -212,8 +213,8 @@ class StepPlanner:
         costs, buckets, _ = self._costs[step]
         if self.service is None:
             dp_vision = self.plan.vision_replicas
-            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron",
-                             p2p_s=self.p2p_s, allreduce_s=self.allreduce_s)
+            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision,
+                             policy=self.policy.bins, p2p_s=self.p2p_s, allreduce_s=self.allreduce_s)
         else:
             # The first step has nothing to overlap with: wait for the solve rather than fall back.
             if timeout_s is None:
@@ -253,8 +254,8 @@ class StepPlanner:
         costs = self.costs_fn(rows)
         dp_vision = self.plan.vision_replicas
         if self.service is None:
-            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, policy="megatron",
-                             p2p_s=self.p2p_s, allreduce_s=self.allreduce_s)
+            part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision,
+                             policy=self.policy.bins, p2p_s=self.p2p_s, allreduce_s=self.allreduce_s)
         else:
             part = greedy_partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, p2p_s=self.p2p_s,
                                     allreduce_s=self.allreduce_s)

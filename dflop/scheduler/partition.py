@@ -19,9 +19,10 @@ from dflop.scheduler import baselines
 from dflop.scheduler.evaluate import lower_bound, memory_ok, scalar_costs, stage_times
 from dflop.scheduler.greedy import proxy
 from dflop.scheduler.ordering import best_orders
+from dflop.scheduler.policy import PARTITION_POLICIES
 from dflop.scheduler.portfolio import ILP_MODES, Candidate, PortfolioSettings, candidates, context, fastest
 
-POLICIES = ("dflop", "megatron", "llava_group", "lpt1d")
+POLICIES = PARTITION_POLICIES
 
 
 @dataclass(frozen=True)

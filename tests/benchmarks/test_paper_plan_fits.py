@@ -85,7 +85,7 @@ def test_paper_llava_8b_on_64_gpus_plans_within_memory_with_its_techniques():
     pool = bench_planner.paper_pool(llava_ov_mix(600, seed=0), info, "600 samples of llava_ov_mix")
     cluster = bench_planner.cluster_for(64, Args)
     global_batch, _, top_k = bench_planner.SCALE[64]
-    settings = SearchSettings(global_batch=global_batch, sample_batches=1, top_k=top_k)
+    settings = SearchSettings.from_config(global_batch=global_batch, sample_batches=1, top_k=top_k)
     result = search(cost, shape, pool, cluster, settings)
 
     batch = pool.take(sample_batches(len(pool), 1, global_batch, settings.seed)[0])  # the batch search used

@@ -161,10 +161,10 @@ def test_uniform_split_covers_all_layers_once():
 
 def test_bad_layer_ranges_are_refused():
     _, model = _models("llava_ov")
-    with pytest.raises(UserError, match="stage 0 must start at layer 0"):
-        build_llm_stage(model, 0, 2, (1, 2))
-    with pytest.raises(UserError, match="last and must end at layer 2"):
-        build_vision_stage(model, 1, 2, (1, 1))
+    with pytest.raises(UserError, match=r"LLM stage 0: layer range \[1, 3\) is outside \[0, 2\)"):
+        build_llm_stage(model, 0, 2, (1, 3))
+    with pytest.raises(UserError, match=r"vision stage 1: layer range \[2, 1\) is outside"):
+        build_vision_stage(model, 1, 2, (2, 1))
     with pytest.raises(UserError, match="does not exist"):
         build_llm_stage(model, 2, 2)
 

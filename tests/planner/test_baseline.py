@@ -20,7 +20,7 @@ from dflop.planner.stages import TransferMeans, build_stage_model
 from planner_testlib import toy_cost_model, toy_shapes
 
 LV, LL, B, K = 2, 6, 8, 2   # 6 LLM layers: uniform splits over pp = 1, 2, 3 (and 6)
-SHAPE = ModelShape(vision_layers=LV, llm_layers=LL, vision_tp_ok=(1, 2), llm_tp_ok=(1, 2), vision_heads=4, llm_heads=4,
+SHAPE = ModelShape(vision_layers=LV, llm_layers=LL, vision_tp_degrees=(1, 2), llm_tp_degrees=(1, 2), vision_heads=4, llm_heads=4,
                    llm_kv_heads=2, vocab_size=1000, llm_hidden=256, vision_hidden=128, vision_tokens_per_tile=64,
                    llm_tokens_per_tile=64)
 # (GPU memory, GPUs, GPUs per node): memory that rejects some uniform splits and some sampled

@@ -21,7 +21,7 @@ from synthetic_mix import llava_ov_mix
 
 
 def _space(**keys) -> TechniqueSpace:
-    return SearchSettings(**SearchSettings.techniques_of(Config.from_dict({"planner": keys}).planner)).technique_space
+    return SearchSettings.from_config(Config.from_dict({"planner": keys}).planner).technique_space
 
 
 def test_auto_lets_the_planner_choose_everything():

@@ -102,7 +102,7 @@ def _top(rows, k):
 def test_pruned_search_keeps_the_plan_and_the_best_set(pool, monkeypatch, memory, vision_factor):
     cost = toy_cost_model(scale={"vision_layer": vision_factor, "vision_embed": vision_factor})
     cluster = Cluster(nodes=2, gpus_per_node=4, gpu_memory_bytes=memory, inter_node_bytes_per_s=2e9)
-    settings = SearchSettings(global_batch=B, microbatches=(1, 2, 4), sample_batches=2, top_k=2, prescreen=3,
+    settings = SearchSettings.from_config(global_batch=B, microbatches=(1, 2, 4), sample_batches=2, top_k=2, prescreen=3,
                               rel_gap=0.0, max_milps=100_000)
     want = settings.n_prescreen
     pruned = search(cost, SHAPE, pool, cluster, settings)
@@ -133,7 +133,7 @@ def test_pruned_search_keeps_the_plan_and_the_best_set(pool, monkeypatch, memory
 
 
 CUT_CLUSTER = Cluster(nodes=2, gpus_per_node=4, gpu_memory_bytes=1.0e9, inter_node_bytes_per_s=2e9)
-CUT_SETTINGS = SearchSettings(global_batch=B, microbatches=(1, 2, 4), sample_batches=2, top_k=2, prescreen=3,
+CUT_SETTINGS = SearchSettings.from_config(global_batch=B, microbatches=(1, 2, 4), sample_batches=2, top_k=2, prescreen=3,
                               rel_gap=0.0, max_milps=100_000)
 
 
@@ -176,7 +176,7 @@ def test_solver_counts_include_the_cut_layouts(pool, monkeypatch):
 def _leanest_stage_model(cost, cluster, pool, settings):
     """layout -> its stage model at the leanest technique setting, built as the search builds it
     (the model whose brute-force optimum a pruned layout's bound must not exceed)."""
-    space, _ = build_space(SHAPE, cost, cluster, placements=settings.placements, microbatches=settings.microbatches,
+    space, _ = build_space(SHAPE, cost, cluster, placements=settings.planner.placements, microbatches=settings.planner.microbatches,
                            global_batch=B, mean_tiles=float(pool.n_tiles.mean()))
     means = prepare_means(cost, SHAPE, pool, space, settings.technique_space)
     sizes = TransferSizes.for_model(llm_hidden=SHAPE.llm_hidden, vision_hidden=SHAPE.vision_hidden,

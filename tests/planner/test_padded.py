@@ -23,7 +23,7 @@ from dflop.planner.space import ModelShape
 from planner_testlib import toy_cost_model, toy_shapes
 
 LV, LL = 2, 6
-SHAPE = ModelShape(vision_layers=LV, llm_layers=LL, vision_tp_ok=(1, 2), llm_tp_ok=(1, 2), vision_heads=4, llm_heads=4,
+SHAPE = ModelShape(vision_layers=LV, llm_layers=LL, vision_tp_degrees=(1, 2), llm_tp_degrees=(1, 2), vision_heads=4, llm_heads=4,
                    llm_kv_heads=2, vocab_size=1000, llm_hidden=256, vision_hidden=128, vision_tokens_per_tile=64,
                    llm_tokens_per_tile=64)
 SIZES = TransferSizes.for_model(llm_hidden=256, vision_hidden=128, vision_tokens_per_tile=64, dtype="float32")
@@ -90,7 +90,7 @@ def test_search_reports_both_baselines(sampled):
     pool, _ = sampled
     cluster = Cluster(nodes=1, gpus_per_node=4, gpu_memory_bytes=3e9)
     result = search(toy_cost_model(), SHAPE, pool, cluster,
-                    SearchSettings(global_batch=8, microbatches=(1, 2, 4), sample_batches=2, top_k=4))
+                    SearchSettings.from_config(global_batch=8, microbatches=(1, 2, 4), sample_batches=2, top_k=4))
     packed, padded = result.baseline.evaluation, result.padded_baseline.evaluation
     assert packed.policy == "megatron" and padded.policy == "padded"
     rows = result.candidates

@@ -13,7 +13,7 @@ from dflop.planner.stages import TransferMeans, build_stage_model
 from planner_testlib import all_splits, enumerate_layouts, toy_cost_model, toy_shapes
 
 LV, LL, B, K = 2, 5, 8, 3
-SHAPE = ModelShape(vision_layers=LV, llm_layers=LL, vision_tp_ok=(1, 2), llm_tp_ok=(1, 2), vision_heads=4, llm_heads=4,
+SHAPE = ModelShape(vision_layers=LV, llm_layers=LL, vision_tp_degrees=(1, 2), llm_tp_degrees=(1, 2), vision_heads=4, llm_heads=4,
                    llm_kv_heads=2, vocab_size=1000, llm_hidden=256, vision_hidden=128, vision_tokens_per_tile=64,
                    llm_tokens_per_tile=64)
 # (GPU memory, GPUs, GPUs per node, vision time factor): tight and loose memory, vision-light and -heavy
@@ -27,7 +27,7 @@ def pool():
 
 def brute_force(cost, pool, cluster, settings):
     """Simulate every split of every layout on the same batches; the lowest mean step (ties: fewer GPUs)."""
-    space, _ = build_space(SHAPE, cost, cluster, placements=settings.placements, microbatches=settings.microbatches,
+    space, _ = build_space(SHAPE, cost, cluster, placements=settings.planner.placements, microbatches=settings.planner.microbatches,
                            global_batch=B, mean_tiles=float(pool.n_tiles.mean()))
     means = prepare_means(cost, SHAPE, pool, space)
     vision, llm = means.for_times()
@@ -56,13 +56,13 @@ def test_choice_equals_brute_force(pool, memory, world, per_node, vision_factor)
     cost = toy_cost_model(scale={"vision_layer": vision_factor, "vision_embed": vision_factor})
     cluster = Cluster(nodes=world // per_node, gpus_per_node=per_node, gpu_memory_bytes=memory,
                       inter_node_bytes_per_s=2e9)
-    exact = SearchSettings(global_batch=B, microbatches=(1, 2, 4), sample_batches=K, top_k=10_000, racing=False)
+    exact = SearchSettings.from_config(global_batch=B, microbatches=(1, 2, 4), sample_batches=K, top_k=10_000, racing=False)
     result = search(cost, SHAPE, pool, cluster, exact)
     best = brute_force(cost, pool, cluster, exact)
     assert result.chosen.plan == best.plan
     assert result.chosen.mean_s == pytest.approx(best.mean_s, rel=1e-12)
     # the default racing + top_k on the same space lands on the same plan here
-    raced = search(cost, SHAPE, pool, cluster, SearchSettings(global_batch=B, microbatches=(1, 2, 4),
+    raced = search(cost, SHAPE, pool, cluster, SearchSettings.from_config(global_batch=B, microbatches=(1, 2, 4),
                                                                sample_batches=K, top_k=4))
     assert raced.chosen.mean_s <= best.mean_s * 1.02
 
@@ -71,7 +71,7 @@ def test_choice_equals_brute_force(pool, memory, world, per_node, vision_factor)
 def test_every_simulated_plan_respects_the_constraints(pool, memory, world, per_node, vision_factor):
     cost = toy_cost_model(scale={"vision_layer": vision_factor, "vision_embed": vision_factor})
     cluster = Cluster(nodes=world // per_node, gpus_per_node=per_node, gpu_memory_bytes=memory)
-    result = search(cost, SHAPE, pool, cluster, SearchSettings(global_batch=B, microbatches=(1, 2, 4),
+    result = search(cost, SHAPE, pool, cluster, SearchSettings.from_config(global_batch=B, microbatches=(1, 2, 4),
                                                                sample_batches=2, top_k=6))
     rows = result.candidates
     ran = rows[(rows["level"] == "layout") & rows["batches"].fillna(0).gt(0)]
@@ -82,7 +82,7 @@ def test_every_simulated_plan_respects_the_constraints(pool, memory, world, per_
         vision_ranks = 0 if r.placement == "colocated" else r.tp_v * r.pp_v * r.dp_v
         assert vision_ranks % r.tp_l == 0  # so every LLM TP group sits in one node
         assert r.world_size <= per_node or r.world_size % per_node == 0  # torchrun: same ranks on every node
-        assert r.tp_v in SHAPE.vision_tp_ok and r.tp_l in SHAPE.llm_tp_ok  # TP divides the heads
+        assert r.tp_v in SHAPE.vision_tp_degrees and r.tp_l in SHAPE.llm_tp_degrees  # TP divides the heads
         assert sum(r.llm_layers) == LL and sum(r.vision_layers) == LV
         assert min(r.llm_layers) >= 1 and len(r.llm_layers) == r.pp_l
         assert r.m * r.dp_l <= B
@@ -104,12 +104,12 @@ def test_nothing_fits_names_the_smallest_shortfall(pool):
     cost = toy_cost_model()
     cluster = Cluster(nodes=1, gpus_per_node=2, gpu_memory_bytes=0.5e9)
     with pytest.raises(UserError, match="0.5 GB per GPU even with sharded optimizer, sequence parallelism:"):
-        search(cost, SHAPE, pool, cluster, SearchSettings(global_batch=B, microbatches=(1, 2, 4)))
-    settings = SearchSettings(global_batch=B, microbatches=(1, 2, 4), recompute="none", shard_optimizer=False,
+        search(cost, SHAPE, pool, cluster, SearchSettings.from_config(global_batch=B, microbatches=(1, 2, 4)))
+    settings = SearchSettings.from_config(global_batch=B, microbatches=(1, 2, 4), recompute="none", shard_optimizer=False,
                               sequence_parallel=False)
     with pytest.raises(UserError) as err:
         search(cost, SHAPE, pool, cluster, settings)
-    space, _ = build_space(SHAPE, cost, cluster, placements=settings.placements, microbatches=settings.microbatches,
+    space, _ = build_space(SHAPE, cost, cluster, placements=settings.planner.placements, microbatches=settings.planner.microbatches,
                            global_batch=B, mean_tiles=float(pool.n_tiles.mean()))
     means = prepare_means(cost, SHAPE, pool, space)
     vision, llm = means.for_times()
@@ -129,9 +129,9 @@ def test_nothing_fits_names_the_smallest_shortfall(pool):
 
 def test_degree_rejections_are_explained(pool):
     cost = toy_cost_model(tp_degrees=(1, 2))
-    shape = ModelShape(**{**SHAPE.__dict__, "llm_tp_ok": (1,), "vision_tp_ok": (1, 2, 4)})
+    shape = ModelShape(**{**SHAPE.__dict__, "llm_tp_degrees": (1,), "vision_tp_degrees": (1, 2, 4)})
     cluster = Cluster(nodes=1, gpus_per_node=4, gpu_memory_bytes=3e9)
-    result = search(cost, shape, pool, cluster, SearchSettings(global_batch=B, microbatches=(1, 2, 16), top_k=2,
+    result = search(cost, shape, pool, cluster, SearchSettings.from_config(global_batch=B, microbatches=(1, 2, 16), top_k=2,
                                                                sample_batches=1))
     deg = result.candidates[result.candidates["level"] == "degree"]
     reasons = set(zip(deg["reason"], deg["tp_v"].fillna(0), deg["tp_l"].fillna(0), deg["m"].fillna(0)))

@@ -292,8 +292,8 @@ def test_where_nothing_fits_without_techniques_the_plan_names_the_ones_that_make
     common = dict(global_batch=16, microbatches=(1, 2, 4, 8), top_k=4, sample_batches=2)
     with pytest.raises(UserError, match="no plan fits"):
         search(cost, shape, pool, cluster,
-               SearchSettings(recompute="none", shard_optimizer=False, sequence_parallel=False, **common))
-    result = search(cost, shape, pool, cluster, SearchSettings(**common))
+               SearchSettings.from_config(recompute="none", shard_optimizer=False, sequence_parallel=False, **common))
+    result = search(cost, shape, pool, cluster, SearchSettings.from_config(**common))
     plan = result.chosen.plan
     used = set(plan.vision_techniques.recompute + plan.llm_techniques.recompute) - {"none"}
     assert used or plan.llm_techniques.shard_optimizer or plan.llm_techniques.sequence_parallel
@@ -307,7 +307,7 @@ def test_where_nothing_fits_without_techniques_the_plan_names_the_ones_that_make
 def test_forced_recompute_is_what_every_plan_uses(small):
     cost, shape, pool = small
     cluster = Cluster(nodes=1, gpus_per_node=4, gpu_memory_bytes=8.0 * GB)
-    result = search(cost, shape, pool, cluster, SearchSettings(global_batch=16, microbatches=(1, 2, 4), top_k=2,
+    result = search(cost, shape, pool, cluster, SearchSettings.from_config(global_batch=16, microbatches=(1, 2, 4), top_k=2,
                                                                sample_batches=1, recompute="selective"))
     for plan in (result.chosen.plan, result.baseline.evaluation.plan):
         assert set(plan.vision_techniques.recompute + plan.llm_techniques.recompute) == {"selective"}

@@ -104,7 +104,7 @@ def _planner(placement="disjoint", policy="dflop", vision_dp=2):
 
 
 @pytest.mark.parametrize("placement", ["disjoint", "colocated"])
-@pytest.mark.parametrize("policy", ["dflop", "baseline"])
+@pytest.mark.parametrize("policy", ["dflop", "megatron"])
 def test_step_plan_covers_the_batch_once(placement, policy):
     planner, pool = _planner(placement, policy)
     try:
@@ -120,7 +120,7 @@ def test_step_plan_covers_the_batch_once(placement, policy):
                 assert sorted(i for s in shares for i in s) == with_tiles
                 if placement == "colocated":
                     assert [list(s) for s in shares] == [[i for i in b if plan.n_tiles[i] > 0] for b in mb]
-            if policy == "baseline":
+            if policy == "megatron":
                 assert plan.member == "megatron"
             elif step == 0:  # the first step waits for the portfolio; later ones may fall back
                 assert not plan.member.startswith("fallback")
@@ -128,7 +128,7 @@ def test_step_plan_covers_the_batch_once(placement, policy):
         planner.close()
 
 
-@pytest.mark.parametrize("policy", ["dflop", "baseline"])
+@pytest.mark.parametrize("policy", ["dflop", "megatron"])
 def test_a_step_asked_again_or_out_of_order_gets_its_own_batch(policy):
     """Rank 0 keeps each submitted batch's rows until `get` takes them; a step asked a second
     time, after a later step, or after `replan` must still get its own global batch."""
@@ -147,7 +147,7 @@ def test_a_step_asked_again_or_out_of_order_gets_its_own_batch(policy):
 
 
 def test_baseline_cuts_contiguous_equal_counts():
-    planner, _ = _planner(policy="baseline")
+    planner, _ = _planner(policy="megatron")
     try:
         plan = planner.get(0)
     finally:
