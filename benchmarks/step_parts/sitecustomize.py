@@ -4,7 +4,7 @@ Put this directory on PYTHONPATH and set STEP_PARTS_OUT to a directory: every Py
 imports this file at start-up, and the training ranks record, per forward / backward op of the LLM
 stages (colocated: with the vision tower), the op's wall time, each module's time inside it (forward
 hooks; wall and thread CPU time) and the bin's shapes, plus every sample's load time
-(`Trainer.in_step_loads`), to STEP_PARTS_OUT/rank<r>.jsonl and loads<r>.jsonl. `analyse.py` compares
+(`StepSource.in_step_loads`), to STEP_PARTS_OUT/rank<r>.jsonl and loads<r>.jsonl. `analyse.py` compares
 them with the cost model. Run in a demo clone (benchmarks/README.md, "Step parts"):
 
     PYTHONPATH=$REPO/benchmarks/step_parts STEP_PARTS_OUT=/tmp/parts dflop train ... --out-dir /tmp/run --fresh
@@ -79,10 +79,10 @@ if out:
                 f.write(f"{comm} {s:.2f}\n")
     atexit.register(_threads)
 if out:
-    from dflop.runtime import trainer as T
-    _isl = T.Trainer.in_step_loads
+    from dflop.runtime import step_source as T
+    _isl = T.StepSource.in_step_loads
     def isl(self, plan, loaded):
-        with open(os.path.join(out, f"loads{self.rank}.jsonl"), "a") as f:
+        with open(os.path.join(out, f"loads{self.trainer.rank}.jsonl"), "a") as f:
             f.write(json.dumps(dict(step=int(plan.step), rows={int(r): float(s.load_s) for r, s in loaded.items()})) + "\n")
         return _isl(self, plan, loaded)
-    T.Trainer.in_step_loads = isl
+    T.StepSource.in_step_loads = isl

@@ -147,7 +147,7 @@ class StepCosts:
 def loads_share_compute_cores(device: str) -> bool:
     """Whether sample loading runs on the cores that compute ("cpu" | "cuda"): on a CPU cluster it
     does, so a step pays its samples' loads (the trainer loads them in the step,
-    `dflop.runtime.trainer.Trainer.loads_in_step`, and the pricing charges them); on GPUs the loader
+    `dflop.runtime.step_source.StepSource`, and the pricing charges them); on GPUs the loader
     prepares the next step behind this one."""
     return device == "cpu"
 

@@ -136,12 +136,10 @@ def step_callback(recorder: StepRecorder, turns=None):
 
         def on_step_end(self, args, state, control, **kwargs):
             recorder.stop()
+            turns.done(last=state.global_step >= state.max_steps)
             if state.global_step < state.max_steps:
-                turns.done()
                 turns.wait()
                 recorder.start()
-            else:
-                turns.finish()
 
     return StepClock()
 

@@ -12,7 +12,8 @@ tensor), their other values as JSON, so nothing is pickled. One directory per st
         rank_00000.json, ...           per rank: each part's non-tensor values (RNG states, the LR
                                        scheduler, "param_groups.<name>.<setting>" of the optimizer)
         train_state.json               rank 0: format, step, world size, data seed, run fingerprint,
-                                       extra JSON state (the trainer's counters, scheduler correction)
+                                       "extra": the trainer's own state (its Stateful state_dict:
+                                       skipped samples, the scheduler's adaptive correction)
         COMPLETE                       written last by rank 0
 
 All ranks write into ``step_000123.tmp/``; after a barrier rank 0 writes COMPLETE and renames the
@@ -63,8 +64,9 @@ class TrainState:
     """What one rank checkpoints; `load_latest` restores it in place.
 
     data_seed: seed of the global-batch order; with the step it is the data position.
-    extra: JSON-able state beyond the model (e.g. the scheduler's adaptive correction); rank 0's
-        copy is saved and every rank gets it back on load.
+    extra: JSON-able state beyond the model, rank 0's saved as train_state.json's "extra" and
+        given back to every rank on load: a dict (restored in place) or a Stateful whose
+        state_dict() is JSON (the trainer: `dflop.runtime.trainer.Trainer.state_dict`).
     run: the run's fingerprint (`RunFingerprint.to_json`), saved by rank 0; a re-run reads it with
         `latest_run_record` to decide whether it may resume.
     RNG states (python, numpy, torch CPU, CUDA) are saved and restored per rank automatically.
@@ -74,7 +76,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer | None = None
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     data_seed: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] | Stateful = field(default_factory=dict)
     run: dict[str, Any] | None = None
 
     def parts(self) -> dict[str, Stateful]:
@@ -168,7 +170,8 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: TrainState, *, keep
     _write_json(tmp / f"rank_{rank:05d}.json", {"rank": rank, "world_size": world, **plain})
     if rank == 0:
         _write_json(tmp / TRAIN_STATE_FILE, {"format": FORMAT_VERSION, "step": step, "world_size": world,
-                                             "data_seed": state.data_seed, "run": state.run, "extra": state.extra})
+                                             "data_seed": state.data_seed, "run": state.run,
+                                             "extra": _extra_state(state.extra)})
     barrier()
 
     if rank == 0:
@@ -249,9 +252,17 @@ def load_checkpoint(path: str | Path, state: TrainState) -> int:
     for name, part in parts.items():
         part.load_state_dict(_with_plain(templates[name], per_rank[name]))
     state.data_seed = int(train_state["data_seed"])
-    state.extra.clear()
-    state.extra.update(train_state["extra"])
+    if isinstance(state.extra, Stateful):
+        state.extra.load_state_dict(train_state["extra"])
+    else:
+        state.extra.clear()
+        state.extra.update(train_state["extra"])
     return int(train_state["step"])
+
+
+def _extra_state(extra: dict[str, Any] | Stateful) -> dict[str, Any]:
+    """`TrainState.extra` as the JSON object train_state.json holds."""
+    return extra.state_dict() if isinstance(extra, Stateful) else extra
 
 
 def _with_plain(template: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:

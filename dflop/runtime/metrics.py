@@ -15,7 +15,7 @@ this step with the corrected costs; the two predictions are reported either way)
 run the row belongs to, `dflop.runtime.run_identity`: a run resumed with more steps keeps its id),
 then ``lr``, ``grad_norm``, ``data_wait_s`` (rank 0's wait for the step's samples: on GPUs the
 prefetch's remainder and the ranks' agreement that every load succeeded; on CPU its own loads,
-the agreement then overlapping its compute, `dflop.runtime.trainer.Trainer.gradients`), ``member``, ``skipped_samples`` (samples that failed
+the agreement then overlapping its compute, `dflop.runtime.step_source`), ``member``, ``skipped_samples`` (samples that failed
 to load in this step and were replaced, `dflop.runtime.skipping`), ``peak_bytes`` (rank 0's CUDA
 allocator peak during the step; NaN on CPU), and per pipeline stage
 ``busy_s_<stage>`` / ``idle_s_<stage>`` (mean over the stage's ranks; stages named vision0.., llm0..).
@@ -277,6 +277,27 @@ def stage_busy(topo: Topology, times: np.ndarray) -> dict[str, float]:
     for rank, other in enumerate(topo.peers):
         per_stage.setdefault(other.pipeline_stage, []).append(float(times[rank].sum()))
     return {labels[s]: float(np.mean(v)) for s, v in sorted(per_stage.items())}
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did (`dflop.runtime.trainer.Trainer.train_step`), for its metrics row.
+
+    plan: the step's plan as computed (failed samples replaced); gradients: `Trainer.compute_gradients`'
+    statistics; times: [world, 2, m] busy seconds (`Trainer.gather_times`, rank 0; None elsewhere); step_s,
+    data_wait_s: wall seconds of the step and of its wait for samples; skipped: samples replaced
+    in it; peak_bytes: the rank's CUDA allocator peak during it (NaN on CPU).
+    """
+
+    plan: StepPlan
+    gradients: dict
+    times: np.ndarray | None
+    step_s: float
+    data_wait_s: float
+    grad_norm: float
+    lr: float
+    skipped: int
+    peak_bytes: float
 
 
 def metrics_row(trainer, plan: StepPlan, stats: dict, times: np.ndarray, step_s: float, data_wait: float,

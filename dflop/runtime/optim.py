@@ -36,9 +36,11 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
-from dflop.models.tensor_parallel import local_tensor
-from dflop.runtime.model import EMBEDDING_NAME
-from dflop.runtime.topology import Topology
+from dflop.models.tensor_parallel import is_tp_shard, local_tensor
+from dflop.runtime.model import EMBEDDING_NAME, RankModules, parameter_names
+from dflop.runtime.param_names import RankParameters
+from dflop.runtime.sharding import is_sharded_parameter
+from dflop.runtime.topology import LLM, VISION, Topology
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,21 @@ class ParamInfo:
     sharded: bool
     tied_copy: bool
     zero: bool = False
+
+
+def param_infos(modules: RankModules, topo: Topology, rank_params: RankParameters) -> dict[nn.Parameter, ParamInfo]:
+    """How each trainable parameter of this rank's `modules` is replicated, by its global name."""
+    names = parameter_names(modules)
+    canonical = {id(t): n for n, t in rank_params.tensors.items()}
+    llm_role = topo.llm_role
+    head_copy = topo.tied_embeddings and llm_role is not None and llm_role.is_last and not llm_role.is_first
+    infos: dict[nn.Parameter, ParamInfo] = {}
+    for param in modules.trainable_parameters():
+        name = canonical.get(id(param), names[id(param)])
+        module = LLM if name.startswith(("model.language_model.", "lm_head.")) else VISION
+        infos[param] = ParamInfo(name, module, is_tp_shard(param), tied_copy=head_copy and name == EMBEDDING_NAME,
+                                 zero=is_sharded_parameter(param, modules.sharded))
+    return infos
 
 
 class PendingSync:
@@ -123,6 +140,17 @@ class GradientSync:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+    def zero_grads(self) -> None:
+        """Zeros, not None: every replica all-reduces the same list (a ``zero`` parameter's shard is
+        set by FSDP2, and none is held meanwhile: `dflop.costmodel.memory`)."""
+        for param, info in self.params:
+            if info.zero:
+                param.grad = None
+            elif param.grad is None:
+                param.grad = torch.zeros_like(param)
+            else:
+                param.grad.zero_()
 
     def _grads(self, module: str | None = None) -> list[tuple[nn.Parameter, ParamInfo]]:
         return [(p, info) for p, info in self.params
@@ -242,6 +270,13 @@ def warmup_cosine(step: int, *, total_steps: int, warmup_steps: int, min_lr_rati
     decay_steps = max(1, total_steps - warmup_steps - 1)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def follow_schedule(sched: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set the optimizer's LR from `sched`'s own lambdas at its step (after a resume: the schedule
+    rebuilt from the current config, not the LR the checkpoint saved)."""
+    for group, base, factor in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * factor(sched.last_epoch)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, total_steps: int, warmup_steps: int,

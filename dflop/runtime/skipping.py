@@ -129,6 +129,12 @@ class FailureCheck:
         if self.result():
             raise StepAborted(f"step {self.plan.step + 1}: samples failed to load")
 
+    def confirm_traced(self, spans) -> None:
+        """`confirm`, traced as a "load agreement" data span in `spans` when it still has to wait."""
+        if not self.settled:
+            with spans.span("data", "load agreement"):
+                self.confirm()
+
     def _agree(self) -> dict[int, str]:
         fatal = self.fatal
         if self._work is None:

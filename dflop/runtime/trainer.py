@@ -1,30 +1,30 @@
 """One rank of a training run: its modules, optimizer and data path, one global batch at a time.
 
-`Trainer` does one step at a time (the loop and its checkpoints are `dflop.runtime.run`):
+The loop (`dflop.runtime.run`) begins a step (`begin_step`), takes its batch from a
+`dflop.runtime.step_source.StepSource` (rank 0's `StepPlanner` partitioned it, priced by the one
+pricing path; every rank loaded its share, and the ranks agree that it loaded) and hands it to
+`train_step`:
 
-1. rank 0's `StepPlanner` (the online scheduler in its background thread) has partitioned the
-   step's global batch, priced by the one pricing path (`dflop.pricing.pricing`); the plan is
-   broadcast, and every rank's loader started on it one step ago (`next_plan`, `load`; samples
-   that fail to load are replaced on every rank alike: `without_failures`). On CPU each rank
-   loads the step's samples at its start instead and computes while the ranks agree that every
-   load succeeded (`checked_load`, `gradients`);
-2. `PipelineExecutor.run`: 1F1B over vision then LLM stages; the loss is the SUM of answer-token
-   losses per bin;
-3. one world all-reduce of (loss sum, answer tokens); gradients: tied-embedding sum, data-parallel
+1. `PipelineExecutor.run`: 1F1B over vision then LLM stages; the loss is the SUM of answer-token
+   losses per bin (on CPU computed while the ranks still agree on the loads: `gradients`);
+2. one world all-reduce of (loss sum, answer tokens); gradients: tied-embedding sum, data-parallel
    sum (a ``shard_optimizer`` module's by FSDP2's reduce-scatter, `dflop.runtime.sharding`),
    divided by the global answer-token count (the exact mean over the global batch);
-4. global-norm clipping, AdamW, LR schedule (warm-up + cosine) (`optimizer_step`).
+3. global-norm clipping, AdamW, LR schedule (warm-up + cosine) (`optimizer_step`);
+4. every rank's stage times gathered, for the metrics row and rank 0's adaptive correction.
 
-`spans` records the steps of ``train.trace_steps`` (`dflop.runtime.spans`, results/train/trace.json):
-the executor's forwards / backwards, the P2P messages, the gradient sync (``allreduce``: from the
-pipeline's end until every gradient is reduced) and the optimizer step (norm, clipping, AdamW).
+The trainer is Stateful for the checkpointer (`state_dict`). `spans` traces the steps of
+``train.trace_steps`` (`dflop.runtime.spans`): forwards / backwards, P2P messages, the gradient
+sync (``allreduce``: from the pipeline's end until every gradient is reduced), the optimizer step.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Any, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dflop.costmodel.analytic import analytic_cost_model
-from dflop.costmodel.model import CostModel, loads_share_compute_cores
+from dflop.costmodel.model import CostModel
 from dflop.data.readers import RawSample
 from dflop.data.sampling import dataset_mix
 from dflop.data.training import ExpectedShape, TrainingData
@@ -40,27 +40,32 @@ from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.models.packing import select_packed_kernel
 from dflop.models.precision import Precision
-from dflop.models.tensor_parallel import is_tp_shard
 from dflop.plan import Plan, PlanFile
 from dflop.pricing.cluster import Cluster
 from dflop.pricing.pool import Pool
 from dflop.pricing.pricing import Pricing
 from dflop.runtime.agreement import rank0_result
-from dflop.runtime.loading import StepLoader, decode_seconds, feature_rows_fn, requests_for
-from dflop.runtime.model import EMBEDDING_NAME, build_rank_modules, parameter_names
+from dflop.runtime.checkpoint import TrainState
+from dflop.runtime.loading import StepLoader, feature_rows_fn, requests_for
+from dflop.runtime.metrics import StepStats, measured_times
+from dflop.runtime.model import build_rank_modules
 from dflop.models.optimizer import build_optimizer
-from dflop.runtime.optim import GradientSync, ParamInfo, build_lr_scheduler, warmup_cosine
+from dflop.runtime.optim import GradientSync, build_lr_scheduler, follow_schedule, param_infos, warmup_cosine
 from dflop.runtime.p2p import P2P
+from dflop.runtime.param_names import rank_parameters
 from dflop.runtime.run_identity import run_fingerprint
 from dflop.runtime.schedule import PipelineExecutor
-from dflop.runtime.spans import SpanRecorder, trace_window
+from dflop.runtime.spans import SpanRecorder, rank_labels, trace_window, write_trace
 from dflop.runtime.settings import TrainSettings
-from dflop.runtime.sharding import StepSharding, is_sharded_parameter
-from dflop.runtime.skipping import FailureCheck, SkippedSamples, StepAborted, checked_load, load_without_failures
-from dflop.runtime.topology import LLM, VISION, Topology
+from dflop.runtime.sharding import StepSharding
+from dflop.runtime.skipping import FailureCheck, SkippedSamples, StepAborted
+from dflop.runtime.topology import Topology
 from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner
 from dflop.scheduler.padded import price
 from dflop.scheduler.policy import Policy
+
+if TYPE_CHECKING:
+    from dflop.runtime.step_source import Batch
 
 log = logging.getLogger("dflop.train")
 
@@ -109,13 +114,14 @@ class Trainer:
 
     model: the resolved model (resolved from settings.model when None); cost: the fitted cost
     model the scheduler prices with (None: `training_pricing`'s stand-in); cluster: the one it
-    prices on (None: the config's; `run_training` passes `plan_cluster`).
+    prices on (None: the config's; `run_training` passes `plan_cluster`); trace_path: where
+    `train_step` writes the traced steps once the window's last is done (None: nowhere).
     """
 
     def __init__(self, settings: TrainSettings, plan: Plan, pool: pd.DataFrame, samples: Sequence[RawSample], *,
                  model: ModelHandle | None = None, cost: CostModel | None = None, cluster: Cluster | None = None,
-                 device: torch.device | None = None):
-        self.settings = settings
+                 device: torch.device | None = None, trace_path: Path | None = None):
+        self.settings, self.trace_path = settings, trace_path
         self.device = device if device is not None else torch.device("cpu")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.model = model = model if model is not None else ModelHandle.resolve(settings.model)
@@ -154,23 +160,10 @@ class Trainer:
         self.skipped = SkippedSamples.for_pool(len(pool), settings.data.max_skip_frac)
 
     def _setup_parameters(self) -> None:
-        """Global names, replication info, optimizer, LR schedule, checkpoint state."""
-        from dflop.runtime.param_names import rank_parameters
-
+        """Global names, replication info, optimizer and LR schedule."""
         self.rank_params = rank_parameters(self.modules.full,
                                            [m for m in (self.modules.vision, self.modules.llm) if m is not None])
-        names = parameter_names(self.modules)
-        canonical = {id(t): n for n, t in self.rank_params.tensors.items()}
-        llm_role = self.topo.llm_role
-        head_copy = (self.topo.tied_embeddings and llm_role is not None and llm_role.is_last and not llm_role.is_first)
-        infos: dict[torch.nn.Parameter, ParamInfo] = {}
-        for param in self.modules.trainable_parameters():
-            name = canonical.get(id(param), names[id(param)])
-            module = LLM if name.startswith(("model.language_model.", "lm_head.")) else VISION
-            infos[param] = ParamInfo(name, module, is_tp_shard(param),
-                                     tied_copy=head_copy and name == EMBEDDING_NAME,
-                                     zero=is_sharded_parameter(param, self.modules.sharded))
-        self.param_infos = infos
+        self.param_infos = infos = param_infos(self.modules, self.topo, self.rank_params)
         t = self.settings.train
         self.sync = GradientSync(self.topo, infos, overlap=t.overlap_grad_sync)
         self.sharding = StepSharding(self.modules.sharded)
@@ -181,52 +174,15 @@ class Trainer:
             self.lr_scheduler = build_lr_scheduler(self.optimizer, total_steps=t.steps, warmup_steps=t.warmup_steps,
                                                    min_lr_ratio=t.min_lr_ratio)
 
-    # -- the data of a step ------------------------------------------------------------------------
+    # -- one step ----------------------------------------------------------------------------------
 
     def next_plan(self, step: int) -> StepPlan:
         """Step `step`'s plan on every rank (collective)."""
         return rank0_result(lambda: self.planner.get(step))
 
-    @property
-    def loads_in_step(self) -> bool:
-        """Whether each step loads its own samples at its start instead of during the previous
-        step: on CPU, where that load would run on the cores the ranks compute on (the pricing then
-        charges it, `dflop.pricing.pricing.Pricing.load_s`); on GPUs it is prefetched, hidden."""
-        return loads_share_compute_cores(self.device.type)
-
-    def in_step_loads(self, plan: StepPlan, loaded: Mapping[int, Any]) -> np.ndarray | None:
-        """[m] seconds this rank spent loading, per position, the samples the pricing charges to
-        its forwards (`decode_seconds`), where steps load in the step (`loads_in_step`), else None.
-        Traced as "data" spans ending now (call it right after the load, inside the data wait)."""
-        if not self.loads_in_step:
-            return None
-        seconds = decode_seconds(plan, self.topo, loaded)
-        self.spans.add_back_to_back("data", "sample loads (counted in its forward)", seconds)
-        return seconds
-
     def load(self, plan: StepPlan):
         """Start loading what this rank needs of `plan` (returns a future of {pool index: sample})."""
         return self.loader.start(requests_for(plan, self.topo))
-
-    def without_failures(self, plan: StepPlan, pending=None,
-                         started: tuple[dict, FailureCheck] | None = None) -> tuple[StepPlan, dict, int]:
-        """`plan` and its loaded samples (`pending`: the load started for it, or `started`: that
-        load done and its agreement under way, `checked_load`) with the samples that failed to
-        load on any rank replaced, and how many were skipped (collective; `dflop.runtime.skipping`)."""
-        pool = self.pool
-
-        def describe(row: int) -> str:
-            return f"{pool['dataset'].iat[row]}/{pool['sample_id'].iat[row]}"
-
-        return load_without_failures(
-            plan, pending.result if pending is not None else None, skipped=self.skipped, describe=describe,
-            replan=lambda p, rows: self.planner.replan(p, rows), reload=lambda p: self.load(p).result(),
-            device=self.device, n_pool=len(pool), seed=self.settings.seed, started=started)
-
-    def checked_load(self, plan: StepPlan) -> tuple[dict, FailureCheck]:
-        """Load this rank's samples of `plan` now and start the ranks' agreement on them, without
-        waiting for it (the step's own loads, `loads_in_step`; `gradients` waits)."""
-        return checked_load(plan, lambda: self.load(plan).result(), self.device)
 
     @property
     def communicates_in_compute(self) -> bool:
@@ -235,62 +191,70 @@ class Trainer:
               self.plan.llm.tp if self.topo.llm_role is not None else 1]
         return max(tp) > 1 or bool(self.modules.sharded)
 
-    def gradients(self, plan: StepPlan, loaded: Mapping[int, Any], decode_s: np.ndarray | None,
-                  check: FailureCheck | None = None) -> tuple[dict, StepPlan, int]:
-        """`compute_gradients` of a step whose loads the ranks may not have agreed on yet (`check`).
-
-        A rank whose own loads succeeded computes at once and waits for the agreement only before
-        its first message or collective (`FailureCheck`): where a step loads its own samples, no
-        rank waits for the slowest loader before computing, as the pricing charges each rank's
-        loads to its own forwards. If a sample failed anywhere, the work is dropped and the step
-        runs again with the failed samples replaced. Returns (statistics, the step's plan,
-        samples skipped)."""
-        if check is None:
-            return self.compute_gradients(plan, loaded, decode_s), plan, 0
-        if not check.failed_here:
+    def gradients(self, batch: Batch) -> tuple[dict, Batch]:
+        """`compute_gradients` of `batch`, whose loads the ranks may not have agreed on yet: a rank
+        whose own loads succeeded computes at once and waits for the agreement only before it first
+        communicates (`FailureCheck`), as the pricing charges each rank's loads to its own forwards.
+        If a sample failed anywhere, that work is redone with the failed samples replaced
+        (`StepSource.replace_failed`). Returns (statistics, the batch computed)."""
+        check = batch.check
+        if check is not None and not check.failed_here:
             recorded = len(self.spans.spans)
             try:
-                return self.compute_gradients(plan, loaded, decode_s, agreement=check), plan, 0
+                return self.compute_gradients(batch.plan, batch.loaded, batch.decode_s, agreement=check), batch
             except StepAborted:
                 self.executor.discard()
                 self.spans.void_since(recorded, "voided (a sample failed to load)")
-        with self.spans.span("data", "replacing failed samples"):
-            plan, loaded, n_skipped = self.without_failures(plan, started=(loaded, check))
-            decode_s = self.in_step_loads(plan, loaded)
-        return self.compute_gradients(plan, loaded, decode_s), plan, n_skipped
+        if check is not None:
+            batch = batch.source.replace_failed(batch)
+        return self.compute_gradients(batch.plan, batch.loaded, batch.decode_s), batch
 
-    # -- one step ----------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Step `step` (0-based) begins: its trace, its wall clock and the CUDA peak start here."""
+        self.spans.begin_step(step + 1)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._step_start = time.perf_counter()
+
+    def train_step(self, batch: Batch) -> StepStats:
+        """The step `begin_step` began, from its batch (`StepSource.next`) to its update (collective):
+        gradients, optimizer step, the step's end (its clock; the trace file after the traced window's
+        last step), every rank's stage times gathered and, on rank 0, fed to the adaptive correction."""
+        step = batch.plan.step
+        grads, batch = self.gradients(batch)
+        lr = self.current_lr(step)
+        norm = self.optimizer_step()
+        batch.source.after_update(step)
+        if self.device.type == "cuda":  # the optimizer's kernels are still queued: count them in this step
+            torch.cuda.synchronize(self.device)
+        step_s = time.perf_counter() - self._step_start
+        self.spans.end_step()
+        if self.trace_path is not None and self.spans.window and step + 1 == self.spans.window[-1]:
+            names, args = rank_labels(self.topo)
+            write_trace(self.spans, self.trace_path, rank=self.rank, world=self.world, process_names=names,
+                        process_args=args)
+        times = self.gather_times(grads["result"])
+        peak = float(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else np.nan
+        if self.planner is not None:
+            self.planner.report(step, measured_times(self.topo, times, batch.plan), step_s=step_s)
+        return StepStats(batch.plan, grads, times, step_s, batch.data_wait_s, norm, lr, batch.skipped, peak)
 
     def compute_gradients(self, plan: StepPlan, loaded: Mapping[int, Any],
                           decode_s: np.ndarray | None = None, agreement: FailureCheck | None = None) -> dict:
         """Forward + backward of one global batch; leaves in .grad the gradient of the mean
         answer-token loss of the whole batch, summed over replicas. Returns step statistics.
-        decode_s: [m] load seconds counted into each position's forward (`in_step_loads`);
+        decode_s: [m] load seconds counted into each position's forward (`Batch.decode_s`);
         agreement: the step's load agreement, confirmed before this rank first communicates
         (raises `StepAborted` there when a sample failed; see `gradients`)."""
-        for param, info in self.param_infos.items():  # zeros, not None: every replica all-reduces the same list
-            if info.zero:  # FSDP2 sets the reduced shard; none held meanwhile (dflop.costmodel.memory)
-                param.grad = None
-            elif param.grad is None:
-                param.grad = torch.zeros_like(param)
-            else:
-                param.grad.zero_()
+        self.sync.zero_grads()
         inputs = {i: loaded[row] for i, row in enumerate(plan.rows) if row in loaded}
         arm = self.sync.arm
         if agreement is not None:
-            def confirm() -> None:
-                if not agreement.settled:
-                    with self.spans.span("data", "load agreement"):
-                        agreement.confirm()
-
-            def confirm_then_arm() -> None:
-                confirm()
-                self.sync.arm()
-
+            confirm = functools.partial(agreement.confirm_traced, self.spans)
             if self.communicates_in_compute:
                 confirm()
             else:  # the first message, or else the gradient sync armed before the last backward
-                self.p2p.before_first_message, arm = confirm, confirm_then_arm
+                self.p2p.before_first_message, arm = confirm, lambda: (confirm(), self.sync.arm())
         t0 = time.perf_counter()
         try:
             self.sharding.begin()
@@ -330,9 +294,7 @@ class Trainer:
     def current_lr(self, step: int) -> float:
         """The learning rate the next optimizer step (`step`, 0-based) applies: the optimizer's own
         (its schedule's closed form on a rank whose modules are all frozen)."""
-        if self.optimizer is None:
-            return self.lr_at(step)
-        return float(self.optimizer.param_groups[0]["lr"])
+        return self.lr_at(step) if self.optimizer is None else float(self.optimizer.param_groups[0]["lr"])
 
     def follow_schedule(self) -> None:
         """After a resume: the optimizer's LR from this run's schedule at the checkpoint's step.
@@ -340,11 +302,8 @@ class Trainer:
         A checkpoint restores the LR its own schedule set; when train.steps has grown since, the
         schedule (rebuilt from the current config) gives another one (`dflop.runtime.run_identity`).
         """
-        if self.lr_scheduler is None:
-            return
-        sched = self.lr_scheduler
-        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-            group["lr"] = base * factor(sched.last_epoch)
+        if self.lr_scheduler is not None:
+            follow_schedule(self.lr_scheduler)
 
     def lr_at(self, step: int, total_steps: int | None = None) -> float:
         """Learning rate used by optimizer step `step` (0-based) of a `total_steps` schedule
@@ -365,23 +324,26 @@ class Trainer:
         if self.planner is not None:
             self.planner.close()
 
-    # -- checkpoint state --------------------------------------------------------------------------
+    # -- checkpoint state: rank 0's copy is saved (train_state.json "extra"), every rank loads it ------
 
-    def train_state(self):
-        from dflop.runtime.checkpoint import TrainState
-
-        correction = self.planner.correction if self.planner is not None else None
-        extra = {"correction": correction.state_dict()} if correction is not None else {}
-        extra["skipped"] = self.skipped.state_dict()
+    def train_state(self) -> TrainState:
+        """What this rank checkpoints: parameters, optimizer, LR schedule and this Stateful trainer."""
         return TrainState(params=self.rank_params, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                          data_seed=self.settings.seed, extra=extra,
+                          data_seed=self.settings.seed, extra=self,
                           run=None if self.fingerprint is None else self.fingerprint.to_json())
 
-    def restore_extra(self, extra: dict) -> None:
-        """After a resume: continue the scheduler's adaptive correction and the count of skipped
-        samples where the checkpoint left them."""
-        self.skipped.load_state_dict(extra.get("skipped", {}))
+    def state_dict(self) -> dict[str, Any]:
+        """The scheduler's adaptive correction (rank 0, dflop policy) and the samples skipped so far."""
         correction = self.planner.correction if self.planner is not None else None
-        if correction is not None and "correction" in extra and not correction.load_state_dict(extra["correction"]):
+        state = {"correction": correction.state_dict()} if correction is not None else {}
+        state["skipped"] = self.skipped.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """After a resume: continue the correction and the count of skipped samples where the
+        checkpoint left them."""
+        self.skipped.load_state_dict(state.get("skipped", {}))
+        correction = self.planner.correction if self.planner is not None else None
+        if correction is not None and "correction" in state and not correction.load_state_dict(state["correction"]):
             log.warning("checkpoint's adaptive correction does not fit this scheduler (other shape buckets, or saved "
                         "before its noise terms); starting it afresh")

@@ -92,7 +92,7 @@ class TurnDir:
 
 
 class Turns:
-    """One job's side: `wait()` before each step, `done()` after it, `finish()` after the last.
+    """One job's side: `wait()` before each step, `done()` after it (`done(last=True)` after the last).
 
     path: the shared directory and this job's name as one path (``DIR/NAME``). barrier: called on
     every rank before rank 0 passes the turn (the job's ranks have all finished the step); None for
@@ -126,17 +126,13 @@ class Turns:
         if self.barrier is not None:
             self.barrier()
 
-    def done(self) -> None:
-        """This job's step is over on every rank: pass the turn on."""
+    def done(self, last: bool = False) -> None:
+        """This job's step is over on every rank: pass the turn on (`last`: it was the job's last
+        step, so it also leaves the turn order)."""
         self._sync()
         if self.rank == 0:
-            self.shared.pass_turn(self.name)
-
-    def finish(self) -> None:
-        """This job has taken its last step: leave the turn order and pass the turn on."""
-        self._sync()
-        if self.rank == 0:
-            write_text_atomic(self.shared.dir / f"finished-{self.name}", "")
+            if last:
+                write_text_atomic(self.shared.dir / f"finished-{self.name}", "")
             self.shared.pass_turn(self.name)
 
 
@@ -146,8 +142,5 @@ class NoTurns:
     def wait(self) -> None:
         pass
 
-    def done(self) -> None:
-        pass
-
-    def finish(self) -> None:
+    def done(self, last: bool = False) -> None:
         pass

@@ -31,7 +31,7 @@ def run_jobs(tmp_path, jobs: dict[str, tuple[int, int]], step_s: float = 0.002):
                 time.sleep(step_s * (1 + rank))  # ranks of one job take different times
                 with lock:
                     log.append((name, rank, step, "end"))
-                turns.finish() if step == steps - 1 else turns.done()
+                turns.done(last=step == steps - 1)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
 
