@@ -46,6 +46,7 @@ from dflop.pricing.cluster import Cluster
 from dflop.pricing.pool import Pool
 from dflop.pricing.pricing import Pricing
 from dflop.runtime.agreement import rank0_result
+from dflop.runtime.launch import check_trainable_schedule
 from dflop.runtime.loading import StepLoader, decode_seconds, feature_rows_fn, requests_for
 from dflop.runtime.model import EMBEDDING_NAME, build_rank_modules, parameter_names
 from dflop.models.optimizer import build_optimizer
@@ -114,6 +115,7 @@ class Trainer:
     def __init__(self, settings: TrainSettings, plan: Plan, pool: pd.DataFrame, samples: Sequence[RawSample], *,
                  model: ModelHandle | None = None, cost: CostModel | None = None, cluster: Cluster | None = None,
                  device: torch.device | None = None):
+        check_trainable_schedule(plan)  # before any group or module is built
         self.settings = settings
         self.device = device if device is not None else torch.device("cpu")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
