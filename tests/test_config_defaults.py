@@ -92,7 +92,7 @@ def _library_defaults():
         ("scheduler.ilp", _default(StepPlanner, "ilp")),
         *((f"planner.{k}", list(v) if isinstance(v, tuple) else v) for k, v in
           ((k, getattr(search, k)) for k in ("placements", "microbatches", "sample_batches", "top_k",
-                                              "time_limit_s", "rel_gap"))),
+                                              "time_limit_s", "rel_gap", "schedules"))),
         ("train.global_batch_size", search.global_batch), ("run.seed", search.seed),
         ("scheduler.pad_to_longest", _default(PipelineExecutor, "pad_to_longest")),
         ("train.schedule", _default(PipelineExecutor, "schedule")),

@@ -56,7 +56,7 @@ def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: 
     settings = SearchSettings(global_batch=global_batch_size, placements=tuple(p.placements),
                               microbatches=tuple(p.microbatches), sample_batches=p.sample_batches, top_k=p.top_k,
                               time_limit_s=p.time_limit_s, rel_gap=p.rel_gap, seed=seed, racing=racing,
-                              scheduler=scheduler, **SearchSettings.techniques_of(p))
+                              scheduler=scheduler, schedules=tuple(p.schedules), **SearchSettings.techniques_of(p))
     result = search(cost, shape, pool, cluster, settings)
     base = result.baseline
     doc = plan_document(

@@ -20,6 +20,14 @@
    the comparison is paired); this approximates simulating everything on K batches at a fraction of
    the cost on large clusters.
 6. The data-blind baselines (`dflop.planner.baseline`: Megatron packed, HF/LLaVA padded) on the same batches.
+
+Pipeline schedules (`planner.schedules`, default 1F1B only): before the prescreen, each of the best
+`n_prescreen` layouts' 1F1B plans is re-timed under every other schedule the setting allows
+(`_choose_schedules`: ZB-H1 on the same split; interleaved 1F1B with `INTERLEAVE_CHUNKS` chunks per
+rank, each rank's layers split evenly over its chunks) on the first sampled batch's LPT partition;
+the fastest that still fits the layout's memory under the schedule's in-flight counts replaces it
+(ties keep 1F1B). One partition and a few simulations per layout, no extra MILP: the layer split
+is the 1F1B one (a rank's total layers), which the MILP chose for 1F1B.
 """
 
 from __future__ import annotations
@@ -35,11 +43,13 @@ import pandas as pd
 from dflop.config import PlannerSection
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
-from dflop.plan import Layout, Plan
+from dflop.plan import PIPELINE_SCHEDULES, Layout, Plan
 from dflop.planner.baseline import BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.pricing.cluster import Cluster
-from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches
+from dflop.planner.expected import (Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, run_partition,
+                                   sample_batches, schedule_step_s)
+from dflop.pricing.pricing import Pricing
 from dflop.planner.means import Granularity
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.milp import SplitResult, objective_bound_s, solve_split
@@ -79,6 +89,7 @@ class SearchSettings:
     recompute: str = "auto"                 # memory techniques (`dflop.planner.technique_choice`):
     shard_optimizer: str | bool = "auto"    # auto = the planner chooses (for its plans and the
     sequence_parallel: str | bool = "auto"  # baselines alike), otherwise forced on or off
+    schedules: tuple[str, ...] = ("1f1b",)  # LLM pipeline schedules the planner may choose (planner.schedules)
 
     @staticmethod
     def techniques_of(planner: PlannerSection) -> dict:
@@ -103,6 +114,10 @@ class SearchSettings:
         if not self.rel_gap >= 0:
             raise UserError(f"planner.rel_gap must be >= 0, got {self.rel_gap!r}")
         self.technique_space  # noqa: B018 (validates the technique keys)
+        bad = [x for x in self.schedules if x not in PIPELINE_SCHEDULES]
+        if bad or "1f1b" not in self.schedules:
+            raise UserError(f"planner.schedules must list 1f1b (the layer split is solved for it) and only "
+                            f"{', '.join(PIPELINE_SCHEDULES)}, got {list(self.schedules)}")
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,9 @@ class SearchResult:
     padded_baseline: BaselineResult | None = None   # the HF/LLaVA padded trainer (`baseline` packs)
 
 
+INTERLEAVE_CHUNKS = (2, 3, 4)  # chunks per rank the planner tries for interleaved 1F1B
+
+
 @dataclass
 class _Solved:
     layout: Layout
@@ -135,10 +153,17 @@ class _Solved:
     status: str = "solved"
     reason: str = ""
     detail: str = ""
+    schedule: tuple[str, int] = ("1f1b", 1)  # the LLM schedule chosen for its split (`_choose_schedules`)
+
+    @property
+    def base_plan(self) -> Plan:
+        """The MILP's plan, under 1F1B."""
+        return self.stage_model.plan(self.result.split, self.result.modes)
 
     @property
     def plan(self) -> Plan:
-        return self.stage_model.plan(self.result.split, self.result.modes)
+        plan = self.base_plan
+        return plan if self.schedule == ("1f1b", 1) else plan.with_schedule(*self.schedule)
 
 
 def bin_granularity(cost: CostModel, pool: Pool, space: SearchSpace) -> Granularity:
@@ -186,7 +211,11 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
                              seed=s.seed + (subset.start or 0))
 
     ranked = sorted((x for x in solved if x.result.has_solution), key=lambda x: x.result.objective_s)
-    ranked = _prescreen(ranked, s, lambda plan: quick_step_s(plan, cost, pool.take(batches[0]), cluster, sizes))
+    kw = dict(cluster=cluster, global_batch=space.global_batch, transfer=transfer, granularity=granularity)
+    quick = _choose_schedules(ranked[:s.n_prescreen], s, cost, pool.take(batches[0]), cluster, sizes,
+                              lambda lay, sm: means.stage_model(lay, (*sm.shard, sm.sequence_parallel), **kw))
+    ranked = _prescreen(ranked, s, lambda plan: quick.get(plan) or quick_step_s(plan, cost, pool.take(batches[0]),
+                                                                                 cluster, sizes))
     chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
     t_sim = time.perf_counter()
     def baseline_for(policy: str, also=()) -> BaselineResult:
@@ -343,6 +372,65 @@ def _unlisted(groups: pd.DataFrame, listed: dict) -> pd.DataFrame:
     return out[out["n_layouts"] > 0]
 
 
+def schedule_options(plan: Plan, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(schedule, chunks) a 1F1B plan could also run under, of those `schedules` allows: ZB-H1 and
+    interleaved need LLM pipeline ranks (pp_l >= 2); interleaved needs m a multiple of pp_l and at
+    least one layer per chunk on every rank."""
+    lay = plan.layout
+    out = []
+    if lay.pp_l < 2:
+        return out
+    if "zb-h1" in schedules:
+        out.append(("zb-h1", 1))
+    if "interleaved" in schedules and lay.m % lay.pp_l == 0:
+        fewest = min(plan.llm_rank_layers)
+        out += [("interleaved", v) for v in INTERLEAVE_CHUNKS if v <= fewest]
+    return out
+
+
+def _choose_schedules(head: list[_Solved], s: SearchSettings, cost: CostModel, batch: Pool, cluster: Cluster,
+                      sizes: TransferSizes, stage_model) -> dict:
+    """Give each of `head` the schedule (of `planner.schedules`) whose step on `batch`, split by
+    LPT (as `quick_step_s`), is the least among those its memory allows (`stage_model(layout, sm)`:
+    the layout's model under another schedule, whose in-flight counts are that schedule's; the
+    split's recompute modes kept). Returns {plan: that quick step} for the prescreen to reuse."""
+    steps: dict = {}
+    if s.schedules == ("1f1b",):
+        return steps
+    for x in head:
+        base = x.plan
+        options = schedule_options(base, s.schedules)
+        if not options:
+            continue
+        pricing = Pricing(base, cost, cluster, sizes)
+        pc = pricing.batch(batch)
+        part = run_partition(pc, pricing, SchedulerSettings(policy="lpt1d"))
+        best, best_s = ("1f1b", 1), part.step_s
+        for sched, v in options:
+            plan = base.with_schedule(sched, v)
+            if not stage_model(plan.layout, x.stage_model).fits(x.result.split, x.result.modes):
+                continue
+            vpricing = Pricing(plan, cost, cluster, sizes)
+            step = schedule_step_s(vpricing, vpricing.batch(batch), part, batch)
+            if step < best_s:
+                best, best_s = (sched, v), step
+        x.schedule = best
+        steps[x.plan] = best_s
+    return steps
+
+
+def _keep_schedule_or_1f1b(x: _Solved, ev: Evaluation, plain: Evaluation) -> Evaluation:
+    """`x`'s first simulated batches under its chosen schedule (`ev`) and under 1F1B (`plain`):
+    the chosen was screened on an LPT partition, the online scheduler's partitions are tuned by
+    1F1B simulations, so 1F1B can win here; the better stays (ties: 1F1B)."""
+    if plain.ok and (not ev.ok or plain.mean_s <= ev.mean_s):
+        x.detail = (f"{x.plan.layout.describe_schedule()[2:]} simulated {ev.mean_s:.4g} s, 1F1B "
+                    f"{plain.mean_s:.4g} s on the first batches: kept 1F1B")
+        x.schedule = ("1f1b", 1)
+        return plain
+    return ev
+
+
 def _prescreen(ranked: list[_Solved], s: SearchSettings, quick) -> list[_Solved]:
     """The best `n_prescreen` by MILP objective, re-ranked by `quick(plan)` (seconds); the rest after."""
     head, tail = ranked[:s.n_prescreen], ranked[s.n_prescreen:]
@@ -369,6 +457,8 @@ def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _
         n = min(n, K)
         for x in alive:
             ev = evaluate(x.plan, slice(done, n))
+            if x.evaluation is None and x.schedule != ("1f1b", 1):
+                ev = _keep_schedule_or_1f1b(x, ev, evaluate(x.base_plan, slice(done, n)))
             x.evaluation = ev if x.evaluation is None else x.evaluation.extended(ev)
         for x in alive:
             if not x.evaluation.ok:
@@ -384,6 +474,13 @@ def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _
             x.status, x.reason = "pruned", "racing"
         alive = alive[:math.ceil(len(alive) / 2)]
         n *= 2
+    if alive and alive[0].schedule != ("1f1b", 1) and done > 1:  # the winner's schedule, on every batch
+        x = alive[0]
+        plain = evaluate(x.base_plan, slice(0, done))
+        if plain.ok and plain.mean_s <= x.evaluation.mean_s:
+            x.detail = (f"{x.plan.layout.describe_schedule()[2:]} simulated {x.evaluation.mean_s:.4g} s, "
+                        f"1F1B {plain.mean_s:.4g} s: kept 1F1B")
+            x.schedule, x.evaluation = ("1f1b", 1), plain
     for x in alive:
         x.status = "simulated"
     if not alive:
