@@ -221,7 +221,7 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     def baseline_for(policy: str, also=()) -> BaselineResult:
         return search_baseline(space, means, cluster, transfer, granularity,
                                lambda plan: evaluate(plan, slice(0, None), replace(s.scheduler, policy=policy)),
-                               simulate=s.baseline_simulate, policy=policy, also=also)
+                               simulate=s.baseline_simulate, policy=policy, also=also, schedules=s.schedules)
 
     # the padded trainer first: the packed one also simulates its layout (packing it can only help)
     padded = baseline_for("padded")

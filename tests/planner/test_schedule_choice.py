@@ -72,7 +72,10 @@ def test_tiny_m_picks_a_schedule_that_fills_the_bubble(cost, pool):
     plain, _ = run(cost, pool, 80e9, ("1f1b",))
     assert plain.chosen.plan.layout.schedule == "1f1b"
     assert plain.chosen.mean_s == pytest.approx(evs[("1f1b", 1)].mean_s)
-    assert result.baseline.evaluation.mean_s / chosen.mean_s > plain.baseline.evaluation.mean_s / plain.chosen.mean_s
+    # the data-blind (Megatron packed) baseline is tuned over the same schedules: never slower
+    assert result.baseline.evaluation.mean_s <= plain.baseline.evaluation.mean_s * (1 + 1e-12)
+    tried = result.candidates.query("kind == 'baseline'")
+    assert set(tried["schedule"].dropna()) > {"1f1b"}
 
 
 def test_memory_that_forbids_the_extra_in_flight_keeps_1f1b(cost, pool):
