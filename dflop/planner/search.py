@@ -25,9 +25,11 @@ Pipeline schedules (`planner.schedules`, default 1F1B only): before the prescree
 `n_prescreen` layouts' 1F1B plans is re-timed under every other schedule the setting allows
 (`_choose_schedules`: ZB-H1 on the same split; interleaved 1F1B with `INTERLEAVE_CHUNKS` chunks per
 rank, each rank's layers split evenly over its chunks) on the first sampled batch's LPT partition;
-the fastest that still fits the layout's memory under the schedule's in-flight counts replaces it
-(ties keep 1F1B). One partition and a few simulations per layout, no extra MILP: the layer split
-is the 1F1B one (a rank's total layers), which the MILP chose for 1F1B.
+the fastest that still fits the layout's memory under the schedule's in-flight counts (its
+techniques settled again where the 1F1B ones no longer fit) replaces it (ties keep 1F1B), and
+keeps its place in the race only while it simulates faster than the 1F1B plan on the same
+batches. One partition and a few simulations per layout, no extra MILP: the layer split is the
+1F1B one (a rank's total layers), which the MILP chose for 1F1B.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ class _Solved:
     status: str = "solved"
     reason: str = ""
     detail: str = ""
-    schedule: tuple[str, int] = ("1f1b", 1)  # the LLM schedule chosen for its split (`_choose_schedules`)
+    variant: Plan | None = None  # its split under another LLM schedule, when `_choose_schedules` chose one
 
     @property
     def base_plan(self) -> Plan:
@@ -162,8 +164,7 @@ class _Solved:
 
     @property
     def plan(self) -> Plan:
-        plan = self.base_plan
-        return plan if self.schedule == ("1f1b", 1) else plan.with_schedule(*self.schedule)
+        return self.base_plan if self.variant is None else self.variant
 
 
 def bin_granularity(cost: CostModel, pool: Pool, space: SearchSpace) -> Granularity:
@@ -213,7 +214,8 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     ranked = sorted((x for x in solved if x.result.has_solution), key=lambda x: x.result.objective_s)
     kw = dict(cluster=cluster, global_batch=space.global_batch, transfer=transfer, granularity=granularity)
     quick = _choose_schedules(ranked[:s.n_prescreen], s, cost, pool.take(batches[0]), cluster, sizes,
-                              lambda lay, sm: means.stage_model(lay, (*sm.shard, sm.sequence_parallel), **kw))
+                              lambda lay, sm: means.stage_model(lay, (*sm.shard, sm.sequence_parallel), **kw),
+                              lambda lay, split: means.fit(lay, split, **kw))
     ranked = _prescreen(ranked, s, lambda plan: quick.get(plan) or quick_step_s(plan, cost, pool.take(batches[0]),
                                                                                  cluster, sizes))
     chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
@@ -389,11 +391,15 @@ def schedule_options(plan: Plan, schedules: tuple[str, ...]) -> list[tuple[str, 
 
 
 def _choose_schedules(head: list[_Solved], s: SearchSettings, cost: CostModel, batch: Pool, cluster: Cluster,
-                      sizes: TransferSizes, stage_model) -> dict:
+                      sizes: TransferSizes, stage_model, refit) -> dict:
     """Give each of `head` the schedule (of `planner.schedules`) whose step on `batch`, split by
-    LPT (as `quick_step_s`), is the least among those its memory allows (`stage_model(layout, sm)`:
-    the layout's model under another schedule, whose in-flight counts are that schedule's; the
-    split's recompute modes kept). Returns {plan: that quick step} for the prescreen to reuse."""
+    LPT (as `quick_step_s`), is the least among those its memory allows, as `x.variant`.
+
+    A schedule's memory is the layout's stage model under it (`stage_model(layout, sm)`: its
+    in-flight counts are the schedule's) with the split's techniques; where that does not fit, the
+    techniques are settled again for the schedule (`refit(layout, split)`, as the MILP's split was:
+    more recomputation, sharding or SP where needed), so a schedule may cost recomputation. Returns
+    {plan: that quick step} for the prescreen to reuse."""
     steps: dict = {}
     if s.schedules == ("1f1b",):
         return steps
@@ -403,18 +409,24 @@ def _choose_schedules(head: list[_Solved], s: SearchSettings, cost: CostModel, b
         if not options:
             continue
         pricing = Pricing(base, cost, cluster, sizes)
-        pc = pricing.batch(batch)
-        part = run_partition(pc, pricing, SchedulerSettings(policy="lpt1d"))
-        best, best_s = ("1f1b", 1), part.step_s
+        part = run_partition(pricing.batch(batch), pricing, SchedulerSettings(policy="lpt1d"))
+        best, best_s = None, part.step_s
+        split = x.result.split
         for sched, v in options:
-            plan = base.with_schedule(sched, v)
-            if not stage_model(plan.layout, x.stage_model).fits(x.result.split, x.result.modes):
-                continue
+            lay = base.layout.with_schedule(sched, v)
+            if stage_model(lay, x.stage_model).fits(split, x.result.modes):
+                plan = base.with_schedule(sched, v)
+            else:
+                settled = refit(lay, split)
+                if settled is None:
+                    continue
+                sm, modes = settled  # its techniques on the 1F1B layout, then the schedule's chunks
+                plan = replace(sm, layout=base.layout).plan(split, modes).with_schedule(sched, v)
             vpricing = Pricing(plan, cost, cluster, sizes)
             step = schedule_step_s(vpricing, vpricing.batch(batch), part, batch)
             if step < best_s:
-                best, best_s = (sched, v), step
-        x.schedule = best
+                best, best_s = plan, step
+        x.variant = best
         steps[x.plan] = best_s
     return steps
 
@@ -426,7 +438,7 @@ def _keep_schedule_or_1f1b(x: _Solved, ev: Evaluation, plain: Evaluation) -> Eva
     if plain.ok and (not ev.ok or plain.mean_s <= ev.mean_s):
         x.detail = (f"{x.plan.layout.describe_schedule()[2:]} simulated {ev.mean_s:.4g} s, 1F1B "
                     f"{plain.mean_s:.4g} s on the first batches: kept 1F1B")
-        x.schedule = ("1f1b", 1)
+        x.variant = None
         return plain
     return ev
 
@@ -457,7 +469,7 @@ def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _
         n = min(n, K)
         for x in alive:
             ev = evaluate(x.plan, slice(done, n))
-            if x.evaluation is None and x.schedule != ("1f1b", 1):
+            if x.evaluation is None and x.variant is not None:
                 ev = _keep_schedule_or_1f1b(x, ev, evaluate(x.base_plan, slice(done, n)))
             x.evaluation = ev if x.evaluation is None else x.evaluation.extended(ev)
         for x in alive:
@@ -474,13 +486,13 @@ def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _
             x.status, x.reason = "pruned", "racing"
         alive = alive[:math.ceil(len(alive) / 2)]
         n *= 2
-    if alive and alive[0].schedule != ("1f1b", 1) and done > 1:  # the winner's schedule, on every batch
+    if alive and alive[0].variant is not None and done > 1:  # the winner's schedule, on every batch
         x = alive[0]
         plain = evaluate(x.base_plan, slice(0, done))
         if plain.ok and plain.mean_s <= x.evaluation.mean_s:
             x.detail = (f"{x.plan.layout.describe_schedule()[2:]} simulated {x.evaluation.mean_s:.4g} s, "
                         f"1F1B {plain.mean_s:.4g} s: kept 1F1B")
-            x.schedule, x.evaluation = ("1f1b", 1), plain
+            x.variant, x.evaluation = None, plain
     for x in alive:
         x.status = "simulated"
     if not alive:
