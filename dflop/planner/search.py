@@ -129,7 +129,8 @@ class SearchResult:
     stats: layouts, feasible, milps (layouts that reached the MILP step: solved, single split or cut
     by the cutoff proof), milp_s (sum of their solve walls), milp_statuses (milps by status; "cutoff"
     for the cut), top_k_proven, milp_pruned (kept layouts pruned with reason milp_bound: skipped by
-    `milp.objective_bound_s`, or cut), simulated, screen_s, milp_wall_s, simulate_s, baseline_s, wall_s.
+    `milp.objective_bound_s`, or cut), simulated, screen_s, milp_wall_s, schedules_s (choosing the LLM
+    schedules, `_choose_schedules`; about 0 with 1F1B alone), simulate_s, baseline_s, wall_s.
     """
 
     chosen: Evaluation
@@ -216,6 +217,7 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     quick = _choose_schedules(ranked[:s.n_prescreen], s, cost, pool.take(batches[0]), cluster, sizes,
                               lambda lay, sm: means.stage_model(lay, (*sm.shard, sm.sequence_parallel), **kw),
                               lambda lay, split: means.fit(lay, split, **kw))
+    t_sched = time.perf_counter()
     ranked = _prescreen(ranked, s, lambda plan: quick.get(plan) or quick_step_s(plan, cost, pool.take(batches[0]),
                                                                                  cluster, sizes))
     chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
@@ -244,7 +246,8 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
         "milp_statuses": _counts([x.result.status for x in solved] + [r["milp_status"] for r in cut]),
         "top_k_proven": proven, "milp_pruned": sum(r["reason"] == "milp_bound" for r in unsolved),
         "simulated": sum(x.evaluation is not None for x in solved),
-        "screen_s": t_screen - t0, "milp_wall_s": t_milp - t_screen, "simulate_s": t_sim - t_milp,
+        "screen_s": t_screen - t0, "milp_wall_s": t_milp - t_screen, "schedules_s": t_sched - t_milp,
+        "simulate_s": t_sim - t_sched,
         "baseline_s": t_base - t_sim, "wall_s": time.perf_counter() - t0,
     }
     return SearchResult(chosen.evaluation, chosen.stage_model, chosen.result, baseline, candidates, stats, sizes,
