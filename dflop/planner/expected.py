@@ -172,7 +172,7 @@ def schedule_timeline(pricing: Pricing, pc: PlanCosts, part: Partition, batch: P
     lay = pricing.plan.layout
     costs, tails = pc.costs, np.asarray(pc.allreduce_s, dtype=np.float64)
     if lay.chunks > 1:
-        costs = pricing.chunk_batch(batch)
+        costs = pricing.chunk_batch(batch, pc.costs)
         n_v = lay.n_vision_stages
         tails = np.r_[tails[:n_v], tails[n_v:], np.zeros(lay.pp_l * (lay.chunks - 1))]
     frac = pricing.wgrad_frac(batch) if lay.schedule == "zb-h1" else 0.5

@@ -412,7 +412,8 @@ def _choose_schedules(head: list[_Solved], s: SearchSettings, cost: CostModel, b
         if not options:
             continue
         pricing = Pricing(base, cost, cluster, sizes)
-        part = run_partition(pricing.batch(batch), pricing, SchedulerSettings(policy="lpt1d"))
+        pc = pricing.batch(batch)
+        part = run_partition(pc, pricing, SchedulerSettings(policy="lpt1d"))
         best, best_s = None, part.step_s
         split = x.result.split
         for sched, v in options:
@@ -426,12 +427,20 @@ def _choose_schedules(head: list[_Solved], s: SearchSettings, cost: CostModel, b
                 sm, modes = settled  # its techniques on the 1F1B layout, then the schedule's chunks
                 plan = replace(sm, layout=base.layout).plan(split, modes).with_schedule(sched, v)
             vpricing = Pricing(plan, cost, cluster, sizes)
-            step = schedule_step_s(vpricing, vpricing.batch(batch), part, batch)
+            # the same techniques per rank: the same times and tails as the 1F1B plan's (only the
+            # memory limits, which the timing does not read, differ)
+            same = _rank_techniques(plan) == _rank_techniques(base)
+            step = schedule_step_s(vpricing, pc if same else vpricing.batch(batch), part, batch)
             if step < best_s:
                 best, best_s = plan, step
         x.variant = best
         steps[x.plan] = best_s
     return steps
+
+
+def _rank_techniques(plan: Plan) -> tuple:
+    tech = plan.llm_techniques
+    return plan.vision_techniques, plan.llm_rank_recompute(), tech.shard_optimizer, tech.sequence_parallel
 
 
 def _keep_schedule_or_1f1b(x: _Solved, ev: Evaluation, plain: Evaluation) -> Evaluation:

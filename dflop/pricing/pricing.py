@@ -177,12 +177,13 @@ class Pricing:
         except ValueError as exc:
             raise UserError(f"{self.plan.source}: llm.recompute: {exc}") from None
 
-    def chunk_batch(self, batch: Pool) -> BatchCosts:
+    def chunk_batch(self, batch: Pool, ranks: BatchCosts | None = None) -> BatchCosts:
         """Per-sample costs of `batch` on every LLM model chunk of an interleaved plan ([pp_l x chunks]
         LLM rows in chunk order, the vision rows as `batch`), with an LLM hop into every chunk after
         the first (chunk c + 1 runs on the next rank, the wrap from the last rank to rank 0 included)
         and the first/last extras (embeddings, head) on the first/last chunk: the timeline's
-        chunk times. Memory fields are not meaningful here (`batch` has the ranks')."""
+        chunk times. Memory fields are not meaningful here (`batch` has the ranks'). ranks: this
+        batch's `batch(...).costs` when already priced (its vision rows are taken)."""
         plan, lay, sizes, link = self.plan, self.plan.layout, self.sizes, self._links
         n_chunks = lay.n_llm_chunks
         chunk_rec = plan.llm_techniques.recompute
@@ -192,7 +193,8 @@ class Pricing:
                            in_flight_per_stage=[1] * (lay.n_vision_stages + n_chunks), colocated=lay.colocated,
                            vision_recompute=plan.vision_techniques.recompute, llm_recompute=chunk_rec,
                            vision_shard_over=1, llm_shard_over=1, llm_sequence_parallel_hidden=self.sp_hidden)
-        ranks = self.batch(batch).costs  # vision rows and the load line as the plan's pricing has them
+        if ranks is None:  # vision rows and the load line as the plan's pricing has them
+            ranks = self.batch(batch).costs
         flat = replace(lay, pp_l=n_chunks, schedule="1f1b", chunks=1)
         hop = batch.seq_len * sizes.llm_token_bytes / float(link.llm_hop_bps)
         features = 0.0 if lay.colocated else batch.vision_tokens * sizes.llm_token_bytes / float(link.vision_to_llm_bps)
