@@ -41,6 +41,11 @@ from dflop.planner.stages import StageModel, TransferMeans
 from dflop.planner.technique_choice import TechniqueMeans
 
 BASELINE_POLICIES = ("megatron", "padded")
+# Model chunks per rank the planner and the Megatron-style baseline try for interleaved 1F1B. Only
+# 2: each further v is one more exact simulation of every screened layout (the simulator compiles
+# a graph of dp x pp x v rows x m microbatches per layout), which at 1024 GPUs cost seconds of
+# planning for no plan of the paper configurations (v = 2, 3, 4 tried: only 2 was ever chosen).
+INTERLEAVE_CHUNKS = (2,)
 ROW_KIND = {"megatron": "baseline", "padded": "baseline_padded"}
 
 
@@ -181,7 +186,7 @@ def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster,
 
 def baseline_schedules(plan: Plan, schedules: tuple[str, ...]) -> list[Plan]:
     """The 1F1B data-blind `plan` under the other schedules `schedules` allows, as Megatron-LM runs
-    them: ZB-H1 on its split; interleaved with v = 2..4 virtual stages per rank where the LLM's
+    them: ZB-H1 on its split; interleaved with v in `INTERLEAVE_CHUNKS` virtual stages per rank where the LLM's
     layers split uniformly into pp x v chunks and m is a multiple of pp."""
     lay = plan.layout
     if lay.pp_l < 2:
@@ -189,7 +194,7 @@ def baseline_schedules(plan: Plan, schedules: tuple[str, ...]) -> list[Plan]:
     out = [plan.with_schedule("zb-h1")] if "zb-h1" in schedules else []
     n = sum(plan.llm_layers)
     if "interleaved" in schedules and lay.m % lay.pp_l == 0:
-        out += [plan.with_schedule("interleaved", v) for v in (2, 3, 4) if n % (lay.pp_l * v) == 0]
+        out += [plan.with_schedule("interleaved", v) for v in INTERLEAVE_CHUNKS if n % (lay.pp_l * v) == 0]
     return out
 
 

@@ -46,7 +46,7 @@ from dflop.config import PlannerSection
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.plan import PIPELINE_SCHEDULES, Layout, Plan
-from dflop.planner.baseline import BaselineResult, search_baseline
+from dflop.planner.baseline import INTERLEAVE_CHUNKS, BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import (Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, run_partition,
@@ -143,7 +143,6 @@ class SearchResult:
     padded_baseline: BaselineResult | None = None   # the HF/LLaVA padded trainer (`baseline` packs)
 
 
-INTERLEAVE_CHUNKS = (2, 3, 4)  # chunks per rank the planner tries for interleaved 1F1B
 
 
 @dataclass
