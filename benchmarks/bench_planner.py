@@ -24,6 +24,10 @@ per architecture (`synthetic_mix.for_architecture`), and the fitted profile is l
 benchmarks/profiles/<arch>-<vision>-<llm>.json:
 
     python benchmarks/bench_planner.py --paper [--gpus 64 512 1024] [--mix llava_ov|heavy] [--shapes FILE]
+
+``--schedules 1f1b interleaved zb-h1`` lets the planner (and the Megatron-style baseline) choose the
+LLM's pipeline schedule per layout (`planner.schedules`; default 1f1b alone): the same code with
+and without the new schedules.
 """
 
 from __future__ import annotations
@@ -136,8 +140,10 @@ def run_paper(args) -> None:
         for gpus in args.gpus:
             batch, k, top_k = SCALE.get(gpus, (2 * gpus, 2, 4))
             cluster = cluster_for(gpus, args)
-            settings = SearchSettings.from_config(global_batch=batch, sample_batches=k, top_k=top_k)
-            print(f"\n--- {gpus} GPUs, global batch {batch}, {k} sampled batches, top_k {top_k}")
+            settings = SearchSettings.from_config(global_batch=batch, sample_batches=k, top_k=top_k,
+                                                  schedules=tuple(args.schedules))
+            print(f"\n--- {gpus} GPUs, global batch {batch}, {k} sampled batches, top_k {top_k}, "
+                  f"schedules {' '.join(args.schedules)}")
             row = {"config": name, "gpus": gpus, "batch": batch, "cost": source.split(":")[0]}
             t0 = time.perf_counter()
             try:
@@ -154,6 +160,8 @@ def run_paper(args) -> None:
             for key, base in (("base", result.baseline), ("padded", result.padded_baseline)):
                 if base.evaluation is not None:
                     row[key] = base.evaluation.mean_s
+            if result.baseline.evaluation is not None:
+                print(f"  Megatron-style baseline: {describe_plan(result.baseline.evaluation.plan, shape)}")
             print(f"  planner wall time {row['wall']:.2f} s")
             rows.append(row)
     print(paper_table(rows))
@@ -196,6 +204,8 @@ def main() -> None:
     p.add_argument("--intra-gbps", type=float, default=300.0, help="cluster.intra_node_gbps")
     p.add_argument("--inter-gbps", type=float, default=50.0, help="cluster.inter_node_gbps (400 Gb/s IB per GPU)")
     p.add_argument("--mix-size", type=int, default=20_000)
+    p.add_argument("--schedules", nargs="+", default=["1f1b"], choices=["1f1b", "interleaved", "zb-h1"],
+                   help="LLM pipeline schedules the planner may choose (planner.schedules; must list 1f1b)")
     p.add_argument("--no-gpu-profiles", action="store_true",
                    help="plan with the analytic model alone, ignoring benchmarks/profiles/<device>/ fits")
     args = p.parse_args()
@@ -223,7 +233,8 @@ def main() -> None:
         for gpus in args.gpus:
             batch, k, top_k = SCALE.get(gpus, (2 * gpus, 2, 4))
             cluster = cluster_for(gpus, args)
-            settings = SearchSettings.from_config(global_batch=batch, sample_batches=k, top_k=top_k)
+            settings = SearchSettings.from_config(global_batch=batch, sample_batches=k, top_k=top_k,
+                                                  schedules=tuple(args.schedules))
             print(f"\n--- {gpus} GPUs, global batch {batch}, {k} sampled batches, top_k {top_k}")
             t0 = time.perf_counter()
             try:

@@ -293,6 +293,7 @@ class PlannerSection:
     recompute: str  # auto | none | selective | full
     shard_optimizer: str | bool  # "auto" or forced
     sequence_parallel: str | bool  # "auto" or forced
+    schedules: tuple[str, ...]  # LLM pipeline schedules the planner may choose (1f1b always among them)
 
 
 @dataclass(frozen=True)

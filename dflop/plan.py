@@ -22,6 +22,16 @@ sequence between tensor-parallel regions; needs tp > 1; the LLM only)::
     vision: {tp: 1, pp: 1, dp: 2, layers_per_stage: [2], recompute: [selective], shard_optimizer: true}
     llm:    {tp: 2, pp: 2, dp: 2, layers_per_stage: [1, 1], recompute: [full, none], sequence_parallel: true}
 
+The LLM's pipeline schedule (``llm.schedule``, ``llm.chunks``; absent in plans written before
+them, which read as ``1f1b`` with one chunk): ``1f1b``, ``interleaved`` (Megatron-LM's interleaved
+1F1B: the LLM cut into ``pp * chunks`` model chunks, chunk c on pipeline rank ``c mod pp``; needs
+``pp >= 2``, ``chunks >= 2`` and ``microbatches`` a multiple of ``pp``; ``layers_per_stage`` and
+``recompute`` then have ``pp * chunks`` entries in chunk order) or ``zb-h1`` (the backward split
+into input and weight gradients, Qi et al. 2024). The vision tower always runs 1F1B::
+
+    llm: {tp: 1, pp: 2, dp: 1, layers_per_stage: [1, 1, 1, 1], recompute: [none, none, none, none],
+          schedule: interleaved, chunks: 2}
+
 Placements:
 - ``disjoint``: vision stages on ``tp_v * pp_v * dp_v`` ranks, then LLM stages on
   ``tp_l * pp_l * dp_l`` other ranks; one 1F1B pipeline of ``pp_v + pp_l`` stages.
@@ -47,6 +57,8 @@ from dflop.io import read_yaml, write_text_atomic
 PLACEMENTS = ("disjoint", "colocated")
 MODULE_KEYS = ("tp", "pp", "dp", "layers_per_stage")
 TECHNIQUE_KEYS = ("recompute", "shard_optimizer", "sequence_parallel")  # optional; off when absent
+SCHEDULE_KEYS = ("schedule", "chunks")  # optional, the LLM only; 1f1b with one chunk when absent
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # what a plan may name (dflop.sim also has gpipe)
 RECOMPUTE_MODES = ("none", "selective", "full")
 PLAN_KEYS = ("vision", "llm", "placement", "microbatches", "global_batch_size", "world_size")
 RANK_ORDER = ("vision ranks first, then llm ranks; inside a module rank = first_rank + (stage * dp + replica) * tp "
@@ -63,6 +75,78 @@ def in_flight_1f1b(n_stages: int, n_microbatches: int) -> list[int]:
     return [min(n_microbatches, n_stages - k) for k in range(n_stages)]
 
 
+def check_schedule(schedule: str, chunks: int, pp: int, m: int) -> str | None:
+    """Why (schedule, chunks) cannot run an LLM pipeline of `pp` ranks and `m` microbatches, or None."""
+    if schedule not in PIPELINE_SCHEDULES:
+        return f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}"
+    if schedule != "interleaved":
+        return None if chunks == 1 else f"{schedule} runs one model chunk per rank, got chunks={chunks}"
+    if chunks < 2:
+        return f"interleaved needs chunks >= 2 (model chunks per pipeline rank), got {chunks}"
+    if pp < 2:
+        return f"interleaved needs pipeline parallelism (pp >= 2), got pp={pp}"
+    if m % pp:
+        return f"interleaved needs microbatches ({m}) to be a multiple of pp ({pp}), as Megatron-LM does"
+    return None
+
+
+def interleaved_rank_in_flight(rank: int, p: int, v: int, m: int) -> int:
+    """Chunk activations LLM `rank` holds at its peak under interleaved 1F1B: Megatron-LM's warm-up
+    forwards ``2 (p - rank - 1) + (v - 1) p`` plus one (all ``m v`` when ``m == p``), at most ``m v``.
+    (`dflop.sim.schedules.interleaved_warmup` is the schedule's own count; the tests hold them equal.)"""
+    if m == p:
+        return m * v
+    return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v)
+
+
+def interleaved_lead(p: int, v: int, m: int) -> int:
+    """Microbatches in flight on LLM rank 0's first chunk at its peak under interleaved 1F1B (what
+    the vision stages in front must keep up with): walks the rank's Megatron order, whose k-th
+    forward (backward) is chunk ``(k mod p v) // p`` (reversed for backwards) of microbatch
+    ``(k // p v) p + k mod p``."""
+    warmup = m * v if m == p else min(2 * (p - 1) + (v - 1) * p, m * v)
+    ops = [("F", k) for k in range(warmup)]
+    for i in range(m * v - warmup):
+        ops += [("F", warmup + i), ("B", i)]
+    ops += [("B", k) for k in range(m * v - warmup, m * v)]
+    held = peak = 0
+    for kind, k in ops:
+        within = (k % (p * v)) // p
+        chunk = within if kind == "F" else v - 1 - within
+        if chunk == 0:
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+    return peak
+
+
+def schedule_in_flight(schedule: str, chunks: int, n_vision_stages: int, pp: int, m: int) -> list[float]:
+    """[n_vision_stages + pp] microbatches of activations each stage's rank holds at its peak, vision
+    stages first, in units of the stage's whole activations of one microbatch.
+
+    - 1f1b: ``min(m, P - k)`` over the whole pipeline of P stages.
+    - zb-h1: vision stages as 1F1B; every LLM stage ``min(m, pp)``: 1F1B's ``pp - s`` whose input
+      gradient (B) is due plus the ``s`` whose weight gradient (W) it postpones, each counted as a
+      whole microbatch of activations (W keeps the linear layers' inputs and output gradients, most
+      of a layer's saved tensors: an upper bound).
+    - interleaved: LLM rank r holds `interleaved_rank_in_flight` chunk activations, each 1/chunks of
+      the rank's (chunks of equal layers; a rank's layers split over its chunks differ by one
+      at most); vision stage k keeps ``min(m, lead + n_v - k)`` where lead is rank 0's first chunk's
+      peak (`interleaved_lead`), the rule `dflop.sim` times them by.
+    `tests/test_plan_schedule.py` holds these against the simulator's own counts.
+    """
+    n_v = n_vision_stages
+    if schedule == "1f1b":
+        return in_flight_1f1b(n_v + pp, m)  # ints, as before schedules
+    why = check_schedule(schedule, chunks, pp, m)
+    if why:
+        raise ValueError(why)
+    if schedule == "zb-h1":
+        return [float(min(m, n_v + pp - k)) for k in range(n_v)] + [float(min(m, pp))] * pp
+    lead = interleaved_lead(pp, chunks, m)
+    return ([float(min(m, lead + n_v - k)) for k in range(n_v)]
+            + [interleaved_rank_in_flight(r, pp, chunks, m) / chunks for r in range(pp)])
+
+
 def uniform_layer_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     """Contiguous [start, stop) layer ranges, sizes differing by at most one (earlier stages larger):
     the data-blind split Megatron and torchtitan use."""
@@ -72,6 +156,15 @@ def uniform_layer_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     bounds = [0]
     for stage in range(n_stages):
         bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _even_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """`n` items in `parts` contiguous [start, stop) ranges, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for k in range(parts):
+        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
     return list(zip(bounds[:-1], bounds[1:]))
 
 
@@ -87,12 +180,17 @@ class Layout:
     pp_l: int
     dp_l: int
     m: int
+    schedule: str = "1f1b"  # the LLM's pipeline schedule (PIPELINE_SCHEDULES); vision runs 1F1B
+    chunks: int = 1         # model chunks per LLM pipeline rank (v of interleaved 1F1B)
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.colocated and (self.pp_v != 1 or self.tp_v != self.tp_l or self.dp_v != self.dp_l):
             raise ValueError(f"colocated layout needs pp_v=1, tp_v=tp_l, dp_v=dp_l: {self}")
+        why = check_schedule(self.schedule, self.chunks, self.pp_l, self.m)
+        if why:
+            raise ValueError(f"{why}: {self}")
 
     @property
     def colocated(self) -> bool:
@@ -132,15 +230,34 @@ class Layout:
         """Packed LLM rows of one step: m microbatches x dp_l replicas."""
         return self.m * self.dp_l
 
-    def in_flight(self) -> list[int]:
-        """[n_stages] microbatches each stage holds at the 1F1B peak, vision stages first."""
-        return in_flight_1f1b(self.n_stages, self.m)
+    @property
+    def n_llm_chunks(self) -> int:
+        """Entries of the LLM's layers_per_stage / recompute: pp_l x chunks, in chunk order."""
+        return self.pp_l * self.chunks
+
+    def in_flight(self) -> list[float]:
+        """[n_stages] microbatches of activations each stage's rank holds at its peak under the
+        layout's schedule, vision stages first (`schedule_in_flight`)."""
+        return schedule_in_flight(self.schedule, self.chunks, self.n_vision_stages, self.pp_l, self.m)
+
+    def with_schedule(self, schedule: str, chunks: int = 1) -> "Layout":
+        """The same degrees and microbatches under another LLM pipeline schedule."""
+        from dataclasses import replace
+
+        return replace(self, schedule=schedule, chunks=chunks)
+
+    def describe_schedule(self) -> str:
+        """"" for 1F1B, else ", interleaved 1F1B x2 chunks" or ", zb-h1"."""
+        if self.schedule == "1f1b":
+            return ""
+        return f", interleaved 1F1B x{self.chunks} chunks" if self.schedule == "interleaved" else f", {self.schedule}"
 
     def describe(self) -> str:
         llm = f"llm tp{self.tp_l} pp{self.pp_l} dp{self.dp_l}"
         if self.colocated:
-            return f"colocated ({llm}, vision on llm stage 0), m={self.m}"
-        return f"disjoint (vision tp{self.tp_v} pp{self.pp_v} dp{self.dp_v} | {llm}), m={self.m}"
+            return f"colocated ({llm}, vision on llm stage 0), m={self.m}{self.describe_schedule()}"
+        return (f"disjoint (vision tp{self.tp_v} pp{self.pp_v} dp{self.dp_v} | {llm}), "
+                f"m={self.m}{self.describe_schedule()}")
 
 
 @dataclass(frozen=True)
@@ -192,10 +309,12 @@ class ModuleLayout:
     dp: int
     layers_per_stage: tuple[int, ...]
     techniques: Techniques | None = None  # None: off
+    schedule: str | None = None  # the LLM's pipeline schedule; None for the vision tower (1F1B, not written)
+    chunks: int = 1              # model chunks per rank: layers_per_stage has pp x chunks entries
 
     def __post_init__(self):
         if self.techniques is None:
-            object.__setattr__(self, "techniques", Techniques.off(self.pp))
+            object.__setattr__(self, "techniques", Techniques.off(self.pp * self.chunks))
 
     @property
     def n_ranks(self) -> int:
@@ -213,15 +332,19 @@ class ModuleLayout:
         return list(zip(bounds[:-1], bounds[1:]))
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "layers_per_stage": list(self.layers_per_stage),
-                **self.techniques.to_dict()}
+        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "layers_per_stage": list(self.layers_per_stage),
+               **self.techniques.to_dict()}
+        if self.schedule is not None:
+            out.update(schedule=self.schedule, chunks=self.chunks)
+        return out
 
 
 @dataclass(frozen=True)
 class Plan:
     """A layout with its layer split: layers per vision stage and per LLM stage.
 
-    vision_layers has one entry (all vision layers) in the colocated placement.
+    vision_layers has one entry (all vision layers) in the colocated placement; llm_layers (and the
+    LLM's recompute) one per model chunk, pp_l x chunks, in chunk order (chunk c on rank c mod pp_l).
     vision_techniques / llm_techniques: each module's memory techniques (None: off).
     source: the file it was read from, for error messages (not part of equality).
     """
@@ -236,13 +359,13 @@ class Plan:
     def __post_init__(self):
         object.__setattr__(self, "vision_layers", tuple(int(n) for n in self.vision_layers))
         object.__setattr__(self, "llm_layers", tuple(int(n) for n in self.llm_layers))
-        if len(self.vision_layers) != self.layout.pp_v or len(self.llm_layers) != self.layout.pp_l:
+        if len(self.vision_layers) != self.layout.pp_v or len(self.llm_layers) != self.layout.n_llm_chunks:
             raise ValueError(f"layer split {self.vision_layers} / {self.llm_layers} does not match {self.layout}")
         if min(self.vision_layers + self.llm_layers) < 0:
             raise ValueError(f"negative layer count in {self.vision_layers} / {self.llm_layers}")
         lay = self.layout
         for name, attr, pp, tp, dp in (("vision", "vision_techniques", lay.pp_v, lay.tp_v, lay.dp_v),
-                                       ("llm", "llm_techniques", lay.pp_l, lay.tp_l, lay.dp_l)):
+                                       ("llm", "llm_techniques", lay.n_llm_chunks, lay.tp_l, lay.dp_l)):
             tech = getattr(self, attr)
             if tech is None:
                 object.__setattr__(self, attr, Techniques.off(pp))
@@ -264,7 +387,7 @@ class Plan:
         trainer has no SP for the vision tower)."""
         lay = self.layout
         return self.with_techniques(Techniques((recompute,) * lay.pp_v, shard_optimizer and lay.dp_v > 1),
-                                    Techniques((recompute,) * lay.pp_l, shard_optimizer and lay.dp_l > 1,
+                                    Techniques((recompute,) * lay.n_llm_chunks, shard_optimizer and lay.dp_l > 1,
                                                sequence_parallel and lay.tp_l > 1))
 
     @classmethod
@@ -273,7 +396,7 @@ class Plan:
         def sizes(n: int, stages: int) -> tuple[int, ...]:
             return tuple(stop - start for start, stop in uniform_layer_split(n, stages))
 
-        return cls(layout, sizes(vision_layers, layout.pp_v), sizes(llm_layers, layout.pp_l))
+        return cls(layout, sizes(vision_layers, layout.pp_v), sizes(llm_layers, layout.n_llm_chunks))
 
     def with_uniform_layers(self, vision_layers: int, llm_layers: int) -> "Plan":
         """The same layout with layers split uniformly (baseline mode of the trainer)."""
@@ -291,7 +414,44 @@ class Plan:
     @property
     def llm(self) -> ModuleLayout:
         lay = self.layout
-        return ModuleLayout(lay.tp_l, lay.pp_l, lay.dp_l, self.llm_layers, self.llm_techniques)
+        return ModuleLayout(lay.tp_l, lay.pp_l, lay.dp_l, self.llm_layers, self.llm_techniques, lay.schedule,
+                            lay.chunks)
+
+    @property
+    def schedule(self) -> str:
+        return self.layout.schedule
+
+    @property
+    def llm_rank_layers(self) -> tuple[int, ...]:
+        """[pp_l] LLM layers on each pipeline rank: the sum over its chunks (rank r: r, r + pp_l, ...)."""
+        p = self.layout.pp_l
+        return tuple(sum(self.llm_layers[r::p]) for r in range(p))
+
+    def llm_rank_recompute(self) -> tuple[str, ...]:
+        """[pp_l] each LLM rank's recompute mode; ValueError when a rank's chunks differ (the pricing
+        prices a rank in one mode)."""
+        p, modes = self.layout.pp_l, self.llm_techniques.recompute
+        out = []
+        for r in range(p):
+            mine = set(modes[r::p])
+            if len(mine) != 1:
+                raise ValueError(f"llm rank {r}'s chunks have recompute modes {sorted(mine)}; pricing needs one per rank")
+            out.append(mine.pop())
+        return tuple(out)
+
+    def with_schedule(self, schedule: str, chunks: int = 1) -> "Plan":
+        """The same plan under another LLM schedule: with chunks > 1 each rank's layers (and its
+        recompute mode) split over its chunks as evenly as possible, earlier chunks larger."""
+        lay = self.layout.with_schedule(schedule, chunks)
+        ranks, modes = self.llm_rank_layers, self.llm_rank_recompute()
+        p = lay.pp_l
+        layers, rec = [0] * (p * chunks), ["none"] * (p * chunks)
+        for r in range(p):
+            for k, (start, stop) in enumerate(_even_ranges(ranks[r], chunks)):
+                layers[k * p + r], rec[k * p + r] = stop - start, modes[r]
+        tech = self.llm_techniques
+        return Plan(lay, self.vision_layers, tuple(layers), self.source, self.vision_techniques,
+                    Techniques(tuple(rec), tech.shard_optimizer, tech.sequence_parallel))
 
     @property
     def placement(self) -> str:
@@ -484,27 +644,46 @@ def whole_number(value: Any, where: str, minimum: int = 1) -> int:
     return value
 
 
-def _module(raw: Any, where: str) -> ModuleLayout:
+def _module(raw: Any, where: str, llm: bool = False) -> ModuleLayout:
+    """One module's section; the LLM's may name its schedule (`SCHEDULE_KEYS`; checked against the
+    microbatches in `_plan`)."""
     if not isinstance(raw, Mapping):
         raise UserError(f"{where}: expected a mapping with keys {', '.join(MODULE_KEYS)}, got {raw!r}")
     missing = [k for k in MODULE_KEYS if k not in raw]
     if missing:
         raise UserError(f"{where}: missing key(s) {', '.join(missing)}")
-    unknown = sorted(set(raw) - set(MODULE_KEYS) - set(TECHNIQUE_KEYS))
+    allowed = MODULE_KEYS + TECHNIQUE_KEYS + (SCHEDULE_KEYS if llm else ())
+    unknown = sorted(set(raw) - set(allowed))
     if unknown:
-        raise UserError(f"{where}.{unknown[0]}: unknown key (allowed: {', '.join(MODULE_KEYS + TECHNIQUE_KEYS)})")
+        hint = " (the vision tower always runs 1F1B)" if unknown[0] in SCHEDULE_KEYS else ""
+        raise UserError(f"{where}.{unknown[0]}: unknown key{hint} (allowed: {', '.join(allowed)})")
     tp, pp, dp = (whole_number(raw[k], f"{where}.{k}") for k in ("tp", "pp", "dp"))
+    schedule, chunks = "1f1b", 1
+    if llm:
+        schedule = raw.get("schedule", "1f1b")
+        if schedule not in PIPELINE_SCHEDULES:
+            raise UserError(f"{where}.schedule: expected one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
+        chunks = whole_number(raw.get("chunks", 1), f"{where}.chunks")
+        if schedule != "interleaved" and chunks != 1:
+            raise UserError(f"{where}.chunks: {schedule} runs one model chunk per rank (chunks: 1), got {chunks}")
+        if schedule == "interleaved" and chunks < 2:
+            raise UserError(f"{where}.chunks: interleaved needs at least 2 model chunks per rank, got {chunks}")
+        if schedule == "interleaved" and pp < 2:
+            raise UserError(f"{where}.schedule: interleaved needs pipeline parallelism (pp >= 2), got pp {pp}")
+    n = pp * chunks
+    what = "one per stage" if chunks == 1 else f"one per model chunk: pp x chunks = {pp} x {chunks}"
     layers = raw["layers_per_stage"]
-    if not isinstance(layers, list) or len(layers) != pp:
-        raise UserError(f"{where}.layers_per_stage: expected a list of {pp} layer counts (one per stage), got {layers!r}")
+    if not isinstance(layers, list) or len(layers) != n:
+        raise UserError(f"{where}.layers_per_stage: expected a list of {n} layer counts ({what}), got {layers!r}")
     layers = tuple(whole_number(n, f"{where}.layers_per_stage[{i}]", minimum=0) for i, n in enumerate(layers))
-    return ModuleLayout(tp, pp, dp, layers, _techniques(raw, where, pp, tp, dp))
+    return ModuleLayout(tp, pp, dp, layers, _techniques(raw, where, n, tp, dp, what), schedule if llm else None,
+                        chunks)
 
 
-def _techniques(raw: Mapping, where: str, pp: int, tp: int, dp: int) -> Techniques:
+def _techniques(raw: Mapping, where: str, pp: int, tp: int, dp: int, what: str = "one per stage") -> Techniques:
     recompute = raw.get("recompute", ["none"] * pp)
     if not isinstance(recompute, list) or len(recompute) != pp:
-        raise UserError(f"{where}.recompute: expected a list of {pp} modes (one per stage), got {recompute!r}")
+        raise UserError(f"{where}.recompute: expected a list of {pp} modes ({what}), got {recompute!r}")
     for i, mode in enumerate(recompute):
         if mode not in RECOMPUTE_MODES:
             raise UserError(f"{where}.recompute[{i}]: expected one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
@@ -528,7 +707,7 @@ def _plan(raw: Any, source: str, prefix: str = "") -> tuple[Plan, int]:
     missing = [k for k in PLAN_KEYS if k not in raw]
     if missing:
         raise UserError(f"{where}missing key(s) {', '.join(missing)}")
-    vision, llm = _module(raw["vision"], f"{where}vision"), _module(raw["llm"], f"{where}llm")
+    vision, llm = _module(raw["vision"], f"{where}vision"), _module(raw["llm"], f"{where}llm", llm=True)
     placement = raw["placement"]
     if placement not in PLACEMENTS:
         raise UserError(f"{where}placement: expected disjoint or colocated, got {placement!r}")
@@ -546,7 +725,10 @@ def _plan(raw: Any, source: str, prefix: str = "") -> tuple[Plan, int]:
     else:
         how = (f"vision tp*pp*dp + llm tp*pp*dp = {vision.tp}*{vision.pp}*{vision.dp} + "
                f"{llm.tp}*{llm.pp}*{llm.dp}")
-    layout = Layout(placement, vision.tp, vision.pp, vision.dp, llm.tp, llm.pp, llm.dp, m)
+    if llm.schedule == "interleaved" and m % llm.pp:
+        raise UserError(f"{where}microbatches: interleaved needs a multiple of llm.pp ({llm.pp}), as Megatron-LM "
+                        f"does, got {m}")
+    layout = Layout(placement, vision.tp, vision.pp, vision.dp, llm.tp, llm.pp, llm.dp, m, llm.schedule, llm.chunks)
     if world != layout.world_size:
         raise UserError(f"{where}world_size is {world} but the layout needs {layout.world_size} ranks ({how})")
     if batch < layout.n_bins:

@@ -25,7 +25,7 @@ def test_valid_plan_loads_into_dataclasses(tmp_path):
     write_plan(raw(), path)
     pf = read_plan(path)
     plan = pf.plan
-    assert plan.vision == ModuleLayout(1, 1, 2, (2,)) and plan.llm == ModuleLayout(2, 2, 1, (1, 1))
+    assert plan.vision == ModuleLayout(1, 1, 2, (2,)) and plan.llm == ModuleLayout(2, 2, 1, (1, 1), schedule="1f1b")
     assert plan.placement == "disjoint" and not plan.colocated
     assert (plan.microbatches, pf.global_batch_size, plan.world_size, plan.n_vision_ranks) == (4, 16, 6, 2)
     assert plan.llm.layer_ranges() == [(0, 1), (1, 2)]

@@ -52,8 +52,8 @@ def batch_costs(
     vision_layers_per_stage / llm_layers_per_stage: layers on each stage (first stage holds the
         embeddings, last the projector / head);
     mem_limit_bytes: usable memory of one GPU (``inf`` for no limit);
-    in_flight_per_stage: microbatches each stage holds at the 1F1B peak
-        (`dflop.plan.in_flight_1f1b`);
+    in_flight_per_stage: microbatches each stage holds at its peak under the schedule
+        (`dflop.plan.Layout.in_flight`; a fraction under interleaving);
     vision_recompute / llm_recompute: each stage's recompute mode (None: none everywhere);
     vision_shard_over / llm_shard_over: data-parallel replicas each module's optimizer state is
         sharded over (1: not sharded; `dflop.plan.Techniques`);
@@ -123,8 +123,8 @@ def batch_costs(
         vision_act_bytes=_stack([t.act_bytes for t in vision], n),
         llm_mem_limit_bytes=_limits(llm, llm_in_flight, mem_limit_bytes, first_index=len(vision_in_flight)),
         vision_mem_limit_bytes=_limits(vision, vision_in_flight, mem_limit_bytes, first_index=0),
-        llm_mem_bytes=_stack([t.act_bytes + t.transient_bytes / int(f) for t, f in zip(llm, llm_in_flight)], n),
-        vision_mem_bytes=_stack([t.act_bytes + t.transient_bytes / int(f) for t, f in zip(vision, vision_in_flight)], n),
+        llm_mem_bytes=_stack([t.act_bytes + t.transient_bytes / float(f) for t, f in zip(llm, llm_in_flight)], n),
+        vision_mem_bytes=_stack([t.act_bytes + t.transient_bytes / float(f) for t, f in zip(vision, vision_in_flight)], n),
     )
 
 
@@ -155,8 +155,8 @@ def _limits(
 ) -> np.ndarray:
     limits = []
     for k, (t, f) in enumerate(zip(terms, in_flight), start=first_index):
-        if int(f) < 1:
+        if not f >= 1:  # a fraction under interleaving (chunk activations over chunks per rank)
             raise UserError(f"in_flight_per_stage[{k}] must be >= 1, got {f}")
-        limits.append((float(mem_limit_bytes) - t.static.static_bytes - t.transient_const_bytes) / int(f)
+        limits.append((float(mem_limit_bytes) - t.static.static_bytes - t.transient_const_bytes) / float(f)
                       - t.act_const_bytes)
     return np.array(limits, dtype=np.float64)

@@ -12,6 +12,13 @@ from the batch in order. Among those layouts the baseline is the best one by the
 sampled batches (the mean-shape step picks which `simulate` of them are simulated), so the
 reported speedup is what data awareness buys over a tuned data-blind layout, not over a bad one.
 
+With more LLM schedules allowed (`planner.schedules`), the packed baseline's best layout is also
+simulated under each (`baseline_schedules`): Megatron-LM's virtual pipeline stages (interleaved
+1F1B, layers split uniformly over the ``pp x chunks`` chunks, so ``llm_layers % (pp x chunks) ==
+0`` as Megatron requires) and ZB-H1 on its uniform split, where their in-flight activations fit;
+the fastest is the baseline. The padded (HF/LLaVA) baseline stays 1F1B: that trainer has no
+other schedule.
+
 Two data-blind trainers are searched over the same layouts (`BASELINE_POLICIES`): "megatron"
 packs each microbatch's samples into one sequence; "padded" is the HF/LLaVA trainer, which pads
 them to the microbatch's longest sample (`dflop.scheduler.padded.padded_pool`). Their
@@ -35,6 +42,11 @@ from dflop.planner.stages import StageModel, TransferMeans
 from dflop.planner.technique_choice import TechniqueMeans
 
 BASELINE_POLICIES = (Policy.MEGATRON, Policy.PADDED)
+# Model chunks per rank the planner and the Megatron-style baseline try for interleaved 1F1B. Only
+# 2: each further v is one more exact simulation of every screened layout (the simulator compiles
+# a graph of dp x pp x v rows x m microbatches per layout), which at 1024 GPUs cost seconds of
+# planning for no plan of the paper configurations (v = 2, 3, 4 tried: only 2 was ever chosen).
+INTERLEAVE_CHUNKS = (2,)
 ROW_KIND = {Policy.MEGATRON: "baseline", Policy.PADDED: "baseline_padded"}
 
 
@@ -107,7 +119,7 @@ def _colocated_layouts(space: SearchSpace, cluster: Cluster) -> tuple[list[Layou
 
 def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster, transfer: TransferMeans,
                     granularity: Granularity, evaluate, *, simulate: int = 4, policy: Policy = Policy.MEGATRON,
-                    also: tuple[Layout, ...] = ()) -> BaselineResult:
+                    also: tuple[Layout, ...] = (), schedules: tuple[str, ...] = ("1f1b",)) -> BaselineResult:
     """The best data-blind layout for `policy` (one of `BASELINE_POLICIES`); `evaluate(plan) ->
     Evaluation` runs the sampled batches under that policy. Layouts are ranked for simulation by
     the packed mean-shape step (there is no padded one), so with few `simulate` the padded search
@@ -154,10 +166,37 @@ def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster,
             best, best_row = (ev, sm), len(rows) - 1
     for row in rows:
         row["kind"] = ROW_KIND[policy]
+    if best is not None and policy == "megatron":
+        kw = dict(cluster=cluster, global_batch=space.global_batch, transfer=transfer, granularity=granularity)
+        for plan in baseline_schedules(best[0].plan, schedules):
+            sm = means.stage_model(plan.layout, (*best[1].shard, best[1].sequence_parallel), **kw)
+            if not sm.fits(sm.split_of(plan), sm.modes_of(plan)):
+                rows.append(_row("rejected", "memory", "the schedule's in-flight activations do not fit the "
+                                 "uniform split", plan=plan, kind=ROW_KIND[policy]))
+                continue
+            ev = evaluate(plan)
+            rows.append(_row("simulated" if ev.ok else "rejected", "" if ev.ok else "memory", ev.failure or "",
+                             plan=plan, evaluation=ev, kind=ROW_KIND[policy]))
+            if ev.ok and ev.mean_s < best[0].mean_s:
+                best, best_row = (ev, best[1]), len(rows) - 1
     if best is None:
         return BaselineResult(None, None, rows)
     rows[best_row]["status"] = "chosen"
     return BaselineResult(best[0], best[1], rows)
+
+
+def baseline_schedules(plan: Plan, schedules: tuple[str, ...]) -> list[Plan]:
+    """The 1F1B data-blind `plan` under the other schedules `schedules` allows, as Megatron-LM runs
+    them: ZB-H1 on its split; interleaved with v in `INTERLEAVE_CHUNKS` virtual stages per rank where the LLM's
+    layers split uniformly into pp x v chunks and m is a multiple of pp."""
+    lay = plan.layout
+    if lay.pp_l < 2:
+        return []
+    out = [plan.with_schedule("zb-h1")] if "zb-h1" in schedules else []
+    n = sum(plan.llm_layers)
+    if "interleaved" in schedules and lay.m % lay.pp_l == 0:
+        out += [plan.with_schedule("interleaved", v) for v in INTERLEAVE_CHUNKS if n % (lay.pp_l * v) == 0]
+    return out
 
 
 def _row(status: str, reason: str, detail: str, *, plan: Plan | None = None, evaluation: Evaluation | None = None,

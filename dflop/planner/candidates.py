@@ -26,7 +26,9 @@ One row per (columns in this order; missing values are null):
   recompute mode of each stage; ``shard_vision``, ``shard_llm``: optimizer state sharded over the
   module's replicas; ``sequence_parallel`` (the LLM's);
 - ``step_mean_s``, ``step_p50_s``, ``step_p90_s``, ``utilisation``, ``peak_memory_gb`` (over the
-  sampled batches), ``batches`` (how many were simulated).
+  sampled batches), ``batches`` (how many were simulated);
+- ``schedule``, ``chunks``: the LLM's pipeline schedule of a layout row with a split (1f1b, or the
+  one `planner.schedules` let the planner pick for it; ``llm_layers`` then lists chunks).
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ from dflop.io import atomic_path
 from dflop.plan import Plan
 from dflop.planner.expected import Evaluation
 
-STRING_COLUMNS = ("kind", "level", "placement", "status", "reason", "detail", "milp_status")
+STRING_COLUMNS = ("kind", "level", "placement", "status", "reason", "detail", "milp_status", "schedule")
 BOOL_COLUMNS = ("shard_vision", "shard_llm", "sequence_parallel")
-INT_COLUMNS = ("tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m", "world_size", "n_layouts", "batches")
+INT_COLUMNS = ("tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m", "world_size", "n_layouts", "batches", "chunks")
 FLOAT_COLUMNS = ("bound_s", "mean_shape_step_s", "milp_solve_s", "step_mean_s", "step_p50_s", "step_p90_s",
                  "utilisation", "peak_memory_gb")
 LIST_COLUMNS = ("vision_layers", "llm_layers")
@@ -51,7 +53,7 @@ COLUMNS = ("kind", "level", "placement", "tp_v", "pp_v", "dp_v", "tp_l", "pp_l",
            "status", "reason", "detail", "n_layouts", "bound_s", "mean_shape_step_s", "milp_status", "milp_solve_s",
            "vision_layers", "llm_layers", "vision_recompute", "llm_recompute", "shard_vision", "shard_llm",
            "sequence_parallel", "step_mean_s", "step_p50_s", "step_p90_s", "utilisation",
-           "peak_memory_gb", "batches")
+           "peak_memory_gb", "batches", "schedule", "chunks")
 
 
 def plan_columns(plan: Plan) -> dict:
@@ -63,7 +65,8 @@ def plan_columns(plan: Plan) -> dict:
             "vision_recompute": list(plan.vision_techniques.recompute),
             "llm_recompute": list(plan.llm_techniques.recompute),
             "shard_vision": plan.vision_techniques.shard_optimizer, "shard_llm": plan.llm_techniques.shard_optimizer,
-            "sequence_parallel": plan.llm_techniques.sequence_parallel}
+            "sequence_parallel": plan.llm_techniques.sequence_parallel, "schedule": lay.schedule,
+            "chunks": lay.chunks}
 
 
 def evaluation_columns(ev: Evaluation) -> dict:

@@ -158,10 +158,37 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
             need = "an undefined (NaN) amount of memory" if np.isnan(mem[s]) else f"{mem[s] / 1e9:.3g} GB"
             return _failed(plan, scheduler, f"memory: sampled batch {b} needs {need} on "
                            f"{plan.stage_name(s)} under the {scheduler.policy} partition", t0)
-        steps.append(part.step_s)
-        util.append(pc.busy_gpu_s / (cluster.world_size * part.step_s))
+        step = schedule_step_s(pricing, pc, part, batch)
+        steps.append(step)
+        util.append(pc.busy_gpu_s / (cluster.world_size * step))
         peak = np.maximum(peak, mem)
     return Evaluation(plan, scheduler.policy, np.array(steps), peak, np.array(util), None, time.perf_counter() - t0)
+
+
+def schedule_timeline(pricing: Pricing, pc: PlanCosts, part: Partition, batch: Pool) -> SimResult:
+    """The exact timeline of `part` under the plan's LLM pipeline schedule: interleaved plans on
+    their chunks' own times (`Pricing.chunk_batch`), each rank's tail after its last backward
+    (its first chunk's, which Megatron's order runs last); ZB-H1 with the batch's analytic W share
+    (`Pricing.wgrad_frac`)."""
+    lay = pricing.plan.layout
+    costs, tails = pc.costs, np.asarray(pc.allreduce_s, dtype=np.float64)
+    if lay.chunks > 1:
+        costs = pricing.chunk_batch(batch, pc.costs)
+        n_v = lay.n_vision_stages
+        tails = np.r_[tails[:n_v], tails[n_v:], np.zeros(lay.pp_l * (lay.chunks - 1))]
+    frac = pricing.wgrad_frac(batch) if lay.schedule == "zb-h1" else 0.5
+    times = stage_times(costs, part.microbatch, part.replica, lay.m, lay.dp_l, lay.vision_replicas)
+    return simulate_times(times, part.order, p2p_s=pricing.p2p_s, allreduce_s=tails, schedule=lay.schedule,
+                          chunks=lay.chunks, wgrad_frac=frac)
+
+
+def schedule_step_s(pricing: Pricing, pc: PlanCosts, part: Partition, batch: Pool) -> float:
+    """Step seconds of `part` under the plan's schedule: the scheduler's own 1F1B step for 1F1B
+    plans; otherwise the partition it chose (scoring it as 1F1B, so possibly not the best for the
+    schedule: a conservative step) timed under the schedule (`schedule_timeline`)."""
+    if pricing.plan.layout.schedule == "1f1b":
+        return part.step_s
+    return schedule_timeline(pricing, pc, part, batch).step_s
 
 
 def run_partition(pc: PlanCosts, pricing: Pricing, scheduler: SchedulerSettings, *, seed: int = 0) -> Partition:
@@ -181,15 +208,18 @@ def quick_step_s(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, siz
     scheduler runs on the best of them.
     """
     pricing = Pricing(plan, cost, cluster, sizes)
-    return run_partition(pricing.batch(batch), pricing, SchedulerSettings(policy=Policy.LPT1D)).step_s
+    pc = pricing.batch(batch)
+    return schedule_step_s(pricing, pc, run_partition(pc, pricing, SchedulerSettings(policy=Policy.LPT1D)), batch)
 
 
 def simulate_batch(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes,
                    scheduler: SchedulerSettings = SchedulerSettings(), *, seed: int = 0) -> tuple[Partition, SimResult]:
-    """The partition of one batch and its exact 1F1B timeline (for the Gantt chart)."""
+    """The partition of one batch and its exact timeline under the plan's schedule (for the Gantt chart)."""
     pricing = Pricing(plan, cost, cluster, sizes)
     pc = price(pricing, batch, scheduler.policy)
     part = run_partition(pc, pricing, scheduler, seed=seed)
+    if plan.layout.schedule != "1f1b":
+        return part, schedule_timeline(pricing, pc, part, batch)
     lay = plan.layout
     times = stage_times(pc.costs, part.microbatch, part.replica, lay.m, lay.dp_l, lay.vision_replicas)
     return part, simulate_times(times, part.order, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s)

@@ -117,7 +117,8 @@ def summary(result: SearchResult, cluster: Cluster, global_batch: int, plan_path
     lines.append(f"  search: {st['layouts']} layouts ({st['feasible']} fit in memory), {st['milps']} MILPs "
                  f"{dict(st['milp_statuses'])} in {st['milp_s']:.2f} s solver time, {st['simulated']} plans "
                  f"simulated; top-k {'proven' if st['top_k_proven'] else 'NOT proven (raise planner.top_k)'}")
-    lines.append(f"  times: screen {st['screen_s']:.2f} s, MILPs {st['milp_wall_s']:.2f} s, simulation "
+    schedules = f"schedules {st['schedules_s']:.2f} s, " if st.get("schedules_s", 0) > 0.005 else ""
+    lines.append(f"  times: screen {st['screen_s']:.2f} s, MILPs {st['milp_wall_s']:.2f} s, {schedules}simulation "
                  f"{st['simulate_s']:.2f} s, baseline {st['baseline_s']:.2f} s, total {st['wall_s']:.2f} s")
     if plan_path is not None:
         lines.append(f"  wrote {plan_path} and {candidates_path}")

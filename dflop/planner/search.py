@@ -20,6 +20,16 @@
    the comparison is paired); this approximates simulating everything on K batches at a fraction of
    the cost on large clusters.
 6. The data-blind baselines (`dflop.planner.baseline`: Megatron packed, HF/LLaVA padded) on the same batches.
+
+Pipeline schedules (`planner.schedules`, default 1F1B only): before the prescreen, each of the best
+`n_prescreen` layouts' 1F1B plans is re-timed under every other schedule the setting allows
+(`_choose_schedules`: ZB-H1 on the same split; interleaved 1F1B with `INTERLEAVE_CHUNKS` chunks per
+rank, each rank's layers split evenly over its chunks) on the first sampled batch's LPT partition;
+the fastest that still fits the layout's memory under the schedule's in-flight counts (its
+techniques settled again where the 1F1B ones no longer fit) replaces it (ties keep 1F1B), and
+keeps its place in the race only while it simulates faster than the 1F1B plan on the same
+batches. One partition and a few simulations per layout, no extra MILP: the layer split is the
+1F1B one (a rank's total layers), which the MILP chose for 1F1B.
 """
 
 from __future__ import annotations
@@ -35,11 +45,13 @@ import pandas as pd
 from dflop.config import Config, PlannerSection
 from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
-from dflop.plan import Layout, Plan
-from dflop.planner.baseline import BaselineResult, search_baseline
+from dflop.plan import PIPELINE_SCHEDULES, Layout, Plan
+from dflop.planner.baseline import INTERLEAVE_CHUNKS, BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.pricing.cluster import Cluster
-from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, sample_batches
+from dflop.planner.expected import (Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, run_partition,
+                                   sample_batches, schedule_step_s)
+from dflop.pricing.pricing import Pricing
 from dflop.planner.means import Granularity
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.milp import SplitResult, objective_bound_s, solve_split
@@ -95,6 +107,11 @@ class SearchSettings:
         return TechniqueSpace.of(p.recompute, p.shard_optimizer, p.sequence_parallel)
 
     @property
+    def schedules(self) -> tuple[str, ...]:
+        """LLM pipeline schedules the planner may choose (``planner.schedules``)."""
+        return tuple(self.planner.schedules)
+
+    @property
     def n_prescreen(self) -> int:
         return max(self.planner.top_k, self.prescreen or max(2 * self.planner.top_k, 16))
 
@@ -109,6 +126,10 @@ class SearchSettings:
         if not self.planner.rel_gap >= 0:
             raise UserError(f"planner.rel_gap must be >= 0, got {self.planner.rel_gap!r}")
         self.technique_space  # noqa: B018 (validates the technique keys)
+        bad = [x for x in self.schedules if x not in PIPELINE_SCHEDULES]
+        if bad or "1f1b" not in self.schedules:
+            raise UserError(f"planner.schedules must list 1f1b (the layer split is solved for it) and only "
+                            f"{', '.join(PIPELINE_SCHEDULES)}, got {list(self.schedules)}")
 
 
 @dataclass(frozen=True)
@@ -118,7 +139,8 @@ class SearchResult:
     stats: layouts, feasible, milps (layouts that reached the MILP step: solved, single split or cut
     by the cutoff proof), milp_s (sum of their solve walls), milp_statuses (milps by status; "cutoff"
     for the cut), top_k_proven, milp_pruned (kept layouts pruned with reason milp_bound: skipped by
-    `milp.objective_bound_s`, or cut), simulated, screen_s, milp_wall_s, simulate_s, baseline_s, wall_s.
+    `milp.objective_bound_s`, or cut), simulated, screen_s, milp_wall_s, schedules_s (choosing the LLM
+    schedules, `_choose_schedules`; about 0 with 1F1B alone), simulate_s, baseline_s, wall_s.
     """
 
     chosen: Evaluation
@@ -131,6 +153,8 @@ class SearchResult:
     padded_baseline: BaselineResult | None = None   # the HF/LLaVA padded trainer (`baseline` packs)
 
 
+
+
 @dataclass
 class _Solved:
     layout: Layout
@@ -141,10 +165,16 @@ class _Solved:
     status: str = "solved"
     reason: str = ""
     detail: str = ""
+    variant: Plan | None = None  # its split under another LLM schedule, when `_choose_schedules` chose one
+
+    @property
+    def base_plan(self) -> Plan:
+        """The MILP's plan, under 1F1B."""
+        return self.stage_model.plan(self.result.split, self.result.modes)
 
     @property
     def plan(self) -> Plan:
-        return self.stage_model.plan(self.result.split, self.result.modes)
+        return self.base_plan if self.variant is None else self.variant
 
 
 def bin_granularity(cost: CostModel, pool: Pool, space: SearchSpace) -> Granularity:
@@ -194,13 +224,19 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
                              seed=s.seed + (subset.start or 0))
 
     ranked = sorted((x for x in solved if x.result.has_solution), key=lambda x: x.result.objective_s)
-    ranked = _prescreen(ranked, s, lambda plan: quick_step_s(plan, cost, pool.take(batches[0]), cluster, sizes))
+    kw = dict(cluster=cluster, global_batch=space.global_batch, transfer=transfer, granularity=granularity)
+    quick = _choose_schedules(ranked[:s.n_prescreen], s, cost, pool.take(batches[0]), cluster, sizes,
+                              lambda lay, sm: means.stage_model(lay, (*sm.shard, sm.sequence_parallel), **kw),
+                              lambda lay, split: means.fit(lay, split, **kw))
+    t_sched = time.perf_counter()
+    ranked = _prescreen(ranked, s, lambda plan: quick.get(plan) or quick_step_s(plan, cost, pool.take(batches[0]),
+                                                                                 cluster, sizes))
     chosen = _simulate_finalists(ranked, s, lambda plan, sub: evaluate(plan, sub, s.scheduler))
     t_sim = time.perf_counter()
     def baseline_for(policy: str, also=()) -> BaselineResult:
         return search_baseline(space, means, cluster, transfer, granularity,
                                lambda plan: evaluate(plan, slice(0, None), replace(s.scheduler, policy=policy)),
-                               simulate=s.baseline_simulate, policy=policy, also=also)
+                               simulate=s.baseline_simulate, policy=policy, also=also, schedules=s.schedules)
 
     # the padded trainer first: the packed one also simulates its layout (packing it can only help)
     padded = baseline_for(Policy.PADDED)
@@ -221,7 +257,8 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
         "milp_statuses": _counts([x.result.status for x in solved] + [r["milp_status"] for r in cut]),
         "top_k_proven": proven, "milp_pruned": sum(r["reason"] == "milp_bound" for r in unsolved),
         "simulated": sum(x.evaluation is not None for x in solved),
-        "screen_s": t_screen - t0, "milp_wall_s": t_milp - t_screen, "simulate_s": t_sim - t_milp,
+        "screen_s": t_screen - t0, "milp_wall_s": t_milp - t_screen, "schedules_s": t_sched - t_milp,
+        "simulate_s": t_sim - t_sched,
         "baseline_s": t_base - t_sim, "wall_s": time.perf_counter() - t0,
     }
     return SearchResult(chosen.evaluation, chosen.stage_model, chosen.result, baseline, candidates, stats, sizes,
@@ -351,6 +388,84 @@ def _unlisted(groups: pd.DataFrame, listed: dict) -> pd.DataFrame:
     return out[out["n_layouts"] > 0]
 
 
+def schedule_options(plan: Plan, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(schedule, chunks) a 1F1B plan could also run under, of those `schedules` allows: ZB-H1 and
+    interleaved need LLM pipeline ranks (pp_l >= 2); interleaved needs m a multiple of pp_l and at
+    least one layer per chunk on every rank."""
+    lay = plan.layout
+    out = []
+    if lay.pp_l < 2:
+        return out
+    if "zb-h1" in schedules:
+        out.append(("zb-h1", 1))
+    if "interleaved" in schedules and lay.m % lay.pp_l == 0:
+        fewest = min(plan.llm_rank_layers)
+        out += [("interleaved", v) for v in INTERLEAVE_CHUNKS if v <= fewest]
+    return out
+
+
+def _choose_schedules(head: list[_Solved], s: SearchSettings, cost: CostModel, batch: Pool, cluster: Cluster,
+                      sizes: TransferSizes, stage_model, refit) -> dict:
+    """Give each of `head` the schedule (of `planner.schedules`) whose step on `batch`, split by
+    LPT (as `quick_step_s`), is the least among those its memory allows, as `x.variant`.
+
+    A schedule's memory is the layout's stage model under it (`stage_model(layout, sm)`: its
+    in-flight counts are the schedule's) with the split's techniques; where that does not fit, the
+    techniques are settled again for the schedule (`refit(layout, split)`, as the MILP's split was:
+    more recomputation, sharding or SP where needed), so a schedule may cost recomputation. Returns
+    {plan: that quick step} for the prescreen to reuse."""
+    steps: dict = {}
+    if s.schedules == ("1f1b",):
+        return steps
+    for x in head:
+        base = x.plan
+        options = schedule_options(base, s.schedules)
+        if not options:
+            continue
+        pricing = Pricing(base, cost, cluster, sizes)
+        pc = pricing.batch(batch)
+        part = run_partition(pc, pricing, SchedulerSettings(policy="lpt1d"))
+        best, best_s = None, part.step_s
+        split = x.result.split
+        for sched, v in options:
+            lay = base.layout.with_schedule(sched, v)
+            if stage_model(lay, x.stage_model).fits(split, x.result.modes):
+                plan = base.with_schedule(sched, v)
+            else:
+                settled = refit(lay, split)
+                if settled is None:
+                    continue
+                sm, modes = settled  # its techniques on the 1F1B layout, then the schedule's chunks
+                plan = replace(sm, layout=base.layout).plan(split, modes).with_schedule(sched, v)
+            vpricing = Pricing(plan, cost, cluster, sizes)
+            # the same techniques per rank: the same times and tails as the 1F1B plan's (only the
+            # memory limits, which the timing does not read, differ)
+            same = _rank_techniques(plan) == _rank_techniques(base)
+            step = schedule_step_s(vpricing, pc if same else vpricing.batch(batch), part, batch)
+            if step < best_s:
+                best, best_s = plan, step
+        x.variant = best
+        steps[x.plan] = best_s
+    return steps
+
+
+def _rank_techniques(plan: Plan) -> tuple:
+    tech = plan.llm_techniques
+    return plan.vision_techniques, plan.llm_rank_recompute(), tech.shard_optimizer, tech.sequence_parallel
+
+
+def _keep_schedule_or_1f1b(x: _Solved, ev: Evaluation, plain: Evaluation) -> Evaluation:
+    """`x`'s first simulated batches under its chosen schedule (`ev`) and under 1F1B (`plain`):
+    the chosen was screened on an LPT partition, the online scheduler's partitions are tuned by
+    1F1B simulations, so 1F1B can win here; the better stays (ties: 1F1B)."""
+    if plain.ok and (not ev.ok or plain.mean_s <= ev.mean_s):
+        x.detail = (f"{x.plan.layout.describe_schedule()[2:]} simulated {ev.mean_s:.4g} s, 1F1B "
+                    f"{plain.mean_s:.4g} s on the first batches: kept 1F1B")
+        x.variant = None
+        return plain
+    return ev
+
+
 def _prescreen(ranked: list[_Solved], s: SearchSettings, quick) -> list[_Solved]:
     """The best `n_prescreen` by MILP objective, re-ranked by `quick(plan)` (seconds); the rest after."""
     head, tail = ranked[:s.n_prescreen], ranked[s.n_prescreen:]
@@ -377,6 +492,8 @@ def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _
         n = min(n, K)
         for x in alive:
             ev = evaluate(x.plan, slice(done, n))
+            if x.evaluation is None and x.variant is not None:
+                ev = _keep_schedule_or_1f1b(x, ev, evaluate(x.base_plan, slice(done, n)))
             x.evaluation = ev if x.evaluation is None else x.evaluation.extended(ev)
         for x in alive:
             if not x.evaluation.ok:
@@ -392,6 +509,13 @@ def _simulate_finalists(ranked: list[_Solved], s: SearchSettings, evaluate) -> _
             x.status, x.reason = "pruned", "racing"
         alive = alive[:math.ceil(len(alive) / 2)]
         n *= 2
+    if alive and alive[0].variant is not None and done > 1:  # the winner's schedule, on every batch
+        x = alive[0]
+        plain = evaluate(x.base_plan, slice(0, done))
+        if plain.ok and plain.mean_s <= x.evaluation.mean_s:
+            x.detail = (f"{x.plan.layout.describe_schedule()[2:]} simulated {x.evaluation.mean_s:.4g} s, "
+                        f"1F1B {plain.mean_s:.4g} s: kept 1F1B")
+            x.variant, x.evaluation = None, plain
     for x in alive:
         x.status = "simulated"
     if not alive:

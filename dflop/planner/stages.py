@@ -213,14 +213,14 @@ class StageModel:
                     vision_techniques=vision, llm_techniques=llm)
 
     def split_of(self, plan: Plan) -> np.ndarray:
-        """[P] layers per stage of a plan (inverse of `plan`)."""
+        """[P] layers per stage of a plan (inverse of `plan`; an LLM rank's chunks summed)."""
         vision = () if self.layout.colocated else plan.vision_layers
-        return np.array(vision + plan.llm_layers)
+        return np.array(vision + plan.llm_rank_layers)
 
     def modes_of(self, plan: Plan) -> list[str]:
         """[P] recompute mode per stage of a plan (inverse of `plan`)."""
         vision = () if self.layout.colocated else plan.vision_techniques.recompute
-        return list(vision + plan.llm_techniques.recompute)
+        return list(vision + plan.llm_rank_recompute())
 
 
 class _ModeCoeffs(Mapping):

@@ -39,7 +39,8 @@ COLUMNS = ("stage", "name", "module", "layers", "recompute", "shard_optimizer", 
 mode adds; activation_saved_bytes: in-flight microbatches x activation bytes it saves;
 state_saved_bytes: training-state bytes a rank does not hold with the optimizer sharded;
 sp_saved_bytes: activation bytes sequence parallelism saves; shard_comm_extra_s: seconds per step sharded synchronisation costs over the all-reduce;
-peak_bytes: the stage's 1F1B peak per rank at the mean microbatch, with its techniques (its state,
+peak_bytes: the stage's peak per rank under the plan's schedule at the mean microbatch (an LLM
+rank's chunks summed), with its techniques (its state,
 in-flight activations and largest transient)."""
 
 
@@ -60,17 +61,18 @@ def technique_costs(plan: Plan, cost: CostModel, pool: Pool, cluster: Cluster, s
                                        shard_over=lay.dp_v if shard else 1)
 
     def llm_terms(j: int, mode: str, shard: bool, sp: bool):
-        return cost.llm_stage_terms(pool.seq_len, n_layers=plan.llm_layers[j], first=j == 0,
+        return cost.llm_stage_terms(pool.seq_len, n_layers=rank_layers[j], first=j == 0,
                                     last=j == lay.pp_l - 1, tp=lay.tp_l, recompute=mode,
                                     shard_over=lay.dp_l if shard else 1,
                                     sequence_parallel_hidden=sizes.llm_hidden if sp else 0)
 
+    rank_layers, rank_modes = plan.llm_rank_layers, plan.llm_rank_recompute()  # per LLM rank, chunks summed
     parts = []  # (pipeline stage, module, layers, its terms, index in the module, techniques, mode, nu)
     for k in range(lay.pp_v):
         stage = k if not lay.colocated else 0
         parts.append((stage, "vision", plan.vision_layers[k], vision_terms, k, vision, vision.recompute[k], nu_v))
     for j in range(lay.pp_l):
-        parts.append((n_v + j, "llm", plan.llm_layers[j], llm_terms, j, llm, llm.recompute[j], nu_l))
+        parts.append((n_v + j, "llm", rank_layers[j], llm_terms, j, llm, rank_modes[j], nu_l))
 
     shard_extra = _shard_comm_extra_s(plan, cost, cluster, sizes)
     rows = []

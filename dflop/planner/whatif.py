@@ -137,7 +137,7 @@ def scale_plan(plan: Plan, cluster: Cluster, global_batch: int) -> Plan:
             raise UserError(f"--gpus {gpus}: no replica count of this plan (tp {lay.tp_l} x pp {lay.pp_l} GPUs "
                             f"each) fills whole {gpus_per_node}-GPU nodes")
         dp = int(dps[0])
-        new = Layout("colocated", lay.tp_l, 1, dp, lay.tp_l, lay.pp_l, dp, lay.m)
+        new = Layout("colocated", lay.tp_l, 1, dp, lay.tp_l, lay.pp_l, dp, lay.m, lay.schedule, lay.chunks)
         return Plan(new, plan.vision_layers, plan.llm_layers, plan.source, plan.vision_techniques, plan.llm_techniques)
     per_vision = lay.tp_v * lay.pp_v
     if gpus < per_vision + per_llm:
@@ -149,7 +149,7 @@ def scale_plan(plan: Plan, cluster: Cluster, global_batch: int) -> Plan:
                                                lay.tp_l)
     for dl, dv in zip(dls.tolist(), dvs.tolist()):
         if dv:
-            new = Layout("disjoint", lay.tp_v, lay.pp_v, dv, lay.tp_l, lay.pp_l, dl, lay.m)
+            new = Layout("disjoint", lay.tp_v, lay.pp_v, dv, lay.tp_l, lay.pp_l, dl, lay.m, lay.schedule, lay.chunks)
             return Plan(new, plan.vision_layers, plan.llm_layers, plan.source, plan.vision_techniques, plan.llm_techniques)
     raise UserError(f"--gpus {gpus}: no split of this disjoint plan over whole {gpus_per_node}-GPU nodes keeps "
                     f"the LLM's tp={lay.tp_l} groups inside a node")
@@ -171,7 +171,7 @@ def scale_baseline(plan: Plan, cluster: Cluster, global_batch: int) -> Plan | No
     if len(dps) == 0:
         return None
     dp = int(dps[0])
-    new = Layout(lay.placement, lay.tp_v, lay.pp_v, dp, lay.tp_l, lay.pp_l, dp, lay.m)
+    new = Layout(lay.placement, lay.tp_v, lay.pp_v, dp, lay.tp_l, lay.pp_l, dp, lay.m, lay.schedule, lay.chunks)
     return Plan(new, plan.vision_layers, plan.llm_layers, plan.source, plan.vision_techniques, plan.llm_techniques)
 
 

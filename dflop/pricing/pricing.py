@@ -133,11 +133,13 @@ class Pricing:
         """Per-sample costs of the samples of `batch` (in batch order) on the plan."""
         plan, lay, sizes, link = self.plan, self.plan.layout, self.sizes, self._links
         vision, llm = plan.vision_techniques, plan.llm_techniques
+        # per LLM rank (its chunks summed under interleaving): what the scheduler balances and the
+        # memory guard checks; `chunk_batch` gives the chunks' own times for the timeline
         base = batch_costs(self.cost, batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
-                           llm_layers_per_stage=list(plan.llm_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
+                           llm_layers_per_stage=list(plan.llm_rank_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
                            mem_limit_bytes=self.cluster.gpu_memory_bytes,
                            in_flight_per_stage=lay.in_flight(), colocated=lay.colocated,
-                           vision_recompute=vision.recompute, llm_recompute=llm.recompute,
+                           vision_recompute=vision.recompute, llm_recompute=self._llm_rank_recompute(),
                            vision_shard_over=lay.dp_v if vision.shard_optimizer else 1,
                            llm_shard_over=lay.dp_l if llm.shard_optimizer else 1,
                            llm_sequence_parallel_hidden=self.sp_hidden)
@@ -169,6 +171,63 @@ class Pricing:
                                  + lay.m * lay.dp_v * (base.vision_fwd_const + base.vision_bwd_const).sum())
         return PlanCosts(costs, self.allreduce_s, busy)
 
+    def _llm_rank_recompute(self) -> tuple[str, ...]:
+        try:
+            return self.plan.llm_rank_recompute()
+        except ValueError as exc:
+            raise UserError(f"{self.plan.source}: llm.recompute: {exc}") from None
+
+    def chunk_batch(self, batch: Pool, ranks: BatchCosts | None = None) -> BatchCosts:
+        """Per-sample costs of `batch` on every LLM model chunk of an interleaved plan ([pp_l x chunks]
+        LLM rows in chunk order, the vision rows as `batch`), with an LLM hop into every chunk after
+        the first (chunk c + 1 runs on the next rank, the wrap from the last rank to rank 0 included)
+        and the first/last extras (embeddings, head) on the first/last chunk: the timeline's
+        chunk times. Memory fields are not meaningful here (`batch` has the ranks'). ranks: this
+        batch's `batch(...).costs` when already priced (its vision rows are taken)."""
+        plan, lay, sizes, link = self.plan, self.plan.layout, self.sizes, self._links
+        n_chunks = lay.n_llm_chunks
+        chunk_rec = plan.llm_techniques.recompute
+        base = batch_costs(self.cost, batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
+                           llm_layers_per_stage=list(plan.llm_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
+                           mem_limit_bytes=float("inf"),
+                           in_flight_per_stage=[1] * (lay.n_vision_stages + n_chunks), colocated=lay.colocated,
+                           vision_recompute=plan.vision_techniques.recompute, llm_recompute=chunk_rec,
+                           vision_shard_over=1, llm_shard_over=1, llm_sequence_parallel_hidden=self.sp_hidden)
+        if ranks is None:  # vision rows and the load line as the plan's pricing has them
+            ranks = self.batch(batch).costs
+        flat = replace(lay, pp_l=n_chunks, schedule="1f1b", chunks=1)
+        hop = batch.seq_len * sizes.llm_token_bytes / float(link.llm_hop_bps)
+        features = 0.0 if lay.colocated else batch.vision_tokens * sizes.llm_token_bytes / float(link.vision_to_llm_bps)
+        fwd, bwd = stage_transfers(flat, llm_hop=hop, llm_features=features)
+        n_v = lay.n_vision_stages
+        llm_fwd, llm_bwd = base.llm_fwd.copy(), base.llm_bwd.copy()
+        for c in range(n_chunks):
+            llm_fwd[c] += fwd[n_v + c]
+            llm_bwd[c] += bwd[n_v + c]
+        load = self.load_s(batch)
+        if load is not None:  # the same stage decodes as in `batch`: chunk 0 is on LLM rank 0
+            llm_fwd[0] += np.where(batch.n_tiles > 0, 0.0, load) if n_v else load
+        return replace(base, llm_fwd=llm_fwd, llm_bwd=llm_bwd, vision_fwd=ranks.vision_fwd, vision_bwd=ranks.vision_bwd)
+
+    def wgrad_frac(self, batch: Pool) -> float:
+        """Share of the LLM's backward that computes weight gradients (ZB-H1's W), from FLOP counts:
+        a layer's linear weights P (per TP rank: its parameter bytes over the dtype's bytes) cost
+        ``2 P L`` forward FLOPs on L tokens, their backward ``2 P L`` for dX and ``2 P L`` for dW;
+        the causal attention core costs ``2 (h / tp) L^2`` forward and twice that backward, with no
+        weights. W's share is ``sum 2 P L / sum (4 P L + 4 (h / tp) L^2)`` over the batch's samples.
+        An analytic first step: the profiler has no split-backward target yet; embeddings, head and
+        recomputation (which adds a forward to the backward) are left out."""
+        lay = self.plan.layout
+        if not self.sizes.llm_hidden:
+            return 0.5  # no model shape: the simulator's default (linear layers only)
+        terms = self.cost.llm_stage_terms(np.array([1]), n_layers=1, first=False, last=False, tp=lay.tp_l)
+        nbytes = self.sizes.llm_token_bytes / self.sizes.llm_hidden
+        params = terms.static.param_bytes / nbytes
+        L = np.asarray(batch.seq_len, dtype=np.float64)
+        h = self.sizes.llm_hidden / lay.tp_l
+        linear = 2.0 * params * L
+        return float(linear.sum() / (2.0 * linear + 4.0 * h * L * L).sum())
+
     def load_s(self, batch: Pool) -> np.ndarray | None:
         """[B] seconds the host takes to load each sample of `batch`, where that load shares the
         cores with compute (a CPU cluster, the cost model having a measured `LoadLine`); None on
@@ -188,7 +247,7 @@ class Pricing:
         vision = [cost.vision_stage_terms([0], n_layers=n, first=k == 0, last=k == lay.pp_v - 1, tp=lay.tp_v)
                   for k, n in enumerate(plan.vision_layers)]
         llm = [cost.llm_stage_terms([1], n_layers=n, first=j == 0, last=j == lay.pp_l - 1, tp=lay.tp_l)
-               for j, n in enumerate(plan.llm_layers)]
+               for j, n in enumerate(plan.llm_rank_layers)]
         state = [(t.static, t.optimizer_s) for t in vision + llm]
         if lay.colocated:
             (v_static, v_optim), (l_static, l_optim) = state[0], state[len(vision)]

@@ -91,14 +91,29 @@ def srun_environment(env: dict | None = None) -> dict:
             if not k.startswith(("SLURM_", "SRUN_", "SBATCH_")) or k in ("SLURM_JOB_ID", "SLURM_CONF")}
 
 
+TRAINABLE_SCHEDULES = ("1f1b",)  # LLM pipeline schedules the trainer's executor runs
+
+
+def check_trainable_schedule(plan) -> None:
+    """One-line UserError unless the trainer runs the plan's LLM schedule (plan.yaml `llm.schedule`):
+    the planner may predict interleaved 1F1B or ZB-H1 (`planner.schedules`), the executor runs 1F1B."""
+    lay = plan.layout
+    if lay.schedule not in TRAINABLE_SCHEDULES:
+        raise UserError(f"{plan.source}: llm.schedule is {lay.schedule} (chunks {lay.chunks}), which the trainer "
+                        f"does not run yet (it runs {', '.join(TRAINABLE_SCHEDULES)}): re-plan with "
+                        f"planner.schedules: [1f1b]")
+
+
 def check_before_launch(cfg, plan_path: str | Path) -> None:
     """One-line UserError, before any process starts, unless the plan can train the config's model
-    on its cluster: layer splits, TP degrees, world size, a launchable rank layout
-    (`Plan.check`: what `dflop simulate` and the workers check too) and the global batch."""
+    on its cluster: a schedule the trainer runs (`check_trainable_schedule`), layer splits, TP degrees,
+    world size, a launchable rank layout (`Plan.check`: what `dflop simulate` and the workers check
+    too) and the global batch."""
     from dflop.models.handle import ModelHandle
     from dflop.pricing.cluster import Cluster
 
     plan_file = read_plan(plan_path)
+    check_trainable_schedule(plan_file.plan)
     plan_file.plan.check(ModelHandle.resolve(cfg.model).info, Cluster.from_section(cfg.cluster))
     plan_file.check_batch(cfg.train.global_batch_size)
 

@@ -46,6 +46,7 @@ from dflop.pricing.pool import Pool
 from dflop.pricing.pricing import Pricing
 from dflop.runtime.agreement import rank0_result
 from dflop.runtime.checkpoint import TrainState
+from dflop.runtime.launch import check_trainable_schedule
 from dflop.runtime.loading import StepLoader, feature_rows_fn, requests_for
 from dflop.runtime.metrics import StepStats, measured_times
 from dflop.runtime.model import build_rank_modules
@@ -81,9 +82,8 @@ def training_pricing(plan: Plan, model: ModelHandle, cost: CostModel | None, clu
 
 
 def plan_cluster(plan_file: PlanFile, settings: TrainSettings) -> Cluster:
-    """The cluster plan.yaml records (what optimize priced with), else the config's (a hand-written
-    plan). The workflow's train rule passes only the device keys of the cluster section, so the
-    config's bandwidths are not the ones the plan was made for."""
+    """The cluster plan.yaml records (what optimize priced with), else the config's (a hand-written plan):
+    rule train passes only the cluster section's device keys, not the bandwidths the plan was made for."""
     record = plan_file.doc.get("cluster")
     if record is None:
         return Cluster.from_section(settings.cluster)
@@ -97,8 +97,7 @@ def step_planner(settings: TrainSettings, pricing: Pricing, pool: pd.DataFrame, 
     portfolio's exact member runs). The padded baseline (``scheduler.pad_to_longest``) is priced as
     the planner prices it (`dflop.scheduler.padded.price`): its fixed-count bins do not depend on
     the costs, but its predicted step must pay the padding the executor computes."""
-    sched = settings.scheduler
-    policy = Policy.of_config(sched)
+    sched, policy = settings.scheduler, Policy.of_config(settings.scheduler)
     whole = Pool.from_shapes(pool, where="the trainer's shapes")  # checked once, each batch a take of it
     if len(whole) != len(pool):
         raise UserError("the trainer's shapes hold rows whose status is not ok: pass `read_shapes`' table")
@@ -121,6 +120,7 @@ class Trainer:
     def __init__(self, settings: TrainSettings, plan: Plan, pool: pd.DataFrame, samples: Sequence[RawSample], *,
                  model: ModelHandle | None = None, cost: CostModel | None = None, cluster: Cluster | None = None,
                  device: torch.device | None = None, trace_path: Path | None = None):
+        check_trainable_schedule(plan)  # before any group or module is built
         self.settings, self.trace_path = settings, trace_path
         self.device = device if device is not None else torch.device("cpu")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

@@ -60,10 +60,13 @@ def stage_times(costs: BatchCosts, microbatch: np.ndarray, replica: np.ndarray, 
     )
 
 
-def simulate_times(times: StageTimes, order=None, *, p2p_s: float = 0.0, allreduce_s=0.0) -> SimResult:
-    """The exact 1F1B step of these stage times (vision stages coupled to every LLM replica)."""
+def simulate_times(times: StageTimes, order=None, *, p2p_s: float = 0.0, allreduce_s=0.0, schedule: str = "1f1b",
+                   chunks: int = 1, wgrad_frac=0.5) -> SimResult:
+    """The exact step of these stage times (vision stages coupled to every LLM replica) under the
+    LLM's pipeline `schedule` (1F1B by default; `dflop.sim.simulate_dp`)."""
     return simulate_dp(times.vision_fwd, times.vision_bwd, times.llm_fwd, times.llm_bwd,
-                       order=order, p2p_s=p2p_s, allreduce_s=allreduce_s)
+                       order=order, p2p_s=p2p_s, allreduce_s=allreduce_s, schedule=schedule, chunks=chunks,
+                       wgrad_frac=wgrad_frac)
 
 
 def simulate_steps(times: list[StageTimes], orders: list[np.ndarray], *, p2p_s: float = 0.0,

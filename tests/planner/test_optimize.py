@@ -68,8 +68,11 @@ def test_demo_default_writes_a_valid_plan(inputs, tmp_path, tiny_shape, capsys):
     assert DESIGN_KEYS <= set(doc)
     assert doc["world_size"] <= 2 and doc["global_batch_size"] == 16
     for module, layers in (("vision", tiny_shape.vision_layers), ("llm", tiny_shape.llm_layers)):
+        schedule = {"schedule", "chunks"} if module == "llm" else set()  # new plans always name the LLM's
         assert set(doc[module]) == {"tp", "pp", "dp", "layers_per_stage", "recompute", "shard_optimizer",
-                                    "sequence_parallel"}  # exactly what the trainer reads
+                                    "sequence_parallel"} | schedule  # exactly what the trainer reads
+        if module == "llm":  # the default planner.schedules: 1F1B, which the trainer runs
+            assert (doc[module]["schedule"], doc[module]["chunks"]) == ("1f1b", 1)
         # the config default (auto) means off until the planner chooses techniques
         assert doc[module]["recompute"] == ["none"] * doc[module]["pp"]
         assert doc[module]["shard_optimizer"] is False and doc[module]["sequence_parallel"] is False
