@@ -628,9 +628,16 @@ class Prediction:
                 raise UserError(f"{source}: {where}{key}: expected a mapping, got {value!r}")
         check_finite_values([(f"{where}.step_s.{k}", steps[k]) for k in ("mean", "p50", "p90")
                              if steps.get(k) is not None], source, positive=True)
+        per_stage = {}
+        for module in ("vision", "llm"):
+            value = memory.get(module, ())
+            if not isinstance(value, (list, tuple)):
+                raise UserError(f"{source}: {where}.memory_bytes.{module}: expected a list (one number per stage), "
+                                f"got {value!r}")
+            per_stage[module] = tuple(value)
         return cls(steps.get("mean"), steps.get("p50"), steps.get("p90"), raw.get("mean_shape_step_s"),
-                   raw.get("utilisation"), raw.get("samples_per_s"), tuple(memory.get("vision", ())),
-                   tuple(memory.get("llm", ())), raw.get("memory_limit_bytes"), raw.get("batches"))
+                   raw.get("utilisation"), raw.get("samples_per_s"), per_stage["vision"],
+                   per_stage["llm"], raw.get("memory_limit_bytes"), raw.get("batches"))
 
 
 # -- reading and writing ---------------------------------------------------------------------------
