@@ -43,7 +43,7 @@ Every problem with a file is a one-line `UserError` naming the file and the key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -242,8 +242,6 @@ class Layout:
 
     def with_schedule(self, schedule: str, chunks: int = 1) -> "Layout":
         """The same degrees and microbatches under another LLM pipeline schedule."""
-        from dataclasses import replace
-
         return replace(self, schedule=schedule, chunks=chunks)
 
     def describe_schedule(self) -> str:
