@@ -88,9 +88,10 @@ def run_fingerprint(settings: "TrainSettings", plan: "Plan", pool: pd.DataFrame)
     m, t, sched = settings.model, settings.train, settings.scheduler
     layout = {k: v for k, v in plan.to_dict(t.global_batch_size).items() if k != "global_batch_size"}
     for module in ("vision", "llm"):  # recomputation and SP trade memory for time, the maths is the same;
-        keys = layout[module]          # a sharded optimizer changes what a checkpoint holds
+        keys = layout[module]          # a sharded optimizer or model chunks change what a checkpoint holds
         layout[module] = {k: v for k, v in keys.items() if k not in ("recompute", "sequence_parallel")
-                          and not (k == "shard_optimizer" and v is False)}
+                          and not (k == "shard_optimizer" and v is False)
+                          and (k, v) not in (("schedule", "1f1b"), ("chunks", 1))}  # as before schedules
     fields: dict[str, Any] = {
         "run.seed": settings.seed,
         "model.arch": m.arch,

@@ -151,6 +151,13 @@ def test_memory_techniques_that_keep_the_maths_keep_the_run():
     assert _fp(plan=sharded).differences(_fp(plan=replicated)) == ["plan"]
     layout = _fp().fields["plan"]
     assert set(layout["llm"]) == {"tp", "pp", "dp", "layers_per_stage"} == set(layout["vision"])
+    # The LLM's pipeline schedule: 1F1B (plan.yaml writes it now) is the run of a plan without the
+    # keys; another schedule is another run (interleaving holds the LLM as more, smaller modules).
+    piped = {**PLAN, "llm": {**PLAN["llm"], "pp": 2, "layers_per_stage": [1, 1]}, "world_size": 3}
+    assert _fp(plan={**piped, "llm": {**piped["llm"], "schedule": "1f1b", "chunks": 1}}).differences(
+        _fp(plan=piped)) == []
+    assert _fp(plan={**piped, "llm": {**piped["llm"], "schedule": "zb-h1", "chunks": 1}}).differences(
+        _fp(plan=piped)) == ["plan"]
 
 
 def test_a_fingerprint_read_back_from_json_is_the_same_run():
