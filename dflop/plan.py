@@ -22,6 +22,14 @@ sequence between tensor-parallel regions; needs tp > 1; the LLM only)::
     vision: {tp: 1, pp: 1, dp: 2, layers_per_stage: [2], recompute: [selective], shard_optimizer: true}
     llm:    {tp: 2, pp: 2, dp: 2, layers_per_stage: [1, 1], recompute: [full, none], sequence_parallel: true}
 
+The LLM may name its pipeline schedule: ``schedule`` (1f1b | interleaved | zb-h1; 1f1b when
+absent) and ``chunks`` (v, model chunks per pipeline rank; 1 when absent, > 1 only for
+interleaved). With v > 1 the LLM is cut into pp * v chunks, chunk c on pipeline rank c mod pp, and
+``layers_per_stage`` and ``recompute`` have one entry per chunk, in chunk order; interleaved needs
+pp >= 2 and microbatches a multiple of pp (Megatron-LM's rule). The vision tower always runs 1F1B::
+
+    llm:    {tp: 1, pp: 2, dp: 1, layers_per_stage: [4, 4, 4, 4], schedule: interleaved, chunks: 2}
+
 Placements:
 - ``disjoint``: vision stages on ``tp_v * pp_v * dp_v`` ranks, then LLM stages on
   ``tp_l * pp_l * dp_l`` other ranks; one 1F1B pipeline of ``pp_v + pp_l`` stages.
@@ -47,6 +55,8 @@ from dflop.io import read_yaml, write_text_atomic
 PLACEMENTS = ("disjoint", "colocated")
 MODULE_KEYS = ("tp", "pp", "dp", "layers_per_stage")
 TECHNIQUE_KEYS = ("recompute", "shard_optimizer", "sequence_parallel")  # optional; off when absent
+SCHEDULE_KEYS = ("schedule", "chunks")  # optional, the LLM only; 1f1b with one chunk when absent
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 RECOMPUTE_MODES = ("none", "selective", "full")
 PLAN_KEYS = ("vision", "llm", "placement", "microbatches", "global_batch_size", "world_size")
 RANK_ORDER = ("vision ranks first, then llm ranks; inside a module rank = first_rank + (stage * dp + replica) * tp "
@@ -75,6 +85,24 @@ def uniform_layer_split(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def schedule_problem(schedule: str, chunks: int, pp: int, m: int) -> str | None:
+    """Why the LLM cannot run `schedule` with `chunks` model chunks per rank on `pp` ranks and `m`
+    microbatches (None: it can). Interleaved 1F1B takes Megatron-LM's conditions."""
+    if schedule not in PIPELINE_SCHEDULES:
+        return f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}"
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        return f"chunks must be an integer >= 1, got {chunks!r}"
+    if schedule != "interleaved":
+        return None if chunks == 1 else f"schedule {schedule} runs one model chunk per rank, got chunks {chunks}"
+    if chunks < 2:
+        return f"schedule interleaved needs at least 2 model chunks per rank, got chunks {chunks}"
+    if pp < 2:
+        return f"schedule interleaved needs at least 2 pipeline ranks, got pp {pp}"
+    if m % pp:
+        return f"schedule interleaved needs microbatches ({m}) to be a multiple of pp ({pp})"
+    return None
+
+
 @dataclass(frozen=True)
 class Layout:
     """Degrees of both modules, the placement and the microbatch count m of one candidate plan."""
@@ -87,12 +115,17 @@ class Layout:
     pp_l: int
     dp_l: int
     m: int
+    schedule: str = "1f1b"  # the LLM's pipeline schedule (the vision stages run 1F1B)
+    chunks: int = 1  # LLM model chunks per pipeline rank (v of interleaved 1F1B)
 
     def __post_init__(self):
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.colocated and (self.pp_v != 1 or self.tp_v != self.tp_l or self.dp_v != self.dp_l):
             raise ValueError(f"colocated layout needs pp_v=1, tp_v=tp_l, dp_v=dp_l: {self}")
+        problem = schedule_problem(self.schedule, self.chunks, self.pp_l, self.m)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def colocated(self) -> bool:
@@ -128,6 +161,11 @@ class Layout:
         return 1 if self.colocated else self.dp_v
 
     @property
+    def llm_chunks(self) -> int:
+        """LLM model chunks of the whole pipeline (pp_l * chunks): entries of its layer split."""
+        return self.pp_l * self.chunks
+
+    @property
     def n_bins(self) -> int:
         """Packed LLM rows of one step: m microbatches x dp_l replicas."""
         return self.m * self.dp_l
@@ -138,6 +176,8 @@ class Layout:
 
     def describe(self) -> str:
         llm = f"llm tp{self.tp_l} pp{self.pp_l} dp{self.dp_l}"
+        if self.schedule != "1f1b":
+            llm += f" {self.schedule}" + (f" v{self.chunks}" if self.chunks > 1 else "")
         if self.colocated:
             return f"colocated ({llm}, vision on llm stage 0), m={self.m}"
         return f"disjoint (vision tp{self.tp_v} pp{self.pp_v} dp{self.dp_v} | {llm}), m={self.m}"
@@ -192,10 +232,12 @@ class ModuleLayout:
     dp: int
     layers_per_stage: tuple[int, ...]
     techniques: Techniques | None = None  # None: off
+    schedule: str = "1f1b"
+    chunks: int = 1  # model chunks per stage (rank); layers_per_stage has pp * chunks entries
 
     def __post_init__(self):
         if self.techniques is None:
-            object.__setattr__(self, "techniques", Techniques.off(self.pp))
+            object.__setattr__(self, "techniques", Techniques.off(self.pp * self.chunks))
 
     @property
     def n_ranks(self) -> int:
@@ -206,22 +248,26 @@ class ModuleLayout:
         return sum(self.layers_per_stage)
 
     def layer_ranges(self) -> list[tuple[int, int]]:
-        """[start, stop) layer range of every stage, in stage order."""
+        """[start, stop) layer range of every stage (model chunk when chunks > 1), in model order."""
         bounds = [0]
         for n in self.layers_per_stage:
             bounds.append(bounds[-1] + n)
         return list(zip(bounds[:-1], bounds[1:]))
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "layers_per_stage": list(self.layers_per_stage),
-                **self.techniques.to_dict()}
+        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "layers_per_stage": list(self.layers_per_stage),
+               **self.techniques.to_dict()}
+        if self.schedule != "1f1b" or self.chunks != 1:  # absent keys read as 1f1b, one chunk
+            out.update(schedule=self.schedule, chunks=self.chunks)
+        return out
 
 
 @dataclass(frozen=True)
 class Plan:
     """A layout with its layer split: layers per vision stage and per LLM stage.
 
-    vision_layers has one entry (all vision layers) in the colocated placement.
+    vision_layers has one entry (all vision layers) in the colocated placement; llm_layers one
+    per LLM model chunk (pp_l * layout.chunks, in chunk order).
     vision_techniques / llm_techniques: each module's memory techniques (None: off).
     source: the file it was read from, for error messages (not part of equality).
     """
@@ -236,13 +282,13 @@ class Plan:
     def __post_init__(self):
         object.__setattr__(self, "vision_layers", tuple(int(n) for n in self.vision_layers))
         object.__setattr__(self, "llm_layers", tuple(int(n) for n in self.llm_layers))
-        if len(self.vision_layers) != self.layout.pp_v or len(self.llm_layers) != self.layout.pp_l:
+        if len(self.vision_layers) != self.layout.pp_v or len(self.llm_layers) != self.layout.llm_chunks:
             raise ValueError(f"layer split {self.vision_layers} / {self.llm_layers} does not match {self.layout}")
         if min(self.vision_layers + self.llm_layers) < 0:
             raise ValueError(f"negative layer count in {self.vision_layers} / {self.llm_layers}")
         lay = self.layout
         for name, attr, pp, tp, dp in (("vision", "vision_techniques", lay.pp_v, lay.tp_v, lay.dp_v),
-                                       ("llm", "llm_techniques", lay.pp_l, lay.tp_l, lay.dp_l)):
+                                       ("llm", "llm_techniques", lay.llm_chunks, lay.tp_l, lay.dp_l)):
             tech = getattr(self, attr)
             if tech is None:
                 object.__setattr__(self, attr, Techniques.off(pp))
@@ -264,7 +310,7 @@ class Plan:
         trainer has no SP for the vision tower)."""
         lay = self.layout
         return self.with_techniques(Techniques((recompute,) * lay.pp_v, shard_optimizer and lay.dp_v > 1),
-                                    Techniques((recompute,) * lay.pp_l, shard_optimizer and lay.dp_l > 1,
+                                    Techniques((recompute,) * lay.llm_chunks, shard_optimizer and lay.dp_l > 1,
                                                sequence_parallel and lay.tp_l > 1))
 
     @classmethod
@@ -273,7 +319,7 @@ class Plan:
         def sizes(n: int, stages: int) -> tuple[int, ...]:
             return tuple(stop - start for start, stop in uniform_layer_split(n, stages))
 
-        return cls(layout, sizes(vision_layers, layout.pp_v), sizes(llm_layers, layout.pp_l))
+        return cls(layout, sizes(vision_layers, layout.pp_v), sizes(llm_layers, layout.llm_chunks))
 
     def with_uniform_layers(self, vision_layers: int, llm_layers: int) -> "Plan":
         """The same layout with layers split uniformly (baseline mode of the trainer)."""
@@ -291,7 +337,7 @@ class Plan:
     @property
     def llm(self) -> ModuleLayout:
         lay = self.layout
-        return ModuleLayout(lay.tp_l, lay.pp_l, lay.dp_l, self.llm_layers, self.llm_techniques)
+        return ModuleLayout(lay.tp_l, lay.pp_l, lay.dp_l, self.llm_layers, self.llm_techniques, lay.schedule, lay.chunks)
 
     @property
     def placement(self) -> str:
@@ -407,27 +453,36 @@ def whole_number(value: Any, where: str, minimum: int = 1) -> int:
     return value
 
 
-def _module(raw: Any, where: str) -> ModuleLayout:
+def _module(raw: Any, where: str, llm: bool = False) -> ModuleLayout:
+    """One module's section; `llm`: the LLM's, which may name its schedule and chunks."""
     if not isinstance(raw, Mapping):
         raise UserError(f"{where}: expected a mapping with keys {', '.join(MODULE_KEYS)}, got {raw!r}")
     missing = [k for k in MODULE_KEYS if k not in raw]
     if missing:
         raise UserError(f"{where}: missing key(s) {', '.join(missing)}")
-    unknown = sorted(set(raw) - set(MODULE_KEYS) - set(TECHNIQUE_KEYS))
+    allowed = MODULE_KEYS + TECHNIQUE_KEYS + (SCHEDULE_KEYS if llm else ())
+    unknown = sorted(set(raw) - set(allowed))
     if unknown:
-        raise UserError(f"{where}.{unknown[0]}: unknown key (allowed: {', '.join(MODULE_KEYS + TECHNIQUE_KEYS)})")
+        why = " (the vision tower always runs 1f1b)" if unknown[0] in SCHEDULE_KEYS else ""
+        raise UserError(f"{where}.{unknown[0]}: unknown key{why} (allowed: {', '.join(allowed)})")
     tp, pp, dp = (whole_number(raw[k], f"{where}.{k}") for k in ("tp", "pp", "dp"))
+    schedule = raw.get("schedule", "1f1b")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise UserError(f"{where}.schedule: expected one of {', '.join(PIPELINE_SCHEDULES)}, got {schedule!r}")
+    chunks = whole_number(raw.get("chunks", 1), f"{where}.chunks")
+    n = pp * chunks
+    per = "one per stage" if chunks == 1 else f"one per model chunk: pp {pp} x chunks {chunks}"
     layers = raw["layers_per_stage"]
-    if not isinstance(layers, list) or len(layers) != pp:
-        raise UserError(f"{where}.layers_per_stage: expected a list of {pp} layer counts (one per stage), got {layers!r}")
+    if not isinstance(layers, list) or len(layers) != n:
+        raise UserError(f"{where}.layers_per_stage: expected a list of {n} layer counts ({per}), got {layers!r}")
     layers = tuple(whole_number(n, f"{where}.layers_per_stage[{i}]", minimum=0) for i, n in enumerate(layers))
-    return ModuleLayout(tp, pp, dp, layers, _techniques(raw, where, pp, tp, dp))
+    return ModuleLayout(tp, pp, dp, layers, _techniques(raw, where, n, tp, dp, per), schedule, chunks)
 
 
-def _techniques(raw: Mapping, where: str, pp: int, tp: int, dp: int) -> Techniques:
+def _techniques(raw: Mapping, where: str, pp: int, tp: int, dp: int, per: str = "one per stage") -> Techniques:
     recompute = raw.get("recompute", ["none"] * pp)
     if not isinstance(recompute, list) or len(recompute) != pp:
-        raise UserError(f"{where}.recompute: expected a list of {pp} modes (one per stage), got {recompute!r}")
+        raise UserError(f"{where}.recompute: expected a list of {pp} modes ({per}), got {recompute!r}")
     for i, mode in enumerate(recompute):
         if mode not in RECOMPUTE_MODES:
             raise UserError(f"{where}.recompute[{i}]: expected one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
@@ -451,7 +506,7 @@ def _plan(raw: Any, source: str, prefix: str = "") -> tuple[Plan, int]:
     missing = [k for k in PLAN_KEYS if k not in raw]
     if missing:
         raise UserError(f"{where}missing key(s) {', '.join(missing)}")
-    vision, llm = _module(raw["vision"], f"{where}vision"), _module(raw["llm"], f"{where}llm")
+    vision, llm = _module(raw["vision"], f"{where}vision"), _module(raw["llm"], f"{where}llm", llm=True)
     placement = raw["placement"]
     if placement not in PLACEMENTS:
         raise UserError(f"{where}placement: expected disjoint or colocated, got {placement!r}")
@@ -469,7 +524,10 @@ def _plan(raw: Any, source: str, prefix: str = "") -> tuple[Plan, int]:
     else:
         how = (f"vision tp*pp*dp + llm tp*pp*dp = {vision.tp}*{vision.pp}*{vision.dp} + "
                f"{llm.tp}*{llm.pp}*{llm.dp}")
-    layout = Layout(placement, vision.tp, vision.pp, vision.dp, llm.tp, llm.pp, llm.dp, m)
+    problem = schedule_problem(llm.schedule, llm.chunks, llm.pp, m)
+    if problem:
+        raise UserError(f"{where}llm: {problem}")
+    layout = Layout(placement, vision.tp, vision.pp, vision.dp, llm.tp, llm.pp, llm.dp, m, llm.schedule, llm.chunks)
     if world != layout.world_size:
         raise UserError(f"{where}world_size is {world} but the layout needs {layout.world_size} ranks ({how})")
     if batch < layout.n_bins:
