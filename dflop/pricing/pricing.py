@@ -14,6 +14,13 @@ node: the all-reduce line for the group size, the P2P line for hops and its cons
 latency; and each stage's tail also pays its optimizer step. On a CPU cluster a measured per-sample
 load line (`LoadLine`) is charged too, to the forward of the stage that decodes the sample (the
 trainer's loader shares those cores); on GPUs the loader hides behind the step and is not charged.
+
+Interleaved 1F1B (``llm.chunks`` = v > 1): every LLM model chunk is priced as a stage of its own
+(its layers, the embedding on chunk 0, the head on the last, a hop into every chunk but the
+first) and the batch's costs carry them (`BatchCosts.llm_chunks`, what the simulation times); the
+LLM rows of the costs are each pipeline rank's sums over its chunks (what the scheduler balances
+and the memory guard checks: the rank's bytes against the least room any of its chunks leaves),
+and the all-reduce and optimizer tails are per rank, from its chunks' parameters.
 """
 
 from __future__ import annotations
@@ -25,10 +32,10 @@ import numpy as np
 
 from dflop.costmodel.batch import batch_costs
 from dflop.costmodel.model import CostModel, StepCosts, charged_load_line
-from dflop.costmodel.types import BatchCosts
+from dflop.costmodel.types import BatchCosts, LLMChunkCosts
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
-from dflop.plan import Plan
+from dflop.plan import Layout, Plan
 from dflop.pricing.cluster import Cluster, links
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.pricing.tail import stage_tails_s, step_extras_s
@@ -129,14 +136,34 @@ class Pricing:
         return links(self.cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
                      tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l, p2p=self._measured.p2p)
 
+    @cached_property
+    def _chunk_layout(self) -> Layout:
+        """The layout the LLM's stages are priced on: the plan's, or under interleaving the same
+        with its pp * v model chunks as one-chunk stages in model order."""
+        lay = self.plan.layout
+        if lay.chunks == 1:
+            return lay
+        return replace(lay, pp_l=lay.llm_chunks, schedule="1f1b", chunks=1)
+
+    def _in_flight(self) -> list[int]:
+        """Microbatches each priced stage holds at its peak: 1F1B's; under interleaving each chunk
+        is charged its rank's 1F1B count (an approximation of Megatron's per-rank peak)."""
+        lay = self.plan.layout
+        counts = lay.in_flight()
+        if lay.chunks == 1:
+            return counts
+        n_v = lay.n_vision_stages
+        return counts[:n_v] + [counts[n_v + c % lay.pp_l] for c in range(lay.llm_chunks)]
+
     def batch(self, batch: Pool) -> PlanCosts:
         """Per-sample costs of the samples of `batch` (in batch order) on the plan."""
         plan, lay, sizes, link = self.plan, self.plan.layout, self.sizes, self._links
         vision, llm = plan.vision_techniques, plan.llm_techniques
+        priced = self._chunk_layout
         base = batch_costs(self.cost, batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
                            llm_layers_per_stage=list(plan.llm_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
                            mem_limit_bytes=self.cluster.gpu_memory_bytes,
-                           in_flight_per_stage=lay.in_flight(), colocated=lay.colocated,
+                           in_flight_per_stage=self._in_flight(), colocated=lay.colocated,
                            vision_recompute=vision.recompute, llm_recompute=llm.recompute,
                            vision_shard_over=lay.dp_v if vision.shard_optimizer else 1,
                            llm_shard_over=lay.dp_l if llm.shard_optimizer else 1,
@@ -148,12 +175,12 @@ class Pricing:
         if not lay.colocated:
             features = batch.vision_tokens * sizes.llm_token_bytes / float(link.vision_to_llm_bps)
             vhop = batch.n_tiles * sizes.vision_tile_bytes / float(link.vision_hop_bps)
-        fwd, bwd = stage_transfers(lay, vision_hop=vhop, vision_features=features, llm_hop=hop, llm_features=features)
+        fwd, bwd = stage_transfers(priced, vision_hop=vhop, vision_features=features, llm_hop=hop, llm_features=features)
         n_v = lay.n_vision_stages
         for k in range(n_v):
             vis_fwd[k] += fwd[k]
             vis_bwd[k] += bwd[k]
-        for j in range(lay.pp_l):
+        for j in range(priced.pp_l):
             llm_fwd[j] += fwd[n_v + j]
             llm_bwd[j] += bwd[n_v + j]
         load = self.load_s(batch)
@@ -167,6 +194,8 @@ class Pricing:
                                 + lay.n_bins * (base.llm_fwd_const + base.llm_bwd_const).sum())
         busy += lay.tp_v * float((base.vision_fwd + base.vision_bwd).sum()
                                  + lay.m * lay.dp_v * (base.vision_fwd_const + base.vision_bwd_const).sum())
+        if lay.chunks > 1:
+            costs = _rank_rows(costs, lay.pp_l, lay.chunks)
         return PlanCosts(costs, self.allreduce_s, busy)
 
     def load_s(self, batch: Pool) -> np.ndarray | None:
@@ -187,11 +216,38 @@ class Pricing:
         plan, lay, cost = self.plan, self.plan.layout, self.cost
         vision = [cost.vision_stage_terms([0], n_layers=n, first=k == 0, last=k == lay.pp_v - 1, tp=lay.tp_v)
                   for k, n in enumerate(plan.vision_layers)]
-        llm = [cost.llm_stage_terms([1], n_layers=n, first=j == 0, last=j == lay.pp_l - 1, tp=lay.tp_l)
+        n_llm = len(plan.llm_layers)  # pp_l, or pp_l * v chunks in model order
+        llm = [cost.llm_stage_terms([1], n_layers=n, first=j == 0, last=j == n_llm - 1, tp=lay.tp_l)
                for j, n in enumerate(plan.llm_layers)]
         state = [(t.static, t.optimizer_s) for t in vision + llm]
+        if lay.chunks > 1:  # a rank's state and optimizer step: its chunks' together
+            by_rank = []
+            for r in range(lay.pp_l):
+                mine = state[len(vision) + r::lay.pp_l]
+                static, optim = mine[0]
+                for more_static, more_optim in mine[1:]:
+                    static, optim = static + more_static, optim + more_optim
+                by_rank.append((static, optim))
+            state = state[:len(vision)] + by_rank
         if lay.colocated:
             (v_static, v_optim), (l_static, l_optim) = state[0], state[len(vision)]
             state = [(l_static + v_static, l_optim + v_optim)] + state[len(vision) + 1:]
         return state
 
+
+
+def _rank_rows(costs: BatchCosts, pp: int, chunks: int) -> BatchCosts:
+    """Per-chunk costs (LLM rows: pp * chunks model chunks) as each pipeline rank's rows: times,
+    activations and memory summed over the rank's chunks, the memory room the least of theirs;
+    the chunks kept in `BatchCosts.llm_chunks` for the simulation."""
+    rank = np.arange(pp * chunks) % pp
+
+    def summed(x: np.ndarray) -> np.ndarray:
+        return np.stack([x[rank == r].sum(axis=0) for r in range(pp)])
+
+    return replace(costs, llm_fwd=summed(costs.llm_fwd), llm_bwd=summed(costs.llm_bwd),
+                   llm_fwd_const=summed(costs.llm_fwd_const), llm_bwd_const=summed(costs.llm_bwd_const),
+                   llm_act_bytes=summed(costs.llm_act_bytes), llm_mem_bytes=summed(costs.llm_mem_bytes),
+                   llm_mem_limit_bytes=np.array([costs.llm_mem_limit_bytes[rank == r].min() for r in range(pp)]),
+                   llm_chunks=LLMChunkCosts(costs.llm_fwd, costs.llm_bwd, costs.llm_fwd_const, costs.llm_bwd_const,
+                                            chunks))

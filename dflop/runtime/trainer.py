@@ -156,8 +156,7 @@ class Trainer:
         """Global names, replication info, optimizer, LR schedule, checkpoint state."""
         from dflop.runtime.param_names import rank_parameters
 
-        self.rank_params = rank_parameters(self.modules.full,
-                                           [m for m in (self.modules.vision, self.modules.llm) if m is not None])
+        self.rank_params = rank_parameters(self.modules.full, self.modules.parts)
         names = parameter_names(self.modules)
         canonical = {id(t): n for n, t in self.rank_params.tensors.items()}
         llm_role = self.topo.llm_role
