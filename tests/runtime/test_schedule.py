@@ -78,8 +78,9 @@ def _interleaved_plan(placement: str, pp_v: int, pp_l: int, v: int, m: int):
                                                       ("colocated", 1, 4, 2, 8)])
 def test_interleaved_rank_orders_are_the_ones_the_simulator_times(placement, pp_v, pp_l, v, m):
     """Every rank runs the simulator's order for its device (LLM chunk k of rank r = virtual stage
-    k pp + r = the simulator's row; vision stages first). Fails if the executor's chunk-to-rank map,
-    its warm-up count or the vision stages' lead differed from what the step was priced with."""
+    k pp + r = the simulator's row; vision stages first). Fails if the chunks a rank holds
+    (`Topology.rank_chunks`), its warm-up count or the vision stages' lead differed from what the
+    step was priced with."""
     from dflop.runtime.schedule import rank_op_order
     from dflop.runtime.topology import Topology
     from dflop.sim.pipeline import _device_orders
@@ -91,10 +92,11 @@ def test_interleaved_rank_orders_are_the_ones_the_simulator_times(placement, pp_
     for rank in range(plan.world_size):
         topo = Topology(plan, rank, plan.world_size)
         ours = rank_op_order(topo, "1f1b", m)
-        if topo.llm_role is not None:
+        if topo.llm_role is not None:  # compared by virtual stage: the chunk the rank really holds
             device = row_device[n_vis + topo.llm_role.stage]
-            expected = [("FB"[kind], (row - n_vis) // pp_l, j) for row, kind, j in orders[device]]
-            assert all((row - n_vis) % pp_l == topo.llm_role.stage for row, _, _ in orders[device])
+            expected = [("FB"[kind], row - n_vis, j) for row, kind, j in orders[device]]
+            held = topo.rank_chunks(topo.llm_role)
+            ours = [(kind, held[k], j) for kind, k, j in ours]
         else:
             device = row_device[topo.vision_role.stage]
             expected = [("FB"[kind], 0, j) for _, kind, j in orders[device]]
