@@ -202,3 +202,47 @@ def test_non_finite_numbers_anywhere_are_refused_naming_the_key(tmp_path, litera
         read_plan(path)
     with pytest.raises(UserError, match=r"^p\.yaml: cluster\.gpu_memory_gb: nan is not a finite number$"):
         plan_from_dict(raw(cluster={"gpu_memory_gb": float("nan")}), "p.yaml")
+
+
+def test_the_llm_schedule_and_chunks_default_to_1f1b_and_round_trip():
+    """Absent keys read as 1F1B with one chunk and are not written back (older plans unchanged);
+    an interleaved LLM has one layer count and recompute mode per chunk (chunk c on rank c mod pp)."""
+    plain = plan_from_dict(raw()).plan
+    assert (plain.layout.schedule, plain.layout.chunks) == ("1f1b", 1)
+    assert "schedule" not in plain.to_dict(16)["llm"] and "chunks" not in plain.to_dict(16)["llm"]
+    llm = {"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [0, 1, 1, 0], "recompute": ["none", "full", "none", "selective"],
+           "schedule": "interleaved", "chunks": 2}
+    plan = plan_from_dict(raw(llm=llm)).plan
+    assert (plan.layout.schedule, plan.layout.chunks, plan.layout.llm_chunks) == ("interleaved", 2, 4)
+    assert plan.llm.layer_ranges() == [(0, 0), (0, 1), (1, 2), (2, 2)]
+    assert plan.llm_techniques.recompute == ("none", "full", "none", "selective")
+    assert plan.to_dict(16)["llm"]["schedule"] == "interleaved" and plan.to_dict(16)["llm"]["chunks"] == 2
+    assert plan_from_dict(plan.to_dict(16)).plan == plan
+    assert "interleaved v2" in plan.describe()
+
+
+@pytest.mark.parametrize("llm,m,message", [
+    ({"layers_per_stage": [1, 1], "schedule": "interleaved", "chunks": 2}, 4,
+     r"llm.layers_per_stage: expected a list of 4 layer counts \(one per model chunk: pp 2 x chunks 2\)"),
+    ({"layers_per_stage": [1, 0, 1, 0], "recompute": ["none", "full"], "schedule": "interleaved", "chunks": 2}, 4,
+     "llm.recompute: expected a list of 4 modes"),
+    ({"layers_per_stage": [1, 0, 1, 0], "schedule": "interleaved", "chunks": 2}, 3,
+     r"llm: schedule interleaved needs microbatches \(3\) to be a multiple of pp \(2\)"),
+    ({"layers_per_stage": [1, 1], "schedule": "interleaved"}, 4, "needs at least 2 model chunks per rank"),
+    ({"layers_per_stage": [1, 0, 1, 0], "chunks": 2}, 4, "schedule 1f1b runs one model chunk per rank"),
+    ({"layers_per_stage": [1, 1], "schedule": "looped"}, 4, "llm.schedule: expected one of 1f1b, interleaved, zb-h1"),
+    ({"layers_per_stage": [1, 1], "chunks": 0}, 4, r"llm.chunks: expected an integer >= 1"),
+])
+def test_bad_llm_schedules_are_one_line_errors(llm, m, message):
+    section = {"tp": 2, "pp": 2, "dp": 1, **llm}
+    with pytest.raises(UserError, match=message):
+        plan_from_dict(raw(llm=section, microbatches=m))
+
+
+def test_the_vision_tower_names_no_schedule():
+    vision = {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2], "schedule": "interleaved"}
+    with pytest.raises(UserError, match=r"vision.schedule: unknown key \(the vision tower always runs 1f1b\)"):
+        plan_from_dict(raw(vision=vision))
+    one_rank = {"tp": 2, "pp": 1, "dp": 1, "layers_per_stage": [1, 1], "schedule": "interleaved", "chunks": 2}
+    with pytest.raises(UserError, match="needs at least 2 pipeline ranks"):
+        plan_from_dict(raw(llm=one_rank, world_size=4))
