@@ -101,7 +101,7 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
     if plan.vision_techniques.sequence_parallel:  # every rank refuses, before any collective
         raise UserError(f"{plan.source}: vision.sequence_parallel: sequence parallelism is implemented for the "
                         f"LLM only; set it to false for the vision tower")
-    vision = llm = None
+    vision = None
     untrained: set[str] = set()
     if topo.vision_role is not None:
         role = topo.vision_role

@@ -7,9 +7,12 @@ interleaved 1F1B (``llm.schedule: interleaved``, ``llm.chunks`` = v) each LLM ra
 chunks and runs Megatron-LM's interleaved order, the simulator's (`dflop.sim.llm_rank_op_order`),
 each op naming its chunk; vision stages in front of it stay 1F1B with the simulator's warm-up
 (`dflop.sim.vision_op_order`), so the executor runs exactly the order the step was priced with.
-Microbatch p of the step
-is `StepPlan.bins[p]` (one packed row per LLM replica) and `StepPlan.vision_shares[p]` (one share of
-its images per vision replica).
+Microbatch p of the step is `StepPlan.bins[p]` (one packed row per LLM replica) and
+`StepPlan.vision_shares[p]` (one share of its images per vision replica).
+
+Under interleaving, forward and backward busy seconds per position sum the rank's chunks, and the
+gradient sync is still armed before the rank's last backward (its first chunk's): the buckets of
+its later chunks, launched first, then start after the pipeline, so no bucket overlaps the backward.
 
 Messages (`P2P`): between stages of one module, activations forward and gradients back between
 the same replica and TP rank. The last vision stage sends each LLM replica the features of the
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from dflop.data.training import LoadedSample
+from dflop.errors import UserError
 from dflop.models.packing import IGNORE_INDEX, PackedSequence
 from dflop.models.precision import Precision
 from dflop.scheduler.online import StepPlan
@@ -47,7 +51,6 @@ from dflop.runtime.p2p import BACKWARD, FORWARD, P2P, Message
 from dflop.runtime.spans import SpanRecorder
 from dflop.runtime.topology import VISION, Topology
 from dflop.runtime.vision import VisionRunner
-from dflop.errors import UserError
 from dflop.sim.schedules import first_chunk_peak, llm_rank_op_order, vision_op_order
 
 SCHEDULES = ("1f1b", "gpipe")
