@@ -87,10 +87,12 @@ def run_fingerprint(settings: "TrainSettings", plan: "Plan", pool: pd.DataFrame)
     """The fingerprint of training `settings` with `plan` on the usable shapes rows `pool`."""
     m, t, sched = settings.model, settings.train, settings.scheduler
     layout = {k: v for k, v in plan.to_dict(t.global_batch_size).items() if k != "global_batch_size"}
-    for module in ("vision", "llm"):  # recomputation and SP trade memory for time, the maths is the same;
-        keys = layout[module]          # a sharded optimizer changes what a checkpoint holds
-        layout[module] = {k: v for k, v in keys.items() if k not in ("recompute", "sequence_parallel")
-                          and not (k == "shard_optimizer" and v is False)}
+    # recomputation and SP trade memory for time, the maths is the same; a sharded optimizer changes
+    # what a checkpoint holds; a 1F1B LLM (schedule 1f1b, chunks 1) fingerprints as before the keys
+    unchanged = {"shard_optimizer": False, "schedule": "1f1b", "chunks": 1}
+    for module in ("vision", "llm"):
+        layout[module] = {k: v for k, v in layout[module].items()
+                          if k not in ("recompute", "sequence_parallel") and not (k in unchanged and v == unchanged[k])}
     fields: dict[str, Any] = {
         "run.seed": settings.seed,
         "model.arch": m.arch,
