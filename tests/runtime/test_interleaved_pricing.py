@@ -8,6 +8,8 @@ one-chunk plan whose stages are the chunks (same layers, embedding, head and hop
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -77,3 +79,28 @@ def test_interleaved_plan_is_priced_per_chunk_and_simulated_interleaved(placemen
                           per_mb(costs.llm_bwd, costs.llm_bwd_const)[None], order=order, p2p_s=1e-4,
                           allreduce_s=tails)
     assert as_1f1b.step_s != pytest.approx(got.step_s, rel=1e-9)
+
+
+def test_a_rank_whose_chunks_recompute_differently_is_priced_by_chunk_for_time_and_at_most_for_memory():
+    """A hand-written plan may give a rank's chunks different recompute modes (the equivalence
+    test's does). Its times are each chunk's own (the chunk recomputing fully pays a forward more
+    in its backward); its memory is the rank's in the mode that saves least: the same plan with
+    every chunk of that rank in that mode. Fails if pricing refuses such a plan or prices a rank's
+    memory in a mode that saves more than one of its chunks does."""
+    cfg = Config.from_dict({"model": MODEL, "cluster": {"gpus_per_node": 8}})
+    model = ModelHandle.resolve(cfg.model)
+    cluster = Cluster.from_section(cfg.cluster)
+    lay = Layout("colocated", 1, 1, 1, 1, 2, 1, 4, "interleaved", 2)
+    mixed = Plan(lay, (2,), (1, 1, 1, 1)).with_forced_techniques("none")
+    mixed = mixed.with_techniques(mixed.vision_techniques, replace(mixed.llm_techniques,
+                                                                   recompute=("none", "full", "full", "full")))
+    none_on_rank0 = mixed.with_techniques(mixed.vision_techniques, replace(
+        mixed.llm_techniques, recompute=("none", "full", "none", "full")))
+    full = mixed.with_techniques(mixed.vision_techniques, replace(mixed.llm_techniques, recompute=("full",) * 4))
+    pool = Pool.from_shapes(llava_ov_mix(16, seed=3))
+    got, same_memory, same_chunk2 = (training_pricing(p, model, None, cluster).batch(pool).costs
+                                     for p in (mixed, none_on_rank0, full))
+    np.testing.assert_array_equal(got.llm_mem_bytes, same_memory.llm_mem_bytes)
+    np.testing.assert_array_equal(got.llm_mem_limit_bytes, same_memory.llm_mem_limit_bytes)
+    np.testing.assert_array_equal(got.llm_chunks.bwd[2], same_chunk2.llm_chunks.bwd[2])
+    assert (got.llm_chunks.bwd[2] > same_memory.llm_chunks.bwd[2]).all()  # full recompute on chunk 2
