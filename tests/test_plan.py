@@ -256,3 +256,17 @@ def test_the_one_plan_check_names_the_key_for_the_model_the_vision_tower_and_the
     pf.plan.check(_model(), Cluster(nodes=1, gpus_per_node=8))
     with pytest.raises(UserError, match=r"^p.yaml: the plan needs 6 GPUs but the cluster has 4"):
         pf.plan.check(_model(), Cluster(nodes=1, gpus_per_node=4))
+
+
+def test_an_interleaved_llm_has_one_layer_count_and_recompute_mode_per_chunk():
+    """Chunk c is layer range c of the model (on rank c mod pp), each with its own recompute mode,
+    written back as read. (Reader errors: tests/test_plan_schedule.py.)"""
+    llm = {"tp": 2, "pp": 2, "dp": 1, "layers_per_stage": [0, 1, 1, 0], "recompute": ["none", "full", "none", "selective"],
+           "schedule": "interleaved", "chunks": 2}
+    plan = plan_from_dict(raw(llm=llm)).plan
+    assert (plan.layout.schedule, plan.layout.chunks, plan.layout.n_llm_chunks) == ("interleaved", 2, 4)
+    assert plan.llm.layer_ranges() == [(0, 0), (0, 1), (1, 2), (2, 2)]
+    assert plan.llm_techniques.recompute == ("none", "full", "none", "selective")
+    assert plan.to_dict(16)["llm"]["schedule"] == "interleaved" and plan.to_dict(16)["llm"]["chunks"] == 2
+    assert plan_from_dict(plan.to_dict(16)).plan == plan
+    assert "interleaved 1F1B x2 chunks" in plan.describe()

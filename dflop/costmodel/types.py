@@ -40,6 +40,9 @@ class BatchCosts:
             ``state + in_flight x activations + transient`` within the memory. Default: the
             activations (no transient).
         vision_mem_bytes: [pp_v, n] the same for vision stages.
+        llm_chunks: under interleaved 1F1B, the LLM's costs per model chunk (`LLMChunkCosts`),
+            which the simulation times; the ``llm_*`` rows above are then each pipeline rank's
+            sums over its chunks (what a rank computes and holds). None: one chunk per rank.
     """
 
     vision_fwd: np.ndarray
@@ -56,6 +59,7 @@ class BatchCosts:
     vision_mem_limit_bytes: np.ndarray
     llm_mem_bytes: np.ndarray | None = None
     vision_mem_bytes: np.ndarray | None = None
+    llm_chunks: "LLMChunkCosts | None" = None
 
     def __post_init__(self):
         for name, act in (("llm_mem_bytes", self.llm_act_bytes), ("vision_mem_bytes", self.vision_act_bytes)):
@@ -100,4 +104,41 @@ class BatchCosts:
             vision_mem_limit_bytes=self.vision_mem_limit_bytes,
             llm_mem_bytes=self.llm_mem_bytes[:, idx],
             vision_mem_bytes=self.vision_mem_bytes[:, idx],
+            llm_chunks=None if self.llm_chunks is None else self.llm_chunks.subset(idx),
         )
+
+
+@dataclass(frozen=True)
+class LLMChunkCosts:
+    """The LLM's per-sample costs per model chunk under interleaved 1F1B: chunk c (of pp * chunks,
+    in model order) runs on pipeline rank c mod pp. fwd, bwd: [pp * chunks, n] seconds per sample;
+    fwd_const, bwd_const: [pp * chunks] per bin (`BatchCosts`' meaning, per chunk)."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    fwd_const: np.ndarray
+    bwd_const: np.ndarray
+    chunks: int
+
+    @property
+    def pp(self) -> int:
+        return int(self.fwd.shape[0]) // self.chunks
+
+    def rank_of_chunk(self) -> np.ndarray:
+        """[pp * chunks] the pipeline rank of every chunk."""
+        return np.arange(self.fwd.shape[0]) % self.pp
+
+    def rank_sum(self, x: np.ndarray) -> np.ndarray:
+        """[pp, ...] the rows of `x` ([pp * chunks, ...], one per chunk) summed over each rank's chunks."""
+        rank = self.rank_of_chunk()
+        return np.stack([x[rank == r].sum(axis=0) for r in range(self.pp)])
+
+    def subset(self, idx: np.ndarray) -> "LLMChunkCosts":
+        return LLMChunkCosts(self.fwd[:, idx], self.bwd[:, idx], self.fwd_const, self.bwd_const, self.chunks)
+
+    def scaled(self, per_sample: np.ndarray, const: np.ndarray) -> "LLMChunkCosts":
+        """Each chunk scaled as its rank's row: `per_sample` [pp, n], `const` [pp] (the adaptive
+        correction's factors of the rank rows)."""
+        rank = self.rank_of_chunk()
+        return LLMChunkCosts(self.fwd * per_sample[rank], self.bwd * per_sample[rank], self.fwd_const * const[rank],
+                             self.bwd_const * const[rank], self.chunks)

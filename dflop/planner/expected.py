@@ -167,25 +167,22 @@ def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndar
 
 def schedule_timeline(pricing: Pricing, pc: PlanCosts, part: Partition, batch: Pool) -> SimResult:
     """The exact timeline of `part` under the plan's LLM pipeline schedule: interleaved plans on
-    their chunks' own times (`Pricing.chunk_batch`), each rank's tail after its last backward
-    (its first chunk's, which Megatron's order runs last); ZB-H1 with the batch's analytic W share
-    (`Pricing.wgrad_frac`)."""
+    their chunks' own times (`BatchCosts.llm_chunks`, which `simulate_times` times interleaved),
+    ZB-H1 with the batch's analytic W share (`Pricing.wgrad_frac`), 1F1B as the scheduler's."""
     lay = pricing.plan.layout
-    costs, tails = pc.costs, np.asarray(pc.allreduce_s, dtype=np.float64)
-    if lay.chunks > 1:
-        costs = pricing.chunk_batch(batch, pc.costs)
-        n_v = lay.n_vision_stages
-        tails = np.r_[tails[:n_v], tails[n_v:], np.zeros(lay.pp_l * (lay.chunks - 1))]
     frac = pricing.wgrad_frac(batch) if lay.schedule == "zb-h1" else 0.5
-    times = stage_times(costs, part.microbatch, part.replica, lay.m, lay.dp_l, lay.vision_replicas)
-    return simulate_times(times, part.order, p2p_s=pricing.p2p_s, allreduce_s=tails, schedule=lay.schedule,
-                          chunks=lay.chunks, wgrad_frac=frac)
+    times = stage_times(pc.costs, part.microbatch, part.replica, lay.m, lay.dp_l, lay.vision_replicas)
+    return simulate_times(times, part.order, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s, schedule=lay.schedule,
+                          wgrad_frac=frac)
 
 
 def schedule_step_s(pricing: Pricing, pc: PlanCosts, part: Partition, batch: Pool) -> float:
-    """Step seconds of `part` under the plan's schedule: the scheduler's own 1F1B step for 1F1B
-    plans; otherwise the partition it chose (scoring it as 1F1B, so possibly not the best for the
-    schedule: a conservative step) timed under the schedule (`schedule_timeline`)."""
+    """Step seconds of `part` (`pc`: the plan's pricing of `batch`) under the plan's schedule: the
+    scheduler's own step for 1F1B plans; otherwise `part` timed under the schedule
+    (`schedule_timeline`). `part` may come from the plan's 1F1B twin (the planner's schedule
+    screen); where it is the plan's own, an interleaved plan's step is the scheduler's (its
+    simulations time the chunks, `BatchCosts.llm_chunks`), ZB-H1's the partition it scored as
+    1F1B (possibly not the best for ZB-H1: a conservative step) timed under ZB-H1."""
     if pricing.plan.layout.schedule == "1f1b":
         return part.step_s
     return schedule_timeline(pricing, pc, part, batch).step_s
@@ -218,11 +215,7 @@ def simulate_batch(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, s
     pricing = Pricing(plan, cost, cluster, sizes)
     pc = price(pricing, batch, scheduler.policy)
     part = run_partition(pc, pricing, scheduler, seed=seed)
-    if plan.layout.schedule != "1f1b":
-        return part, schedule_timeline(pricing, pc, part, batch)
-    lay = plan.layout
-    times = stage_times(pc.costs, part.microbatch, part.replica, lay.m, lay.dp_l, lay.vision_replicas)
-    return part, simulate_times(times, part.order, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s)
+    return part, schedule_timeline(pricing, pc, part, batch)
 
 
 def _name_sample(message: str, batch: Pool) -> str:

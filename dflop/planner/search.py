@@ -438,9 +438,10 @@ def _choose_schedules(head: list[_Solved], s: SearchSettings, cost: CostModel, b
                 sm, modes = settled  # its techniques on the 1F1B layout, then the schedule's chunks
                 plan = replace(sm, layout=base.layout).plan(split, modes).with_schedule(sched, v)
             vpricing = Pricing(plan, cost, cluster, sizes)
-            # the same techniques per rank: the same times and tails as the 1F1B plan's (only the
-            # memory limits, which the timing does not read, differ)
-            same = _rank_techniques(plan) == _rank_techniques(base)
+            # one chunk per rank and the same techniques: the same times and tails as the 1F1B
+            # plan's (only the memory limits, which the timing does not read, differ); interleaved
+            # plans carry their chunks' own times (`BatchCosts.llm_chunks`)
+            same = v == 1 and _rank_techniques(plan) == _rank_techniques(base)
             step = schedule_step_s(vpricing, pc if same else vpricing.batch(batch), part, batch)
             if step < best_s:
                 best, best_s = plan, step

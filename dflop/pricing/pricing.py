@@ -14,6 +14,14 @@ node: the all-reduce line for the group size, the P2P line for hops and its cons
 latency; and each stage's tail also pays its optimizer step. On a CPU cluster a measured per-sample
 load line (`LoadLine`) is charged too, to the forward of the stage that decodes the sample (the
 trainer's loader shares those cores); on GPUs the loader hides behind the step and is not charged.
+
+Interleaved 1F1B (``llm.chunks`` = v > 1): every LLM model chunk is also priced as a stage of its
+own (its layers and recompute mode, the embedding on chunk 0, the head on the last, a hop into
+every chunk but the first) and the batch's costs carry them (`BatchCosts.llm_chunks`: what every
+simulation times, `dflop.scheduler.evaluate.simulate_times`). The LLM rows stay one per pipeline
+rank: their times the sums of the rank's chunks (what the scheduler balances), their memory the
+rank's own (its layers under the schedule's in-flight count, `Layout.in_flight`: what the memory
+guard and the planner check), and the all-reduce and optimizer tails per rank.
 """
 
 from __future__ import annotations
@@ -25,10 +33,10 @@ import numpy as np
 
 from dflop.costmodel.batch import batch_costs
 from dflop.costmodel.model import CostModel, StepCosts, charged_load_line
-from dflop.costmodel.types import BatchCosts
+from dflop.costmodel.types import BatchCosts, LLMChunkCosts
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
-from dflop.plan import Plan
+from dflop.plan import RECOMPUTE_MODES, Plan
 from dflop.pricing.cluster import Cluster, links
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.pricing.tail import stage_tails_s, step_extras_s
@@ -133,8 +141,7 @@ class Pricing:
         """Per-sample costs of the samples of `batch` (in batch order) on the plan."""
         plan, lay, sizes, link = self.plan, self.plan.layout, self.sizes, self._links
         vision, llm = plan.vision_techniques, plan.llm_techniques
-        # per LLM rank (its chunks summed under interleaving): what the scheduler balances and the
-        # memory guard checks; `chunk_batch` gives the chunks' own times for the timeline
+        # per LLM rank (its chunks' layers together): the memory the guard checks
         base = batch_costs(self.cost, batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
                            llm_layers_per_stage=list(plan.llm_rank_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
                            mem_limit_bytes=self.cluster.gpu_memory_bytes,
@@ -165,49 +172,50 @@ class Pricing:
             vis_fwd[0] += np.where(batch.n_tiles > 0, load, 0.0)
             llm_fwd[0] += np.where(batch.n_tiles > 0, 0.0, load)
         costs = replace(base, llm_fwd=llm_fwd, llm_bwd=llm_bwd, vision_fwd=vis_fwd, vision_bwd=vis_bwd)
-        busy = lay.tp_l * float((base.llm_fwd + base.llm_bwd).sum()
-                                + lay.n_bins * (base.llm_fwd_const + base.llm_bwd_const).sum())
+        compute = base
+        if lay.chunks > 1:  # the chunks' own times; a rank's time rows are their sums
+            compute, chunks = self._chunk_costs(batch, load)
+            costs = replace(costs, llm_fwd=chunks.rank_sum(chunks.fwd), llm_bwd=chunks.rank_sum(chunks.bwd),
+                            llm_fwd_const=chunks.rank_sum(chunks.fwd_const),
+                            llm_bwd_const=chunks.rank_sum(chunks.bwd_const), llm_chunks=chunks)
+        busy = lay.tp_l * float((compute.llm_fwd + compute.llm_bwd).sum()
+                                + lay.n_bins * (compute.llm_fwd_const + compute.llm_bwd_const).sum())
         busy += lay.tp_v * float((base.vision_fwd + base.vision_bwd).sum()
                                  + lay.m * lay.dp_v * (base.vision_fwd_const + base.vision_bwd_const).sum())
         return PlanCosts(costs, self.allreduce_s, busy)
 
     def _llm_rank_recompute(self) -> tuple[str, ...]:
-        try:
-            return self.plan.llm_rank_recompute()
-        except ValueError as exc:
-            raise UserError(f"{self.plan.source}: llm.recompute: {exc}") from None
+        """[pp_l] the recompute mode each LLM rank's memory is priced in: its chunks' mode or, where
+        a hand-written plan gives a rank's chunks different modes, the one of them that saves the
+        least (`RECOMPUTE_MODES` order): an upper bound on its activations. Times are the chunks' own."""
+        modes, p = self.plan.llm_techniques.recompute, self.plan.layout.pp_l
+        return tuple(min(modes[r::p], key=RECOMPUTE_MODES.index) for r in range(p))
 
-    def chunk_batch(self, batch: Pool, ranks: BatchCosts | None = None) -> BatchCosts:
-        """Per-sample costs of `batch` on every LLM model chunk of an interleaved plan ([pp_l x chunks]
-        LLM rows in chunk order, the vision rows as `batch`), with an LLM hop into every chunk after
-        the first (chunk c + 1 runs on the next rank, the wrap from the last rank to rank 0 included)
-        and the first/last extras (embeddings, head) on the first/last chunk: the timeline's
-        chunk times. Memory fields are not meaningful here (`batch` has the ranks'). ranks: this
-        batch's `batch(...).costs` when already priced (its vision rows are taken)."""
+    def _chunk_costs(self, batch: Pool, load: np.ndarray | None) -> tuple[BatchCosts, LLMChunkCosts]:
+        """(compute, with transfers) of `batch` on every LLM model chunk of an interleaved plan
+        ([pp_l x chunks] rows in chunk order): an LLM hop into every chunk after the first (chunk
+        c + 1 runs on the next rank, the wrap from the last rank to rank 0 included), the
+        first/last extras (embeddings, head) on the first/last chunk and the host's `load` where
+        `batch` charges it (chunk 0 is on LLM rank 0). Only the times are used (memory is the ranks')."""
         plan, lay, sizes, link = self.plan, self.plan.layout, self.sizes, self._links
-        n_chunks = lay.n_llm_chunks
-        chunk_rec = plan.llm_techniques.recompute
+        n_chunks, n_v = lay.n_llm_chunks, lay.n_vision_stages
         base = batch_costs(self.cost, batch.n_tiles, batch.seq_len, vision_layers_per_stage=list(plan.vision_layers),
                            llm_layers_per_stage=list(plan.llm_layers), tp_v=lay.tp_v, tp_l=lay.tp_l,
-                           mem_limit_bytes=float("inf"),
-                           in_flight_per_stage=[1] * (lay.n_vision_stages + n_chunks), colocated=lay.colocated,
-                           vision_recompute=plan.vision_techniques.recompute, llm_recompute=chunk_rec,
-                           vision_shard_over=1, llm_shard_over=1, llm_sequence_parallel_hidden=self.sp_hidden)
-        if ranks is None:  # vision rows and the load line as the plan's pricing has them
-            ranks = self.batch(batch).costs
+                           mem_limit_bytes=float("inf"), in_flight_per_stage=[1] * (n_v + n_chunks),
+                           colocated=lay.colocated, vision_recompute=plan.vision_techniques.recompute,
+                           llm_recompute=plan.llm_techniques.recompute, vision_shard_over=1, llm_shard_over=1,
+                           llm_sequence_parallel_hidden=self.sp_hidden)
         flat = replace(lay, pp_l=n_chunks, schedule="1f1b", chunks=1)
         hop = batch.seq_len * sizes.llm_token_bytes / float(link.llm_hop_bps)
         features = 0.0 if lay.colocated else batch.vision_tokens * sizes.llm_token_bytes / float(link.vision_to_llm_bps)
         fwd, bwd = stage_transfers(flat, llm_hop=hop, llm_features=features)
-        n_v = lay.n_vision_stages
         llm_fwd, llm_bwd = base.llm_fwd.copy(), base.llm_bwd.copy()
         for c in range(n_chunks):
             llm_fwd[c] += fwd[n_v + c]
             llm_bwd[c] += bwd[n_v + c]
-        load = self.load_s(batch)
-        if load is not None:  # the same stage decodes as in `batch`: chunk 0 is on LLM rank 0
+        if load is not None:
             llm_fwd[0] += np.where(batch.n_tiles > 0, 0.0, load) if n_v else load
-        return replace(base, llm_fwd=llm_fwd, llm_bwd=llm_bwd, vision_fwd=ranks.vision_fwd, vision_bwd=ranks.vision_bwd)
+        return base, LLMChunkCosts(llm_fwd, llm_bwd, base.llm_fwd_const, base.llm_bwd_const, lay.chunks)
 
     def wgrad_frac(self, batch: Pool) -> float:
         """Share of the LLM's backward that computes weight gradients (ZB-H1's W), from FLOP counts:

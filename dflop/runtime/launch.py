@@ -91,17 +91,18 @@ def srun_environment(env: dict | None = None) -> dict:
             if not k.startswith(("SLURM_", "SRUN_", "SBATCH_")) or k in ("SLURM_JOB_ID", "SLURM_CONF")}
 
 
-TRAINABLE_SCHEDULES = ("1f1b",)  # LLM pipeline schedules the trainer's executor runs
+TRAINABLE_SCHEDULES = ("1f1b", "interleaved")  # LLM pipeline schedules the executor runs (`runtime.schedule`)
 
 
 def check_trainable_schedule(plan) -> None:
     """One-line UserError unless the trainer runs the plan's LLM schedule (plan.yaml `llm.schedule`):
-    the planner may predict interleaved 1F1B or ZB-H1 (`planner.schedules`), the executor runs 1F1B."""
+    the planner may also predict ZB-H1 (`planner.schedules`), which the executor does not run yet
+    (it needs a backward split into input and weight gradients)."""
     lay = plan.layout
     if lay.schedule not in TRAINABLE_SCHEDULES:
         raise UserError(f"{plan.source}: llm.schedule is {lay.schedule} (chunks {lay.chunks}), which the trainer "
                         f"does not run yet (it runs {', '.join(TRAINABLE_SCHEDULES)}): re-plan with "
-                        f"planner.schedules: [1f1b]")
+                        f"planner.schedules: [{', '.join(TRAINABLE_SCHEDULES)}]")
 
 
 def check_before_launch(cfg, plan_path: str | Path) -> None:

@@ -55,17 +55,27 @@ FREEZE_PREFIXES = {
 class RankModules(nn.Module):
     """This rank's modules: ``vision`` (a VisionStage) and/or ``llm`` (an LLMStage).
 
+    llm_chunks: every LLM stage of this rank by local chunk index (one, or v under interleaved
+    1F1B: virtual stages r, r + pp, ...); ``llm`` is the first (the only one when v = 1).
+
     full: the rank's full transformers model (stages are views of it; the checkpoint names
     parameters through it); tensors outside this rank's stages are on the meta device.
     sharded: the stages FSDP2 shards (`dflop.runtime.sharding`).
     """
 
-    def __init__(self, full: PreTrainedModel, vision: VisionStage | None, llm: LLMStage | None):
+    def __init__(self, full: PreTrainedModel, vision: VisionStage | None, llm: LLMStage | list[LLMStage] | None):
         super().__init__()
+        chunks = [] if llm is None else list(llm) if isinstance(llm, (list, tuple)) else [llm]
         self.vision = vision
-        self.llm = llm
+        self.llm = chunks[0] if chunks else None
+        self.llm_chunks = nn.ModuleList(chunks)
         object.__setattr__(self, "full", full)  # not a submodule: its parameters are not all ours
         self.sharded: list = []
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """This rank's stages: its vision stage and every LLM chunk it holds."""
+        return ([self.vision] if self.vision is not None else []) + list(self.llm_chunks)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         seen, out = set(), []
@@ -84,23 +94,24 @@ def build_rank_modules(topo: Topology, handle: ModelHandle, seed: int, device: t
     plan.check(handle.info)  # every rank refuses, before any collective
     model = handle.build_on_meta()
     config = model.config
-    vision = llm = None
+    vision = None
     untrained: set[str] = set()
     if topo.vision_role is not None:
         role = topo.vision_role
         vision = VisionStage(model, role.stage, role.n_stages, plan.vision.layer_ranges()[role.stage])
         if role.is_last:
             untrained = untrained_parameter_names(full_model_on_meta(config))
-    if topo.llm_role is not None:
-        role = topo.llm_role
-        llm = LLMStage(model, role.stage, role.n_stages, plan.llm.layer_ranges()[role.stage])
+    llm: list[LLMStage] = []
+    if topo.llm_role is not None:  # one stage, or v model chunks (virtual stages) under interleaving
+        n_chunks = plan.layout.n_llm_chunks
+        llm = [LLMStage(model, c, n_chunks, plan.llm.layer_ranges()[c]) for c in topo.rank_chunks(topo.llm_role)]
     fill = handle.materializer(model, seed=seed, device=device)
     fill(untrained, optional=untrained)
-    modules = RankModules(model, vision, llm)
-    for module, stage, role in ((VISION, vision, topo.vision_role), (LLM, llm, topo.llm_role)):
-        if stage is None:
-            continue
-        sharded = parallelize_stage(stage, topo.layout(module), role.stage, topo, full=model,
+    modules = RankModules(model, vision, llm or None)
+    stages = [(VISION, vision, topo.vision_role.stage)] if vision is not None else []
+    stages += [(LLM, chunk, c) for chunk, c in zip(llm, topo.rank_chunks(topo.llm_role) if llm else [])]
+    for module, stage, index in stages:
+        sharded = parallelize_stage(stage, topo.layout(module), index, topo, full=model,
                                     device_type=torch.device(device).type, materialize=fill.module,
                                     freeze=lambda part: freeze(model, part, handle.spec))
         if sharded is not None:
@@ -120,7 +131,7 @@ def freeze(full: PreTrainedModel, stage: nn.Module, spec: ModelSpec) -> None:
 
 def parameter_names(modules: RankModules) -> dict[int, str]:
     """id(parameter) -> global name, without the checkpoint module (identity, then TP wrappers)."""
-    return _global_names(modules.full, [part for part in (modules.vision, modules.llm) if part is not None])
+    return _global_names(modules.full, modules.parts)
 
 
 def _global_names(full: PreTrainedModel, parts: list[nn.Module]) -> dict[int, str]:

@@ -21,8 +21,10 @@ NCCL a batch is one request, so the compute stream's next work also waits for th
 (as in Megatron): sends overlap the next op's compute on gloo only.
 
 Tags keep the channels of one pair of ranks apart on gloo: ``4 * position + 2 * direction + part``
-(direction 0 = activations forward, 1 = gradients backward; part 0 = header, 1 = data). NCCL ignores
-tags and matches a pair's messages in issue order, which is the same order on both ends.
+(direction 0 = activations forward, 1 = gradients backward; part 0 = header, 1 = data), plus the
+LLM chunk boundary in the high bits under interleaved 1F1B (`CHUNK_SHIFT`). NCCL ignores
+tags and matches a pair's messages in issue order, which is the same order on both ends (under
+interleaved 1F1B with pp = 2 both neighbours are one rank and that is not yet checked on NCCL).
 
 When tracing (`spans`, `dflop.runtime.spans`), each message is a span: a send's is the issue of
 its batch, a receive's the batch's issue and wait (header and data); `wait_sends` is one more.
@@ -47,8 +49,15 @@ FORWARD, BACKWARD = 0, 1
 _WHAT = ("activation", "gradient")
 
 
-def _tag(position: int, direction: int, part: int) -> int:
-    return 4 * position + 2 * direction + part
+#: A message's model-chunk boundary goes in the tag's high bits (0 for every message outside
+#: interleaved 1F1B, whose tags are therefore the plain ``4 * position + 2 * direction + part``).
+CHUNK_SHIFT = 20
+
+
+def _tag(position: int, direction: int, part: int, chunk: int = 0) -> int:
+    if not 0 <= position < 2 ** (CHUNK_SHIFT - 2) or not 0 <= chunk < 2 ** (31 - CHUNK_SHIFT):
+        raise ValueError(f"p2p: position {position} / chunk boundary {chunk} does not fit in a message tag")
+    return 4 * position + 2 * direction + part + (chunk << CHUNK_SHIFT)
 
 
 @dataclass(frozen=True)
@@ -57,12 +66,16 @@ class Message:
 
     peer: the other end's global rank; position: the microbatch's execution position in the step;
     direction: FORWARD (activations) or BACKWARD (gradients); shape: the tensor's shape, known to
-    both ends from the plan (None: unknown to the receiver, sent in a header)."""
+    both ends from the plan (None: unknown to the receiver, sent in a header); chunk: under
+    interleaved 1F1B the LLM chunk boundary it crosses (virtual stage c for the activation from
+    chunk c - 1 to chunk c and the gradient back), which keeps a pair's messages of one position
+    apart (0 otherwise)."""
 
     peer: int
     position: int
     direction: int
     shape: tuple[int, ...] | None
+    chunk: int = 0
 
     @property
     def numel(self) -> int:
@@ -141,7 +154,7 @@ class P2P:
 
     @staticmethod
     def _op(op, tensor: torch.Tensor, message: Message, part: int) -> dist.P2POp:
-        return dist.P2POp(op, tensor, message.peer, tag=_tag(message.position, message.direction, part))
+        return dist.P2POp(op, tensor, message.peer, tag=_tag(message.position, message.direction, part, message.chunk))
 
     def _issue(self, ops: list[dist.P2POp]) -> None:
         """One batch: wait for its receives; keep its sends (and their buffers) pending.

@@ -2,9 +2,17 @@
 
 Every rank runs the textbook schedule for its position in the chain (`Topology.pipeline_stage`):
 warm-up forwards, steady one-forward-one-backward, cool-down backwards (GPipe: all forwards, then
-all backwards), over the microbatches in the order the scheduler chose. Microbatch p of the step
-is `StepPlan.bins[p]` (one packed row per LLM replica) and `StepPlan.vision_shares[p]` (one share of
-its images per vision replica).
+all backwards), over the microbatches in the order the scheduler chose. Under a plan whose LLM runs
+interleaved 1F1B (``llm.schedule: interleaved``, ``llm.chunks`` = v) each LLM rank holds v model
+chunks and runs Megatron-LM's interleaved order, the simulator's (`dflop.sim.llm_rank_op_order`),
+each op naming its chunk; vision stages in front of it stay 1F1B with the simulator's warm-up
+(`dflop.sim.vision_op_order`), so the executor runs exactly the order the step was priced with.
+Microbatch p of the step is `StepPlan.bins[p]` (one packed row per LLM replica) and
+`StepPlan.vision_shares[p]` (one share of its images per vision replica).
+
+Under interleaving, forward and backward busy seconds per position sum the rank's chunks, and the
+gradient sync is still armed before the rank's last backward (its first chunk's): the buckets of
+its later chunks, launched first, then start after the pipeline, so no bucket overlaps the backward.
 
 Messages (`P2P`): between stages of one module, activations forward and gradients back between
 the same replica and TP rank. The last vision stage sends each LLM replica the features of the
@@ -33,6 +41,7 @@ import numpy as np
 import torch
 
 from dflop.data.training import LoadedSample
+from dflop.errors import UserError
 from dflop.models.packing import IGNORE_INDEX, PackedSequence
 from dflop.models.precision import Precision
 from dflop.scheduler.online import StepPlan
@@ -42,6 +51,7 @@ from dflop.runtime.p2p import BACKWARD, FORWARD, P2P, Message
 from dflop.runtime.spans import SpanRecorder
 from dflop.runtime.topology import VISION, Topology
 from dflop.runtime.vision import VisionRunner
+from dflop.sim.schedules import first_chunk_peak, llm_rank_op_order, vision_op_order
 
 SCHEDULES = ("1f1b", "gpipe")
 PAD_TOKEN_ID = 0
@@ -59,6 +69,27 @@ def op_order(schedule: str, stage: int, n_stages: int, m: int) -> list[tuple[str
         ops += [("F", warmup + i), ("B", i)]
     ops += [("B", p) for p in range(m - warmup, m)]       # cool-down
     return ops
+
+
+def rank_op_order(topo: Topology, schedule: str, m: int) -> list[tuple[str, int, int]]:
+    """This rank's ops as ("F" | "B", local chunk, position), in the order it runs them: `op_order`
+    of its stage (chunk 0) under a one-chunk plan; under interleaved 1F1B the simulator's orders."""
+    lay = topo.plan.layout
+    if lay.schedule == "1f1b":
+        return [(kind, 0, p) for kind, p in op_order(schedule, topo.pipeline_stage, topo.n_pipeline_stages, m)]
+    if lay.schedule != "interleaved":
+        raise UserError(f"{topo.plan.source}: llm.schedule {lay.schedule}: the trainer has no executor for it "
+                        f"(it runs 1f1b and interleaved)")
+    if schedule != "1f1b":
+        raise UserError(f"train.schedule {schedule} cannot run {topo.plan.source}, whose llm.schedule is "
+                        f"interleaved (set train.schedule: 1f1b)")
+    kinds = "FB"
+    if topo.llm_role is not None:
+        return [(kinds[kind], k, p) for kind, k, p in
+                llm_rank_op_order("interleaved", topo.llm_role.stage, lay.pp_l, m, lay.chunks)]
+    lead = first_chunk_peak(llm_rank_op_order("interleaved", 0, lay.pp_l, m, lay.chunks))
+    return [(kinds[kind], 0, p) for kind, p in
+            vision_op_order("interleaved", topo.vision_role.stage, lay.n_vision_stages, lead, m)]
 
 
 def host_cat(tensors: list[torch.Tensor], *, pin: bool) -> torch.Tensor:
@@ -185,6 +216,10 @@ class PipelineExecutor:
         self._d_model = info.llm_hidden
         sharding = modules.llm.sequence_sharding if modules.llm is not None else None
         self._sequence_shards = sharding.tp.size if sharding is not None else 1
+        # virtual stage of each local LLM chunk; messages name chunk boundaries only when v > 1
+        self._virtual = topo.rank_chunks(topo.llm_role) if topo.llm_role is not None else []
+        self._chunk_tags = topo.llm_chunks > 1
+        rank_op_order(topo, schedule, topo.plan.microbatches)  # refuses a schedule it cannot run, now
 
     # -- the schedule ------------------------------------------------------------------------
 
@@ -201,19 +236,22 @@ class PipelineExecutor:
         self._n_answer = 0
         self._tokens = 0
         sent_before = self.p2p.bytes_sent
-        ops = op_order(self.schedule, self.topo.pipeline_stage, self.topo.n_pipeline_stages, m)
-        last_backward = max((i for i, (kind, _) in enumerate(ops) if kind == "B"), default=None)
+        ops = rank_op_order(self.topo, self.schedule, m)
+        last_backward = max((i for i, (kind, _, _) in enumerate(ops) if kind == "B"), default=None)
         received = self.p2p.exchange([], self._incoming(*ops[0])) if ops else []
-        for i, (kind, position) in enumerate(ops):
+        for i, (kind, chunk, position) in enumerate(ops):
             if i == last_backward and before_last_backward is not None:
                 before_last_backward()
-            sends = self._forward(position, received) if kind == "F" else self._backward(position, received)
+            if kind == "F":
+                sends = self._forward(chunk, position, received)
+            else:
+                sends = self._backward(chunk, position, received)
             received = self.p2p.exchange(sends, self._incoming(*ops[i + 1]) if i + 1 < len(ops) else [])
         self.p2p.wait_sends()
         self._timer.finish()
         self.spans.label_microbatches(plan.microbatch_ids)
         if self._saved:
-            raise RuntimeError(f"microbatches {sorted(self._saved)} ran forward but not backward")
+            raise RuntimeError(f"(chunk, microbatch) {sorted(self._saved)} ran forward but not backward")
         return StepResult(float(self._loss_sum), self._n_answer, self._timer.fwd, self._timer.bwd,
                           self.p2p.bytes_sent - sent_before, self._tokens)
 
@@ -222,8 +260,8 @@ class PipelineExecutor:
         inputs), before the step runs again."""
         self._saved, self._inputs = {}, {}
 
-    def _incoming(self, kind: str, p: int) -> list[Message]:
-        """The messages op (kind, p) receives, in the order it reads them."""
+    def _incoming(self, kind: str, k: int, p: int) -> list[Message]:
+        """The messages op (kind, local chunk k, position p) receives, in the order it reads them."""
         role = self.topo.vision_role if self.topo.llm_role is None else self.topo.llm_role
         if role.module == VISION:
             share = self._plan.vision_shares[p][role.replica]
@@ -240,24 +278,33 @@ class PipelineExecutor:
         bin_ = self._plan.bins[p][role.replica]
         if not bin_:
             return []
+        stage = self.modules.llm_chunks[k]
         if kind == "B":
-            return [] if role.is_last else [Message(self.topo.next_rank(role), p, BACKWARD, self._llm_shape(bin_))]
-        if not role.is_first:
-            return [Message(self.topo.prev_rank(role), p, FORWARD, self._llm_shape(bin_))]
+            return [] if stage.is_last else [self._llm_message(k, p, bin_, BACKWARD, to_next=True)]
+        if not stage.is_first:
+            return [self._llm_message(k, p, bin_, FORWARD, to_next=False)]
         if self.topo.plan.colocated:
             return []
         return [Message(self.topo.feature_source(v), p, FORWARD, self._feature_shape(selected))
                 for v, selected in self._bin_by_vision_replica(p, bin_)]
 
-    def _forward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
+    def _forward(self, k: int, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
         if self.topo.llm_role is None:
             return self._vision_forward(p, received)
-        return self._llm_forward(p, received)
+        return self._llm_forward(k, p, received)
 
-    def _backward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
+    def _backward(self, k: int, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
         if self.topo.llm_role is None:
             return self._vision_backward(p, received)
-        return self._llm_backward(p, received)
+        return self._llm_backward(k, p, received)
+
+    def _llm_message(self, k: int, p: int, bin_, direction: int, *, to_next: bool) -> Message:
+        """The message between local LLM chunk k and the chunk after it (`to_next`) or before it,
+        for position p: peer from the chunk map (`Topology.chunk_rank`), shape from the bin."""
+        c = self._virtual[k]
+        other = c + 1 if to_next else c - 1
+        return Message(self.topo.chunk_rank(self.topo.llm_role, other), p, direction, self._llm_shape(bin_),
+                       max(c, other) if self._chunk_tags else 0)
 
     def _autocast(self):
         return self.precision.autocast(self.device)
@@ -338,7 +385,7 @@ class PipelineExecutor:
         with self._timer.measure("F", p), torch.set_grad_enabled(self.vision_backward), self._autocast():
             out = self.vision_runner(x, layouts)
         if self.vision_backward:
-            self._saved[p] = _Saved(x, out)
+            self._saved[0, p] = _Saved(x, out)
         if not stage.is_last:
             return [(Message(self.topo.next_rank(role), p, FORWARD, self._vision_shape(share)), out)]
         rows = self._split_rows(out, share)
@@ -354,7 +401,7 @@ class PipelineExecutor:
         share = self._plan.vision_shares[p][role.replica]
         if not share or not self.vision_backward:
             return []
-        saved = self._saved.pop(p)
+        saved = self._saved.pop((0, p))
         if stage.is_last:
             grads = {}
             for (_, selected), message in zip(self._share_by_llm_replica(p, share), received, strict=True):
@@ -394,8 +441,8 @@ class PipelineExecutor:
         """The bin's samples that have images, in bin order (the order of its feature rows)."""
         return [i for i in bin_ if self._plan.n_tiles[i] > 0]
 
-    def _llm_forward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
-        role, stage = self.topo.llm_role, self.modules.llm
+    def _llm_forward(self, k: int, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
+        role, stage = self.topo.llm_role, self.modules.llm_chunks[k]
         bin_ = self._plan.bins[p][role.replica]
         if not bin_:
             return []
@@ -421,24 +468,24 @@ class PipelineExecutor:
             kwargs.update(shift_labels=self._upload([shift]), num_items_in_batch=1)  # loss = sum over answer tokens
         with self._timer.measure("F", p), self._autocast():
             out = stage(x, packed, **kwargs)
-        self._saved[p] = _Saved(None if stage.is_first else x, out, features)
+        self._saved[k, p] = _Saved(None if stage.is_first else x, out, features)
         if stage.is_last:
             self._loss_sum += out.detach().double()  # on the device; read once, at the step's end
             return []
-        return [(Message(self.topo.next_rank(role), p, FORWARD, self._llm_shape(bin_)), out)]
+        return [(self._llm_message(k, p, bin_, FORWARD, to_next=True), out)]
 
-    def _llm_backward(self, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
-        role, stage = self.topo.llm_role, self.modules.llm
+    def _llm_backward(self, k: int, p: int, received: list[torch.Tensor]) -> list[tuple[Message, torch.Tensor]]:
+        role, stage = self.topo.llm_role, self.modules.llm_chunks[k]
         bin_ = self._plan.bins[p][role.replica]
         if not bin_:
             return []
-        saved = self._saved.pop(p)
+        saved = self._saved.pop((k, p))
         grad = None if stage.is_last else received[0]
         with self._timer.measure("B", p):
             if saved.output.requires_grad:
                 saved.output.backward(None if grad is None else grad.to(saved.output.dtype))
         if not stage.is_first:
-            return [(Message(self.topo.prev_rank(role), p, BACKWARD, self._llm_shape(bin_)), saved.inputs.grad)]
+            return [(self._llm_message(k, p, bin_, BACKWARD, to_next=False), saved.inputs.grad)]
         if self.topo.plan.colocated or saved.features is None or not self.model.vision_side_trainable:
             return []
         rows = self._split_rows(saved.features.grad, self._with_tiles(bin_))

@@ -7,7 +7,10 @@ vision ranks [0, V) then LLM ranks [V, world); colocated placement: the vision t
 ranks of LLM stage 0 with the LLM's dp and tp (vision pp = 1).
 
 The 1F1B chain sees one pipeline of ``pp_v + pp_l`` stages (disjoint; vision first) or ``pp_l``
-stages (colocated; vision inside stage 0). Every replica of a stage runs the same schedule.
+stages (colocated; vision inside stage 0). Every replica of a stage runs the same schedule. Under
+interleaved 1F1B (``llm.chunks`` = v > 1) LLM stage r holds the model chunks r, r + pp_l, ...
+(`rank_chunks`), and chunk c sends to the stage of chunk c + 1 (`chunk_rank`): the last stage's
+chunks feed the first stage's next ones. The embedding stays on stage 0 and the head on the last.
 
 Model and schedule code ask this object for ranks and groups; they never build groups themselves.
 The arithmetic (`rank_of`, roles, peers) needs no process group, so it is unit-tested directly;
@@ -154,6 +157,21 @@ class Topology:
 
     def next_rank(self, role: StageRole) -> int:
         return self.rank_of(role.module, role.stage + 1, role.replica, role.tp_rank)
+
+    @property
+    def llm_chunks(self) -> int:
+        """LLM model chunks per pipeline rank (v of interleaved 1F1B; 1 otherwise)."""
+        return self.plan.layout.chunks
+
+    def chunk_rank(self, role: StageRole, chunk: int) -> int:
+        """The rank running LLM model chunk (virtual stage) `chunk` for `role`'s replica and tp
+        rank: chunk c runs on LLM stage c mod pp (rank r holds chunks r, r + pp, ...)."""
+        return self.rank_of(LLM, chunk % self.plan.llm.pp, role.replica, role.tp_rank)
+
+    def rank_chunks(self, role: StageRole) -> list[int]:
+        """The virtual stages of the LLM chunks `role`'s rank holds, by local chunk index."""
+        pp = self.plan.llm.pp
+        return [k * pp + role.stage for k in range(self.llm_chunks)]
 
     def feature_destinations(self) -> dict[int, list[int]]:
         """Last vision stage: LLM replica -> first-LLM-stage ranks this rank sends features to.

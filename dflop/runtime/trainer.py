@@ -161,8 +161,7 @@ class Trainer:
 
     def _setup_parameters(self) -> None:
         """Global names, replication info, optimizer and LR schedule."""
-        self.rank_params = rank_parameters(self.modules.full,
-                                           [m for m in (self.modules.vision, self.modules.llm) if m is not None])
+        self.rank_params = rank_parameters(self.modules.full, self.modules.parts)
         self.param_infos = infos = param_infos(self.modules, self.topo, self.rank_params)
         t = self.settings.train
         self.sync = GradientSync(self.topo, infos, overlap=t.overlap_grad_sync)

@@ -313,7 +313,8 @@ class AdaptiveCorrection:
                        llm_fwd=costs.llm_fwd * sl, llm_bwd=costs.llm_bwd * sl,
                        vision_fwd_const=costs.vision_fwd_const * kv * fv[-1],
                        vision_bwd_const=costs.vision_bwd_const * kv * fv[-1],
-                       llm_fwd_const=costs.llm_fwd_const * kl * fl[-1], llm_bwd_const=costs.llm_bwd_const * kl * fl[-1])
+                       llm_fwd_const=costs.llm_fwd_const * kl * fl[-1], llm_bwd_const=costs.llm_bwd_const * kl * fl[-1],
+                       llm_chunks=None if costs.llm_chunks is None else costs.llm_chunks.scaled(sl, kl * fl[-1]))
 
     def stage_multipliers(self, pp: int, mod: str) -> np.ndarray:
         """[pp] learned scale of each of `mod`'s stages (ones before it has seen this many stages)."""

@@ -1,5 +1,9 @@
 """Stage times of an assignment, its simulated 1F1B step, the fast proxy, and the lower bound.
 
+Under interleaved 1F1B (`BatchCosts.llm_chunks`) the LLM rows are pipeline ranks (what the
+partitioners balance) and the simulations time the chunks with the simulator's interleaved
+schedule (`simulate_times`, `simulate_steps`); the lower bound stays the ranks' 1F1B one.
+
 Model (DESIGN §5): the global batch is split into ``m`` microbatches x ``dp_llm`` bins. Bin
 ``b = j * dp_llm + r`` is microbatch ``j`` on LLM replica ``r``. On LLM stage ``k`` the bin's time is
 ``llm_const[k] + sum of its samples' costs`` (packed, attention does not cross samples). On vision
@@ -23,12 +27,33 @@ class StageTimes:
     """Forward/backward seconds of every microbatch on every stage, by microbatch id.
 
     vision_fwd, vision_bwd: [pp_v, m]; llm_fwd, llm_bwd: [dp_llm, pp_l, m].
+    llm_chunk_fwd, llm_chunk_bwd: under interleaved 1F1B [dp_llm, pp_l * chunks, m] per model
+    chunk (what is simulated), else None.
     """
 
     vision_fwd: np.ndarray
     vision_bwd: np.ndarray
     llm_fwd: np.ndarray
     llm_bwd: np.ndarray
+    llm_chunk_fwd: np.ndarray | None = None
+    llm_chunk_bwd: np.ndarray | None = None
+    chunks: int = 1
+
+    def simulated(self) -> tuple[np.ndarray, np.ndarray, dict]:
+        """(LLM forward, LLM backward, schedule keywords) the simulation runs: the chunks under
+        interleaving, else the stages under 1F1B."""
+        if self.llm_chunk_fwd is None:
+            return self.llm_fwd, self.llm_bwd, {}
+        return self.llm_chunk_fwd, self.llm_chunk_bwd, {"schedule": "interleaved", "chunks": self.chunks}
+
+    def chunk_allreduce(self, allreduce_s) -> np.ndarray | float:
+        """`allreduce_s` ([vision stages + pp_l], or a scalar) per simulated row: under
+        interleaving each chunk pays its rank's tail (the rank's last backward ends it)."""
+        if self.llm_chunk_fwd is None or np.ndim(allreduce_s) == 0:
+            return allreduce_s
+        n_v, pp = self.vision_fwd.shape[0], self.llm_fwd.shape[1]
+        tails = np.asarray(allreduce_s, dtype=np.float64)
+        return np.concatenate([tails[:n_v], tails[n_v:][np.arange(pp * self.chunks) % pp]])
 
     def microbatch_weight(self) -> np.ndarray:
         """[m] seconds of each microbatch on its busiest stage and replica (forward + backward)."""
@@ -52,30 +77,38 @@ def stage_times(costs: BatchCosts, microbatch: np.ndarray, replica: np.ndarray, 
             return np.zeros((0, m))
         return np.stack([np.bincount(microbatch, weights=row, minlength=m) for row in x]) / dp_vision
 
+    chunks = costs.llm_chunks
     return StageTimes(
         vision_fwd=per_mb(costs.vision_fwd) + costs.vision_fwd_const[:, None],
         vision_bwd=per_mb(costs.vision_bwd) + costs.vision_bwd_const[:, None],
         llm_fwd=per_bin(costs.llm_fwd) + costs.llm_fwd_const[None, :, None],
         llm_bwd=per_bin(costs.llm_bwd) + costs.llm_bwd_const[None, :, None],
+        llm_chunk_fwd=None if chunks is None else per_bin(chunks.fwd) + chunks.fwd_const[None, :, None],
+        llm_chunk_bwd=None if chunks is None else per_bin(chunks.bwd) + chunks.bwd_const[None, :, None],
+        chunks=1 if chunks is None else chunks.chunks,
     )
 
 
 def simulate_times(times: StageTimes, order=None, *, p2p_s: float = 0.0, allreduce_s=0.0, schedule: str = "1f1b",
-                   chunks: int = 1, wgrad_frac=0.5) -> SimResult:
+                   wgrad_frac=0.5) -> SimResult:
     """The exact step of these stage times (vision stages coupled to every LLM replica) under the
-    LLM's pipeline `schedule` (1F1B by default; `dflop.sim.simulate_dp`)."""
-    return simulate_dp(times.vision_fwd, times.vision_bwd, times.llm_fwd, times.llm_bwd,
-                       order=order, p2p_s=p2p_s, allreduce_s=allreduce_s, schedule=schedule, chunks=chunks,
-                       wgrad_frac=wgrad_frac)
+    LLM's pipeline `schedule` (`dflop.sim.simulate_dp`; ZB-H1 with the W share `wgrad_frac`):
+    interleaved 1F1B of the chunks wherever the times carry them (an interleaved plan's pricing)."""
+    llm_fwd, llm_bwd, chunked = times.simulated()
+    return simulate_dp(times.vision_fwd, times.vision_bwd, llm_fwd, llm_bwd, order=order, p2p_s=p2p_s,
+                       allreduce_s=times.chunk_allreduce(allreduce_s), wgrad_frac=wgrad_frac,
+                       **(chunked or {"schedule": schedule}))
 
 
 def simulate_steps(times: list[StageTimes], orders: list[np.ndarray], *, p2p_s: float = 0.0,
                    allreduce_s=0.0) -> np.ndarray:
     """[C] exact 1F1B step seconds of ``times[c]`` run in ``orders[c]``, in one pass (equal to
     `simulate_times` of each, bit for bit; all candidates must share the layout)."""
+    llm = [t.simulated() for t in times]
     return simulate_dp_steps(np.stack([t.vision_fwd for t in times]), np.stack([t.vision_bwd for t in times]),
-                             np.stack([t.llm_fwd for t in times]), np.stack([t.llm_bwd for t in times]),
-                             np.stack(orders), p2p_s=p2p_s, allreduce_s=allreduce_s)
+                             np.stack([f for f, _, _ in llm]), np.stack([b for _, b, _ in llm]),
+                             np.stack(orders), p2p_s=p2p_s, allreduce_s=times[0].chunk_allreduce(allreduce_s),
+                             **llm[0][2])
 
 
 def memory_ok(costs: BatchCosts, microbatch: np.ndarray, replica: np.ndarray, m: int, dp_llm: int,

@@ -3,9 +3,11 @@ heterogeneous microbatches, stages and data-parallel replicas, and a Gantt chart
 
 from dflop.sim.gantt import plot_gantt
 from dflop.sim.pipeline import SimResult, simulate, simulate_dp, simulate_dp_steps, simulate_rows
-from dflop.sim.schedules import (SCHEDULES, SPLIT_BACKWARD, interleaved_op_order, interleaved_warmup,
-                                 stage_op_order, zb_h1_op_order)
+from dflop.sim.schedules import (SCHEDULES, SPLIT_BACKWARD, first_chunk_peak, interleaved_op_order,
+                                 interleaved_warmup, llm_rank_op_order, stage_op_order, vision_op_order,
+                                 zb_h1_op_order)
 
-__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "SimResult", "interleaved_op_order", "interleaved_warmup",
+__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "SimResult", "first_chunk_peak", "interleaved_op_order",
+           "interleaved_warmup", "llm_rank_op_order", "vision_op_order",
            "plot_gantt", "simulate", "simulate_dp", "simulate_dp_steps", "simulate_rows",
            "stage_op_order", "zb_h1_op_order"]

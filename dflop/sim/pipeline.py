@@ -34,8 +34,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from dflop.sim.schedules import (B, F, SCHEDULES, SPLIT_BACKWARD, W, _one_f_one_b, interleaved_op_order,
-                                  stage_op_order, zb_h1_op_order)
+from dflop.sim.schedules import (B, F, SCHEDULES, SPLIT_BACKWARD, W, first_chunk_peak, llm_rank_op_order,
+                                  stage_op_order, vision_op_order)
 
 
 @dataclass(frozen=True)
@@ -189,25 +189,15 @@ def _device_orders(stage_replicas: tuple[int, ...], row_of: list[list[int]], m: 
 
     for r in range(p):
         g0 = n_vis + r
-        if schedule == "interleaved":
-            chunk_ops = interleaved_op_order(r, p, chunks, m)
-        elif schedule == "zb-h1":
-            chunk_ops = [(kind, 0, j) for kind, j in zb_h1_op_order(r, p, m)]
-        else:
-            chunk_ops = [(kind, 0, j) for kind, j in stage_op_order(schedule, r, p, m)]
+        chunk_ops = llm_rank_op_order(schedule, r, p, m, chunks)
+        if r == 0:
+            lead = first_chunk_peak(chunk_ops)
         for q in range(stage_replicas[g0]):
             device = row_device[row_of[g0][q]]
             orders[device] = [(row_of[g0 + k * p][q], kind, j) for kind, k, j in chunk_ops]
 
-    first = row_of[n_vis][0]
-    count = lead = 0
-    for row, kind, _ in orders[row_device[first]]:
-        if row == first:
-            count += (kind == F) - (kind == B)
-            lead = max(lead, count)
     for g in range(n_vis):
-        ops = (stage_op_order("gpipe", g, n_vis, m) if schedule == "gpipe"
-               else _one_f_one_b(lead + n_vis - g - 1, m))
+        ops = vision_op_order(schedule, g, n_vis, lead, m)
         for row in row_of[g]:
             orders[row_device[row]] = [(row, kind, j) for kind, j in ops]
     return row_device, orders

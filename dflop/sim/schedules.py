@@ -127,3 +127,35 @@ def zb_h1_op_order(stage: int, p: int, m: int) -> list[tuple[int, int]]:
                 w_done += 1
     return ops + [(W, j) for j in range(w_done, m)]
 
+
+
+def llm_rank_op_order(schedule: str, rank: int, p: int, m: int, chunks: int = 1) -> list[tuple[int, int, int]]:
+    """The ops of LLM pipeline rank ``rank`` of ``p`` under ``schedule`` as (kind, local chunk,
+    position) triples (chunk 0 unless interleaved; ZB-H1's W ops have kind `W`)."""
+    if schedule == "interleaved":
+        return interleaved_op_order(rank, p, chunks, m)
+    if chunks != 1:
+        raise ValueError(f"schedule {schedule!r} runs one model chunk per rank, got chunks={chunks}")
+    if schedule == "zb-h1":
+        return [(kind, 0, j) for kind, j in zb_h1_op_order(rank, p, m)]
+    return [(kind, 0, j) for kind, j in stage_op_order(schedule, rank, p, m)]
+
+
+def first_chunk_peak(rank0_ops: list[tuple[int, int, int]]) -> int:
+    """The most microbatches in flight on the LLM's first stage (chunk 0 of rank 0's ops): the
+    count the vision stages in front of it warm up to (`vision_op_order`)."""
+    count = lead = 0
+    for kind, chunk, _ in rank0_ops:
+        if chunk == 0:
+            count += (kind == F) - (kind == B)
+            lead = max(lead, count)
+    return lead
+
+
+def vision_op_order(schedule: str, stage: int, n_vision: int, lead: int, m: int) -> list[tuple[int, int]]:
+    """Vision stage ``stage`` of ``n_vision`` in front of the LLM, whatever the LLM runs: 1F1B with
+    ``lead + n_vision - stage - 1`` warm-up forwards, ``lead`` = `first_chunk_peak` (GPipe under
+    ``gpipe``). Under a plain 1F1B LLM this is 1F1B over the whole pipeline."""
+    if schedule == "gpipe":
+        return stage_op_order("gpipe", stage, n_vision, m)
+    return _one_f_one_b(lead + n_vision - stage - 1, m)

@@ -69,9 +69,13 @@ def run_case(case: dict, shapes: str, manifest: str, device: torch.device) -> No
     save_file(grads, out / f"grads_rank{trainer.rank}.safetensors")
     (out / f"shards_rank{trainer.rank}.json").write_text(json.dumps(shards))
     # what this rank's stages recompute, and the attention function their layers call
-    recompute = {part: [trainer.topo.vision_role.stage if part == "vision" else trainer.topo.llm_role.stage,
-                        stage.recompute, [attention_module(layer).config._attn_implementation for layer in stage.layers]]
-                 for part, stage in (("vision", trainer.modules.vision), ("llm", trainer.modules.llm)) if stage is not None}
+    # (one entry per LLM model chunk: its virtual stage indexes the plan's recompute list)
+    stages = [("vision", trainer.topo.vision_role.stage, trainer.modules.vision)] if trainer.modules.vision else []
+    if trainer.topo.llm_role is not None:
+        stages += [("llm", c, chunk) for c, chunk in zip(trainer.topo.rank_chunks(trainer.topo.llm_role),
+                                                           trainer.modules.llm_chunks)]
+    recompute = [[part, index, stage.recompute, [attention_module(layer).config._attn_implementation
+                                                 for layer in stage.layers]] for part, index, stage in stages]
     (out / f"recompute_rank{trainer.rank}.json").write_text(json.dumps(recompute))
     overlapped = torch.tensor(trainer.sync.overlapped_buckets)
     dist.all_reduce(overlapped)  # buckets started during the last backward, over all ranks

@@ -34,9 +34,9 @@ def _record() -> None:
     dist.batch_isend_irecv = batched
     executor = schedule.PipelineExecutor
     for kind, name in (("F", "_forward"), ("B", "_backward")):
-        def op(self, p, received, _run=getattr(executor, name), _kind=kind):
+        def op(self, k, p, received, _run=getattr(executor, name), _kind=kind):
             EVENTS.append(["op", _kind, p])
-            return _run(self, p, received)
+            return _run(self, k, p, received)
 
         setattr(executor, name, op)
 

@@ -64,3 +64,56 @@ def test_host_cat_keeps_what_cat_drops_page_locked():
     parts = [torch.ones(2, 3).pin_memory(), torch.zeros(1, 3).pin_memory()]
     assert not torch.cat(parts).is_pinned()  # why host_cat exists: a non_blocking copy of it is synchronous
     assert host_cat(parts, pin=True).is_pinned()
+
+
+def _interleaved_plan(placement: str, pp_v: int, pp_l: int, v: int, m: int):
+    from dflop.plan import Layout, Plan
+
+    layout = Layout(placement, 1, pp_v, 1, 1, pp_l, 1, m, "interleaved", v)
+    return Plan(layout, (1,) * pp_v, (1,) * (pp_l * v))
+
+
+@pytest.mark.parametrize("placement,pp_v,pp_l,v,m", [("disjoint", 1, 2, 2, 4), ("disjoint", 2, 2, 3, 6),
+                                                      ("disjoint", 1, 3, 2, 3), ("colocated", 1, 2, 2, 2),
+                                                      ("colocated", 1, 4, 2, 8)])
+def test_interleaved_rank_orders_are_the_ones_the_simulator_times(placement, pp_v, pp_l, v, m):
+    """Every rank runs the simulator's order for its device (LLM chunk k of rank r = virtual stage
+    k pp + r = the simulator's row; vision stages first). Fails if the chunks a rank holds
+    (`Topology.rank_chunks`), its warm-up count or the vision stages' lead differed from what the
+    step was priced with."""
+    from dflop.runtime.schedule import rank_op_order
+    from dflop.runtime.topology import Topology
+    from dflop.sim.pipeline import _device_orders
+
+    plan = _interleaved_plan(placement, pp_v, pp_l, v, m)
+    n_vis = plan.layout.n_vision_stages
+    row_of = [[s] for s in range(n_vis + pp_l * v)]
+    row_device, orders = _device_orders((1,) * (n_vis + pp_l * v), row_of, m, "interleaved", n_vis, v)
+    for rank in range(plan.world_size):
+        topo = Topology(plan, rank, plan.world_size)
+        ours = rank_op_order(topo, "1f1b", m)
+        if topo.llm_role is not None:  # compared by virtual stage: the chunk the rank really holds
+            device = row_device[n_vis + topo.llm_role.stage]
+            expected = [("FB"[kind], row - n_vis, j) for row, kind, j in orders[device]]
+            held = topo.rank_chunks(topo.llm_role)
+            ours = [(kind, held[k], j) for kind, k, j in ours]
+        else:
+            device = row_device[topo.vision_role.stage]
+            expected = [("FB"[kind], 0, j) for _, kind, j in orders[device]]
+        assert ours == expected, rank
+        assert sorted((c, j) for kind, c, j in ours if kind == "F") == \
+            sorted((c, j) for kind, c, j in ours if kind == "B")
+
+
+def test_a_schedule_without_executor_and_gpipe_on_interleaved_are_refused():
+    from dflop.errors import UserError
+    from dflop.plan import Layout, Plan
+    from dflop.runtime.schedule import rank_op_order
+    from dflop.runtime.topology import Topology
+
+    topo = Topology(_interleaved_plan("disjoint", 1, 2, 2, 4), 1, 3)
+    with pytest.raises(UserError, match="train.schedule gpipe cannot run"):
+        rank_op_order(topo, "gpipe", 4)
+    zb = Plan(Layout("disjoint", 1, 1, 1, 1, 2, 1, 4, "zb-h1"), (1,), (1, 1))
+    with pytest.raises(UserError, match="no executor for it"):
+        rank_op_order(Topology(zb, 1, 3), "1f1b", 4)

@@ -1,6 +1,6 @@
-"""`dflop train` refuses a plan whose LLM schedule the executor does not run yet, in one line naming
-plan.yaml and llm.schedule, before any process starts (and the Trainer, where a plan enters the
-runtime another way)."""
+"""`dflop train` refuses a plan whose LLM schedule the executor does not run yet (ZB-H1), in one
+line naming plan.yaml and llm.schedule, before any process starts (and the Trainer, where a plan
+enters the runtime another way); 1F1B and interleaved 1F1B plans pass."""
 
 import pytest
 
@@ -16,25 +16,25 @@ def doc(**llm):
             "placement": "disjoint", "microbatches": 4, "global_batch_size": 16, "world_size": 3}
 
 
-@pytest.mark.parametrize("llm", [{"schedule": "zb-h1", "chunks": 1},
-                                 {"schedule": "interleaved", "chunks": 2, "layers_per_stage": [1, 0, 0, 1]}])
-def test_non_1f1b_plan_is_refused_before_launch(tmp_path, llm):
+def test_zb_h1_plan_is_refused_before_launch(tmp_path):
     """Bug caught: the check missing from `check_before_launch` (the plan would reach torchrun)."""
     path = tmp_path / "plan.yaml"
-    write_plan(doc(**llm), path)
-    with pytest.raises(UserError, match=rf"plan.yaml: llm.schedule is {llm['schedule']} .*planner.schedules: \[1f1b\]"
+    write_plan(doc(schedule="zb-h1", chunks=1), path)
+    with pytest.raises(UserError, match=r"plan.yaml: llm.schedule is zb-h1 .*planner.schedules: \[1f1b, interleaved\]"
                        ) as err:
         check_before_launch(Config.from_dict({}), path)
     assert "\n" not in str(err.value)
 
 
-def test_1f1b_and_older_plans_pass_the_schedule_check(tmp_path):
+def test_1f1b_interleaved_and_older_plans_pass_the_schedule_check(tmp_path):
     from dflop.plan import read_plan
 
     path = tmp_path / "plan.yaml"
     write_plan(doc(), path)  # no schedule keys: an older plan
     check_trainable_schedule(read_plan(path).plan)
     write_plan(doc(schedule="1f1b", chunks=1), path)
+    check_trainable_schedule(read_plan(path).plan)
+    write_plan(doc(schedule="interleaved", chunks=2, layers_per_stage=[1, 0, 0, 1]), path)
     check_trainable_schedule(read_plan(path).plan)
 
 
