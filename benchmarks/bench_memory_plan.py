@@ -184,8 +184,8 @@ def worker(spec_path: str) -> int:
             outputs = {"peak": 0}
             forward = executor._forward
 
-            def counted_forward(p, received):  # the stage outputs the executor keeps until their backward
-                sends = forward(p, received)
+            def counted_forward(*args):  # the stage outputs the executor keeps until their backward
+                sends = forward(*args)  # (chunk, position, received)
                 outputs["peak"] = max(outputs["peak"],
                                       held_bytes(s.output for s in executor._saved.values()))
                 return sends

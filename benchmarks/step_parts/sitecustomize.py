@@ -41,13 +41,13 @@ if out:
             if l.head is not None: hook(l.head, "llm_head")
         self._diag = open(os.path.join(out, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a")
 
-    def record(self, op, p, fn, received):
+    def record(self, op, k, p, fn, received):  # k: the rank's model chunk (0 unless interleaved)
         plan = self._plan
         bin_ = plan.bins[p][self.topo.llm_role.replica]
         share = plan.vision_shares[p][self.topo.llm_role.replica] if self.topo.plan.colocated else []
         CTX["acc"] = {}
         t0 = time.perf_counter(); c0 = time.thread_time()
-        sends = fn(self, p, received)
+        sends = fn(self, k, p, received)
         wall = time.perf_counter() - t0
         CTX["acc"]["cpu_wall"] = time.thread_time() - c0
         acc, CTX["acc"] = CTX["acc"], None
@@ -62,8 +62,8 @@ if out:
 
     S.PipelineExecutor.__init__ = init
     S.PipelineExecutor.run = run
-    S.PipelineExecutor._llm_forward = lambda self, p, received: record(self, "F", p, _fwd, received)
-    S.PipelineExecutor._llm_backward = lambda self, p, received: record(self, "B", p, _bwd, received)
+    S.PipelineExecutor._llm_forward = lambda self, k, p, received: record(self, "F", k, p, _fwd, received)
+    S.PipelineExecutor._llm_backward = lambda self, k, p, received: record(self, "B", k, p, _bwd, received)
 if out:
     import atexit, glob as _g
     def _threads():
