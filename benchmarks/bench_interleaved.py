@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_costmodel import PRESETS  # noqa: E402
-from bench_trainer import (LAYOUTS, compute_cost_model, launch_workers, model_section, plan_dict,  # noqa: E402
+from bench_trainer import (LAYOUTS, compute_cost_model, launch_workers, model_section, plan_dict, timed_step,  # noqa: E402
                            prepare, worker_inputs)
 
 VARIANTS = ("1f1b", "interleaved")
@@ -85,20 +85,11 @@ def worker(spec_path: str) -> int:
         order = VARIANTS[step % 2:] + VARIANTS[:step % 2]
         for name in order:
             trainer, plan = trainers[name], step_plans[(name, step)]
-            loaded = trainer.load(plan).result()
-            dist.barrier()
-            t0 = time.perf_counter()
-            stats = trainer.compute_gradients(plan, loaded)
-            trainer.optimizer_step()
-            dist.barrier()
-            step_s = time.perf_counter() - t0
-            times = trainer.gather_times(stats["result"])
-            pipeline = [torch.zeros(1, dtype=torch.float64) for _ in range(trainer.world)]
-            dist.all_gather(pipeline, torch.tensor([stats["pipeline_s"]], dtype=torch.float64))
+            stats, step_s, times, pipeline_s = timed_step(trainer, plan)
             if trainer.rank == 0:
                 rows.append({"variant": name, "step": step, "warmup": step < spec["warmup"], "step_s": step_s,
                              "busy_s": float(times.sum()), "world": trainer.world,
-                             "pipeline_s": max(float(t) for t in pipeline), "loss": stats["loss"],
+                             "pipeline_s": pipeline_s, "loss": stats["loss"],
                              "predicted_step_s": plan.predicted_step_s, "rows": list(map(int, plan.rows))})
     if dist.get_rank() == 0:
         Path(spec["result"]).write_text(json.dumps(rows))

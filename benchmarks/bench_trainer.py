@@ -225,6 +225,25 @@ def worker_inputs(spec_path: str):
     return spec, device, Config.from_dict(spec["config"]), read_shapes(spec["shapes"])
 
 
+def timed_step(trainer, plan):
+    """One measured step of `plan` (its samples loaded first, untimed): (gradient stats, wall
+    seconds between barriers, every rank's busy times (rank 0), the slowest rank's pipeline seconds)."""
+    import torch
+    import torch.distributed as dist
+
+    loaded = trainer.load(plan).result()
+    dist.barrier()
+    t0 = time.perf_counter()
+    stats = trainer.compute_gradients(plan, loaded)
+    trainer.optimizer_step()
+    dist.barrier()
+    step_s = time.perf_counter() - t0
+    times = trainer.gather_times(stats["result"])
+    pipeline = [torch.zeros(1, dtype=torch.float64) for _ in range(trainer.world)]
+    dist.all_gather(pipeline, torch.tensor([stats["pipeline_s"]], dtype=torch.float64))
+    return stats, step_s, times, max(float(t) for t in pipeline)
+
+
 def worker(spec_path: str) -> int:
     """One rank: three trainers, run in turn on the same batches."""
     import torch
@@ -262,22 +281,13 @@ def worker(spec_path: str) -> int:
         for name in order:
             trainer = trainers[name]
             plan = plans[(name, step)] if plans else trainer.next_plan(step)
-            loaded = trainer.load(plan).result()
-            dist.barrier()
-            t0 = time.perf_counter()
-            stats = trainer.compute_gradients(plan, loaded)
-            trainer.optimizer_step()
-            dist.barrier()
-            step_s = time.perf_counter() - t0
-            times = trainer.gather_times(stats["result"])
-            pipeline = [torch.zeros(1, dtype=torch.float64) for _ in range(trainer.world)]
-            dist.all_gather(pipeline, torch.tensor([stats["pipeline_s"]], dtype=torch.float64))
+            stats, step_s, times, pipeline_s = timed_step(trainer, plan)
             if trainer.rank == 0:
                 rows.append({"variant": name, "step": step, "warmup": step < spec["warmup"], "step_s": step_s,
                              "busy_s": float(times.sum()),
                              "idle_frac": float(1 - times.sum() / (trainer.world * step_s)),
                              "busy_per_rank": times.sum(axis=(1, 2)).tolist(), "loss": stats["loss"],
-                             "pipeline_s": max(float(t) for t in pipeline),
+                             "pipeline_s": pipeline_s,
                              "predicted_step_s": plan.predicted_step_s, "member": plan.member,
                              "sched_ms": plan.sched_s * 1e3,
                              "tokens": int(sum(plan.seq_len)), "tiles": int(sum(plan.n_tiles))})
