@@ -87,15 +87,26 @@ def stage_state(layout: Layout, state_of: StateOf, vision_layers: Sequence[int],
     """[P] state of every stage of `layout` holding these layers: ``vision_layers`` per vision stage
     (colocated: one entry, the whole tower, which LLM stage 0 holds beside its own), ``llm_layers``
     per LLM pipeline rank (an interleaved rank's chunks together)."""
-    pp_v, pp_l = len(vision_layers), len(llm_layers)
-    vision = [state_of("vision", int(n), k == 0, k == pp_v - 1) for k, n in enumerate(vision_layers)]
-    llm = [state_of("llm", int(n), j == 0, j == pp_l - 1) for j, n in enumerate(llm_layers)]
-    state = vision + llm
-    if layout.colocated:
-        (v_static, v_optim), (l_static, l_optim) = state[0], state[pp_v]
-        state = [(l_static + v_static, l_optim + v_optim)] + state[pp_v + 1:]
+    pp_l = len(llm_layers)
+    vision = [] if layout.colocated else \
+        [one_stage_state(state_of, "vision", n, k == 0, k == len(vision_layers) - 1) for k, n in enumerate(vision_layers)]
+    tower = vision_layers[0] if layout.colocated else None
+    llm = [one_stage_state(state_of, "llm", n, j == 0, j == pp_l - 1, tower if j == 0 else None)
+           for j, n in enumerate(llm_layers)]
     return StageState(*(np.array(values, dtype=np.float64) for values in zip(
-        *((s.static_bytes, s.grad_bytes, s.param_bytes, optim) for s, optim in state))))
+        *((s.static_bytes, s.grad_bytes, s.param_bytes, optim) for s, optim in vision + llm))))
+
+
+def one_stage_state(state_of: StateOf, module: str, n_layers: int, first: bool, last: bool,
+                    tower_layers: int | None = None) -> tuple[StageMemory, float]:
+    """(state, optimizer seconds) of one stage of `module` (`stage_state`'s rule, for the planner's
+    screen, which asks it per kind of stage): with `tower_layers`, the first LLM stage of a
+    colocated layout, which also holds the vision tower whole."""
+    static, optim = state_of(module, int(n_layers), bool(first), bool(last))
+    if tower_layers is not None:
+        v_static, v_optim = state_of("vision", int(tower_layers), True, True)
+        static, optim = static + v_static, optim + v_optim
+    return static, optim
 
 
 def stage_state_lines(layout: Layout, state_of: StateOf, vision_layers: int) -> tuple[StageState, StageState]:
