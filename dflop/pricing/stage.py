@@ -47,8 +47,8 @@ class StageState:
 
     def at(self, per_layer: "StageState", n) -> "StageState":
         """``self + per_layer * n`` (n: [P] layers or a scalar): a line's value at a split. An
-        unmeasured per-layer optimizer (NaN) makes every value NaN, 0 layers included, so the tail
-        prices the module's every stage on the bytes line at any split, as `Pricing` does."""
+        unmeasured per-layer optimizer (NaN) makes the optimizer seconds NaN at 0 layers too, so
+        the tail prices the module's every stage on the bytes line at any split, as `Pricing` does."""
         n = np.asarray(n, dtype=np.float64)
         return StageState(self.static_bytes + per_layer.static_bytes * n, self.grad_bytes + per_layer.grad_bytes * n,
                           self.param_bytes + per_layer.param_bytes * n, self.optimizer_s + per_layer.optimizer_s * n)
