@@ -122,7 +122,8 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
     from dflop.models.handle import ModelHandle
     from dflop.plan import plan_from_dict
     from dflop.pricing.cluster import Cluster
-    from dflop.planner.expected import SchedulerSettings, run_partition
+    from dflop.planner.expected import run_partition
+    from dflop.scheduler.settings import SchedulerSettings
     from dflop.pricing.pool import Pool
     from dflop.scheduler.greedy import MemoryGuardError
     from dflop.scheduler.online import GlobalBatches
@@ -141,7 +142,7 @@ def choose_split(config: dict, shapes: Path, costmodel: str | None, microbatches
         pricing = training_pricing(plan, model, cost, Cluster.from_section(settings.cluster))
         try:
             steps = [run_partition(pricing.batch(Pool.from_shapes(pool.iloc[batches.rows(s)])), pricing,
-                                   SchedulerSettings(budget_s=0.05, ilp="never")).step_s for s in range(8)]
+                                   SchedulerSettings.planning()).step_s for s in range(8)]
         except MemoryGuardError:  # some sampled batch does not fit this split's stages: not a plan
             continue
         if best is None or np.mean(steps) < best[0]:

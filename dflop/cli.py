@@ -97,11 +97,12 @@ def cmd_fit(args: argparse.Namespace) -> None:
 def cmd_optimize(args: argparse.Namespace) -> None:
     from dflop.models.handle import ModelHandle
     from dflop.planner import optimize
+    from dflop.scheduler.settings import SchedulerSettings
 
     cfg = _config(args)
     optimize(args.shapes, args.costmodel, args.plan, args.candidates, model=ModelHandle.resolve(cfg.model),
              cluster=cfg.cluster, planner=cfg.planner, global_batch_size=cfg.train.global_batch_size, seed=cfg.seed,
-             datasets=cfg.datasets)
+             datasets=cfg.datasets, scheduler=SchedulerSettings.of_config(cfg.scheduler).for_planning())
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:

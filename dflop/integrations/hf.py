@@ -30,7 +30,7 @@ packs a bin into one row, which is what DFLOP's costs price).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -49,7 +49,7 @@ from dflop.data.sampling import DatasetMix, dataset_mix
 from dflop.errors import UserError
 from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan
-from dflop.planner.expected import SchedulerSettings, run_partition
+from dflop.planner.expected import run_partition
 from dflop.pricing.cluster import Cluster
 from dflop.pricing.pool import Pool
 from dflop.pricing.pricing import Pricing
@@ -59,6 +59,7 @@ from dflop.scheduler.online import GlobalBatches
 from dflop.scheduler.padded import price
 from dflop.scheduler.partition import Partition
 from dflop.scheduler.policy import Policy
+from dflop.scheduler.settings import SchedulerSettings
 from dflop.shapes import read_shapes, usable
 
 
@@ -104,7 +105,7 @@ class Sampling:
     cost: CostModel | None
     cluster: Cluster
     seed: int
-    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings.planning)
     mix: DatasetMix | None = None
 
     @classmethod
@@ -119,7 +120,7 @@ class Sampling:
         cost = load_cost_model(costmodel) if isinstance(costmodel, (str, Path)) else costmodel
         # Every rank partitions on its own, so only the deterministic members may run: the exact ILP
         # (`scheduler.ilp`) stops at a wall-clock deadline and could leave ranks with different splits.
-        sched = SchedulerSettings(policy=Policy.DFLOP, budget_s=cfg.scheduler.budget_ms / 1e3, ilp="never")
+        sched = replace(SchedulerSettings.of_config(cfg.scheduler), policy=Policy.DFLOP, ilp="never")
         pool = align_shapes(table, keys, where)
         mix = dataset_mix(pool["dataset"].tolist(), cfg.datasets) if "dataset" in pool.columns else None
         return cls(pool, ModelHandle.resolve(cfg.model), cost, Cluster.from_section(cfg.cluster), cfg.seed, sched, mix)

@@ -30,24 +30,8 @@ from dflop.scheduler.greedy import MemoryGuardError
 from dflop.scheduler.padded import price
 from dflop.scheduler.partition import Partition, partition
 from dflop.scheduler.policy import Policy
+from dflop.scheduler.settings import SchedulerSettings
 from dflop.sim import SimResult
-
-
-@dataclass(frozen=True)
-class SchedulerSettings:
-    """How the online scheduler partitions each sampled batch (see `partition`).
-
-    policy: a `dflop.scheduler.policy.Policy`: the portfolio, the packed data-blind baseline or the
-    padded one (its microbatches padded to their longest sample: `dflop.scheduler.padded`);
-    budget_s: wall seconds its exact ILP may use per batch; ilp: "auto", "always" or "never".
-    The default leaves the ILP out: its wall-clock budget makes results depend on machine load, and
-    the same inputs must give the same plan. Online the ILP can only improve on the greedy members,
-    so planning without it is conservative.
-    """
-
-    policy: Policy = Policy.DFLOP
-    budget_s: float = 0.05
-    ilp: str = "never"
 
 
 @dataclass(frozen=True)
@@ -138,7 +122,7 @@ def peak_memory(pc: PlanCosts, part: Partition, plan: Plan, memory_bytes: float)
 
 
 def evaluate_plan(plan: Plan, cost: CostModel, pool: Pool, batches: list[np.ndarray], cluster: Cluster,
-                  sizes: TransferSizes, scheduler: SchedulerSettings = SchedulerSettings(), *,
+                  sizes: TransferSizes, scheduler: SchedulerSettings = SchedulerSettings.planning(), *,
                   seed: int = 0) -> Evaluation:
     """Simulate `plan` on every batch; stop at the first batch that cannot run (memory)."""
     t0 = time.perf_counter()
@@ -194,7 +178,7 @@ def run_partition(pc: PlanCosts, pricing: Pricing, scheduler: SchedulerSettings,
     lay = pricing.plan.layout
     return partition(pc.costs, lay.m, lay.dp_l, lay.vision_replicas, budget_s=scheduler.budget_s,
                      seed=seed, policy=Policy(scheduler.policy).bins, p2p_s=pricing.p2p_s, allreduce_s=pc.allreduce_s,
-                     ilp=scheduler.ilp)
+                     ilp=scheduler.ilp, settings=scheduler.portfolio)
 
 
 def quick_step_s(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes) -> float:
@@ -206,11 +190,11 @@ def quick_step_s(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, siz
     """
     pricing = Pricing(plan, cost, cluster, sizes)
     pc = pricing.batch(batch)
-    return schedule_step_s(pricing, pc, run_partition(pc, pricing, SchedulerSettings(policy=Policy.LPT1D)), batch)
+    return schedule_step_s(pricing, pc, run_partition(pc, pricing, SchedulerSettings.planning().with_policy(Policy.LPT1D)), batch)
 
 
 def simulate_batch(plan: Plan, cost: CostModel, batch: Pool, cluster: Cluster, sizes: TransferSizes,
-                   scheduler: SchedulerSettings = SchedulerSettings(), *, seed: int = 0) -> tuple[Partition, SimResult]:
+                   scheduler: SchedulerSettings = SchedulerSettings.planning(), *, seed: int = 0) -> tuple[Partition, SimResult]:
     """The partition of one batch and its exact timeline under the plan's schedule (for the Gantt chart)."""
     pricing = Pricing(plan, cost, cluster, sizes)
     pc = price(pricing, batch, scheduler.policy)

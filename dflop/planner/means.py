@@ -10,7 +10,8 @@ numbers of each of its modules' transient bytes, of which a stage holds only the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from functools import reduce
 
 import numpy as np
@@ -19,6 +20,7 @@ from dflop.costmodel.model import CostModel, StageTerms
 from dflop.errors import UserError
 from dflop.plan import RECOMPUTE_MODES
 from dflop.pricing.pool import Pool
+from dflop.pricing.stage import module_state_of
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,10 @@ class ModuleMeans:
     layers: one layer under each recompute mode the search may use, cheapest in time first
     (none, selective, full); sequence_parallel: whether these LLM layers run sequence-parallel
     (their activations are priced so); tied: the training state a stage holding both the first and
-    the last parts holds once, not twice (a tied LM head: `CostModel.tied_llm_state`; else zeros).
+    the last parts holds once, not twice (a tied LM head: `CostModel.tied_llm_state`; else zeros);
+    state: (layers, first, last) -> (training state, optimizer seconds) of a stage of the module
+    (`dflop.pricing.stage.module_state_of`: the stage model's state and tails come from the one
+    composition `Pricing` uses, `dflop.pricing.stage`).
     """
 
     module: str
@@ -134,6 +139,7 @@ class ModuleMeans:
     last: PartMeans
     sequence_parallel: bool = False
     tied: PartMeans = PartMeans()
+    state: Callable = field(default=None, repr=False, compare=False)
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -180,7 +186,7 @@ def module_means(cost: CostModel, module: str, tp: int, pool: Pool, n_layers: in
         tied = PartMeans(static_bytes=state.static_bytes, grad_bytes=state.grad_bytes,
                          optimizer_s=cost.tied_llm_optimizer_s(tp))
     return ModuleMeans(module, int(tp), int(n_layers), layers, first=part(0, True, False), last=part(0, False, True),
-                       sequence_parallel=bool(extra), tied=tied)
+                       sequence_parallel=bool(extra), tied=tied, state=module_state_of(cost, module, tp))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dflop.models.handle import ModelHandle
 from dflop.plan import write_plan
 from dflop.planner.candidates import write_candidates
 from dflop.pricing.cluster import Cluster
-from dflop.planner.expected import SchedulerSettings
+from dflop.scheduler.settings import SchedulerSettings
 from dflop.planner.inputs import check_cost_model_matches
 from dflop.pricing.pool import Pool
 from dflop.planner.planfile import BASELINE_LABELS, plan_document
@@ -32,14 +32,14 @@ from dflop.costmodel.jsonio import load_cost_model
 
 def optimize(shapes_path, costmodel_path, plan_path, candidates_path, *, model: ModelHandle,
              cluster: ClusterSection, planner: PlannerSection, global_batch_size: int, seed: int,
-             scheduler: SchedulerSettings = SchedulerSettings(), racing: bool = True, verbose: bool = True,
+             scheduler: SchedulerSettings = SchedulerSettings.planning(), racing: bool = True, verbose: bool = True,
              shape: ModelShape | None = None, datasets: Sequence[DatasetSpec] = ()) -> SearchResult:
     """Plan the parallel layout; write plan.yaml and candidates.parquet; return the search result.
 
     model: the resolved model (`ModelHandle`); cluster / planner: the config's sections;
     global_batch_size: train.global_batch_size; seed: run.seed. scheduler: how the online
-    scheduler partitions each sampled batch (default: no ILP, so plans do not depend on machine
-    load; see `SchedulerSettings`); racing: successive halving over the sampled batches (see
+    scheduler partitions each sampled batch (`SchedulerSettings.for_planning` of the config's
+    section: no ILP, so plans do not depend on machine load); racing: successive halving over the sampled batches (see
     `dflop.planner.search`). `shape` overrides the model structure (tests). datasets: the
     config's ``data.datasets``, whose weights (if any) the sampled batches are drawn by.
     """

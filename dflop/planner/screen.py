@@ -32,8 +32,9 @@ import pandas as pd
 from dflop.costmodel.memory import sharded_state_scale
 from dflop.plan import Layout
 from dflop.pricing.cluster import Cluster
-from dflop.planner.means import Granularity, ModuleMeans, PartMeans
+from dflop.planner.means import Granularity, ModuleMeans
 from dflop.planner.stages import TransferMeans
+from dflop.pricing.stage import modules_state_of, one_stage_state
 from dflop.pricing.cluster import links
 
 LAYOUT_COLUMNS = ("colocated", "tp_v", "pp_v", "dp_v", "tp_l", "pp_l", "dp_l", "m")
@@ -124,12 +125,14 @@ class MemoryFloor:
 
 
 def module_fits(means: ModuleMeans, n_layers: int, memory: float, *, nu, heaviest_share, pp, in_flight,
-                extra: PartMeans | None = None, return_caps: bool = False, state_scale=1.0):
+                tower: ModuleMeans | None = None, return_caps: bool = False, state_scale=1.0):
     """[rows] whether some split of `n_layers` layers (>= 1 per stage) fits in `memory` bytes.
 
     nu, heaviest_share, pp: [rows]; in_flight: [rows, P] microbatches stage k holds (P >= pp.max());
-    extra: a part the first stage also holds in full, on `nu` samples (the colocated vision tower).
-    Same memory model as `dflop.planner.stages._stage_coeffs`, on a [rows, stages] grid; the layer
+    tower: the vision tower's means when the first stage also holds it whole, on `nu` samples (the
+    colocated placement). Same memory model as `dflop.planner.stages._stage_coeffs`, on a [rows,
+    stages] grid: the training state of each kind of stage (first, last, both, neither) from
+    `dflop.pricing.stage.one_stage_state` at 0 and 1 layers, as the stage model takes it; the layer
     is `means.layer` (pass lean means for the least memory); state_scale: [rows] or scalar
     fraction of the training state held (optimizer sharding). With return_caps, also the [rows, P]
     most layers each stage holds (0 past the last stage).
@@ -140,7 +143,7 @@ def module_fits(means: ModuleMeans, n_layers: int, memory: float, *, nu, heavies
     first, last, valid = (k == 0), (k == pp - 1), (k < pp)
     F, H, Ly = means.first, means.last, means.layer
     scale = np.asarray(state_scale, dtype=np.float64).reshape(-1, 1) if np.ndim(state_scale) else float(state_scale)
-    static = first * F.static_bytes + last * H.static_bytes - (first & last) * means.tied.static_bytes
+    static, layer_static = _state_grid(means, tower, first, last)
     act_mean = first * F.act_mean(nu) + last * H.act_mean(nu)
     act_max = first * F.act_heaviest(share) + last * H.act_heaviest(share)
     # the largest transient of the stage's parts (its layer's on every stage)
@@ -148,19 +151,35 @@ def module_fits(means: ModuleMeans, n_layers: int, memory: float, *, nu, heavies
                                 last * H.transient_mean(nu)])
     t_max = np.maximum.reduce([Ly.transient_heaviest(share) + 0.0 * first, first * F.transient_heaviest(share),
                                last * H.transient_heaviest(share)])
-    if extra is not None:
-        static = static + first * extra.static_bytes
+    if tower is not None:
+        extra = tower.whole()
         act_mean = act_mean + first * extra.act_mean(nu)
         act_max = act_max + first * extra.act_heaviest(1.0)
         t_mean = np.maximum(t_mean, first * extra.transient_mean(nu))
         t_max = np.maximum(t_max, first * extra.transient_heaviest(1.0))
     f = in_flight
-    static, layer_static = scale * static, scale * Ly.static_bytes
+    static, layer_static = scale * static, scale * layer_static
     caps = np.minimum(_cap(memory - static - f * act_mean - t_mean, layer_static + f * Ly.act_mean(nu)),
                       _cap(memory - static - f * act_max - t_max, layer_static + f * Ly.act_heaviest(share)))
     caps = np.where(valid, np.clip(caps, 0, n_layers), 0)
     ok = (caps.sum(axis=1) >= n_layers) & np.where(valid, caps >= 1, True).all(axis=1)
     return (ok, caps) if return_caps else ok
+
+
+def _state_grid(means: ModuleMeans, tower: ModuleMeans | None, first: np.ndarray, last: np.ndarray):
+    """(fixed, per-layer) training state bytes of every stage of a [rows, stages] grid, by its kind
+    (`first` / `last` masks): `one_stage_state` at 0 layers and what 1 layer adds, the colocated
+    `tower` on the first stage (the numbers `stage_state_lines` gives the stage model)."""
+    vision = means if means.module == "vision" else tower
+    state_of = modules_state_of(vision.state if vision is not None else None, means.state)
+    fixed, layer = np.zeros(np.broadcast(first, last).shape), np.zeros(np.broadcast(first, last).shape)
+    for f, l in ((False, False), (True, False), (False, True), (True, True)):
+        held = [one_stage_state(state_of, means.module, n, f, l, tower.n_layers if f and tower is not None else None)[0]
+                for n in (0, 1)]
+        at0, at1 = (s.static_bytes for s in held)
+        kind = (first == f) & (last == l)
+        fixed, layer = np.where(kind, at0, fixed), np.where(kind, at1 - at0, layer)
+    return fixed, layer
 
 
 def min_bottleneck_s(caps: np.ndarray, n_layers: int, layer_s, first_s, last_s, pp, *, iters: int = 40) -> np.ndarray:
@@ -244,7 +263,7 @@ def _llm_side(space: SearchSpace, llm: dict[int, ModuleMeans], vision: dict[int,
         in_flight = np.minimum(m[rows, None], pp[rows, None] - np.arange(int(pp[rows].max()))[None, :])
         ok, caps = module_fits(floor.llm[int(t)], space.llm_layers, cluster.gpu_memory_bytes, nu=nu[rows],
                                heaviest_share=np.ones(len(rows)), pp=pp[rows], in_flight=in_flight,
-                               extra=floor.vision[int(t)].whole() if colocated else None, return_caps=True,
+                               tower=floor.vision[int(t)] if colocated else None, return_caps=True,
                                state_scale=floor.state_scale(dp[rows]))
         fits[rows] = ok
         sel = rows[ok]

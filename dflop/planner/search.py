@@ -49,7 +49,7 @@ from dflop.plan import PIPELINE_SCHEDULES, Layout, Plan
 from dflop.planner.baseline import INTERLEAVE_CHUNKS, BaselineResult, search_baseline
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.pricing.cluster import Cluster
-from dflop.planner.expected import (Evaluation, SchedulerSettings, evaluate_plan, quick_step_s, run_partition,
+from dflop.planner.expected import (Evaluation, evaluate_plan, quick_step_s, run_partition,
                                    sample_batches, schedule_step_s)
 from dflop.pricing.pricing import Pricing
 from dflop.planner.means import Granularity
@@ -58,6 +58,7 @@ from dflop.planner.milp import SplitResult, objective_bound_s, solve_split
 from dflop.planner.screen import ScreenResult, SearchSpace, layout_of, screen
 from dflop.planner.space import ModelShape, build_space
 from dflop.scheduler.policy import Policy
+from dflop.scheduler.settings import SchedulerSettings
 from dflop.planner.stages import StageModel, TransferMeans, min_peak_split
 from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
 
@@ -84,7 +85,7 @@ class SearchSettings:
     max_milps: int | None = None
     baseline_simulate: int = 4
     milp_cutoff: bool = True
-    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings.planning)
 
     @classmethod
     def from_config(cls, planner: PlannerSection | None = None, *, global_batch: int | None = None,
@@ -235,7 +236,7 @@ def search(cost: CostModel, shape: ModelShape, pool: Pool, cluster: Cluster,
     t_sim = time.perf_counter()
     def baseline_for(policy: str, also=()) -> BaselineResult:
         return search_baseline(space, means, cluster, transfer, granularity,
-                               lambda plan: evaluate(plan, slice(0, None), replace(s.scheduler, policy=policy)),
+                               lambda plan: evaluate(plan, slice(0, None), s.scheduler.with_policy(policy)),
                                simulate=s.baseline_simulate, policy=policy, also=also, schedules=s.schedules)
 
     # the padded trainer first: the packed one also simulates its layout (packing it can only help)
@@ -424,7 +425,7 @@ def _choose_schedules(head: list[_Solved], s: SearchSettings, cost: CostModel, b
             continue
         pricing = Pricing(base, cost, cluster, sizes)
         pc = pricing.batch(batch)
-        part = run_partition(pc, pricing, SchedulerSettings(policy="lpt1d"))
+        part = run_partition(pc, pricing, s.scheduler.with_policy(Policy.LPT1D))
         best, best_s = None, part.step_s
         split = x.result.split
         for sched, v in options:

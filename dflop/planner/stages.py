@@ -39,7 +39,7 @@ from dflop.planner.means import Granularity, ModuleMeans, PartMeans
 from dflop.pricing.cluster import Cluster, Links, links
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.pricing.pricing import stage_transfers
-from dflop.pricing.tail import stage_tails_s, step_extras_s
+from dflop.pricing.stage import StageState, modules_state_of, stage_state_lines, stage_tails
 
 
 @dataclass(frozen=True)
@@ -264,27 +264,18 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
         raise ValueError(f"vision modes {vision.modes} and llm modes {llm.modes} share none")
     link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
                  tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l, p2p=step_costs.p2p)
+    # the state and the tail: `Pricing`'s composition at 0 and 1 layers per stage (`dflop.pricing.stage`)
+    state, per_layer = stage_state_lines(lay, modules_state_of(vision.state, llm.state), vision.n_layers)
     by_mode = _ModeCoeffs(modes, lambda md: _stage_coeffs(lay, vision, llm, link, B, transfer, granularity, shard,
-                                                          dtype, md))
-    c = by_mode[modes[0]]
+                                                          dtype, md, state, per_layer))
     n_v = lay.n_vision_stages
 
-    # the tail is affine in the bytes and optimizer seconds: a per-stage part and one per layer;
-    # parameters and gradients share a dtype, so the gradient bytes are the parameter bytes too
-    def tail(nbytes, optim):
-        return stage_tails_s(lay, nbytes, nbytes, optim, shard=shard, tied_grad_bytes=tied_bytes, link=link,
-                             cluster=cluster, measured=step_costs)
+    def tail(n):
+        return stage_tails(lay, state.at(per_layer, n), shard=shard, tied_grad_bytes=llm.tied.grad_bytes, link=link,
+                           cluster=cluster, measured=step_costs)
 
-    # one module's steps unmeasured: the module's every stage on the bytes line, as `Pricing` prices it
-    # (each module's per-stage and per-layer parts fall back together)
-    optim_fixed, optim_layer = c.optim_fixed.copy(), c.optim_layer.copy()
-    for sl in (slice(0, n_v), slice(n_v, None)):
-        if np.isnan(optim_fixed[sl]).any() or np.isnan(optim_layer[sl]).any():
-            optim_fixed[sl] = optim_layer[sl] = np.nan
-    tied_bytes = llm.tied.grad_bytes
-    extras = step_extras_s(lay, tied_bytes, cluster=cluster, measured=step_costs)
-    ar_fixed = tail(c.grad_fixed, optim_fixed) + extras
-    ar_layer = tail(c.grad_layer, optim_layer) - tail(np.zeros_like(c.grad_layer), optim_layer * 0.0)
+    ar_fixed = tail(0.0)
+    ar_layer = tail(1.0) - ar_fixed
     return StageModel(layout=lay, is_vision=np.r_[np.ones(n_v, dtype=bool), np.zeros(lay.pp_l, dtype=bool)],
                       by_mode=by_mode, ar_fixed=ar_fixed, ar_layer=ar_layer,
                       vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=float(link.p2p_latency_s),
@@ -301,13 +292,14 @@ def _state_scale(dtype: str, dp: int) -> float:
 
 def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Links, B: int,
                   transfer: TransferMeans, granularity: Granularity, shard: tuple, dtype: str,
-                  mode: str) -> StageCoeffs:
+                  mode: str, state: StageState, per_layer: StageState) -> StageCoeffs:
     """[P] coefficients of every stage of `lay` with all its layers in recompute `mode`.
 
     Per stage (`_stage_row`): the module's layer, first and last parts at the stage's microbatch
-    (`_PartScalars`), the vision tower on a colocated LLM stage 0, the training state scaled by
-    sharding, the in-flight microbatches' activations, and the transfers added to the times
-    (`stage_transfers`, where `Pricing` places them too).
+    (`_PartScalars`), the vision tower on a colocated LLM stage 0, the training state (`state` +
+    `per_layer` * n, `dflop.pricing.stage.stage_state_lines`) scaled by sharding, the in-flight
+    microbatches' activations, and the transfers added to the times (`stage_transfers`, where
+    `Pricing` places them too).
     Evaluated stage by stage on Python floats: the search builds thousands of these for layouts of a
     few stages, where numpy's per-call overhead cost more than the arithmetic.
     `tests/planner/test_stage_coeffs_fast.py` holds it bit for bit against a whole-array numpy form.
@@ -325,13 +317,17 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
     l_hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)
     l_in = 0.0 if lay.colocated else nu_l * transfer.feature_bytes / float(link.vision_to_llm_bps)
     fwd_s, bwd_s = stage_transfers(lay, vision_hop=v_hop, vision_features=v_out, llm_hop=l_hop, llm_features=l_in)
+    # per stage (fixed, per layer) of (state bytes, gradient bytes, optimizer seconds), as floats
+    states = list(zip(zip(state.static_bytes.tolist(), per_layer.static_bytes.tolist()),
+                      zip(state.grad_bytes.tolist(), per_layer.grad_bytes.tolist()),
+                      zip(state.optimizer_s.tolist(), per_layer.optimizer_s.tolist())))
     if n_v:
         scale = _state_scale(dtype, lay.dp_v) if shard[0] else 1.0
         parts = _PartScalars.of(vision.layers[mode or vision.modes[0]], nu_v, 1.0 / lay.dp_v, nu_v), \
             _PartScalars.of(vision.first, nu_v, 1.0 / lay.dp_v, nu_v), _PartScalars.of(vision.last, nu_v, 1.0 / lay.dp_v, nu_v)
         for k in range(n_v):
             rows.append(_stage_row(*parts, None, float(k == 0), float(k == n_v - 1), 0.0, in_flight[k], scale,
-                                   fwd_s[k], bwd_s[k], vision.tied))
+                                   fwd_s[k], bwd_s[k], states[k]))
     tnu = float(granularity.nu_time(nu_l, m))
     scale = _state_scale(dtype, lay.dp_l) if shard[1] else 1.0
     # colocated: the whole vision tower rides on LLM stage 0
@@ -340,7 +336,7 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
              _PartScalars.of(llm.last, nu_l, 1.0, tnu))
     for j in range(pp_l):
         rows.append(_stage_row(*parts, extra, float(j == 0), float(j == pp_l - 1), float(j == 0), in_flight[n_v + j],
-                               scale, fwd_s[n_v + j], bwd_s[n_v + j], llm.tied))
+                               scale, fwd_s[n_v + j], bwd_s[n_v + j], states[n_v + j]))
     table = np.array(rows, dtype=np.float64).T  # [fields, P]
     return StageCoeffs(*table)
 
@@ -349,50 +345,44 @@ def _stage_coeffs(lay: Layout, vision: ModuleMeans, llm: ModuleMeans, link: Link
 class _PartScalars:
     """A part's costs on one stage's microbatch (the `PartMeans` expressions, on Python floats):
     seconds (fwd + bwd, bwd) and bytes (activations of the mean and of the heaviest-sample
-    microbatch, training state, gradients, and the largest transient on either microbatch)."""
+    microbatch, and the largest transient on either microbatch; the state is the stage's,
+    `dflop.pricing.stage`)."""
 
     time: float
     bwd: float
     act_mean: float
     act_heaviest: float
-    static: float
-    grad: float
-    optim: float
     transient_mean: float
     transient_heaviest: float
 
     @classmethod
     def of(cls, part: PartMeans, nu: float, heaviest_share: float, time_nu: float) -> "_PartScalars":
         return cls(part.time_s(time_nu), part.bwd_s(time_nu), part.act_mean(nu), part.act_heaviest(heaviest_share),
-                   part.static_bytes, part.grad_bytes, part.optimizer_s, part.transient_mean(nu),
-                   part.transient_heaviest(heaviest_share))
+                   part.transient_mean(nu), part.transient_heaviest(heaviest_share))
 
 
 def _stage_row(layer: _PartScalars, first_part: _PartScalars, last_part: _PartScalars, extra: _PartScalars | None,
                first: float, last: float, extra_on: float, in_flight: float, scale: float, fwd_s: float,
-               bwd_s: float, tied: PartMeans) -> tuple[float, ...]:
+               bwd_s: float, state: tuple) -> tuple[float, ...]:
     """One stage's `StageCoeffs` values in field order (the transfers `fwd_s` / `bwd_s` added last);
-    a stage with both the first and the last part holds `tied`'s state once (`ModuleMeans.tied`),
-    and the largest transient of its parts (its layer's whatever their count) in its fixed memory."""
+    `state`: the stage's (fixed, per-layer) pairs of state bytes, gradient bytes and optimizer
+    seconds (`_stage_coeffs`); the largest transient of its parts (its layer's whatever their
+    count) in its fixed memory."""
     F, H = first_part, last_part
+    (f_static, l_static), (f_grad, l_grad), (f_optim, l_optim) = state
     f_time, f_bwd = first * F.time + last * H.time, first * F.bwd + last * H.bwd
     f_mean, f_max = first * F.act_mean + last * H.act_mean, first * F.act_heaviest + last * H.act_heaviest
-    f_static = first * F.static + last * H.static - first * last * tied.static_bytes
-    f_grad = first * F.grad + last * H.grad - first * last * tied.grad_bytes
-    f_optim = first * F.optim + last * H.optim - (tied.optimizer_s if first and last else 0.0)
     t_mean = max(layer.transient_mean, first * F.transient_mean, last * H.transient_mean)
     t_max = max(layer.transient_heaviest, first * F.transient_heaviest, last * H.transient_heaviest)
     if extra is not None:
         E = extra
         f_time, f_bwd = f_time + extra_on * E.time, f_bwd + extra_on * E.bwd
         f_mean, f_max = f_mean + extra_on * E.act_mean, f_max + extra_on * E.act_heaviest
-        f_static, f_grad = f_static + extra_on * E.static, f_grad + extra_on * E.grad
-        f_optim = f_optim + extra_on * E.optim
         t_mean, t_max = max(t_mean, extra_on * E.transient_mean), max(t_max, extra_on * E.transient_heaviest)
     return (f_time + fwd_s + bwd_s, layer.time, f_bwd + bwd_s, layer.bwd,
-            scale * f_static + in_flight * f_mean + t_mean, scale * layer.static + in_flight * layer.act_mean,
-            scale * f_static + in_flight * f_max + t_max, scale * layer.static + in_flight * layer.act_heaviest,
-            f_grad, layer.grad, f_optim, layer.optim)
+            scale * f_static + in_flight * f_mean + t_mean, scale * l_static + in_flight * layer.act_mean,
+            scale * f_static + in_flight * f_max + t_max, scale * l_static + in_flight * layer.act_heaviest,
+            f_grad, l_grad, f_optim, l_optim)
 
 
 def min_peak_split(sm: StageModel) -> tuple[np.ndarray, np.ndarray]:

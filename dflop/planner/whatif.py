@@ -33,7 +33,7 @@ from dflop.models.handle import ModelHandle
 from dflop.finite import check_finite_values
 from dflop.plan import Layout, Plan, PlanFile, read_plan, whole_number
 from dflop.pricing.cluster import Cluster
-from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
+from dflop.planner.expected import Evaluation, evaluate_plan, sample_batches, simulate_batch
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.inputs import check_cost_model_matches
 from dflop.planner.planfile import BASELINE_LABELS
@@ -42,6 +42,7 @@ from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.shapes import read_shapes
 from dflop.sim import plot_gantt
 from dflop.scheduler.policy import Policy
+from dflop.scheduler.settings import SchedulerSettings
 from dflop.costmodel.jsonio import load_cost_model
 
 
@@ -105,9 +106,10 @@ def load_plan_context(plan_path, *, shapes_path=None, costmodel_path=None, shape
     sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
                                     vision_tokens_per_tile=shape.vision_tokens_per_tile, dtype=cost.provenance.dtype)
     recorded = _section(evaluation, "scheduler", f"{plan_path}: evaluation")
-    budget_s = recorded.get("budget_s", 0.05)
+    planning = SchedulerSettings.planning()  # what optimize scores with, where plan.yaml records nothing
+    budget_s = recorded.get("budget_s", planning.budget_s)
     check_finite_values([("evaluation.scheduler.budget_s", budget_s)], str(plan_path), positive=True)
-    scheduler = SchedulerSettings(budget_s=float(budget_s), ilp=str(recorded.get("ilp", "never")))
+    scheduler = replace(planning, budget_s=float(budget_s), ilp=str(recorded.get("ilp", planning.ilp)))
     seed = whole_number(evaluation.get("seed", 0), f"{plan_path}: evaluation.seed", minimum=0)
     batches = whole_number(evaluation.get("sample_batches", 8), f"{plan_path}: evaluation.sample_batches")
     return PlanContext(pf, cost, shape, pool, cluster, sizes, scheduler, seed=seed, sample_batches=batches,

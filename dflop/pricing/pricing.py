@@ -39,7 +39,7 @@ from dflop.models.handle import ModelHandle
 from dflop.plan import RECOMPUTE_MODES, Plan
 from dflop.pricing.cluster import Cluster, links
 from dflop.pricing.pool import Pool, TransferSizes
-from dflop.pricing.tail import stage_tails_s, step_extras_s
+from dflop.pricing.stage import StageState, cost_state_of, stage_state, stage_tails
 
 
 def stage_transfers(layout, *, vision_hop=0.0, vision_features=0.0, llm_hop=0.0, llm_features=0.0) -> tuple[list, list]:
@@ -105,22 +105,27 @@ class Pricing:
     def allreduce_s(self) -> np.ndarray:
         """[P] seconds each stage spends after its last backward (vision stages first): its
         data-parallel gradient synchronisation, then its optimizer step when the cost model measured
-        one (`dflop.pricing.tail.stage_tails_s`, which the planner's stage model uses too), and the
-        step's world all-reduces and tied-embedding sum (`step_extras_s`).
+        one, and the step's world all-reduces and tied-embedding sum (`dflop.pricing.stage.stage_tails`,
+        which the planner's stage model evaluates at 0 and 1 layers per stage).
 
         A module with ``shard_optimizer`` (`dflop.runtime.sharding`) instead all-gathers its
         parameters once per step and reduce-scatters its gradients once: both priced here, as
         one fixed cost per step, like the all-reduce (the simulation charges it after the stage's
         last backward; the all-gather really runs before its first forward, neither overlaps)."""
         lay = self.plan.layout
-        grads, params = self._stage_grad_bytes(), self._stage_grad_bytes("param_bytes")
-        optimizer_s = np.array([optim for _, optim in self._stage_state], dtype=np.float64)
-        tied_bytes = self.cost.tied_llm_state(lay.tp_l).grad_bytes
         # colocated: plan.llm's flags (no vision stage)
         shard = (self.plan.vision.techniques.shard_optimizer, self.plan.llm.techniques.shard_optimizer)
-        tails = stage_tails_s(lay, grads, params, optimizer_s, shard=shard, tied_grad_bytes=tied_bytes,
-                              link=self._links, cluster=self.cluster, measured=self._measured)
-        return tails + step_extras_s(lay, tied_bytes, cluster=self.cluster, measured=self._measured)
+        tied_bytes = self.cost.tied_llm_state(lay.tp_l).grad_bytes
+        return stage_tails(lay, self.states, shard=shard, tied_grad_bytes=tied_bytes,
+                           link=self._links, cluster=self.cluster, measured=self._measured)
+
+    @cached_property
+    def states(self) -> StageState:
+        """[P] training state and optimizer seconds of every stage, one rank, unsharded
+        (`dflop.pricing.stage.stage_state`, which the planner's stage model evaluates at 0 and 1 layers)."""
+        lay = self.plan.layout
+        return stage_state(lay, cost_state_of(self.cost, lay.tp_v, lay.tp_l), self.plan.vision_layers,
+                           self.plan.llm_rank_layers)
 
     @property
     def sp_hidden(self) -> int:
@@ -242,23 +247,3 @@ class Pricing:
         GPUs, where the loader decodes the next step's samples behind the current step."""
         line = charged_load_line(self._measured, self.cluster.device)
         return None if line is None else line(batch.load_features)
-
-    def _stage_grad_bytes(self, kind: str = "grad_bytes") -> np.ndarray:
-        """[P] gradient bytes per rank of every stage (what its data-parallel all-reduce moves), or
-        its parameter bytes (`kind` "param_bytes": what a sharded stage all-gathers)."""
-        return np.array([getattr(static, kind) for static, _ in self._stage_state], dtype=np.float64)
-
-    @cached_property
-    def _stage_state(self) -> list[tuple]:
-        """[P] (training state, optimizer seconds `StageTerms.optimizer_s`) of every stage, one rank."""
-        plan, lay, cost = self.plan, self.plan.layout, self.cost
-        vision = [cost.vision_stage_terms([0], n_layers=n, first=k == 0, last=k == lay.pp_v - 1, tp=lay.tp_v)
-                  for k, n in enumerate(plan.vision_layers)]
-        llm = [cost.llm_stage_terms([1], n_layers=n, first=j == 0, last=j == lay.pp_l - 1, tp=lay.tp_l)
-               for j, n in enumerate(plan.llm_rank_layers)]
-        state = [(t.static, t.optimizer_s) for t in vision + llm]
-        if lay.colocated:
-            (v_static, v_optim), (l_static, l_optim) = state[0], state[len(vision)]
-            state = [(l_static + v_static, l_optim + v_optim)] + state[len(vision) + 1:]
-        return state
-

@@ -1,8 +1,8 @@
 """What each pipeline stage pays after its last backward: gradient sync, optimizer step, extras.
 
-`Pricing.allreduce_s` charges these per stage, and the planner's stage model
-(`dflop.planner.stages`) splits them into a per-stage and a per-layer part; both call the
-functions here. Seconds throughout; bytes per rank.
+`dflop.pricing.stage.stage_tails` composes them for every stage of a layout, which `Pricing`
+charges at a plan's split and the planner's stage model evaluates at 0 and 1 layers per stage.
+Seconds throughout; bytes per rank.
 """
 
 from __future__ import annotations
@@ -56,9 +56,8 @@ def stage_tails_s(layout: Layout, grad_bytes, param_bytes, optimizer_s, *, shard
     llm) whether each module's state is sharded over its replicas (colocated: the LLM's counts).
     The step's extras (`step_extras_s`) are not included.
 
-    The one composition of a stage's tail: `Pricing.allreduce_s` calls it at a plan's split, the
-    planner's stage model (`dflop.planner.stages.build_stage_model`) at its per-stage and per-layer
-    parts, so a new cost of the tail is added here once."""
+    Called through `dflop.pricing.stage.stage_tails` (with the extras), for `Pricing` and the
+    planner's stage model alike, so a new cost of the tail is added here once."""
     n_v = layout.n_vision_stages
     modules = stage_modules(layout, tied_bucket=tied_grad_bytes > 0 and not shard[1])
     grad_bytes, param_bytes = np.asarray(grad_bytes, dtype=np.float64), np.asarray(param_bytes, dtype=np.float64)

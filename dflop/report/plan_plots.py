@@ -28,13 +28,14 @@ import pandas as pd
 
 from dflop.errors import UserError
 from dflop.plan import Plan
-from dflop.planner.expected import Evaluation, SchedulerSettings, evaluate_plan, sample_batches, simulate_batch
+from dflop.planner.expected import Evaluation, evaluate_plan, sample_batches, simulate_batch
 from dflop.planner.planfile import BASELINE_LABELS
 from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.planner.whatif import load_plan_context
 from dflop.report.style import BASELINE_COLOUR, PLAN_COLOUR, save_figure
 from dflop.sim import SimResult, plot_gantt
 from dflop.scheduler.policy import Policy
+from dflop.scheduler.settings import SchedulerSettings
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ from dflop.runtime.skipping import FailureCheck, SkippedSamples, StepAborted
 from dflop.runtime.topology import Topology
 from dflop.scheduler.online import GlobalBatches, StepPlan, StepPlanner
 from dflop.scheduler.padded import price
-from dflop.scheduler.policy import Policy
+from dflop.scheduler.settings import SchedulerSettings
 
 if TYPE_CHECKING:
     from dflop.runtime.step_source import Batch
@@ -97,13 +97,13 @@ def step_planner(settings: TrainSettings, pricing: Pricing, pool: pd.DataFrame, 
     portfolio's exact member runs). The padded baseline (``scheduler.pad_to_longest``) is priced as
     the planner prices it (`dflop.scheduler.padded.price`): its fixed-count bins do not depend on
     the costs, but its predicted step must pay the padding the executor computes."""
-    sched, policy = settings.scheduler, Policy.of_config(settings.scheduler)
+    sched = SchedulerSettings.of_config(settings.scheduler)
     whole = Pool.from_shapes(pool, where="the trainer's shapes")  # checked once, each batch a take of it
     if len(whole) != len(pool):
         raise UserError("the trainer's shapes hold rows whose status is not ok: pass `read_shapes`' table")
-    return StepPlanner(pool, batches, pricing.plan, lambda rows: price(pricing, whole.take(rows), policy).costs,
-                       feature_rows_fn(rules), policy=policy, budget_s=sched.budget_ms / 1e3,
-                       prefetch=sched.prefetch, seed=settings.seed, total_steps=settings.train.steps,
+    return StepPlanner(pool, batches, pricing.plan, lambda rows: price(pricing, whole.take(rows), sched.policy).costs,
+                       feature_rows_fn(rules), policy=sched.policy, budget_s=sched.budget_s,
+                       prefetch=settings.scheduler.prefetch, seed=settings.seed, total_steps=settings.train.steps,
                        adaptive=settings.adaptive_correction, p2p_s=pricing.p2p_s, allreduce_s=pricing.allreduce_s,
                        ilp=sched.ilp)
 

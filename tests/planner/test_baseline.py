@@ -12,7 +12,8 @@ import pytest
 from dflop.plan import Layout, Plan
 from dflop.planner.baseline import baseline_layouts, search_baseline
 from dflop.pricing.cluster import Cluster
-from dflop.planner.expected import SchedulerSettings, evaluate_plan, sample_batches
+from dflop.planner.expected import evaluate_plan, sample_batches
+from dflop.scheduler.settings import SchedulerSettings
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.search import bin_granularity, prepare_means
 from dflop.planner.space import ModelShape, build_space
@@ -42,7 +43,7 @@ def _setup(memory, world, per_node):
     batches = sample_batches(len(pool), K, B, seed=0)
 
     def evaluate(plan):
-        return evaluate_plan(plan, cost, pool, batches, cluster, sizes, SchedulerSettings(policy="megatron"))
+        return evaluate_plan(plan, cost, pool, batches, cluster, sizes, SchedulerSettings.planning().with_policy("megatron"))
 
     return space, means, vision, llm, cluster, transfer, bin_granularity(cost, pool, space), evaluate
 

@@ -14,7 +14,8 @@ import pytest
 
 from dflop.plan import Layout, Plan
 from dflop.pricing.cluster import Cluster
-from dflop.planner.expected import SchedulerSettings, evaluate_plan, sample_batches
+from dflop.planner.expected import evaluate_plan, sample_batches
+from dflop.scheduler.settings import SchedulerSettings
 from dflop.scheduler.padded import price
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.pricing.pricing import Pricing
@@ -73,7 +74,7 @@ def test_padding_never_speeds_a_step_and_is_free_at_equal_lengths(sampled, layou
     plan = Plan.uniform(layout, LV, LL)
 
     def steps(p, policy):
-        ev = evaluate_plan(plan, cost, p, batches, CLUSTER, SIZES, SchedulerSettings(policy=policy))
+        ev = evaluate_plan(plan, cost, p, batches, CLUSTER, SIZES, SchedulerSettings.planning().with_policy(policy))
         assert ev.ok and ev.policy == policy
         return ev
 
@@ -120,5 +121,5 @@ def test_a_nan_memory_does_not_fit(sampled):
                                                     m.profiled_batch, m.profiled_seq_len)
                for m in cost.modules.values()]
     ev = evaluate_plan(PLAN, CostModel(modules, cost.provenance), pool, batches, CLUSTER, SIZES,
-                       SchedulerSettings(policy="megatron"))
+                       SchedulerSettings.planning().with_policy("megatron"))
     assert not ev.ok and "needs an undefined (NaN) amount of memory on llm stage" in ev.failure, ev.failure

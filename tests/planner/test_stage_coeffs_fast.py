@@ -1,6 +1,8 @@
 """The planner's stage coefficients (`stages._stage_coeffs`, evaluated stage by stage on floats)
 against the straightforward numpy form written here: `stage_coeffs` per module plus the transfers,
-concatenated (the library's form before the float path, kept as this test's reference).
+concatenated (the library's form before the float path, kept as this test's reference). The
+training state both take from `dflop.pricing.stage.stage_state_lines` (the one composition, which
+`test_stage_model_agrees_with_pricing.py` holds against `Pricing`).
 Bit-identical, not approximately equal: the search compares these numbers across layouts, and the
 speed-up must not move any plan."""
 
@@ -20,6 +22,7 @@ from dflop.planner.means import Granularity, PartMeans, module_means
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.planner.stages import StageCoeffs, TransferMeans, build_stage_model
 from dflop.pricing.cluster import links
+from dflop.pricing.stage import StageState, modules_state_of, stage_state_lines
 from dflop.planner.space import ModelShape
 from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
 from synthetic_mix import llava_ov_mix
@@ -64,8 +67,8 @@ class _PartAt:
                          else getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
-def stage_coeffs(means, *, nu, heaviest_share, first, last, in_flight, extra=None, extra_nu=None, extra_on=True,
-                 time_nu=None, mode=None, state_scale=1.0) -> StageCoeffs:
+def stage_coeffs(means, *, nu, heaviest_share, first, last, in_flight, state, per_layer, extra=None, extra_nu=None,
+                 extra_on=True, time_nu=None, mode=None, state_scale=1.0) -> StageCoeffs:
     """Coefficients of the stages of one module, whole arrays (see `_stage_coeffs`'s docstring)."""
     first = np.asarray(first, dtype=np.float64)
     last = np.asarray(last, dtype=np.float64)
@@ -73,11 +76,10 @@ def stage_coeffs(means, *, nu, heaviest_share, first, last, in_flight, extra=Non
     layer = _PartAt.of(means.layers[mode or means.modes[0]], nu, heaviest_share, tnu)
     fixed = _PartAt.of(means.first, nu, heaviest_share, tnu).scaled(first) + \
         _PartAt.of(means.last, nu, heaviest_share, tnu).scaled(last)
-    fixed = replace(fixed, static=fixed.static - first * last * means.tied.static_bytes,
-                    grad=fixed.grad - first * last * means.tied.grad_bytes,
-                    optim=fixed.optim - np.where((first == 1) & (last == 1), means.tied.optimizer_s, 0.0))
     if extra is not None:
         fixed = fixed + _PartAt.of(extra, extra_nu, 1.0, tnu).scaled(np.asarray(extra_on, dtype=np.float64))
+    fixed = replace(fixed, static=state.static_bytes, grad=state.grad_bytes, optim=state.optimizer_s)
+    layer = replace(layer, static=per_layer.static_bytes, grad=per_layer.grad_bytes, optim=per_layer.optimizer_s)
     return StageCoeffs(
         time_fixed=fixed.time, time_layer=layer.time,
         bwd_fixed=fixed.bwd, bwd_layer=layer.bwd,
@@ -95,12 +97,17 @@ def reference_coeffs(lay, vision, llm, link, B, transfer, granularity, shard, dt
     """Whole-array numpy: one `stage_coeffs` call per module, `plus_time` for the transfers."""
     in_flight = np.asarray(lay.in_flight(), dtype=np.float64)
     n_v, pp_l, m = lay.n_vision_stages, lay.pp_l, lay.m
+    state, per_layer = stage_state_lines(lay, modules_state_of(vision.state, llm.state), vision.n_layers)
+
+    def part(s: StageState, side: slice) -> StageState:
+        return StageState(*(getattr(s, f.name)[side] for f in fields(StageState)))
     parts = []
     if n_v:
         nu_v = B / (m * lay.dp_v)
         k = np.arange(n_v)
         c = stage_coeffs(vision, nu=np.full(n_v, nu_v), heaviest_share=1.0 / lay.dp_v, first=k == 0,
-                         last=k == n_v - 1, in_flight=in_flight[:n_v], mode=mode,
+                         last=k == n_v - 1, in_flight=in_flight[:n_v], mode=mode, state=part(state, slice(0, n_v)),
+                         per_layer=part(per_layer, slice(0, n_v)),
                          state_scale=float(sharded_state_scale(dtype, lay.dp_v)) if shard[0] else 1.0)
         hop = nu_v * transfer.vision_hop_bytes / float(link.vision_hop_bps)
         out = nu_v * transfer.feature_bytes / float(link.vision_to_llm_bps)
@@ -108,7 +115,9 @@ def reference_coeffs(lay, vision, llm, link, B, transfer, granularity, shard, dt
     nu_l = B / (m * lay.dp_l)
     j = np.arange(pp_l)
     c = stage_coeffs(llm, nu=np.full(pp_l, nu_l), heaviest_share=1.0, first=j == 0, last=j == pp_l - 1,
-                     in_flight=in_flight[n_v:], extra=vision.whole(mode) if lay.colocated else None, extra_nu=nu_l,
+                     in_flight=in_flight[n_v:], state=part(state, slice(n_v, None)),
+                     per_layer=part(per_layer, slice(n_v, None)), extra=vision.whole(mode) if lay.colocated else None,
+                     extra_nu=nu_l,
                      extra_on=j == 0, time_nu=np.full(pp_l, float(granularity.nu_time(nu_l, m))), mode=mode,
                      state_scale=float(sharded_state_scale(dtype, lay.dp_l)) if shard[1] else 1.0)
     hop = nu_l * transfer.llm_hop_bytes / float(link.llm_hop_bps)

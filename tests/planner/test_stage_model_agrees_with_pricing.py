@@ -34,6 +34,7 @@ from dflop.planner.means import module_means
 from dflop.planner.stages import TransferMeans, build_stage_model
 from dflop.pricing.cluster import Cluster
 from dflop.pricing.pool import Pool, TransferSizes
+from dflop.pricing import stage
 from dflop.pricing.pricing import Pricing
 from planner_testlib import toy_cost_model, toy_shapes
 
@@ -172,3 +173,30 @@ def test_the_random_cases_cover_what_they_claim():
             seen.add("measured all-reduce")
     assert {"disjoint", "colocated", *(f"mode {m}" for m in RECOMPUTE_MODES), "pp_v > 1", "pp_l > 1", "sharded",
             "sp", "tied across stages", "unmeasured module", "measured all-reduce"} <= seen
+
+
+def test_a_tail_term_added_in_the_one_place_moves_both_sides(monkeypatch):
+    """A new cost written once, in `dflop.pricing.stage`'s tail (here 1 ms per stage plus 1 ns per
+    gradient byte), reaches the stage model and `Pricing` alike: every stage's tail moves by the same
+    seconds on both sides. Fails where either side composes its tail apart from `stage_tails`
+    (as the stage model's own `tail` did before; checked by pointing it at `dflop.pricing.tail`)."""
+    seeds = range(0, CASES, 12)
+
+    def tails():
+        out = []
+        for seed in seeds:
+            sm, n, _, pricing, _, _ = _case(seed)
+            out.append((sm.allreduce_at(n), pricing.allreduce_s, pricing.states.grad_bytes))
+        return out
+
+    before = tails()
+    real = stage.stage_tails_s
+
+    def with_new_term(layout, grad_bytes, *args, **kwargs):
+        return real(layout, grad_bytes, *args, **kwargs) + 1e-3 + 1e-9 * np.asarray(grad_bytes, dtype=np.float64)
+
+    monkeypatch.setattr(stage, "stage_tails_s", with_new_term)
+    for seed, (sm_was, pricing_was, grads), (sm_now, pricing_now, _) in zip(seeds, before, tails()):
+        moved = 1e-3 + 1e-9 * grads
+        assert np.allclose(pricing_now - pricing_was, moved, rtol=1e-6, atol=0), seed
+        assert np.allclose(sm_now - sm_was, moved, rtol=1e-6, atol=0), seed

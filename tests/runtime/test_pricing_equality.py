@@ -13,6 +13,8 @@ cost model and without one (the trainer's FLOP-count stand-in).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -25,7 +27,8 @@ from dflop.costmodel.synthetic import synthetic_profile
 from dflop.models.handle import ModelHandle
 from dflop.plan import Layout, Plan, plan_from_dict
 from dflop.pricing.cluster import Cluster
-from dflop.planner.expected import SchedulerSettings, evaluate_plan, simulate_batch
+from dflop.planner.expected import evaluate_plan, simulate_batch
+from dflop.scheduler.settings import SchedulerSettings
 from dflop.pricing.pool import Pool, TransferSizes
 from dflop.scheduler.online import GlobalBatches
 from dflop.runtime.settings import TrainSettings
@@ -70,7 +73,7 @@ def test_trainer_and_planner_predict_the_same_step(fitted, layout, costs):
     sizes = TransferSizes.for_model(llm_hidden=info.llm_hidden, vision_hidden=info.vision_hidden,
                                     vision_tokens_per_tile=info.vision_tokens_per_tile,
                                     dtype=fitted.provenance.dtype)
-    scheduler = SchedulerSettings(policy="dflop", budget_s=settings.scheduler.budget_ms / 1e3, ilp="never")
+    scheduler = SchedulerSettings.of_config(replace(settings.scheduler, ilp="never"))
     pool = Pool.from_shapes(shapes)
     try:
         trainer_steps, planner_steps = [], []
