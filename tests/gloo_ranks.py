@@ -90,7 +90,8 @@ def failure_report(ranks: dict[int, tuple[str, str]], codes: dict[int, int | Non
 
 class RanksResult:
     """What the ranks wrote: stdout and stderr are every rank's, in rank order (a rank's lines
-    together, so a line a test looks for is whole); `returncode` is the first non-zero rank's."""
+    together, so a line a test looks for is whole); `returncode` is that of a rank that failed on
+    its own (not of one ended because another failed), else 0."""
 
     def __init__(self, returncode: int, stdout: str, stderr: str):
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
@@ -112,9 +113,10 @@ def run_ranks(worker: str | Path, *args: object, nproc: int = 2, timeout: float 
                  for rank, (out, err) in enumerate(paths)]
         for proc in procs:
             proc.start()
-        deadline, timed_out = time.monotonic() + timeout, False
+        deadline, timed_out, failed = time.monotonic() + timeout, False, []
         while any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs):
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
                 break  # a rank failed: end the others, as torchrun does
             if time.monotonic() > deadline:
                 timed_out = True
@@ -127,7 +129,7 @@ def run_ranks(worker: str | Path, *args: object, nproc: int = 2, timeout: float 
         ranks = {rank: (out.read_text(errors="replace"), err.read_text(errors="replace"))
                  for rank, (out, err) in enumerate(paths)}
     codes = {rank: proc.exitcode for rank, proc in enumerate(procs)}
-    failed = [code for code in codes.values() if code != 0]
+    failed = failed or [code for code in codes.values() if code != 0]  # the ranks that failed before any was ended
     result = RanksResult(failed[0] if failed else 0, "".join(out for out, _ in ranks.values()),
                          "".join(err for _, err in ranks.values()))
     if timed_out:
