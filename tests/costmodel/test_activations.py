@@ -33,7 +33,7 @@ from dflop.profiling._memory import saved_tensor_bytes
 from dflop.profiling.model_modules import build_benches
 from dflop.runtime.vision import VisionRunner
 
-from torchrun_run import torchrun
+from gloo_ranks import run_ranks
 
 MODELS = {"tiny-llava_ov": ("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
           "tiny-internvl": ("internvl", "internvit-tiny", "llama3-tiny"),
@@ -237,7 +237,7 @@ def test_profiled_modules_keep_the_closed_forms_at_tp2():
     keeps, exactly. (Not here: the vocabulary-parallel embedding and head, which keep a few masks per
     token more than the TP=1 forms under either dtype.)"""
     worker = Path(__file__).with_name("tp_activations_worker.py")
-    result = torchrun(worker, nproc=2, timeout=300)
+    result = run_ranks(worker, nproc=2, timeout=300)
     lines = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("SAVED ")]
     config = model_config("llava_ov", "siglip-tiny", "qwen2.5-tiny")
     text = config.get_text_config()

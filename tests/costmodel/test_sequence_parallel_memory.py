@@ -13,14 +13,14 @@ from dflop.costmodel.activations import sequence_parallel_saving
 from dflop.costmodel.analytic import analytic_cost_model
 from dflop.models.builder import model_config
 
-from torchrun_run import torchrun
+from gloo_ranks import run_ranks
 
 WORKER = Path(__file__).with_name("sp_memory_worker.py")
 
 
 @pytest.mark.distributed
 def test_sequence_parallel_saving_matches_measured_saved_bytes():
-    result = torchrun(WORKER, nproc=2, timeout=300)
+    result = run_ranks(WORKER, nproc=2, timeout=300)
     lines = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("SAVED ")]
     assert [line[:2] for line in lines] == [["bfloat16", "none"], ["bfloat16", "full"], ["float32", "none"],
                                             ["float32", "full"]]

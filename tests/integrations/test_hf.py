@@ -96,9 +96,9 @@ def test_hf_trainer_loss_and_gradients_are_the_whole_batch_mean(demo_manifest, t
     """One optimizer step of HF's Trainer with DflopTrainer on 2 gloo ranks x 2 accumulation steps
     (variable sample counts per microbatch) gives the loss and gradients of one process running the
     whole global batch at once (one padded forward, mean over its answer tokens)."""
-    from torchrun_run import torchrun
+    from gloo_ranks import run_ranks
 
-    torchrun(HERE / "hf_worker.py", demo_manifest, tmp_path, timeout=300)
+    run_ranks(HERE / "hf_worker.py", demo_manifest, tmp_path, timeout=300)
     result = json.loads((tmp_path / "result.json").read_text())
     assert len(result["sizes"]) == 2 and len(set(result["sizes"][0])) + len(set(result["sizes"][1])) > 2, \
         f"microbatch sizes do not vary: {result['sizes']}"  # else the test shows nothing about variable sizes

@@ -1,4 +1,4 @@
-"""Tensor-parallel shards (TP=2, gloo, launched with torchrun) compute what the full modules compute."""
+"""Tensor-parallel shards (TP=2, two gloo ranks) compute what the full modules compute."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from torchrun_run import torchrun
+from gloo_ranks import run_ranks
 
 WORKER = Path(__file__).with_name("tp_equivalence_worker.py")
 
 
 @pytest.mark.distributed
-def test_tp2_shards_match_full_modules_under_torchrun():
-    torchrun(WORKER, nproc=2, timeout=300)  # a mismatch: the worker's "rank R: ..." lines and exit 1
+def test_tp2_shards_match_full_modules_on_two_gloo_ranks():
+    run_ranks(WORKER, nproc=2, timeout=300)  # a mismatch: the worker's "rank R: ..." lines and exit 1
 
 
 def test_vocab_parallel_cross_entropy_of_bfloat16_logits_is_computed_in_float32(tmp_path):

@@ -25,7 +25,7 @@ from dflop.runtime.topology import LLM, VISION, Topology
 from test_checkpoint_helpers import spawn
 from test_pipeline_equivalence import case, plan
 from trainer_reference import config_dict
-from torchrun_run import torchrun
+from gloo_ranks import run_ranks
 
 
 def _recording(monkeypatch) -> list[list[tuple[str, int, tuple[int, ...]]]]:
@@ -138,7 +138,7 @@ def _run(world: int, tmp_path: Path, pools: dict, manifest) -> list[tuple[dict, 
               "shapes": pools[c["arch"]]} for c in CASES[world]]
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps({"manifest": str(manifest), "cases": cases}))
-    torchrun(WORKER, spec, nproc=world, timeout=600)
+    run_ranks(WORKER, spec, nproc=world, timeout=600)
     return [(c, Path(c["out"])) for c in cases]
 
 

@@ -27,7 +27,7 @@ from dflop.data.training import pool_samples
 from dflop.shapes import read_shapes
 
 from trainer_reference import MODELS, compare, config_dict, reference_gradients
-from torchrun_run import torchrun
+from gloo_ranks import run_ranks
 
 WORKER = Path(__file__).with_name("grad_worker.py")
 
@@ -147,7 +147,7 @@ def _run(world: int, tmp_path: Path, pools: dict, manifest, table: dict = CASES)
         cases.append({**c, "out": str(out), "config": raw, "shapes": pools[c["arch"]]})
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps({"manifest": str(manifest), "cases": cases}))
-    torchrun(WORKER, spec, nproc=world, timeout=600)
+    run_ranks(WORKER, spec, nproc=world, timeout=600)
     return [(c, Path(c["out"])) for c in cases]
 
 

@@ -24,7 +24,7 @@ from dflop.runtime.model import build_rank_modules, parameter_names
 from dflop.runtime.topology import Topology
 
 from trainer_reference import MODELS, config_dict
-from torchrun_run import torchrun
+from gloo_ranks import run_ranks
 
 
 def _plan(vision_layers: list[int], llm_layers: list[int], placement: str = "disjoint"):
@@ -199,7 +199,7 @@ def test_a_last_stage_with_a_tied_head_holds_no_whole_embedding_table(tmp_path):
     # first LLM stage runs; the last stage's ranks shard the head and must not keep the full model's
     # whole [V, d] table behind it
     worker = Path(__file__).with_name("rank_build_worker.py")
-    torchrun(worker, tmp_path, "llava_ov", "2", nproc=4, timeout=600)
+    run_ranks(worker, tmp_path, "llava_ov", "2", nproc=4, timeout=600)
     for r in range(4):
         report = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert report["beyond"] == {} and report["differ"] == [], r

@@ -20,7 +20,7 @@ import pytest
 
 from dflop.runtime.optim import warmup_cosine
 from trainer_reference import TWO_RANK_PLAN, config_dict, pick_pool
-from torchrun_run import torchrun
+from gloo_ranks import run_ranks
 
 WORKER = Path(__file__).with_name("rerun_worker.py")
 LR = 1e-3
@@ -48,7 +48,7 @@ def test_each_rerun_trains_what_its_settings_say(tmp_path, demo_shapes, runtime_
     spec = {"config": config, "plan": str(plan), "runs": runs, "out": str(tmp_path / "out"),
             "record": str(tmp_path / "record")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = torchrun(WORKER, tmp_path / "spec.json", nproc=2, timeout=900)
+    result = run_ranks(WORKER, tmp_path / "spec.json", nproc=2, timeout=900)
     log = result.stderr
 
     def metrics(name):

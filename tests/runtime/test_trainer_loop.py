@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from dflop.models.builder import build_model
 from dflop.runtime.safe_dcp import SafeFileSystemReader
 from trainer_reference import TWO_RANK_PLAN, config_dict
-from torchrun_run import torchrun
+from gloo_ranks import run_ranks
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 DESIGN_COLUMNS = ["step", "loss", "step_s", "samples", "tokens", "tflops", "idle_frac", "sched_ms", "sched_gap",
@@ -36,7 +36,7 @@ def test_killed_run_resumes_to_the_same_parameters_and_metrics(tmp_path, demo_sh
     spec = {"config": config, "plan": str(plan), "shapes": str(demo_shapes["llava_ov"]),
             "full": str(tmp_path / "full"), "resumed": str(tmp_path / "resumed"), "stop_after": 3}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    torchrun(WORKER, tmp_path / "spec.json", nproc=2, timeout=600)
+    run_ranks(WORKER, tmp_path / "spec.json", nproc=2, timeout=600)
 
     full = pd.read_parquet(tmp_path / "full" / "metrics.parquet")
     resumed = pd.read_parquet(tmp_path / "resumed" / "metrics.parquet")
@@ -87,7 +87,7 @@ def test_sharded_optimizer_trains_as_the_unsharded_one_and_resumes(tp, tmp_path,
             "full": str(tmp_path / "full"), "resumed": str(tmp_path / "resumed"), "stop_after": 3,
             "reference_plan": str(tmp_path / "plain.yaml"), "reference": str(tmp_path / "reference")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    torchrun(WORKER, tmp_path / "spec.json", nproc=world, timeout=600)
+    run_ranks(WORKER, tmp_path / "spec.json", nproc=world, timeout=600)
 
     losses = {run: torch.tensor(pd.read_parquet(tmp_path / run / "metrics.parquet")["loss"].to_numpy())
               for run in ("full", "resumed", "reference")}
@@ -137,7 +137,7 @@ def test_interleaved_plan_trains_as_1f1b_and_resumes(tmp_path, demo_shapes, runt
             "full": str(tmp_path / "full"), "resumed": str(tmp_path / "resumed"), "stop_after": 3,
             "reference_plan": str(tmp_path / "1f1b.yaml"), "reference": str(tmp_path / "reference")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    torchrun(WORKER, tmp_path / "spec.json", nproc=2, timeout=600)
+    run_ranks(WORKER, tmp_path / "spec.json", nproc=2, timeout=600)
 
     metrics = {run: pd.read_parquet(tmp_path / run / "metrics.parquet") for run in ("full", "resumed", "reference")}
     assert metrics["full"]["step"].tolist() == metrics["resumed"]["step"].tolist() == [1, 2, 3, 4]
