@@ -45,7 +45,8 @@ def _free_port() -> int:
 
 
 def _run_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """One rank: its stdout and stderr to files, torchrun's environment, then `script` as __main__."""
+    """One rank: its stdout and stderr to files, torchrun's environment, then `script` as __main__
+    (``-m module`` runs the module, as ``python -m module`` would)."""
     for fd, path in ((1, out), (2, err)):
         log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, fd)
@@ -53,11 +54,16 @@ def _run_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, out: 
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.argv = [script, *argv]
-    sys.path.insert(0, str(Path(script).parent))
+    module = script.removeprefix("-m ") if script.startswith("-m ") else None
+    sys.argv = [module or script, *argv]
+    if module is None:
+        sys.path.insert(0, str(Path(script).parent))
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module is None:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if not isinstance(stop.code, (int, type(None))):
@@ -99,7 +105,8 @@ class RanksResult:
 
 def run_ranks(worker: str | Path, *args: object, nproc: int = 2, timeout: float = 600,
              check: bool = True) -> RanksResult:
-    """Run `worker args...` on `nproc` gloo ranks as torchrun would (see the module's docstring).
+    """Run `worker args...` on `nproc` gloo ranks as torchrun would (see the module's docstring);
+    `worker` is a script's path or ``"-m package.module"``.
 
     As torchrun does, the first rank to fail ends the others. With `check` (the default) a failed
     rank or the timeout fails with every rank's output; on the timeout every rank is killed, none
