@@ -103,7 +103,7 @@ def test_held_state_bytes_match_the_cost_model(tmp_path):
         assert between["sharded", rank] < 0.55 * between["unsharded", rank]
 
 
-def _idle_replica_worker(rank: int, port: int, out: str) -> None:
+def _idle_replica_worker(rank: int, out: str) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -112,7 +112,6 @@ def _idle_replica_worker(rank: int, port: int, out: str) -> None:
 
     from dflop.runtime.sharding import StepSharding, sum_over_replicas
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     stage = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     group = dist.new_group([0, 1])
@@ -129,23 +128,18 @@ def _idle_replica_worker(rank: int, port: int, out: str) -> None:
         step.reduce()
     torch.save({n: (p.grad.to_local(), p.grad.placements[0].dim) for n, p in stage.named_parameters()},
                f"{out}/rank{rank}.pt")
-    end_worker()  # FSDP2 ran functional collectives: no interpreter teardown racing gloo's threads
 
 
 @pytest.mark.distributed
 def test_a_replica_without_work_takes_part_in_the_reduction(tmp_path):
     """Replica 0 runs three microbatches, replica 1 none: both end with their shard of replica 0's
     accumulated gradient (the plain model's, in one process), no collective left unmatched."""
-    import socket
-
     import torch
-    import torch.multiprocessing as mp
     from torch import nn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_idle_replica_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    from test_checkpoint_helpers import spawn
+
+    spawn(_idle_replica_worker, 2, tmp_path, str(tmp_path))  # forked ranks, ended by `end_worker`
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     for k in range(3):
