@@ -75,7 +75,7 @@ def backward_input(outputs: list[torch.Tensor], grad_outputs: list[torch.Tensor 
 
     # parents[n]: the nodes whose backward feeds n (edges reversed), over the outputs' whole graph
     parents: dict[Node, list[Node]] = defaultdict(list)
-    roots = list(dict.fromkeys(o.grad_fn for o in outs))
+    roots = list(dict.fromkeys(_node(o) for o in outs))
     seen, queue = set(roots), deque(roots)
     leaves: dict[Node, torch.Tensor] = {}
     while queue:
