@@ -527,7 +527,8 @@ class PipelineExecutor:
         inputs = [saved.inputs] if saved.inputs is not None else []
         if saved.features is not None and not self.topo.plan.colocated and saved.features.is_leaf:
             inputs.append(saved.features)
-        dinputs, self._deferred[k, p] = backward_input([saved.output], [grad], inputs)
+        full = self.modules.llm_chunks[k].recompute == "full"  # one W pass: one recomputation per layer
+        dinputs, self._deferred[k, p] = backward_input([saved.output], [grad], inputs, one_pass=full)
         for t, d in zip(inputs, dinputs):
             t.grad = d
 

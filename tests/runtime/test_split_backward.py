@@ -35,7 +35,7 @@ class Stage(nn.Module):
         return [self.shared(torch.relu(h)) + h, self.alone * 3]
 
 
-def _run(stage: Stage, split: bool):
+def _run(stage: Stage, split: bool, one_pass: bool = False):
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
     fired = {name: 0 for name, _ in stage.named_parameters()}
     for name, p in stage.named_parameters():
@@ -45,17 +45,18 @@ def _run(stage: Stage, split: bool):
     if not split:
         torch.autograd.backward(outs, grads)
         return x.grad, {n: p.grad for n, p in stage.named_parameters()}, fired
-    (dx,), weight = backward_input(outs, grads, [x])
+    (dx,), weight = backward_input(outs, grads, [x], one_pass=one_pass)
     assert all(p.grad is None for p in stage.parameters()), "B must not compute weight gradients"
     assert all(v == 0 for v in fired.values())
     weight.run()
     return dx, {n: p.grad for n, p in stage.named_parameters()}, fired
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_b_then_w_equals_the_whole_backward(recompute):
+def test_b_then_w_equals_the_whole_backward(recompute, one_pass):
     stage = Stage(recompute)
-    dx, grads, fired = _run(copy.deepcopy(stage), split=True)
+    dx, grads, fired = _run(copy.deepcopy(stage), split=True, one_pass=one_pass)
     ref_dx, ref_grads, ref_fired = _run(stage, split=False)
     torch.testing.assert_close(dx, ref_dx)
     for name, ref in ref_grads.items():
