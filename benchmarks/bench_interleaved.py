@@ -199,9 +199,10 @@ def main() -> int:
     launch_workers(Path(__file__), out / "spec.json", world)
     rows = json.loads((out / "steps.json").read_text())
     other = variants[args.schedule]["llm"]
+    chunks = f", v={args.chunks}" if args.schedule == "interleaved" else ""
     print(f"{args.preset} model, {world} ranks ({LAYOUTS[args.layout][3]}), batch {args.batch}, {args.microbatches} "
           f"microbatches, LLM layers {variants['1f1b']['llm']['layers_per_stage']} (1f1b) / "
-          f"{other['layers_per_stage']} ({args.schedule}{f', v={args.chunks}' if args.schedule == 'interleaved' else ''})"
+          f"{other['layers_per_stage']} ({args.schedule}{chunks})"
           f", cost model "
           f"{'analytic' if costmodel is None else costmodel}; {args.steps} measured steps after {args.warmup} "
           f"warm-up, {time.perf_counter() - started:.0f} s")

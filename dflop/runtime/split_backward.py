@@ -22,8 +22,8 @@ Without an input that needs a gradient (the first stage) B has nothing to comput
 whole backward, as torch's schedules do it. Under non-reentrant activation checkpointing each
 engine call unpacks the layer's saved tensors anew (the checkpoint recomputes per graph task), so
 W would recompute a checkpointed layer's forward once per weight group (measured on a 4-layer
-qwen2.5-small stage: W 3.4x the whole backward); ``one_pass`` makes W one engine call, pinned at
-every meeting node, which recomputes each layer once but re-walks the input path (NOTES, docs/training.md).
+qwen2.5-small stage: B + W 3.7x the whole backward); ``one_pass`` makes W one engine call, pinned at
+every meeting node, which recomputes each layer once but re-walks the input path (1.67x; docs/training.md).
 """
 
 from __future__ import annotations
