@@ -1,8 +1,8 @@
-"""Interleaved 1F1B against 1F1B on the same batches: measured step and idle time beside the prediction.
+"""Interleaved 1F1B or ZB-H1 against 1F1B on the same batches: measured step and idle time beside the prediction.
 
-    python benchmarks/bench_interleaved.py [--preset tiny|small] [--layout colocated-pp2|pp2] [--chunks 2]
-        [--steps 6] [--warmup 1] [--batch 8] [--microbatches 4] [--out-dir results/bench/interleaved]
-        [--costmodel PATH | --analytic]
+    python benchmarks/bench_interleaved.py [--schedule interleaved|zb-h1] [--preset tiny|small]
+        [--layout colocated-pp2|pp2] [--chunks 2] [--steps 6] [--warmup 1] [--batch 8] [--microbatches 4]
+        [--out-dir results/bench/interleaved] [--costmodel PATH | --analytic]
 
 The demo dataset on a real pipeline (`bench_trainer.py`'s layouts with two LLM stages: default
 ``colocated-pp2``, the vision tower and LLM stage 0 on rank 0 and LLM stage 1 on rank 1, two ranks
@@ -11,12 +11,16 @@ same seed, hence the same global batches, and runs them in turn on each batch (r
 first), so both see the same machine load:
 
 - ``1f1b``: the LLM's layers split uniformly over its 2 pipeline ranks, 1F1B;
-- ``interleaved``: the same layers split uniformly over 2 x v model chunks (chunk c on rank c mod 2),
-  Megatron-LM's interleaved 1F1B (`dflop.runtime.schedule`).
+- ``interleaved`` (``--schedule interleaved``): the same layers split uniformly over 2 x v model
+  chunks (chunk c on rank c mod 2), Megatron-LM's interleaved 1F1B (`dflop.runtime.schedule`);
+- ``zb-h1`` (``--schedule zb-h1``): the 1f1b plan's layers under ZB-H1, each LLM stage's backward
+  split into B and W (`dflop.runtime.split_backward`).
 
 Each trainer's online scheduler (policy dflop) partitions its batch as the trainer would, priced by
 its own plan (`dflop.pricing.pricing`: per chunk under interleaving), and its ``predicted_step_s`` is
-that partition simulated with the plan's schedule (`dflop.sim`). Step time = forward + backward of
+that partition simulated with the plan's schedule (`dflop.sim`); the online scheduler scores ZB-H1's
+partitions as 1F1B, so its prediction here is the partition re-timed under ZB-H1 with the pricing's
+W share, as the planner does (`dflop.planner.expected.schedule_timeline`). Step time = forward + backward of
 all microbatches + gradient sync + optimizer, between two barriers (loading excluded, as in
 `bench_trainer.py`). Idle fraction = 1 - (compute seconds of all ranks) / (ranks x step); "inside the
 loop" takes the pipeline's own wall time instead of the step. The cost model is fitted on this CPU
@@ -37,10 +41,11 @@ from bench_costmodel import PRESETS  # noqa: E402
 from bench_trainer import (LAYOUTS, compute_cost_model, launch_workers, model_section, plan_dict, timed_step,  # noqa: E402
                            prepare, worker_inputs)
 
-VARIANTS = ("1f1b", "interleaved")
+SCHEDULES = ("interleaved", "zb-h1")  # what --schedule compares with 1f1b
 
 
-def plans(layout: str, vision_layers: int, llm_layers: int, chunks: int, microbatches: int, batch: int) -> dict:
+def plans(layout: str, vision_layers: int, llm_layers: int, chunks: int, microbatches: int, batch: int,
+          schedule: str = "interleaved") -> dict:
     """The two variants' plans: the same grid, the LLM's layers uniform over its stages / chunks."""
     from dflop.plan import uniform_layer_split
 
@@ -52,9 +57,28 @@ def plans(layout: str, vision_layers: int, llm_layers: int, chunks: int, microba
         return [stop - start for start, stop in uniform_layer_split(llm_layers, n)]
 
     one = plan_dict(layout, vision_layers, uniform(pp), microbatches, batch)
+    if schedule == "zb-h1":
+        zb = plan_dict(layout, vision_layers, uniform(pp), microbatches, batch)
+        zb["llm"].update(schedule="zb-h1")
+        return {"1f1b": one, "zb-h1": zb}
     inter = plan_dict(layout, vision_layers, uniform(pp * chunks), microbatches, batch)
     inter["llm"].update(schedule="interleaved", chunks=chunks)
     return {"1f1b": one, "interleaved": inter}
+
+
+def zb_h1_prediction(trainer, step: int, plan) -> float:
+    """The step of the partition the zb-h1 trainer's scheduler chose (scored as 1F1B) timed under
+    ZB-H1 with the pricing's W share, as `dflop.planner.expected.schedule_timeline` times it (rank 0)."""
+    from types import SimpleNamespace
+
+    from dflop.scheduler.evaluate import simulate_times, stage_times
+
+    planner = trainer.planner
+    costs, _, part = planner._costs[step]  # the online scheduler's own record of the step (a benchmark reads it)
+    times = stage_times(costs, part.microbatch, part.replica, part.m, part.dp_llm, part.dp_vision)
+    frac = trainer.pricing.wgrad_frac(SimpleNamespace(seq_len=plan.seq_len))
+    return float(simulate_times(times, part.order, p2p_s=planner.p2p_s, allreduce_s=planner.allreduce_s,
+                                schedule="zb-h1", wgrad_frac=frac).step_s)
 
 
 def worker(spec_path: str) -> int:
@@ -71,18 +95,23 @@ def worker(spec_path: str) -> int:
     spec, device, cfg, pool = worker_inputs(spec_path)
     cost = compute_cost_model(spec["costmodel"])
     n_steps = spec["warmup"] + spec["steps"]
+    variants = tuple(spec["plans"])
     trainers = {}
-    for name in VARIANTS:
+    for name in variants:
         settings = TrainSettings.from_config(cfg, policy="dflop", steps=n_steps)
         plan = plan_from_dict(spec["plans"][name], f"{name} plan").plan
         trainers[name] = Trainer(settings, plan, pool, pool_samples(pool, settings.datasets, settings.seed),
                                  cost=cost, device=device)
     # Every batch solved first: the scheduler's thread would take rank 0's CPU (bench_trainer.py).
     step_plans = {(name, step): rank0_result(lambda: trainers[name].planner.get(step, timeout_s=60.0))
-                  for name in VARIANTS for step in range(n_steps)}
+                  for name in variants for step in range(n_steps)}
+    predicted = {key: plan.predicted_step_s for key, plan in step_plans.items()}
+    if "zb-h1" in variants and dist.get_rank() == 0:
+        for step in range(n_steps):
+            predicted["zb-h1", step] = zb_h1_prediction(trainers["zb-h1"], step, step_plans["zb-h1", step])
     rows = []
     for step in range(n_steps):
-        order = VARIANTS[step % 2:] + VARIANTS[:step % 2]
+        order = variants[step % 2:] + variants[:step % 2]
         for name in order:
             trainer, plan = trainers[name], step_plans[(name, step)]
             stats, step_s, times, pipeline_s = timed_step(trainer, plan)
@@ -90,7 +119,7 @@ def worker(spec_path: str) -> int:
                 rows.append({"variant": name, "step": step, "warmup": step < spec["warmup"], "step_s": step_s,
                              "busy_s": float(times.sum()), "world": trainer.world,
                              "pipeline_s": pipeline_s, "loss": stats["loss"],
-                             "predicted_step_s": plan.predicted_step_s, "rows": list(map(int, plan.rows))})
+                             "predicted_step_s": predicted[name, step], "rows": list(map(int, plan.rows))})
     if dist.get_rank() == 0:
         Path(spec["result"]).write_text(json.dumps(rows))
     for trainer in trainers.values():
@@ -100,13 +129,15 @@ def worker(spec_path: str) -> int:
 
 
 def summarize(rows: list[dict]) -> str:
-    """Medians over the measured steps per variant, and the per-batch ratio 1f1b / interleaved
-    measured and predicted."""
+    """Medians over the measured steps per variant, and the per-batch ratio 1f1b / the other
+    schedule, measured and predicted."""
     import pandas as pd
 
     frame = pd.DataFrame([r for r in rows if not r["warmup"]])
+    other = next(v for v in frame["variant"].unique() if v != "1f1b")
+    variants = ["1f1b", other]
     by_step = frame.pivot(index="step", columns="variant", values="rows")
-    same = all(list(a) == list(b) for a, b in zip(by_step["1f1b"], by_step["interleaved"]))
+    same = all(list(a) == list(b) for a, b in zip(by_step["1f1b"], by_step[other]))
     frame["idle_frac"] = 1 - frame["busy_s"] / (frame["world"] * frame["step_s"])
     frame["idle_s"] = frame["world"] * frame["step_s"] - frame["busy_s"]
     frame["loop_idle"] = 1 - frame["busy_s"] / (frame["world"] * frame["pipeline_s"])
@@ -114,7 +145,7 @@ def summarize(rows: list[dict]) -> str:
     table = frame.groupby("variant").agg(step_s=("step_s", "median"), predicted_s=("predicted_step_s", "median"),
                                          ratio=("ratio", "median"), idle_frac=("idle_frac", "median"),
                                          idle_s=("idle_s", "median"), loop_idle=("loop_idle", "median"),
-                                         busy_s=("busy_s", "median"), steps=("step", "count")).reindex(list(VARIANTS))
+                                         busy_s=("busy_s", "median"), steps=("step", "count")).reindex(variants)
     lines = [f"same global batches in both variants: {same}",
              "| variant | median step (s) | predicted (s) | measured / predicted | idle fraction | idle (rank-s) | "
              "idle inside the pipeline | compute (rank-s) | steps |",
@@ -124,8 +155,8 @@ def summarize(rows: list[dict]) -> str:
                      f"{row.idle_s:.3f} | {row.loop_idle:.1%} | {row.busy_s:.3f} | {int(row.steps)} |")
     measured = frame.pivot(index="step", columns="variant", values="step_s")
     predicted = frame.pivot(index="step", columns="variant", values="predicted_step_s")
-    lines.append(f"1f1b / interleaved step: {(measured['1f1b'] / measured['interleaved']).median():.3f} measured, "
-                 f"{(predicted['1f1b'] / predicted['interleaved']).median():.3f} predicted (medians of per-batch ratios)")
+    lines.append(f"1f1b / {other} step: {(measured['1f1b'] / measured[other]).median():.3f} measured, "
+                 f"{(predicted['1f1b'] / predicted[other]).median():.3f} predicted (medians of per-batch ratios)")
     return "\n".join(lines)
 
 
@@ -136,7 +167,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank (v)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="interleaved", help="the schedule run against 1f1b")
+    parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank (v; interleaved only)")
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", choices=[k for k, v in LAYOUTS.items() if v[1] > 1], default="colocated-pp2")
@@ -153,7 +185,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     manifest, shapes, costmodel = prepare(out, args.samples, args.preset, args.costmodel, args.analytic)
     info = model_info(*PRESETS[args.preset])
-    variants = plans(args.layout, info.vision_layers, info.llm_layers, args.chunks, args.microbatches, args.batch)
+    variants = plans(args.layout, info.vision_layers, info.llm_layers, args.chunks, args.microbatches, args.batch,
+                     args.schedule)
     config = {"run": {"seed": args.seed}, "model": model_section(args.preset),
               "data": {"datasets": [{"name": "demo", "path": str(manifest)}]},
               "train": {"global_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0},
@@ -165,9 +198,12 @@ def main() -> int:
     world = variants["1f1b"]["world_size"]
     launch_workers(Path(__file__), out / "spec.json", world)
     rows = json.loads((out / "steps.json").read_text())
+    other = variants[args.schedule]["llm"]
+    chunks = f", v={args.chunks}" if args.schedule == "interleaved" else ""
     print(f"{args.preset} model, {world} ranks ({LAYOUTS[args.layout][3]}), batch {args.batch}, {args.microbatches} "
           f"microbatches, LLM layers {variants['1f1b']['llm']['layers_per_stage']} (1f1b) / "
-          f"{variants['interleaved']['llm']['layers_per_stage']} (interleaved, v={args.chunks}), cost model "
+          f"{other['layers_per_stage']} ({args.schedule}{chunks})"
+          f", cost model "
           f"{'analytic' if costmodel is None else costmodel}; {args.steps} measured steps after {args.warmup} "
           f"warm-up, {time.perf_counter() - started:.0f} s")
     print(summarize(rows))

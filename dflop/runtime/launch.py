@@ -91,13 +91,12 @@ def srun_environment(env: dict | None = None) -> dict:
             if not k.startswith(("SLURM_", "SRUN_", "SBATCH_")) or k in ("SLURM_JOB_ID", "SLURM_CONF")}
 
 
-TRAINABLE_SCHEDULES = ("1f1b", "interleaved")  # LLM pipeline schedules the executor runs (`runtime.schedule`)
+TRAINABLE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # LLM pipeline schedules the executor runs (`runtime.schedule`)
 
 
 def check_trainable_schedule(plan) -> None:
-    """One-line UserError unless the trainer runs the plan's LLM schedule (plan.yaml `llm.schedule`):
-    the planner may also predict ZB-H1 (`planner.schedules`), which the executor does not run yet
-    (it needs a backward split into input and weight gradients)."""
+    """One-line UserError unless the trainer runs the plan's LLM schedule (plan.yaml `llm.schedule`),
+    a schedule the simulator knows (`dflop.sim.schedules.SCHEDULES`) but the executor does not."""
     lay = plan.layout
     if lay.schedule not in TRAINABLE_SCHEDULES:
         raise UserError(f"{plan.source}: llm.schedule is {lay.schedule} (chunks {lay.chunks}), which the trainer "

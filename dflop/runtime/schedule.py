@@ -7,12 +7,18 @@ interleaved 1F1B (``llm.schedule: interleaved``, ``llm.chunks`` = v) each LLM ra
 chunks and runs Megatron-LM's interleaved order, the simulator's (`dflop.sim.llm_rank_op_order`),
 each op naming its chunk; vision stages in front of it stay 1F1B with the simulator's warm-up
 (`dflop.sim.vision_op_order`), so the executor runs exactly the order the step was priced with.
+Under ZB-H1 (``llm.schedule: zb-h1``) each LLM rank runs the simulator's ZB-H1 order, whose
+backward is split (`dflop.runtime.split_backward`): B computes the gradient of the stage's input
+and sends it upstream at once, W (deferred as the order says) the weight gradients; vision stages
+keep a whole backward in 1F1B order, as the simulator times them.
 Microbatch p of the step is `StepPlan.bins[p]` (one packed row per LLM replica) and
 `StepPlan.vision_shares[p]` (one share of its images per vision replica).
 
 Under interleaving, forward and backward busy seconds per position sum the rank's chunks, and the
 gradient sync is still armed before the rank's last backward (its first chunk's): the buckets of
 its later chunks, launched first, then start after the pipeline, so no bucket overlaps the backward.
+Under ZB-H1 it is armed before the rank's last W, the last op that adds to a weight gradient; the
+sharded stages' reduce-scatter (FSDP2) runs after the pipeline, after every W, as before.
 
 Messages (`P2P`): between stages of one module, activations forward and gradients back between
 the same replica and TP rank. The last vision stage sends each LLM replica the features of the
@@ -49,9 +55,10 @@ from dflop.models.handle import ModelHandle
 from dflop.runtime.model import RankModules
 from dflop.runtime.p2p import BACKWARD, FORWARD, P2P, Message
 from dflop.runtime.spans import SpanRecorder
+from dflop.runtime.split_backward import backward_input
 from dflop.runtime.topology import VISION, Topology
 from dflop.runtime.vision import VisionRunner
-from dflop.sim.schedules import first_chunk_peak, llm_rank_op_order, vision_op_order
+from dflop.sim.schedules import SPLIT_BACKWARD, first_chunk_peak, llm_rank_op_order, vision_op_order
 
 SCHEDULES = ("1f1b", "gpipe")
 PAD_TOKEN_ID = 0
@@ -72,24 +79,25 @@ def op_order(schedule: str, stage: int, n_stages: int, m: int) -> list[tuple[str
 
 
 def rank_op_order(topo: Topology, schedule: str, m: int) -> list[tuple[str, int, int]]:
-    """This rank's ops as ("F" | "B", local chunk, position), in the order it runs them: `op_order`
-    of its stage (chunk 0) under a one-chunk plan; under interleaved 1F1B the simulator's orders."""
+    """This rank's ops as ("F" | "B" | "W", local chunk, position), in the order it runs them:
+    `op_order` of its stage (chunk 0) under a plain 1F1B plan; under interleaved 1F1B or ZB-H1 the
+    simulator's orders (ZB-H1's LLM ranks: B the input gradient, W the weight gradients)."""
     lay = topo.plan.layout
     if lay.schedule == "1f1b":
         return [(kind, 0, p) for kind, p in op_order(schedule, topo.pipeline_stage, topo.n_pipeline_stages, m)]
-    if lay.schedule != "interleaved":
+    if lay.schedule not in ("interleaved", "zb-h1"):
         raise UserError(f"{topo.plan.source}: llm.schedule {lay.schedule}: the trainer has no executor for it "
-                        f"(it runs 1f1b and interleaved)")
+                        f"(it runs 1f1b, interleaved and zb-h1)")
     if schedule != "1f1b":
         raise UserError(f"train.schedule {schedule} cannot run {topo.plan.source}, whose llm.schedule is "
-                        f"interleaved (set train.schedule: 1f1b)")
-    kinds = "FB"
+                        f"{lay.schedule} (set train.schedule: 1f1b)")
+    kinds = "FBW"
     if topo.llm_role is not None:
         return [(kinds[kind], k, p) for kind, k, p in
-                llm_rank_op_order("interleaved", topo.llm_role.stage, lay.pp_l, m, lay.chunks)]
-    lead = first_chunk_peak(llm_rank_op_order("interleaved", 0, lay.pp_l, m, lay.chunks))
+                llm_rank_op_order(lay.schedule, topo.llm_role.stage, lay.pp_l, m, lay.chunks)]
+    lead = first_chunk_peak(llm_rank_op_order(lay.schedule, 0, lay.pp_l, m, lay.chunks))
     return [(kinds[kind], 0, p) for kind, p in
-            vision_op_order("interleaved", topo.vision_role.stage, lay.n_vision_stages, lead, m)]
+            vision_op_order(lay.schedule, topo.vision_role.stage, lay.n_vision_stages, lead, m)]
 
 
 def host_cat(tensors: list[torch.Tensor], *, pin: bool) -> torch.Tensor:
@@ -219,6 +227,8 @@ class PipelineExecutor:
         # virtual stage of each local LLM chunk; messages name chunk boundaries only when v > 1
         self._virtual = topo.rank_chunks(topo.llm_role) if topo.llm_role is not None else []
         self._chunk_tags = topo.llm_chunks > 1
+        # ZB-H1: the LLM stages' backward is B then W (`split_backward`); vision stages never split
+        self._split = topo.llm_role is not None and topo.plan.layout.schedule in SPLIT_BACKWARD
         rank_op_order(topo, schedule, topo.plan.microbatches)  # refuses a schedule it cannot run, now
 
     # -- the schedule ------------------------------------------------------------------------
@@ -227,41 +237,48 @@ class PipelineExecutor:
             before_last_backward: Callable[[], None] | None = None) -> StepResult:
         """Forward and backward of every microbatch of `plan` (gradients accumulate in .grad).
 
-        before_last_backward: called right before this rank's last backward op of the step (the
-        gradient sync starts all-reduces from there on, as gradients become final)."""
+        before_last_backward: called right before this rank's last op of the step that accumulates
+        weight gradients (its last backward; under ZB-H1 its last W): the gradient sync starts
+        all-reduces from there on, as gradients become final."""
         m = plan.n_microbatches
-        self._plan, self._inputs, self._saved = plan, inputs, {}
+        self._plan, self._inputs, self._saved, self._deferred = plan, inputs, {}, {}
         self._timer = StageTimer(m, self.device, self.spans, self.slowdown)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._n_answer = 0
         self._tokens = 0
         sent_before = self.p2p.bytes_sent
         ops = rank_op_order(self.topo, self.schedule, m)
-        last_backward = max((i for i, (kind, _, _) in enumerate(ops) if kind == "B"), default=None)
+        weights = "W" if self._split else "B"  # the ops that accumulate weight gradients
+        last_backward = max((i for i, (kind, _, _) in enumerate(ops) if kind == weights), default=None)
         received = self.p2p.exchange([], self._incoming(*ops[0])) if ops else []
         for i, (kind, chunk, position) in enumerate(ops):
             if i == last_backward and before_last_backward is not None:
                 before_last_backward()
             if kind == "F":
                 sends = self._forward(chunk, position, received)
-            else:
+            elif kind == "B":
                 sends = self._backward(chunk, position, received)
+            else:
+                sends = self._weight_backward(chunk, position)
             received = self.p2p.exchange(sends, self._incoming(*ops[i + 1]) if i + 1 < len(ops) else [])
         self.p2p.wait_sends()
         self._timer.finish()
         self.spans.label_microbatches(plan.microbatch_ids)
-        if self._saved:
-            raise RuntimeError(f"(chunk, microbatch) {sorted(self._saved)} ran forward but not backward")
+        if self._saved or self._deferred:
+            raise RuntimeError(f"(chunk, microbatch) {sorted(self._saved)} ran forward but not backward, "
+                               f"{sorted(self._deferred)} B but not W")
         return StepResult(float(self._loss_sum), self._n_answer, self._timer.fwd, self._timer.bwd,
                           self.p2p.bytes_sent - sent_before, self._tokens)
 
     def discard(self) -> None:
         """Drop what a step left behind when it was abandoned midway (its saved activations and
         inputs), before the step runs again."""
-        self._saved, self._inputs = {}, {}
+        self._saved, self._inputs, self._deferred = {}, {}, {}
 
     def _incoming(self, kind: str, k: int, p: int) -> list[Message]:
         """The messages op (kind, local chunk k, position p) receives, in the order it reads them."""
+        if kind == "W":  # ZB-H1's weight gradients: local work, nothing received
+            return []
         role = self.topo.vision_role if self.topo.llm_role is None else self.topo.llm_role
         if role.module == VISION:
             share = self._plan.vision_shares[p][role.replica]
@@ -483,7 +500,11 @@ class PipelineExecutor:
         grad = None if stage.is_last else received[0]
         with self._timer.measure("B", p):
             if saved.output.requires_grad:
-                saved.output.backward(None if grad is None else grad.to(saved.output.dtype))
+                grad = None if grad is None else grad.to(saved.output.dtype)
+                if self._split:
+                    self._backward_input(k, p, saved, grad)
+                else:
+                    saved.output.backward(grad)
         if not stage.is_first:
             return [(self._llm_message(k, p, bin_, BACKWARD, to_next=False), saved.inputs.grad)]
         if self.topo.plan.colocated or saved.features is None or not self.model.vision_side_trainable:
@@ -495,3 +516,26 @@ class PipelineExecutor:
             message = torch.cat([rows[i] for i in selected])
             sends += [(Message(dst, p, BACKWARD, self._feature_shape(selected)), message) for dst in destinations[v]]
         return sends
+
+    # -- ZB-H1's split backward (LLM stages) -----------------------------------------------------
+
+    def _backward_input(self, k: int, p: int, saved: _Saved, grad: torch.Tensor | None) -> None:
+        """B: the gradient of the stage's inputs (left in their ``.grad``, as a whole backward
+        leaves it, for the messages upstream); the weight gradients are kept for W. A first stage's
+        inputs are the received image features (disjoint placement); colocated, it has none, and W
+        is the whole backward."""
+        inputs = [saved.inputs] if saved.inputs is not None else []
+        if saved.features is not None and not self.topo.plan.colocated and saved.features.is_leaf:
+            inputs.append(saved.features)
+        full = self.modules.llm_chunks[k].recompute == "full"  # one W pass: one recomputation per layer
+        dinputs, self._deferred[k, p] = backward_input([saved.output], [grad], inputs, one_pass=full)
+        for t, d in zip(inputs, dinputs):
+            t.grad = d
+
+    def _weight_backward(self, k: int, p: int) -> list[tuple[Message, torch.Tensor]]:
+        """W: the weight gradients B of (k, p) left (none where its bin was empty or nothing trains)."""
+        weight = self._deferred.pop((k, p), None)
+        if weight is not None:
+            with self._timer.measure("W", p, "weight backward"):
+                weight.run()
+        return []

@@ -8,7 +8,8 @@ vision and LLM data parallelism, tensor parallelism (vocabulary-parallel embeddi
 embeddings across and within ranks), a frozen vision tower, InternVL; both scheduler policies, the
 baseline's padding variant, GPipe, shuffled microbatch orders, activation recomputation, sequence
 parallelism and sharded optimizer state (also with tensor parallelism); interleaved 1F1B (v = 2)
-with a disjoint vision stage, recomputation, data, tensor and sequence parallelism, sharding.
+with a disjoint vision stage, recomputation, data, tensor and sequence parallelism, sharding; ZB-H1
+(split backward) the same, in fewer cases.
 """
 
 from __future__ import annotations
@@ -124,6 +125,27 @@ INTERLEAVED = {
              shuffle_seed=10)],
 }
 
+# ZB-H1 (llm.schedule: zb-h1): each LLM stage's backward split into B (input gradient, sent at once)
+# and W (weight gradients, the first `stage` of them postponed to the step's end).
+ZB = {"schedule": "zb-h1"}
+ZB_H1 = {
+    # colocated: stage 0 (no input gradient: its W is the whole backward) and stage 1 (split, W
+    # through its checkpointed layer, which W recomputes)
+    2: [case("zb-h1-colocated-pp2-recompute", "llava_ov",
+             plan(ONE, (1, 2, 1, [1, 1]), "colocated", m=4, recompute=(["none"], ["selective", "full"]), **ZB),
+             shuffle_seed=11)],
+    # a disjoint vision stage: its unsplit backward waits for LLM stage 0's B (the features' gradient)
+    3: [case("zb-h1-vision1-llm-pp2", "internvl", plan(ONE, (1, 2, 1, [1, 1]), m=4, **ZB), shuffle_seed=12)],
+    4: [  # the vision tower's data-parallel buckets armed before the last W (in stage 0's W), the
+          # LLM's optimizer sharded (FSDP2 reduce-scatter after every W), the tied embedding summed
+          # over the stages; tensor + sequence parallelism (DTensor W, the norms' all-reduce hooks)
+        case("zb-h1-colocated-pp2-dp2-tied-llm-sharded", "llava_ov",
+             plan((1, 1, 2, [2]), (1, 2, 2, [1, 1]), "colocated", m=4, shard_optimizer=True, **ZB)),
+        case("zb-h1-colocated-tp2-pp2-sp", "llava_ov",
+             plan((2, 1, 1, [2]), (2, 2, 1, [1, 1]), "colocated", m=4, sequence_parallel=True, **ZB),
+             shuffle_seed=13)],
+}
+
 
 @lru_cache(maxsize=None)
 def _training_data(arch: str, pool_path: str, manifest: str) -> TrainingData:
@@ -164,6 +186,15 @@ def test_interleaved_1f1b_matches_the_unsplit_model(world, tmp_path, pools, runt
     gradients go to the wrong rank or chunk, a warm-up forward is skipped (a backward without its
     forward, or a wait that never ends), a chunk's gradient is lost, or a chunk runs the layers of another."""
     _check(world, _run(world, tmp_path, pools, runtime_demo, INTERLEAVED), runtime_demo)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", sorted(ZB_H1))
+def test_zb_h1_matches_the_unsplit_model(world, tmp_path, pools, runtime_demo):
+    """ZB-H1 against the same reference. Fails if a W is skipped or run twice (a weight gradient
+    missing or doubled), B leaks weight gradients W adds again, the input gradient sent upstream
+    is not the stage's, or the sync / reduce-scatter reads gradients before the last W."""
+    _check(world, _run(world, tmp_path, pools, runtime_demo, ZB_H1), runtime_demo)
 
 
 def _check(world: int, runs: list[tuple[dict, Path]], runtime_demo) -> None:

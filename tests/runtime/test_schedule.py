@@ -105,15 +105,47 @@ def test_interleaved_rank_orders_are_the_ones_the_simulator_times(placement, pp_
             sorted((c, j) for kind, c, j in ours if kind == "B")
 
 
-def test_a_schedule_without_executor_and_gpipe_on_interleaved_are_refused():
+def test_gpipe_on_an_interleaved_or_zb_h1_plan_is_refused():
     from dflop.errors import UserError
-    from dflop.plan import Layout, Plan
     from dflop.runtime.schedule import rank_op_order
     from dflop.runtime.topology import Topology
 
-    topo = Topology(_interleaved_plan("disjoint", 1, 2, 2, 4), 1, 3)
-    with pytest.raises(UserError, match="train.schedule gpipe cannot run"):
-        rank_op_order(topo, "gpipe", 4)
-    zb = Plan(Layout("disjoint", 1, 1, 1, 1, 2, 1, 4, "zb-h1"), (1,), (1, 1))
-    with pytest.raises(UserError, match="no executor for it"):
-        rank_op_order(Topology(zb, 1, 3), "1f1b", 4)
+    for plan in (_interleaved_plan("disjoint", 1, 2, 2, 4), _zb_h1_plan("disjoint", 1, 2, 4)):
+        with pytest.raises(UserError, match="train.schedule gpipe cannot run"):
+            rank_op_order(Topology(plan, 1, 3), "gpipe", 4)
+
+
+def _zb_h1_plan(placement: str, pp_v: int, pp_l: int, m: int):
+    from dflop.plan import Layout, Plan
+
+    layout = Layout(placement, 1, pp_v, 1, 1, pp_l, 1, m, "zb-h1")
+    return Plan(layout, (1,) * pp_v, (1,) * pp_l)
+
+
+@pytest.mark.parametrize("placement,pp_v,pp_l,m", [("disjoint", 1, 2, 4), ("disjoint", 2, 3, 5),
+                                                    ("disjoint", 1, 4, 2), ("colocated", 1, 2, 2),
+                                                    ("colocated", 1, 4, 8)])
+def test_zb_h1_rank_orders_are_the_ones_the_simulator_times(placement, pp_v, pp_l, m):
+    """Every LLM rank runs the simulator's ZB-H1 order for its device (B and W apart, W deferred as
+    priced), every vision stage the simulator's unsplit 1F1B order timed to the LLM's first stage.
+    Fails if a rank ran 1F1B's order, W right after its B everywhere, or its postponed W's
+    elsewhere than the step was priced with; and unless every microbatch gets one F, B and W."""
+    from dflop.runtime.schedule import rank_op_order
+    from dflop.runtime.topology import Topology
+    from dflop.sim.pipeline import _device_orders
+
+    plan = _zb_h1_plan(placement, pp_v, pp_l, m)
+    n_vis = plan.layout.n_vision_stages
+    row_of = [[s] for s in range(n_vis + pp_l)]
+    row_device, orders = _device_orders((1,) * (n_vis + pp_l), row_of, m, "zb-h1", n_vis, 1)
+    for rank in range(plan.world_size):
+        topo = Topology(plan, rank, plan.world_size)
+        stage = topo.pipeline_stage
+        expected = [("FBW"[kind], 0, j) for _, kind, j in orders[row_device[stage]]]
+        ours = rank_op_order(topo, "1f1b", m)
+        assert ours == expected, rank
+        kinds = "FBW" if topo.llm_role is not None else "FB"
+        for kind in kinds:
+            assert sorted(j for k, _, j in ours if k == kind) == list(range(m)), (rank, kind)
+        if topo.llm_role is not None:  # each W after its own B
+            assert all(ours.index(("W", 0, j)) > ours.index(("B", 0, j)) for j in range(m))

@@ -1,6 +1,8 @@
-"""`dflop train` refuses a plan whose LLM schedule the executor does not run yet (ZB-H1), in one
-line naming plan.yaml and llm.schedule, before any process starts (and the Trainer, where a plan
-enters the runtime another way); 1F1B and interleaved 1F1B plans pass."""
+"""`dflop train` refuses a plan whose LLM schedule the executor does not run, in one line naming
+plan.yaml and llm.schedule, before any process starts (and the Trainer, where a plan enters the
+runtime another way); 1F1B, interleaved 1F1B and ZB-H1 plans pass. Every schedule a plan may name
+now runs, so the refusal is tested as it would meet a schedule the planner knows and the executor
+not (the executor without ZB-H1, as before it had one)."""
 
 import pytest
 
@@ -16,7 +18,14 @@ def doc(**llm):
             "placement": "disjoint", "microbatches": 4, "global_batch_size": 16, "world_size": 3}
 
 
-def test_zb_h1_plan_is_refused_before_launch(tmp_path):
+@pytest.fixture
+def without_zb_h1(monkeypatch):
+    from dflop.runtime import launch
+
+    monkeypatch.setattr(launch, "TRAINABLE_SCHEDULES", ("1f1b", "interleaved"))
+
+
+def test_zb_h1_plan_is_refused_before_launch(tmp_path, without_zb_h1):
     """Bug caught: the check missing from `check_before_launch` (the plan would reach torchrun)."""
     path = tmp_path / "plan.yaml"
     write_plan(doc(schedule="zb-h1", chunks=1), path)
@@ -26,7 +35,7 @@ def test_zb_h1_plan_is_refused_before_launch(tmp_path):
     assert "\n" not in str(err.value)
 
 
-def test_1f1b_interleaved_and_older_plans_pass_the_schedule_check(tmp_path):
+def test_1f1b_interleaved_zb_h1_and_older_plans_pass_the_schedule_check(tmp_path):
     from dflop.plan import read_plan
 
     path = tmp_path / "plan.yaml"
@@ -36,9 +45,11 @@ def test_1f1b_interleaved_and_older_plans_pass_the_schedule_check(tmp_path):
     check_trainable_schedule(read_plan(path).plan)
     write_plan(doc(schedule="interleaved", chunks=2, layers_per_stage=[1, 0, 0, 1]), path)
     check_trainable_schedule(read_plan(path).plan)
+    write_plan(doc(schedule="zb-h1", chunks=1), path)
+    check_trainable_schedule(read_plan(path).plan)
 
 
-def test_trainer_refuses_before_building_anything():
+def test_trainer_refuses_before_building_anything(without_zb_h1):
     """Bug caught: the Trainer (the HF integration's and the tests' way in) running a zb-h1 plan as
     1F1B. It refuses before reading its settings or joining a process group (none exists here)."""
     from dflop.plan import plan_from_dict

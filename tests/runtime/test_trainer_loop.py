@@ -119,21 +119,28 @@ PP2_COLOCATED = ("vision: {{tp: 1, pp: 1, dp: 1, layers_per_stage: [2]}}\n"
                  "placement: colocated\nmicrobatches: 4\nglobal_batch_size: 4\nworld_size: 2\n")
 
 
+# plan.yaml's LLM lines of a schedule that is not plain 1F1B, trained against its 1F1B twin (layers [1, 1])
+OTHER_SCHEDULES = {"interleaved": ("[0, 1, 1, 0]", ", schedule: interleaved, chunks: 2"),
+                   "zb-h1": ("[1, 1]", ", schedule: zb-h1")}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_interleaved_plan_trains_as_1f1b_and_resumes(tmp_path, demo_shapes, runtime_demo):
+@pytest.mark.parametrize("schedule", sorted(OTHER_SCHEDULES))
+def test_plan_of_another_schedule_trains_as_1f1b_and_resumes(schedule, tmp_path, demo_shapes, runtime_demo):
     """Interleaved 1F1B (pp 2, v = 2 chunks per rank: embedding | layer 0 | layer 1 | head, the
-    head's rank holding chunks 1 and 3): 4 AdamW steps with clipping give the losses, gradient norms
-    and final weights of the same model under 1F1B (layers [1, 1]); a run killed after step 3 and
-    re-run from the checkpoint of step 2 ends the same. Fails if a chunk's parameters are missing
-    from the checkpoint or the optimizer (they would not resume or not train), or keyed by a
-    chunk-local name."""
-    (tmp_path / "interleaved.yaml").write_text(PP2_COLOCATED.format(
-        layers="[0, 1, 1, 0]", schedule=", schedule: interleaved, chunks: 2"))
+    head's rank holding chunks 1 and 3) or ZB-H1 (pp 2, split backward): 4 AdamW steps with
+    clipping give the losses, gradient norms and final weights of the same model under 1F1B
+    (layers [1, 1]); a run killed after step 3 and re-run from the checkpoint of step 2 ends the
+    same. Fails if a chunk's parameters are missing from the checkpoint or the optimizer (they would
+    not resume or not train), or keyed by a chunk-local name; under ZB-H1 if a deferred W is lost
+    or runs after the optimizer step, or a step's leftover W leaks into the next."""
+    layers, keys = OTHER_SCHEDULES[schedule]
+    (tmp_path / "other.yaml").write_text(PP2_COLOCATED.format(layers=layers, schedule=keys))
     (tmp_path / "1f1b.yaml").write_text(PP2_COLOCATED.format(layers="[1, 1]", schedule=""))
     config = config_dict("llava_ov", runtime_demo, train={"global_batch_size": 4, "steps": 4, "checkpoint_every": 2,
                                                           "warmup_steps": 1, "lr": 1e-3, "grad_clip": 0.5})
-    spec = {"config": config, "plan": str(tmp_path / "interleaved.yaml"), "shapes": str(demo_shapes["llava_ov"]),
+    spec = {"config": config, "plan": str(tmp_path / "other.yaml"), "shapes": str(demo_shapes["llava_ov"]),
             "full": str(tmp_path / "full"), "resumed": str(tmp_path / "resumed"), "stop_after": 3,
             "reference_plan": str(tmp_path / "1f1b.yaml"), "reference": str(tmp_path / "reference")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -150,7 +157,7 @@ def test_interleaved_plan_trains_as_1f1b_and_resumes(tmp_path, demo_shapes, runt
     assert finals["full"].keys() == finals["reference"].keys() == finals["resumed"].keys()
     # The two schedules sum a gradient's float32 terms in other orders (measured: weights apart by
     # up to 4e-6 after 4 steps, where AdamW turns a near-zero gradient's rounding noise into up to
-    # lr of change); the resumed run repeats the interleaved one exactly.
+    # lr of change); the resumed run repeats the uninterrupted one exactly.
     for name, value in finals["reference"].items():
         torch.testing.assert_close(finals["full"][name], value, rtol=1e-5, atol=2e-5, msg=name)
         torch.testing.assert_close(finals["resumed"][name], finals["full"][name], rtol=1e-5, atol=1e-6, msg=name)
