@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import sys
 import threading
 import time
 from pathlib import Path
@@ -128,7 +129,9 @@ def profile_loading(cfg: Config, shapes_path: str | Path, out_path: str | Path, 
     data = _training_data(dict(cfg.raw), picked)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each training rank runs (torchrun sets OMP_NUM_THREADS=1 per worker)
-    ctx = mp.get_context("spawn")
+    # Forked on Linux, as the data profiler's workers: a spawned co-runner spends seconds importing
+    # torch and transformers again before its first load (the loads are timed in step, not its start).
+    ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     barrier = ctx.Barrier(co_runners, timeout=BARRIER_TIMEOUT_S) if co_runners > 1 else None
     shared_passes = ctx.Value("i", 0) if co_runners > 1 else None
     others = [ctx.Process(target=_co_runner, args=(dict(cfg.raw), picked, barrier, shared_passes), daemon=True)
