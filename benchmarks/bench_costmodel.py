@@ -33,6 +33,7 @@ from dflop.config import Config
 from dflop.costmodel.fit import fit
 from dflop.models.handle import ModelHandle
 from dflop.profiling import model_profiler
+from dflop.profiling._timing import Timer
 
 PRESETS = {
     "tiny": ("llava_ov", "siglip-tiny", "qwen2.5-tiny"),
@@ -42,22 +43,19 @@ TIME_TARGET_PCT = 10.0
 MEMORY_TARGET_PCT = 5.0
 
 
-class ThreadCPUTimer:
-    """Drop-in for the profiler's CPU timer: CPU time of the calling thread, in milliseconds."""
-
-    cuda = False
+class ThreadCPUTimer(Timer):
+    """The profiler's CPU timer measuring CPU time of the calling thread, in milliseconds (a
+    subclass, so it has every attribute the profiler reads from its timer)."""
 
     def __init__(self, device: torch.device):
         if device.type != "cpu":
             raise ValueError("thread CPU time only measures CPU work")
+        super().__init__(device)
 
     def __call__(self, fn):
         begin = time.thread_time()
         result = fn()
         return result, (time.thread_time() - begin) * 1e3
-
-    def synchronize(self) -> None:
-        pass
 
 
 @contextlib.contextmanager
