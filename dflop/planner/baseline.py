@@ -35,7 +35,7 @@ from dflop.plan import Layout, Plan
 from dflop.scheduler.policy import Policy
 from dflop.planner.candidates import evaluation_columns, plan_columns
 from dflop.pricing.cluster import Cluster
-from dflop.planner.expected import Evaluation
+from dflop.planner.expected import Evaluation, schedule_priced
 from dflop.planner.means import Granularity
 from dflop.planner.screen import SearchSpace
 from dflop.planner.stages import StageModel, TransferMeans
@@ -188,11 +188,13 @@ def search_baseline(space: SearchSpace, means: TechniqueMeans, cluster: Cluster,
 def baseline_schedules(plan: Plan, schedules: tuple[str, ...]) -> list[Plan]:
     """The 1F1B data-blind `plan` under the other schedules `schedules` allows, as Megatron-LM runs
     them: ZB-H1 on its split; interleaved with v in `INTERLEAVE_CHUNKS` virtual stages per rank where the LLM's
-    layers split uniformly into pp x v chunks and m is a multiple of pp."""
+    layers split uniformly into pp x v chunks and m is a multiple of pp. ZB-H1 only where no LLM rank
+    recomputes fully (`schedule_priced`)."""
     lay = plan.layout
     if lay.pp_l < 2:
         return []
     out = [plan.with_schedule("zb-h1")] if "zb-h1" in schedules else []
+    out = [x for x in out if schedule_priced(x)]
     n = sum(plan.llm_layers)
     if "interleaved" in schedules and lay.m % lay.pp_l == 0:
         out += [plan.with_schedule("interleaved", v) for v in INTERLEAVE_CHUNKS if n % (lay.pp_l * v) == 0]

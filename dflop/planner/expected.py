@@ -172,6 +172,14 @@ def schedule_step_s(pricing: Pricing, pc: PlanCosts, part: Partition, batch: Poo
     return schedule_timeline(pricing, pc, part, batch).step_s
 
 
+def schedule_priced(plan: Plan) -> bool:
+    """Whether the planner may choose `plan`'s LLM schedule: False for ZB-H1 with an LLM rank under
+    full recomputation, whose W recomputes the checkpointed forward (measured B + W = 1.67x the
+    whole backward on CPU, 0.98x without recomputation) while `schedule_timeline` prices B + W as
+    the whole backward. Such a plan still trains correctly, only slower than predicted."""
+    return plan.layout.schedule != "zb-h1" or "full" not in plan.llm_rank_recompute()
+
+
 def run_partition(pc: PlanCosts, pricing: Pricing, scheduler: SchedulerSettings, *, seed: int = 0) -> Partition:
     """The online scheduler's partition of one priced batch (the step it simulates is the prediction);
     "padded" runs Megatron's bins on the padded costs (`price`)."""

@@ -50,7 +50,7 @@ from dflop.planner.baseline import INTERLEAVE_CHUNKS, BaselineResult, search_bas
 from dflop.planner.candidates import candidates_frame, evaluation_columns, plan_columns
 from dflop.pricing.cluster import Cluster
 from dflop.planner.expected import (Evaluation, evaluate_plan, quick_step_s, run_partition,
-                                   sample_batches, schedule_step_s)
+                                   sample_batches, schedule_priced, schedule_step_s)
 from dflop.pricing.pricing import Pricing
 from dflop.planner.means import Granularity
 from dflop.pricing.pool import Pool, TransferSizes
@@ -438,6 +438,8 @@ def _choose_schedules(head: list[_Solved], s: SearchSettings, cost: CostModel, b
                     continue
                 sm, modes = settled  # its techniques on the 1F1B layout, then the schedule's chunks
                 plan = replace(sm, layout=base.layout).plan(split, modes).with_schedule(sched, v)
+            if not schedule_priced(plan):
+                continue  # ZB-H1's W under full recomputation: a cost the model does not price
             vpricing = Pricing(plan, cost, cluster, sizes)
             # one chunk per rank and the same techniques: the same times and tails as the 1F1B
             # plan's (only the memory limits, which the timing does not read, differ); interleaved

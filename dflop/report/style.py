@@ -25,6 +25,7 @@ MODALITY_COLOURS = {
 }
 PLAN_COLOUR = "#4C72B0"
 BASELINE_COLOUR = "#DD8452"
+WGRAD_COLOUR = "#55A868"  # ZB-H1's W ops (as dflop.sim.gantt draws them)
 DPI = 110
 
 

@@ -37,14 +37,14 @@ from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.planner.expected import simulate_batch
 from dflop.planner.whatif import load_plan_context
-from dflop.report.style import BASELINE_COLOUR, PLAN_COLOUR, read_table, save_figure
+from dflop.report.style import BASELINE_COLOUR, PLAN_COLOUR, WGRAD_COLOUR, read_table, save_figure
 from dflop.runtime.metrics import WARMUP_STEPS
 from dflop.runtime.spans import makespan, op_differences, simulated_ops, trace_ops
 from dflop.scheduler.online import GlobalBatches
 from dflop.sim import SimResult
 from dflop.scheduler.policy import Policy
 
-OP_COLOURS = {"F": PLAN_COLOUR, "B": BASELINE_COLOUR}
+OP_COLOURS = {"F": PLAN_COLOUR, "B": BASELINE_COLOUR, "W": WGRAD_COLOUR}
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,11 @@ def draw_timelines(measured: pd.DataFrame, simulated: pd.DataFrame, *, step: int
                  if trainer_predicted_s is not None else "")
     bottom.set_title(f"Simulated (same global batch, same plan): {diff.simulated_s:.3g} s{predicted}", fontsize=10)
     bottom.set_xlabel("seconds from the step's first forward")
-    top.legend(handles=[Patch(color=PLAN_COLOUR, label="forward"), Patch(color=BASELINE_COLOUR, label="backward")],
-               loc="upper right", fontsize=8)
+    handles = [Patch(color=PLAN_COLOUR, label="forward"), Patch(color=BASELINE_COLOUR, label="backward")]
+    if (measured["op"] == "W").any() or (simulated["op"] == "W").any():  # ZB-H1: B and W
+        handles = [handles[0], Patch(color=BASELINE_COLOUR, label="input grad (B)"),
+                   Patch(color=WGRAD_COLOUR, label="weight grad (W)")]
+    top.legend(handles=handles, loc="upper right", fontsize=8)
     warm = f" (a warm-up step: steps ≤ {WARMUP_STEPS})" if step <= WARMUP_STEPS else ""
     fig.suptitle(f"One step measured vs simulated{warm}\n{diff.describe()}", fontsize=11)
     return fig

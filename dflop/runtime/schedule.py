@@ -54,7 +54,7 @@ from dflop.scheduler.online import StepPlan
 from dflop.models.handle import ModelHandle
 from dflop.runtime.model import RankModules
 from dflop.runtime.p2p import BACKWARD, FORWARD, P2P, Message
-from dflop.runtime.spans import SpanRecorder
+from dflop.runtime.spans import W_SPAN, SpanRecorder
 from dflop.runtime.split_backward import backward_input
 from dflop.runtime.topology import VISION, Topology
 from dflop.runtime.vision import VisionRunner
@@ -536,6 +536,6 @@ class PipelineExecutor:
         """W: the weight gradients B of (k, p) left (none where its bin was empty or nothing trains)."""
         weight = self._deferred.pop((k, p), None)
         if weight is not None:
-            with self._timer.measure("W", p, "weight backward"):
+            with self._timer.measure("W", p, W_SPAN):
                 weight.run()
         return []

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from dflop.io import atomic_path
 # Track (thread id) of each category in a rank's process, in display order.
 CATEGORIES = ("step", "data", "p2p_recv", "forward", "backward", "p2p_send", "allreduce", "optimizer")
 OP_KIND = {"forward": "F", "backward": "B"}
+# A split-backward schedule's (ZB-H1's) W span: category backward, this name; op "W" in the per-op
+# tables (its B spans stay "B"), so 1F1B and interleaved traces and tables are unchanged.
+W_SPAN = "weight backward"
 OPS_COLUMNS = ("rank", "stage", "stage_name", "replica", "tp_rank", "op", "microbatch", "start_s", "end_s", "busy_s")
 
 
@@ -297,8 +301,8 @@ def write_trace_file(path: str | Path, events: list[dict], process_names: list[s
 
 
 def trace_ops(trace: str | Path | Mapping, step: int) -> pd.DataFrame:
-    """One step of a trace.json as the per-op table (`OPS_COLUMNS`): one row per rank, op ("F" / "B")
-    and microbatch id; start_s / end_s from the step's first forward (the simulator's time 0);
+    """One step of a trace.json as the per-op table (`OPS_COLUMNS`): one row per rank, op ("F" / "B",
+    and "W" for ZB-H1's weight-gradient spans, `W_SPAN`) and microbatch id; start_s / end_s from the step's first forward (the simulator's time 0);
     busy_s the op's summed span time (a colocated stage's forward is two spans: vision tower, LLM).
     A stage is its index in the chain (vision stages first), as the simulator's rows count them."""
     doc = json.loads(Path(trace).read_text()) if isinstance(trace, (str, Path)) else trace
@@ -310,7 +314,7 @@ def trace_ops(trace: str | Path | Mapping, step: int) -> pd.DataFrame:
     frame = pd.DataFrame({
         "rank": [e["pid"] for e in rows], "stage": [e["args"]["stage"] for e in rows],
         "stage_name": [e["args"]["stage_name"] for e in rows], "replica": [e["args"]["replica"] for e in rows],
-        "tp_rank": [e["args"]["tp_rank"] for e in rows], "op": [OP_KIND[e["cat"]] for e in rows],
+        "tp_rank": [e["args"]["tp_rank"] for e in rows], "op": [_op_kind(e) for e in rows],
         "microbatch": [e["args"]["microbatch"] for e in rows],
         "start_s": [e["ts"] / 1e6 for e in rows], "end_s": [(e["ts"] + e["dur"]) / 1e6 for e in rows],
         "busy_s": [e["dur"] / 1e6 for e in rows]})
@@ -322,16 +326,28 @@ def trace_ops(trace: str | Path | Mapping, step: int) -> pd.DataFrame:
     return ops.sort_values(["stage", "replica", "tp_rank", "start_s"], ignore_index=True)[list(OPS_COLUMNS)]
 
 
+def _op_kind(event: Mapping) -> str:
+    """A forward/backward span's op: "F", "B", or "W" (a split backward's weight gradients)."""
+    return "W" if event["cat"] == "backward" and event["name"] == W_SPAN else OP_KIND[event["cat"]]
+
+
 def simulated_ops(result) -> pd.DataFrame:
     """A `dflop.sim.pipeline.SimResult` as the same per-op table (one row per device row, op and
-    microbatch id; rank and tp_rank are -1: the simulator has no ranks; stage names as metrics.parquet's)."""
+    microbatch id; rank and tp_rank are -1: the simulator has no ranks; stage names as metrics.parquet's).
+    Under a split-backward schedule "B" is the input gradient and "W" the weight gradient (rows
+    whose backward is not split, the vision stages', have no W)."""
     n_v = result.n_vision_stages
     records = []
+    kinds = [("F", result.fwd_start, result.fwd_end), ("B", result.bwd_start, result.bwd_end)]
+    if result.w_start is not None:
+        kinds.append(("W", result.w_start, result.w_end))
     for row, (stage, replica) in enumerate(zip(result.row_stage, result.row_replica)):
         stage = int(stage)
         name = f"vision{stage}" if stage < n_v else f"llm{stage - n_v}"
-        for op, start, end in (("F", result.fwd_start, result.fwd_end), ("B", result.bwd_start, result.bwd_end)):
+        for op, start, end in kinds:
             for j in range(start.shape[1]):
+                if np.isnan(start[row, j]):
+                    continue  # no W on this row
                 records.append((-1, stage, name, int(replica), -1, op, j, float(start[row, j]), float(end[row, j]),
                                 float(end[row, j] - start[row, j])))
     ops = pd.DataFrame.from_records(records, columns=list(OPS_COLUMNS))

@@ -105,7 +105,7 @@ def step_planner(settings: TrainSettings, pricing: Pricing, pool: pd.DataFrame, 
                        feature_rows_fn(rules), policy=sched.policy, budget_s=sched.budget_s,
                        prefetch=settings.scheduler.prefetch, seed=settings.seed, total_steps=settings.train.steps,
                        adaptive=settings.adaptive_correction, p2p_s=pricing.p2p_s, allreduce_s=pricing.allreduce_s,
-                       ilp=sched.ilp)
+                       ilp=sched.ilp, wgrad_frac_fn=lambda rows: pricing.wgrad_frac(whole.take(rows)))
 
 
 class Trainer:

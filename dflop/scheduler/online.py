@@ -157,18 +157,26 @@ class StepPlanner:
         the 1F1B simulation charges (the pricing's), so predictions match the planner's.
     ilp: the portfolio's exact member, as `partition` takes it (opt-in: it has not earned its place
         on the benchmark grid, see benchmarks/README.md).
+    wgrad_frac_fn: [n] pool indices of one global batch -> the LLM backward's W share
+        (`Pricing.wgrad_frac`); needed by ZB-H1 plans, whose predictions time the partition under
+        ZB-H1 as the planner does (`dflop.planner.expected.schedule_timeline`). The partition itself
+        is still scored as 1F1B, as the planner's is.
     """
 
     def __init__(self, pool: pd.DataFrame, batches: GlobalBatches, plan: Plan,
                  costs_fn: Callable[[np.ndarray], BatchCosts], feature_rows_fn: Callable[[pd.DataFrame], np.ndarray],
                  *, policy: Policy | str = Policy.DFLOP, budget_s: float = 0.2, prefetch: int = 2, seed: int = 0,
                  total_steps: int | None = None, adaptive: bool = True, p2p_s: float = 0.0, allreduce_s=0.0,
-                 ilp: str = "never"):
+                 ilp: str = "never", wgrad_frac_fn: Callable[[np.ndarray], float] | None = None):
+        if plan.layout.schedule == "zb-h1" and wgrad_frac_fn is None:
+            raise ValueError("StepPlanner: a zb-h1 plan needs wgrad_frac_fn (the W share its steps are timed with)")
         if policy not in (Policy.DFLOP, Policy.MEGATRON, Policy.PADDED):  # what the trainer runs
             raise UserError(f"StepPlanner: policy must be dflop, megatron or padded, got {policy!r}")
         policy = Policy(policy)
         self.pool, self.batches, self.plan = numpy_backed(pool.reset_index(drop=True)), batches, plan
         self.costs_fn, self.feature_rows_fn = costs_fn, feature_rows_fn
+        self.schedule = plan.layout.schedule
+        self.wgrad_frac_fn = wgrad_frac_fn
         self.policy, self.prefetch, self.total_steps = policy, prefetch, total_steps
         self.buckets = ShapeBuckets()
         self.correction = AdaptiveCorrection(self.buckets.n_buckets) if adaptive and not policy.data_blind else None
@@ -182,7 +190,7 @@ class StepPlanner:
             correction=self.correction, solver=functools.partial(partition, ilp=ilp))
         self._submitted = -1
         self._first: int | None = None
-        self._costs: dict[int, tuple[BatchCosts, np.ndarray, Partition | None]] = {}
+        self._costs: dict[int, tuple[BatchCosts, np.ndarray, Partition | None, float]] = {}  # + W share
 
     def _submit_through(self, step: int) -> None:
         last = step if self.total_steps is None else min(step, self.total_steps - 1)
@@ -194,7 +202,7 @@ class StepPlanner:
             buckets = self.buckets.assign(shapes["n_tiles"].to_numpy(), shapes["seq_len"].to_numpy())
             if self.service is not None:
                 self.service.submit(s, costs, buckets)
-            self._costs[s] = (costs, buckets, None)
+            self._costs[s] = (costs, buckets, None, self._wgrad_frac(rows))
             self._submitted = s
 
     def get(self, step: int, timeout_s: float | None = None) -> StepPlan:
@@ -210,7 +218,7 @@ class StepPlanner:
         if self._submitted < step - 1:
             self._submitted = step - 1  # resumed run: nothing before `step` is needed
         self._submit_through(step + self.prefetch)
-        costs, buckets, _ = self._costs[step]
+        costs, buckets, _, frac = self._costs[step]
         if self.service is None:
             dp_vision = self.plan.vision_replicas
             part = partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision,
@@ -222,28 +230,38 @@ class StepPlanner:
             part = self.service.get(step, timeout_s=timeout_s)
         rows = self.batches.rows(step)
         shapes = self.pool.iloc[rows].reset_index(drop=True)
-        self._costs[step] = (costs, buckets, part)
+        self._costs[step] = (costs, buckets, part, frac)
         plan = step_plan_from_partition(step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
                                         costs.vision_total())
-        return self._with_predictions(plan, part, costs, buckets)
+        return self._with_predictions(plan, part, costs, buckets, frac)
 
-    def _simulate(self, costs: BatchCosts, part: Partition) -> float:
-        """The 1F1B step of `part` priced with `costs` (the partition's own send latency and all-reduces)."""
+    def _wgrad_frac(self, rows: np.ndarray) -> float:
+        """The W share ZB-H1 plans time `rows`' step with; 0.5 (unused) under the other schedules."""
+        return float(self.wgrad_frac_fn(rows)) if self.schedule == "zb-h1" else 0.5
+
+    def _simulate(self, costs: BatchCosts, part: Partition, wgrad_frac: float) -> float:
+        """The step of `part` priced with `costs` (the partition's own send latency and all-reduces)
+        under the plan's schedule: ZB-H1 with `wgrad_frac`, interleaved where `costs` carry chunks."""
         times = stage_times(costs, part.microbatch, part.replica, part.m, part.dp_llm, part.dp_vision)
-        return float(simulate_times(times, part.order, p2p_s=self.p2p_s, allreduce_s=self.allreduce_s).step_s)
+        return float(simulate_times(times, part.order, p2p_s=self.p2p_s, allreduce_s=self.allreduce_s,
+                                    schedule=self.schedule, wgrad_frac=wgrad_frac).step_s)
 
-    def _with_predictions(self, plan: StepPlan, part: Partition, costs: BatchCosts, buckets) -> StepPlan:
+    def _with_predictions(self, plan: StepPlan, part: Partition, costs: BatchCosts, buckets,
+                          wgrad_frac: float) -> StepPlan:
         """`plan` with both predictions of its partition: the profiled costs' (whatever the
-        partition was solved with) and the correction's (`StepPlan`)."""
+        partition was solved with; a ZB-H1 plan's timed under ZB-H1, the partition's own step being
+        1F1B's) and the correction's (`StepPlan`)."""
         corr = self.correction
         active = self.service is not None and self.service.solved_corrected.pop(plan.step, False)
         if active:  # solved with corrected costs: price it again as profiled
-            plan = replace(plan, predicted_step_s=self._simulate(costs, part),
+            plan = replace(plan, predicted_step_s=self._simulate(costs, part, wgrad_frac),
                            lower_bound_s=lower_bound(costs, part.m, part.dp_llm, part.dp_vision, p2p_s=self.p2p_s,
                                                      allreduce_s=self.allreduce_s))
+        elif self.schedule == "zb-h1":
+            plan = replace(plan, predicted_step_s=self._simulate(costs, part, wgrad_frac))
         corrected = float("nan")
         if corr is not None and corr.n_obs_ > 0 and buckets is not None:
-            corrected = self._simulate(corr.corrected(costs, buckets), part) + corr.step_overhead_s_
+            corrected = self._simulate(corr.corrected(costs, buckets), part, wgrad_frac) + corr.step_overhead_s_
         return replace(plan, corrected_step_s=corrected, correction_active=bool(active))
 
     def replan(self, plan: StepPlan, rows: np.ndarray) -> StepPlan:
@@ -259,9 +277,12 @@ class StepPlanner:
         else:
             part = greedy_partition(costs, self.plan.microbatches, self.plan.llm.dp, dp_vision, p2p_s=self.p2p_s,
                                     allreduce_s=self.allreduce_s)
-        self._costs[plan.step] = (costs, None, None)
+        frac = self._wgrad_frac(rows)
+        self._costs[plan.step] = (costs, None, None, frac)
         new = step_plan_from_partition(plan.step, rows, shapes, part, self.plan, self.feature_rows_fn(shapes),
                                        costs.vision_total())
+        if self.schedule == "zb-h1":
+            new = replace(new, predicted_step_s=self._simulate(costs, part, frac))
         return replace(new, member=f"replaced:{part.member}")
 
     def report(self, step: int, measured: MeasuredTimes, decide_every: int = 2, step_s: float | None = None) -> None:
@@ -269,7 +290,7 @@ class StepPlanner:
         first `WARMUP_STEPS` of a run are not learned from: they pay the warm-up, many times a
         later step).
         step_s: the step's wall seconds, for the correction's per-step overhead (`observe_step`)."""
-        costs, buckets, part = self._costs.pop(step, (None, None, None))
+        costs, buckets, part, frac = self._costs.pop(step, (None, None, None, 0.5))
         for old in [s for s in self._costs if s < step]:
             del self._costs[old]
         if self.correction is None or part is None:
@@ -279,7 +300,7 @@ class StepPlanner:
             return
         self.service.report(step, measured, part)
         if step_s is not None and buckets is not None:
-            self.correction.observe_step(step_s, self._simulate(self.correction.corrected(costs, buckets), part))
+            self.correction.observe_step(step_s, self._simulate(self.correction.corrected(costs, buckets), part, frac))
         if self.correction.n_obs_ and self.correction.n_obs_ % decide_every == 0:
             dp_vision = self.plan.vision_replicas
             self.correction.decide(costs, buckets, self.plan.microbatches, self.plan.llm.dp, dp_vision)

@@ -8,8 +8,11 @@ holds min(m, p) microbatches on every LLM stage, 1F1B p - s), only 1F1B fits. Th
 each choice is the plan's own evaluation (`evaluate_plan`) under every schedule it could run.
 """
 
+from dataclasses import replace
+
 import pytest
 
+from dflop.costmodel.model import CostModel
 from dflop.errors import UserError
 from dflop.plan import Layout, Plan
 from dflop.planner.expected import evaluate_plan, sample_batches
@@ -119,3 +122,36 @@ def test_schedules_setting_must_list_1f1b():
         SearchSettings.from_config(schedules=("zb-h1",))
     with pytest.raises(UserError, match="planner.schedules"):
         SearchSettings.from_config(schedules=("1f1b", "gpipe"))
+
+
+def with_full_recompute(cost: CostModel) -> CostModel:
+    """The toy model with full-recompute costs on its layer modules: the backward plus one more
+    forward, a tenth of the activations."""
+    out = []
+    for m in cost.modules.values():
+        if m.module.endswith("_layer"):
+            c = m.coef
+            full = {"bwd_ms:full": tuple(b + f for b, f in zip(c["bwd_ms"], c["fwd_ms"])),
+                    "act_bytes:full": tuple(0.1 * a for a in c["act_bytes"])}
+            m = replace(m, coef={**c, **full})
+        out.append(m)
+    return CostModel(out, cost.provenance)
+
+
+def test_full_recompute_never_takes_zb_h1(cost, pool):
+    """m = p with every stage under full recomputation (``planner.recompute: full``): ZB-H1's W then
+    recomputes the checkpointed forward, which the cost model does not price, so neither the search
+    nor the Megatron-style baseline may choose it, although its (optimistic) evaluation is the
+    fastest. Bug caught: the guard (`schedule_priced`) dropped from `_choose_schedules` or
+    `baseline_schedules`: ZB-H1 is then chosen (reference: each schedule's own `evaluate_plan`)."""
+    cost = with_full_recompute(cost)
+    result, cluster = run(cost, pool, 80e9, ALL, recompute="full")
+    plan = result.chosen.plan
+    assert plan.layout.pp_l == 4 and plan.layout.schedule != "zb-h1"
+    assert set(plan.llm_rank_recompute()) == {"full"}
+    evs = evaluations(as_1f1b(plan), cost, pool, cluster, 4)
+    assert evs[("zb-h1", 1)].ok and evs[("zb-h1", 1)].mean_s < min(ev.mean_s for o, ev in evs.items() if o[0] != "zb-h1")
+    assert result.chosen.mean_s == pytest.approx(evs[(plan.layout.schedule, plan.layout.chunks)].mean_s)
+    assert result.baseline.evaluation.plan.layout.schedule != "zb-h1"
+    tried = result.candidates.query("kind == 'baseline'")
+    assert "zb-h1" not in set(tried["schedule"].dropna()) and set(tried["schedule"].dropna()) > {"1f1b"}

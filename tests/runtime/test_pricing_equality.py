@@ -46,7 +46,8 @@ def fitted():
 
 @pytest.mark.parametrize("costs", ["fitted", "stand-in"])
 @pytest.mark.parametrize("layout", [Layout("disjoint", 1, 1, 2, 1, 2, 1, 4),   # vision | two LLM stages
-                                    Layout("colocated", 1, 1, 2, 1, 1, 2, 2)])  # vision inside LLM stage 0
+                                    Layout("colocated", 1, 1, 2, 1, 1, 2, 2),  # vision inside LLM stage 0
+                                    Layout("disjoint", 1, 1, 2, 1, 2, 1, 4, schedule="zb-h1")])
 def test_trainer_and_planner_predict_the_same_step(fitted, layout, costs):
     # The plan was made for this cluster; the trainer's config has only the defaults.
     cluster = Cluster.from_section(Config.from_dict({"cluster": {"gpus_per_node": 8, "gpu_memory_gb": 80,
@@ -79,10 +80,13 @@ def test_trainer_and_planner_predict_the_same_step(fitted, layout, costs):
         trainer_steps, planner_steps = [], []
         for step in range(3):
             online = planner.get(step, timeout_s=60.0)
-            part, _ = simulate_batch(plan, fitted, pool.take(batches.rows(step)), cluster, sizes, scheduler,
-                                     seed=settings.seed + step)
+            part, timeline = simulate_batch(plan, fitted, pool.take(batches.rows(step)), cluster, sizes, scheduler,
+                                            seed=settings.seed + step)
             trainer_steps.append(online.predicted_step_s)
-            planner_steps.append(part.step_s)
+            # ZB-H1: the partition (scored as 1F1B) timed under ZB-H1 with the batch's W share
+            planner_steps.append(timeline.step_s if layout.schedule == "zb-h1" else part.step_s)
+            if layout.schedule == "zb-h1":
+                assert timeline.step_s < part.step_s  # not the 1F1B step
             assert online.member == part.member
         assert trainer_steps == planner_steps, (trainer_steps, planner_steps)
         assert np.all(np.asarray(trainer_steps) > 0)

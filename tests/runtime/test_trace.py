@@ -17,7 +17,7 @@ import pytest
 from dflop.errors import UserError
 from dflop.profiling.model_profiler import CPU_THREADS_PER_RANK
 from dflop.runtime.schedule import op_order
-from dflop.runtime.spans import simulated_ops, trace_ops, trace_window
+from dflop.runtime.spans import W_SPAN, simulated_ops, trace_ops, trace_window
 from dflop.sim.pipeline import simulate
 from trainer_reference import TWO_RANK_PLAN, config_dict, pick_pool
 
@@ -183,6 +183,44 @@ def test_measured_table_merges_an_ops_spans_and_starts_at_the_first_forward():
     np.testing.assert_allclose(table["start_s"], [0, 40e-6])
     np.testing.assert_allclose(table["end_s"], [35e-6, 70e-6])
     np.testing.assert_allclose(table["busy_s"], [30e-6, 30e-6])
+
+
+def test_measured_table_keeps_zb_h1s_weight_backward_apart():
+    """ZB-H1's W spans (category backward, `W_SPAN`) are op "W", not merged into the microbatch's B.
+    Bug caught: W read by its category alone: one "B" op spanning B and W, busy their sum."""
+    ident = {"stage": 1, "stage_name": "llm0", "replica": 0, "tp_rank": 0}
+
+    def x(cat, ts, dur, mb, name=None):
+        return {"ph": "X", "cat": cat, "name": name or cat, "pid": 0, "tid": 1, "ts": ts, "dur": dur,
+                "args": {"step": 5, "microbatch": mb, **ident}}
+
+    trace = {"traceEvents": [x("forward", 0, 10, 0), x("backward", 20, 15, 0),
+                             x("backward", 50, 5, 0, W_SPAN), x("forward", 60, 10, 1)]}
+    table = trace_ops(trace, step=5)
+    assert table[["op", "microbatch"]].values.tolist() == [["F", 0], ["B", 0], ["W", 0], ["F", 1]]
+    np.testing.assert_allclose(table["busy_s"], [10e-6, 15e-6, 5e-6, 10e-6])
+    np.testing.assert_allclose(table["end_s"], [10e-6, 35e-6, 55e-6, 70e-6])
+
+
+def test_simulated_table_has_zb_h1s_w_ops():
+    # Two stages, two microbatches, F 1 s, backward 2 s split B 1 s + W 1 s (wgrad_frac 0.5), no
+    # latency (worked out by hand from ZB-H1's order: stage 0 runs each W after its B, stage 1
+    # postpones its first W to the end): stage 0: F0 [0,1] F1 [1,2] B0 [3,4] W0 [4,5] B1 [5,6]
+    # W1 [6,7]; stage 1: F0 [1,2] B0 [2,3] F1 [3,4] B1 [4,5] W0 [5,6] W1 [6,7].
+    # Bug caught: the W ops left out (the table then has no "W" rows and ends at the last B).
+    table = simulated_ops(simulate(np.ones((2, 2)), 2 * np.ones((2, 2)), schedule="zb-h1", wgrad_frac=0.5))
+    got = {(r.stage, r.op, r.microbatch): (r.start_s, r.end_s) for r in table.itertuples()}
+    assert got == {(0, "F", 0): (0, 1), (0, "F", 1): (1, 2), (0, "B", 0): (3, 4), (0, "W", 0): (4, 5),
+                   (0, "B", 1): (5, 6), (0, "W", 1): (6, 7),
+                   (1, "F", 0): (1, 2), (1, "B", 0): (2, 3), (1, "F", 1): (3, 4), (1, "B", 1): (4, 5),
+                   (1, "W", 0): (5, 6), (1, "W", 1): (6, 7)}
+    # vision stages' backward is not split: no W rows there (the simulator's NaN skipped)
+    from dflop.sim import simulate_dp
+    with_vision = simulated_ops(simulate_dp(np.ones((1, 2)), 2 * np.ones((1, 2)), np.ones((1, 2, 2)),
+                                            2 * np.ones((1, 2, 2)), schedule="zb-h1"))
+    assert set(with_vision.query("stage == 0")["op"]) == {"F", "B"}
+    assert set(with_vision.query("stage > 0")["op"]) == {"F", "B", "W"}
+    assert not with_vision[["start_s", "end_s"]].isna().any().any()
 
 
 def test_simulated_table_is_the_hand_computed_1f1b_timeline():

@@ -177,3 +177,48 @@ def test_plans_carry_the_profiled_and_the_corrected_prediction():
         assert p.predicted_step_s >= p.lower_bound_s * (1 - 1e-9)
         assert p.predicted_step_s < 2 * p.lower_bound_s  # not the corrected (c x) step over the profiled bound
     assert any(p.correction_active for p in later)  # steps solved ahead, before the change, are not
+
+
+def test_zb_h1_plan_predicts_its_zb_h1_step():
+    """A zb-h1 plan's predicted step is its partition timed under ZB-H1 with the batch's W share,
+    the simulator called directly on the partition's stage times (`dflop.sim.simulate_dp`), as the
+    planner prices it (`schedule_timeline`); the same batches under the 1F1B plan keep 1F1B's step.
+    Bug caught: the prediction left as the partition's 1F1B step (the schedule or the W share not
+    passed to the simulation), or a W share other than the batch's."""
+    from dflop.scheduler.evaluate import stage_times
+    from dflop.sim import simulate_dp
+
+    doc = {"vision": {"tp": 1, "pp": 1, "dp": 2, "layers_per_stage": [2]},
+           "llm": {"tp": 1, "pp": 2, "dp": 1, "layers_per_stage": [1, 1], "schedule": "zb-h1"},
+           "placement": "disjoint", "microbatches": 2, "global_batch_size": 12, "world_size": 4}
+    layout = StageLayout(vision_layer_share=(1.0,), llm_layer_share=(0.5, 0.5))
+    pool = _pool()
+    costs_fn = lambda rows: batch_costs_from_shapes(pool.iloc[rows].reset_index(drop=True), layout, AnalyticCostModel())
+    frac_fn = lambda rows: 0.2 + 0.5 * float(pool["seq_len"].to_numpy()[rows].mean()) / 1200  # data-dependent
+    zb = plan_from_dict(doc).plan
+    with pytest.raises(ValueError, match="zb-h1 plan needs wgrad_frac_fn"):
+        StepPlanner(pool, GlobalBatches(len(pool), 12, seed=1), zb, costs_fn, lambda s: s["vision_tokens"].to_numpy())
+    doc["llm"]["schedule"] = "1f1b"
+    plain = plan_from_dict(doc).plan
+    planners = {p: StepPlanner(pool, GlobalBatches(len(pool), 12, seed=1), p, costs_fn,
+                               lambda s: s["vision_tokens"].to_numpy(), policy="megatron", total_steps=3,
+                               wgrad_frac_fn=frac_fn, p2p_s=1e-3) for p in (zb, plain)}
+    try:
+        for step in range(3):
+            got = {p: sp.get(step) for p, sp in planners.items()}
+            rows = np.array(got[zb].rows)
+            assert got[zb].bins == got[plain].bins  # megatron: the same fixed-count partition
+            costs = costs_fn(rows)
+            part = planners[zb]._costs[step][2]
+            t = stage_times(costs, part.microbatch, part.replica, part.m, part.dp_llm, part.dp_vision)
+            ref = {s: simulate_dp(t.vision_fwd, t.vision_bwd, t.llm_fwd, t.llm_bwd, order=part.order, p2p_s=1e-3,
+                                  schedule=s, wgrad_frac=frac_fn(rows)).step_s for s in ("zb-h1", "1f1b")}
+            assert got[zb].predicted_step_s == pytest.approx(ref["zb-h1"], rel=1e-12)
+            assert got[plain].predicted_step_s == pytest.approx(ref["1f1b"], rel=1e-12)
+            assert ref["zb-h1"] < ref["1f1b"] * (1 - 1e-3)
+            other = simulate_dp(t.vision_fwd, t.vision_bwd, t.llm_fwd, t.llm_bwd, order=part.order, p2p_s=1e-3,
+                                schedule="zb-h1", wgrad_frac=0.5).step_s
+            assert other != pytest.approx(ref["zb-h1"], rel=1e-9)  # the W share matters here
+    finally:
+        for sp in planners.values():
+            sp.close()
