@@ -174,9 +174,9 @@ def schedule_step_s(pricing: Pricing, pc: PlanCosts, part: Partition, batch: Poo
 
 def schedule_priced(plan: Plan) -> bool:
     """Whether the planner may choose `plan`'s LLM schedule: False for ZB-H1 with an LLM rank under
-    full recomputation, whose W recomputes the checkpointed forward (measured B + W = 1.67x the
-    whole backward on CPU, 0.98x without recomputation) while `schedule_timeline` prices B + W as
-    the whole backward. Such a plan still trains correctly, only slower than predicted."""
+    full recomputation, whose W recomputes the checkpointed forward (benchmarks/README.md,
+    "Interleaved 1F1B and ZB-H1") while `schedule_timeline` prices B + W as the whole backward.
+    Such a plan still trains correctly, only slower than predicted."""
     return plan.layout.schedule != "zb-h1" or "full" not in plan.llm_rank_recompute()
 
 
