@@ -107,7 +107,7 @@ def _largest(values: list, like):
     evaluates these per stage on floats); 0 (shaped like `like`) when there is none."""
     if not values:
         return 0.0 * like
-    if np.ndim(like) == 0:
+    if isinstance(like, float) or np.ndim(like) == 0:  # the float test first: np.ndim costs more than max
         return max(values)
     return reduce(np.maximum, values)
 

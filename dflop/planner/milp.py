@@ -306,8 +306,11 @@ def stage_times_by_layers(sm: StageModel) -> np.ndarray:
     L = max(sm.vision_layers if sm.is_vision.any() else 0, sm.llm_layers)
     n = np.arange(1, L + 1, dtype=np.float64)
     names = ("time_fixed", "time_layer", "mem_mean_fixed", "mem_mean_layer", "mem_max_fixed", "mem_max_layer")
-    k = np.array([[np.broadcast_to(getattr(c, f), (P,)) for f in names] for c in sm.by_mode.values()],
-                 dtype=np.float64)[..., None]  # [modes, coefficient, P, 1]
+    coeffs = list(sm.by_mode.values())
+    k = np.empty((len(coeffs), len(names), P, 1))  # [modes, coefficient, P, 1]
+    for i, c in enumerate(coeffs):
+        for j, f in enumerate(names):  # assignment broadcasts a scalar field (np.broadcast_to per field cost more)
+            k[i, j, :, 0] = getattr(c, f)
     t = k[:, 0] + k[:, 1] * n
     mem = np.maximum(k[:, 2] + k[:, 3] * n, k[:, 4] + k[:, 5] * n)
     out = np.where(mem <= sm.memory_bytes * (1 + 1e-9), t, np.inf).min(axis=0)
@@ -347,7 +350,7 @@ def _min_sums(f: np.ndarray, total: int) -> np.ndarray:
         z = np.full((n, 2 * n), np.inf)
         z[:, :n] = np.add.outer(g, row[:n])
         out = z.ravel()[:n * (2 * n - 1)].reshape(n, 2 * n - 1).min(axis=0)
-        g = np.r_[np.inf, out[:n - 1]]  # g[j] = out[j - 1]: j + 1 layers
+        g = np.concatenate(((np.inf,), out[:n - 1]))  # g[j] = out[j - 1]: j + 1 layers (np.r_'s parsing cost more)
     return g
 
 

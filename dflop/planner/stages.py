@@ -265,7 +265,7 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
     link = links(cluster, colocated=lay.colocated, tp_v=lay.tp_v, pp_v=lay.pp_v, dp_v=lay.dp_v,
                  tp_l=lay.tp_l, pp_l=lay.pp_l, dp_l=lay.dp_l, p2p=step_costs.p2p)
     # the state and the tail: `Pricing`'s composition at 0 and 1 layers per stage (`dflop.pricing.stage`)
-    state, per_layer = stage_state_lines(lay, modules_state_of(vision.state, llm.state), vision.n_layers)
+    state, per_layer = _state_lines(lay, vision, llm)
     by_mode = _ModeCoeffs(modes, lambda md: _stage_coeffs(lay, vision, llm, link, B, transfer, granularity, shard,
                                                           dtype, md, state, per_layer))
     n_v = lay.n_vision_stages
@@ -281,6 +281,27 @@ def build_stage_model(layout: Layout, vision: ModuleMeans, llm: ModuleMeans, *, 
                       vision_layers=vision.n_layers, llm_layers=llm.n_layers, latency_s=float(link.p2p_latency_s),
                       memory_bytes=cluster.gpu_memory_bytes, shard=shard,
                       sequence_parallel=llm.sequence_parallel)
+
+
+_STATE_LINES: dict[tuple, tuple[StageState, StageState]] = {}
+
+
+def _state_lines(lay: Layout, vision: ModuleMeans, llm: ModuleMeans) -> tuple[StageState, StageState]:
+    """`stage_state_lines` of `lay`, cached read-only per what it reads: the placement, the stage
+    counts, the modules' state functions (`ModuleMeans.state`, one per module and TP degree) and
+    the tower's layers, not the DP degrees nor m; a search builds thousands of stage models over a
+    few dozen such keys. (Bounded: cleared when full.)"""
+    key = (lay.colocated, lay.n_vision_stages, lay.pp_l, vision.state, llm.state, vision.n_layers)
+    lines = _STATE_LINES.get(key)
+    if lines is None:
+        lines = stage_state_lines(lay, modules_state_of(vision.state, llm.state), vision.n_layers)
+        for line in lines:
+            for a in (line.static_bytes, line.grad_bytes, line.param_bytes, line.optimizer_s):
+                a.setflags(write=False)
+        if len(_STATE_LINES) >= 1024:
+            _STATE_LINES.clear()
+        _STATE_LINES[key] = lines
+    return lines
 
 
 @lru_cache(maxsize=4096)

@@ -198,6 +198,20 @@ def _subset(items: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
     return ranked[np.linspace(0, len(ranked) - 1, k).round().astype(np.int64)]
 
 
+def _largest_of(first: np.ndarray, *rest: np.ndarray) -> np.ndarray:
+    """Element-wise maximum of arrays broadcasting to `first`'s shape (a new array of it), in place:
+    np.maximum.reduce over a list stacks them into one more array first (the same values)."""
+    out = np.array(first, dtype=np.float64)
+    for x in rest:
+        np.maximum(out, x, out=out)
+    return out
+
+
+def _all_rows(ok: np.ndarray) -> np.ndarray:
+    """``ok.all(axis=0)``; with one row (one memory limit per module, the usual case) its view."""
+    return ok[0] if ok.shape[0] == 1 else ok.all(axis=0)
+
+
 def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard: MemoryGuard, *,
                  mb_weight=None, max_iters: int = 400, n_sources: int = 24, n_partner_bins: int = 8,
                  tol: float = 2e-3) -> np.ndarray:
@@ -243,16 +257,13 @@ def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard
         # Moves: sample src[a] -> bin c.
         same = mb_of_bin[None, :] == ji[:, None]
         wi, wv = w_bin[bi][:, None], w_mb[ji][:, None]
-        mv = np.maximum.reduce([
-            np.broadcast_to((L[bi][:, None] - li) / wi, same.shape),
-            (L[None, :] + li) / w_bin[None, :],
-            np.where(same, V[ji][:, None], V[ji][:, None] - vi) / wv,
-            np.where(same, V[ji][:, None] / wv, (V[mb_of_bin][None, :] + vi) / w_bin[None, :]),
-        ])
+        mv = _largest_of((L[None, :] + li) / w_bin[None, :], (L[bi][:, None] - li) / wi,
+                         np.where(same, V[ji][:, None], V[ji][:, None] - vi) / wv,
+                         np.where(same, V[ji][:, None] / wv, (V[mb_of_bin][None, :] + vi) / w_bin[None, :]))
         mv[np.arange(len(src)), bi] = np.inf
         if guard.active:
-            ok = ((mem_l[:, None, :] + guard.llm_bytes[:, src][:, :, None]) <= guard.llm_limit[:, None, None]).all(axis=0)
-            vfit = ((mem_v[:, None, :] + guard.vision_bytes[:, src][:, :, None]) <= guard.vision_limit[:, None, None]).all(axis=0)
+            ok = _all_rows((mem_l[:, None, :] + guard.llm_bytes[:, src][:, :, None]) <= guard.llm_limit[:, None, None])
+            vfit = _all_rows((mem_v[:, None, :] + guard.vision_bytes[:, src][:, :, None]) <= guard.vision_limit[:, None, None])
             ok &= same | vfit[:, mb_of_bin]
             mv = np.where(ok, mv, np.inf)
 
@@ -268,16 +279,16 @@ def local_search(sc: ScalarCosts, bin_of: np.ndarray, m: int, dp_llm: int, guard
             bq, jq = bin_of[partners], mb_of_bin[bin_of[partners]]
             dl = li - l[partners][None, :]
             dv = np.where(ji[:, None] == jq[None, :], 0.0, vi - v[partners][None, :])
-            sw = np.maximum.reduce([(L[bi][:, None] - dl) / wi, (L[bq][None, :] + dl) / w_bin[bq][None, :],
-                                    (V[ji][:, None] - dv) / wv, (V[jq][None, :] + dv) / w_mb[jq][None, :]])
+            sw = _largest_of((L[bq][None, :] + dl) / w_bin[bq][None, :], (L[bi][:, None] - dl) / wi,
+                             (V[ji][:, None] - dv) / wv, (V[jq][None, :] + dv) / w_mb[jq][None, :])
             if guard.active:
                 da = guard.llm_bytes[:, src][:, :, None] - guard.llm_bytes[:, partners][:, None, :]
-                ok = ((mem_l[:, bi][:, :, None] - da) <= guard.llm_limit[:, None, None]).all(axis=0)
-                ok &= ((mem_l[:, bq][:, None, :] + da) <= guard.llm_limit[:, None, None]).all(axis=0)
+                ok = _all_rows((mem_l[:, bi][:, :, None] - da) <= guard.llm_limit[:, None, None])
+                ok &= _all_rows((mem_l[:, bq][:, None, :] + da) <= guard.llm_limit[:, None, None])
                 dva = guard.vision_bytes[:, src][:, :, None] - guard.vision_bytes[:, partners][:, None, :]
                 dva = np.where((ji[:, None] == jq[None, :])[None], 0.0, dva)
-                ok &= ((mem_v[:, ji][:, :, None] - dva) <= guard.vision_limit[:, None, None]).all(axis=0)
-                ok &= ((mem_v[:, jq][:, None, :] + dva) <= guard.vision_limit[:, None, None]).all(axis=0)
+                ok &= _all_rows((mem_v[:, ji][:, :, None] - dva) <= guard.vision_limit[:, None, None])
+                ok &= _all_rows((mem_v[:, jq][:, None, :] + dva) <= guard.vision_limit[:, None, None])
                 sw = np.where(ok, sw, np.inf)
 
         best_mv = mv.min() if mv.size else np.inf

@@ -97,3 +97,19 @@ def test_portfolio_greedy_member_is_searched(bins):
     steps = dict(partition(costs, 1, bins, bins, ilp="never").candidates)
     assert steps["lpt1d"] == pytest.approx(4 * bins - 1)
     assert steps["greedy"] == pytest.approx(3 * bins)
+
+
+def test_local_search_helpers_equal_the_numpy_reductions_they_replace():
+    """`_largest_of` (in-place pairwise maxima) and `_all_rows` (one row: its view) give exactly
+    np.maximum.reduce and .all(axis=0), inf and NaN included, so local_search's moves are unchanged."""
+    from dflop.scheduler.greedy import _all_rows, _largest_of
+
+    rng = np.random.default_rng(0)
+    a, b, c = rng.normal(size=(3, 5, 7))
+    a[0, 0], b[1, 1], c[2, 2] = np.inf, np.nan, -np.inf
+    col = rng.normal(size=(5, 1))
+    want = np.maximum.reduce([np.broadcast_to(col, a.shape), a, b, c])
+    assert np.array_equal(_largest_of(a, col, b, c), want, equal_nan=True)
+    for rows in (1, 3):
+        ok = rng.random((rows, 5, 7)) < 0.7
+        assert np.array_equal(_all_rows(ok), ok.all(axis=0))

@@ -194,3 +194,24 @@ def test_gantt_png(tmp_path):
     rgb = (img[..., :3] * 255).round().astype(int).reshape(-1, 3)
     assert ((np.abs(rgb - [0x4C, 0x72, 0xB0]).sum(1)) < 6).any()
     assert ((np.abs(rgb - [0xDD, 0x84, 0x52]).sum(1)) < 6).any()
+
+
+def test_batched_steps_reuse_each_graphs_own_levels():
+    """`simulate_dp_steps` walks `_compile`'s graph level by level, the levels cached per graph:
+    graphs with as many ops (1 vision stage + 2 LLM stages of 2 replicas, 1 + 1 stage of 4; 1F1B
+    and GPipe) and the same graph on new times each give simulate_dp's step bit for bit. A cache
+    keyed on too little (the op count, the replicas without the schedule) hands one graph's levels
+    to another and fails here."""
+    rng = np.random.default_rng(7)
+    m = 4
+    for _ in range(2):  # the second round reads every graph's levels from the cache
+        for n_rep, n_llm in ((2, 2), (4, 1)):
+            for schedule in ("1f1b", "gpipe"):
+                vf = rng.uniform(0.1, 2.0, (2, 1, m))
+                lf = rng.uniform(0.1, 2.0, (2, n_rep, n_llm, m))
+                vb, lb = 2 * vf, 2 * lf * rng.uniform(0.8, 1.2, lf.shape)
+                orders = np.stack([rng.permutation(m) for _ in range(2)])
+                steps = simulate_dp_steps(vf, vb, lf, lb, orders, p2p_s=0.05, schedule=schedule)
+                for c in range(2):
+                    assert steps[c] == simulate_dp(vf[c], vb[c], lf[c], lb[c], p2p_s=0.05, order=orders[c],
+                                                   schedule=schedule).step_s
