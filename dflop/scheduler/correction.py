@@ -41,6 +41,7 @@ import numpy as np
 
 from dflop.costmodel.types import BatchCosts
 from dflop.scheduler.evaluate import simulate_times, stage_times
+from dflop.scheduler.greedy import MemoryGuardError
 from dflop.scheduler.partition import greedy_partition
 
 
@@ -348,12 +349,20 @@ class AdaptiveCorrection:
         gains, steps = [], []
         for c, b in zip(costs, buckets):
             fixed = self.corrected(c, b)
-            plain = greedy_partition(c, m, dp_llm, dp_vision)
-            tuned = greedy_partition(fixed, m, dp_llm, dp_vision)
+            try:
+                plain = greedy_partition(c, m, dp_llm, dp_vision)
+                tuned = greedy_partition(fixed, m, dp_llm, dp_vision)
+            except MemoryGuardError:
+                # The greedy path alone cannot place this batch under memory limits as tight as a
+                # plan near its limit has (the service's full portfolio can): no evidence either way.
+                continue
             t_plain = simulate_times(stage_times(fixed, plain.microbatch, plain.replica, m, dp_llm, dp_vision),
                                      plain.order).step_s
             gains.append(t_plain - tuned.step_s)
             steps.append(tuned.step_s)
+        if not gains:
+            self.active = False
+            return CorrectionDecision(0.0, self._track_s + self.overhead_s, False)
         gain = float(np.mean(gains))
         overhead = self._track_s + self.overhead_s
         self.active = bool(gain > overhead and gain > self.min_rel_gain * float(np.mean(steps)))

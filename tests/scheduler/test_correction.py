@@ -388,3 +388,39 @@ def test_factors_are_the_bayesian_posterior_mean_with_the_prior_spread_around_th
     corr._solve("llm")
     np.testing.assert_allclose(corr.factors_["llm"], f, rtol=1e-6)
     assert abs(f[0] - np.linalg.solve(G, rhs)[0]) > 1e-3  # the prior moved the fit: its strength matters
+
+
+def test_a_batch_the_greedy_path_cannot_place_in_memory_is_no_evidence(make_costs, monkeypatch):
+    """Near its memory limit a plan's batch may defeat the greedy-only partition (MemoryGuardError,
+    seen in the demo's 4th step); the decision then rests on the other batches instead of ending the
+    run, and with none left the correction stays off."""
+    import dflop.scheduler.correction as correction
+    from dflop.scheduler.greedy import MemoryGuardError
+
+    buckets_def = ShapeBuckets()
+    fl = np.ones(buckets_def.n_buckets)
+    fl[0:len(buckets_def.seq_edges)] = 3.0  # a drift worth correcting
+    corr = AdaptiveCorrection(buckets_def.n_buckets)
+    rng = np.random.default_rng(0)
+    for step in range(8):
+        shapes, costs = make_costs(128, seed=200 + step)
+        buckets = buckets_def.assign(shapes.n_tiles, shapes.seq_len)
+        part = greedy_partition(costs, M, DP, DP)
+        corr.observe(costs, part, buckets, _measure(_true_costs(costs, buckets, np.ones_like(fl), fl), part, rng, 0.0))
+    batches = [make_costs(128, seed=990 + k) for k in range(3)]
+    costs = [c for _, c in batches]
+    buckets = [buckets_def.assign(s.n_tiles, s.seq_len) for s, _ in batches]
+    reference = corr.decide(costs[1:], buckets[1:], M, DP, DP)  # the placeable batches alone
+
+    real = correction.greedy_partition
+
+    def unplaceable_first(c, *args, **kwargs):
+        if c.n_samples == costs[0].n_samples and np.array_equal(c.llm_mem_bytes, costs[0].llm_mem_bytes):
+            raise MemoryGuardError("sample index 2: fits in no bin under the per-stage memory limits")
+        return real(c, *args, **kwargs)
+
+    monkeypatch.setattr(correction, "greedy_partition", unplaceable_first)
+    decision = corr.decide(costs, buckets, M, DP, DP)
+    assert decision.gain_s == pytest.approx(reference.gain_s) and decision.active == reference.active
+    none = corr.decide(costs[:1], buckets[:1], M, DP, DP)
+    assert not none.active and none.gain_s == 0.0 and not corr.active
