@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_trainer import colocated_variants_parser, run_colocated_dp2, worker_inputs  # noqa: E402
+from bench_trainer import colocated_variants_parser, run_colocated_dp2, timed_step, worker_inputs  # noqa: E402
 
 VARIANTS = ("unsharded", "sharded")
 
@@ -85,13 +84,7 @@ def worker(spec_path: str) -> int:
 
             trainer.sharding.reduce = measured_reduce
             step_plan = trainer.next_plan(step)
-            loaded = trainer.load(step_plan).result()
-            dist.barrier()
-            t0 = time.perf_counter()
-            stats = trainer.compute_gradients(step_plan, loaded)
-            trainer.optimizer_step()
-            dist.barrier()
-            step_s = time.perf_counter() - t0
+            stats, step_s, _, _ = timed_step(trainer, step_plan)
             trainer.sharding.reduce = reduce
             shard_over = dp if name == "sharded" else 1
             row = {"variant": name, "step": step, "warmup": step < spec["warmup"], "rank": dist.get_rank(),
