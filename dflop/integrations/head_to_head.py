@@ -10,6 +10,9 @@ time:
 - ``plan``: `dflop train` with plan.yaml (no export, no checkpoints: a measurement);
 - ``baseline``: `dflop train --baseline` (plan.yaml's data-blind baseline), into the baseline's
   directory (its metrics.parquet and trace.json are rule train_baseline's outputs);
+
+  both are the torchrun that `dflop train` would start, started here after its checks
+  (`job_commands`);
 - ``hf``: `dflop.integrations.hf_run`: transformers' `Trainer` with the same model, data, global
   batch and world size, every rank data-parallel, ``group_by_length`` order, padded batches.
 
@@ -45,18 +48,26 @@ def hf_accumulation(global_batch: int, world: int, microbatches: int) -> int:
     return accum
 
 
-def job_commands(*, config: str | None, settings: Mapping, plan: Path, pool_shapes: Path, costmodel: Path | None,
-                 out_dir: Path, baseline_dir: Path, turns_dir: Path, world: int, accum: int,
+def job_commands(*, config: str | None, settings: Mapping, plan: Path, baseline_plan: Path, pool_shapes: Path,
+                 costmodel: Path | None, out_dir: Path, baseline_dir: Path, turns_dir: Path, world: int, accum: int,
                  python: str = sys.executable) -> dict[str, list[str]]:
-    """The three jobs' commands (module docstring)."""
+    """The three jobs' commands (module docstring): torchrun for each. The plan's and the
+    baseline's workers get what `dflop train` would hand them after its checks and the baseline
+    plan (`baseline_plan`: `launch.write_baseline_plan`), which `head_to_head` does once itself: a
+    `dflop train` process per job spent seconds of CPU importing torch and transformers again."""
+    from dflop.runtime.launch import torchrun_command
+
     common = ["--config", str(config)] if config else []
     common += ["--settings", json.dumps(settings)]
-    train = [python, "-m", "dflop.runtime.launch", *common, "--plan", str(plan), "--shapes", str(pool_shapes),
-             "--no-export", "--fresh"]
+    train = [*common, "--shapes", str(pool_shapes)]
     train += ["--costmodel", str(costmodel)] if costmodel is not None else []
+    train += ["--no-export", "--fresh"]
     return {
-        "plan": [*train, "--out-dir", str(out_dir / "plan"), "--take-turns", str(turns_dir / "plan")],
-        "baseline": [*train, "--baseline", "--out-dir", str(baseline_dir), "--take-turns", str(turns_dir / "baseline")],
+        "plan": torchrun_command(plan, [*train, "--plan", str(plan), "--out-dir", str(out_dir / "plan"),
+                                        "--take-turns", str(turns_dir / "plan")], python=python),
+        "baseline": torchrun_command(baseline_plan, [*train, "--plan", str(baseline_plan), "--policy", "baseline",
+                                                     "--out-dir", str(baseline_dir),
+                                                     "--take-turns", str(turns_dir / "baseline")], python=python),
         "hf": [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                "-m", "dflop.integrations.hf_run", *common, "--shapes", str(pool_shapes),
                "--out-dir", str(out_dir / "hf"), "--accum", str(accum), "--take-turns", str(turns_dir / "hf")],
@@ -71,6 +82,7 @@ def head_to_head(config: str | None, settings: Mapping | None, *, plan: str | Pa
     from dflop.io import atomic_path
     from dflop.models.handle import ModelHandle
     from dflop.plan import read_plan
+    from dflop.runtime.launch import check_before_launch, worker_error_file, write_baseline_plan
     from dflop.runtime.turns import TurnDir
     from dflop.shapes import read_shapes
 
@@ -84,8 +96,15 @@ def head_to_head(config: str | None, settings: Mapping | None, *, plan: str | Pa
                         f"(cluster.gpus_per_node {cfg.cluster.gpus_per_node})")
     accum = hf_accumulation(cfg.train.global_batch_size, world, plan_file.plan.layout.m)
     rules = ModelHandle.resolve(cfg.model).sample_rules()
+    if costmodel is not None and not Path(costmodel).exists():
+        raise UserError(f"--costmodel: file not found: {costmodel}")
     out_dir.mkdir(parents=True, exist_ok=True)
     baseline_dir.mkdir(parents=True, exist_ok=True)
+    baseline_plan = write_baseline_plan(plan, baseline_dir)
+    for path in (plan, baseline_plan):  # what `dflop train` checks before it starts torchrun
+        check_before_launch(cfg, path)
+    for path in (out_dir / "plan", baseline_dir):
+        worker_error_file(path).unlink(missing_ok=True)
     pool_shapes = out_dir / "pool_shapes.parquet"
     with atomic_path(pool_shapes) as tmp:
         hf_pool(read_shapes(shapes), int(rules.arch_params["video_frames"])).to_parquet(tmp, index=False)
@@ -94,7 +113,8 @@ def head_to_head(config: str | None, settings: Mapping | None, *, plan: str | Pa
     # No checkpoints: a save between two turns would run beside the next job's step.
     settings.setdefault("train", {})
     settings["train"] = {**settings["train"], "checkpoint_every": 0}
-    commands = job_commands(config=config, settings=settings, plan=Path(plan), pool_shapes=pool_shapes,
+    commands = job_commands(config=config, settings=settings, plan=Path(plan), baseline_plan=baseline_plan,
+                            pool_shapes=pool_shapes,
                             costmodel=Path(costmodel) if costmodel is not None else None, out_dir=out_dir,
                             baseline_dir=baseline_dir, turns_dir=turns.dir, world=world, accum=accum)
     logs = out_dir / "logs"
