@@ -15,7 +15,6 @@ and the figures follow a retrain.
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
