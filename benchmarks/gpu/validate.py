@@ -77,7 +77,7 @@ GPU = Mode("gpu", "cuda", "siglip-so400m", ("qwen2.5-0.5b", "qwen2.5-7b"),
 CPU = Mode("cpu", "cpu", "siglip-tiny", ("qwen2.5-tiny",),
            profile=dict(device="cpu", tp_degrees=[1], max_tiles=4, max_seq_len=128, repeats=2, warmup=1,
                         min_measure_ms=10.0, max_repeats=3, time_budget_s=5.0),
-           demo_samples=40, global_batch=8, steps=3, memory_gb=0.5,
+           demo_samples=40, global_batch=4, steps=3, memory_gb=0.5,
            attention_args=("--tokens", "256", "--repeats", "2", "--warmup", "1", "--llm", "qwen2.5-tiny"),
            # guards against a hang, not targets: the whole --cpu run takes ~3 minutes on 2 idle cores
            limits=dict(attention=300, data=300, profile=300, fit=300, plan=300, train=300), fork=True)
