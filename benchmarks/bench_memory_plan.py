@@ -1,10 +1,11 @@
 """The planner's memory-technique choice, trained: predicted vs measured bytes per pipeline stage.
 
     python benchmarks/bench_memory_plan.py [--batch 8] [--microbatches 4] [--steps 2] [--warmup 1]
-        [--costmodel PATH] [--out-dir results/bench/memory_plan]
+        [--preset small] [--costmodel PATH] [--out-dir results/bench/memory_plan]
 
 A CPU-scale analogue of planning under a memory limit. Model: the ``small`` preset (LLaVA-OV
-siglip-small + qwen2.5-small, float32). Layout: vision | LLM stage 0 | LLM stage 1 (3 gloo ranks,
+siglip-small + qwen2.5-small, float32; ``--preset tiny``: the test's check of the same claim in
+seconds). Layout: vision | LLM stage 0 | LLM stage 1 (3 gloo ranks,
 one torch thread each, 1F1B: 3, 2 and 1 microbatches in flight). Data: one demo image sample
 repeated ``--batch x 4`` times, so that every microbatch is the mean one the planner sizes stages
 for (its memory model is ``training state + in_flight x activation bytes of one microbatch``).
@@ -52,14 +53,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_sharding import held_state  # noqa: E402
 from bench_trainer import PRESETS, launch_workers, model_section, worker_inputs  # noqa: E402
 
-PRESET = "small"
+PRESET = "small"  # the default --preset
 TOLERANCE = 0.05
 MiB = 2 ** 20
 
 
-def repeated_sample_data(out: Path, copies: int) -> tuple[Path, Path]:
+def repeated_sample_data(out: Path, copies: int, preset: str = PRESET) -> tuple[Path, Path]:
     """Demo data whose manifest repeats its first single-image sample `copies` times, and its
-    shapes for the preset (every sample has the same shape)."""
+    shapes for `preset` (every sample has the same shape)."""
     from dflop.config import Config
     from dflop.data.demo import make_demo_data
     from dflop.profiling.data_profiler import profile_data
@@ -72,7 +73,7 @@ def repeated_sample_data(out: Path, copies: int) -> tuple[Path, Path]:
     manifest = demo.parent / f"repeated_{copies}.json"
     manifest.write_text(json.dumps([{**image, "id": f"{image['id']}-copy{i}"} for i in range(copies)]))
     shapes = out / f"shapes_{copies}.parquet"
-    cfg = Config.from_dict({"model": model_section(PRESET),
+    cfg = Config.from_dict({"model": model_section(preset),
                             "data": {"datasets": [{"name": "repeated", "path": str(manifest)}]}})
     profile_data(cfg, shapes_path=shapes, histograms_path=out / f"histograms_{copies}.parquet", workers=1,
                  progress=False)
@@ -100,7 +101,7 @@ def plan_layout(means, layout, *, memory_bytes: float, global_batch: int, transf
     return sm, [int(x) for x in res.split], list(modes)
 
 
-def choose_plan(cost, shapes: Path, batch: int, microbatches: int) -> dict:
+def choose_plan(cost, shapes: Path, batch: int, microbatches: int, preset: str = PRESET) -> dict:
     """The memory limit (module docstring, step 2), the planner's plan under it and its predictions."""
     from dflop.models.info import model_info
     from dflop.plan import Layout
@@ -110,7 +111,7 @@ def choose_plan(cost, shapes: Path, batch: int, microbatches: int) -> dict:
     from dflop.planner.technique_choice import TechniqueMeans, TechniqueSpace
     from dflop.shapes import read_shapes
 
-    info = model_info(*PRESETS[PRESET])
+    info = model_info(*PRESETS[preset])
     shape = ModelShape.from_info(info)
     pool = Pool.from_shapes(read_shapes(shapes), llm_tokens_per_tile=info.llm_tokens_per_tile)
     sizes = TransferSizes.for_model(llm_hidden=shape.llm_hidden, vision_hidden=shape.vision_hidden,
@@ -266,6 +267,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=PRESET)
     parser.add_argument("--costmodel", help="costmodel.json (default: the preset's analytic cost model, float32)")
     parser.add_argument("--out-dir", type=Path, default=Path("results/bench/memory_plan"))
     args = parser.parse_args()
@@ -278,15 +280,15 @@ def main() -> int:
     started = time.perf_counter()
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    manifest, shapes = repeated_sample_data(out, 4 * args.batch)
+    manifest, shapes = repeated_sample_data(out, 4 * args.batch, args.preset)
     if args.costmodel:
         cost = load_cost_model(args.costmodel)
     else:
-        cost = analytic_cost_model(model_config(*PRESETS[PRESET]), tp_degrees=(1,), dtype="float32",
-                                   preset=PRESET)
-    chosen = choose_plan(cost, shapes, args.batch, args.microbatches)
+        cost = analytic_cost_model(model_config(*PRESETS[args.preset]), tp_degrees=(1,), dtype="float32",
+                                   preset=args.preset)
+    chosen = choose_plan(cost, shapes, args.batch, args.microbatches, args.preset)
     recomputed = [s for s, m in enumerate(chosen["modes"]) if m != "none"]
-    spec = {"config": {"run": {"seed": args.seed}, "model": {**model_section(PRESET), "dtype": "float32"},
+    spec = {"config": {"run": {"seed": args.seed}, "model": {**model_section(args.preset), "dtype": "float32"},
                        "data": {"datasets": [{"name": "repeated", "path": str(manifest)}]},
                        "train": {"global_batch_size": args.batch, "lr": 1e-4, "warmup_steps": 0},
                        "scheduler": {"prefetch": 2}},
@@ -298,7 +300,7 @@ def main() -> int:
     stages = compare(chosen, rows)
     (out / "summary.json").write_text(json.dumps({**chosen, "stages": stages}, indent=1))
     need = "; ".join(f"{m} " + "/".join(f"{v / MiB:.1f}" for v in values) for m, values in chosen["need"].items())
-    print(f"{PRESET} preset, float32, batch {args.batch} (one sample repeated), {args.microbatches} microbatches; "
+    print(f"{args.preset} preset, float32, batch {args.batch} (one sample repeated), {args.microbatches} microbatches; "
           f"cost model: {'analytic (activations closed form)' if not args.costmodel else args.costmodel}")
     print(f"need per stage at the unlimited plan's split (MiB): {need}")
     print(f"memory limit {chosen['limit'] / MiB:.1f} MiB -> plan: {chosen['describe']}; modes {chosen['modes']}")

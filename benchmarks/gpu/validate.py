@@ -18,22 +18,28 @@ part cut short, or failing, is recorded and the next one runs):
    times), the device, versions, and what did not run.
 
 ``--cpu`` runs the same parts on the tiny presets with gloo on the CPU in a few minutes (a test in
-the suite runs it, so the script cannot rot between GPU loans). Everything lands in DIR; DIR's
-``results.tar.gz`` (profiles, cost models, plan, metrics, logs) is refreshed after every part.
+the suite runs it, so the script cannot rot between GPU loans). There each part is forked from a
+fork server that has imported torch, transformers' model classes and dflop's commands once
+(`PRELOAD`): a fresh interpreter per part spent seconds of CPU importing them. On the GPU each part
+stays a fresh interpreter (none has a parent that imported CUDA libraries). Everything lands in
+DIR; DIR's ``results.tar.gz`` (profiles, cost models, plan, metrics, logs) is refreshed after every part.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
+import runpy
 import shutil
 import signal
 import subprocess
 import sys
 import tarfile
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -59,6 +65,7 @@ class Mode:
     memory_gb: float
     attention_args: tuple[str, ...]
     limits: dict
+    fork: bool = False  # parts forked from a preloaded fork server (`forked_part`), not fresh interpreters
 
 
 GPU = Mode("gpu", "cuda", "siglip-so400m", ("qwen2.5-0.5b", "qwen2.5-7b"),
@@ -70,10 +77,17 @@ GPU = Mode("gpu", "cuda", "siglip-so400m", ("qwen2.5-0.5b", "qwen2.5-7b"),
 CPU = Mode("cpu", "cpu", "siglip-tiny", ("qwen2.5-tiny",),
            profile=dict(device="cpu", tp_degrees=[1], max_tiles=4, max_seq_len=128, repeats=2, warmup=1,
                         min_measure_ms=10.0, max_repeats=3, time_budget_s=5.0),
-           demo_samples=40, global_batch=8, steps=3, memory_gb=0.5,
+           demo_samples=40, global_batch=4, steps=3, memory_gb=0.5,
            attention_args=("--tokens", "256", "--repeats", "2", "--warmup", "1", "--llm", "qwen2.5-tiny"),
            # guards against a hang, not targets: the whole --cpu run takes ~3 minutes on 2 idle cores
-           limits=dict(attention=300, data=300, profile=300, fit=300, plan=300, train=300))
+           limits=dict(attention=300, data=300, profile=300, fit=300, plan=300, train=300), fork=True)
+#: What the parts import, imported once by the fork server of a --cpu run (`Mode.fork`). Names, not
+#: paths: Python 3.11's fork server ignores our sys.path (validate.sh puts the checkout on PYTHONPATH).
+PRELOAD = ["torch", "transformers", "transformers.models.llava_onevision.modeling_llava_onevision",
+           "transformers.models.qwen2.modeling_qwen2", "transformers.models.siglip.modeling_siglip",
+           "dflop.cli", "dflop.data.demo", "dflop.profiling.data_profiler", "dflop.models.builder",
+           "dflop.models.handle", "dflop.profiling.model_profiler", "dflop.costmodel.fit", "dflop.planner",
+           "dflop.runtime.launch"]
 
 
 class Run:
@@ -85,6 +99,10 @@ class Run:
         self.work.mkdir(parents=True, exist_ok=True)
         self.status: dict[str, dict] = {}
         self.began = time.perf_counter()
+        self.forkserver = None
+        if mode.fork:
+            self.forkserver = multiprocessing.get_context("forkserver")
+            self.forkserver.set_forkserver_preload(PRELOAD)
 
     def command(self, part: str, args: list[str], timeout: float, *, background: bool = False):
         """Run `args` (a python module or script and its arguments) as part `part` under `timeout`."""
@@ -92,8 +110,12 @@ class Run:
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
         began = time.perf_counter()
-        process = subprocess.Popen([sys.executable, *args], cwd=self.work, stdout=log, stderr=subprocess.STDOUT,
-                                   env=env, start_new_session=True)  # its own group: a timeout ends torchrun's workers too
+        if self.forkserver is not None:
+            process = ForkedPart(self.forkserver.Process(target=forked_part,
+                                                         args=(list(args), str(self.work), env, log.name)))
+        else:
+            process = subprocess.Popen([sys.executable, *args], cwd=self.work, stdout=log, stderr=subprocess.STDOUT,
+                                       env=env, start_new_session=True)  # its own group: a timeout ends torchrun's workers too
         handle = (part, process, began, timeout, log)
         return handle if background else self.wait(handle)
 
@@ -117,6 +139,14 @@ class Run:
         self.save()
         return state == "ok"
 
+    def close(self) -> None:
+        """End the fork server and reap it, so that the parts it forked (and reaped) count in this
+        process's CPU time as fresh interpreters did (`time`, `getrusage(RUSAGE_CHILDREN)`)."""
+        if self.forkserver is not None:
+            from multiprocessing import forkserver
+
+            forkserver._forkserver._stop()  # CPython's own way to end it (3.11-3.13: close its pipe, wait)
+
     def skip(self, part: str, why: str) -> None:
         self.status[part] = {"state": f"not run: {why}"}
         print(f"{part}: not run: {why}", flush=True)
@@ -131,6 +161,57 @@ class Run:
                         and path.stat().st_size < 8 * 2**20:
                     tar.add(path, arcname=str(path.relative_to(self.work)))
         os.replace(self.out / "results.tar.gz.tmp", self.out / "results.tar.gz")
+
+
+class ForkedPart:
+    """A started `forked_part` process, waited for as a `subprocess.Popen` is."""
+
+    def __init__(self, process: multiprocessing.Process):
+        self.process = process
+        process.start()
+        self.pid = process.pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("forked part", timeout)
+        return self.process.exitcode
+
+
+def forked_part(args: list[str], cwd: str, env: dict, log: str) -> None:
+    """A part forked from the fork server, run as ``python *args`` would run it (a ``-c`` script, a
+    ``-m`` module or a script file) in `cwd` with `env`, its output appended to `log`."""
+    os.setsid()  # its own group: a timeout ends torchrun's workers too
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)  # what the part printed is in the log if it is killed
+    sys.stderr.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    code = 0
+    try:
+        if args[0] == "-c":
+            sys.argv, sys.path[:0] = ["-c", *args[2:]], [""]
+            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+        elif args[0] == "-m":
+            sys.argv, sys.path[:0] = [args[1], *args[2:]], [cwd]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv, sys.path[:0] = list(args), [str(Path(args[0]).parent)]
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def config_for(mode: Mode, llm: str, kernel: str = "auto") -> dict:
@@ -255,6 +336,7 @@ def main(argv=None) -> int:
     for other in mode.llms[1:] if args.reuse is None else ():
         profile_and_fit(run, cli, other, f"profile_{other}", measured_kernel(run.work / "attention.json", other))
     run.save()
+    run.close()
     print(summary_markdown(summarize(run)))
     return 0
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from dflop.models.tensor_parallel import TPGroup
 from dflop.profiling._timing import Timer
 from dflop.profiling.model_modules import build_benches
 from dflop.profiling.model_profiler import _RankSync, _run_shape, _Shape
+from gloo_ranks import run_ranks
 from trainer_reference import config_dict
 
 WORKER = Path(__file__).with_name("precision_worker.py")
@@ -46,7 +45,8 @@ def _profiler_attention_dtypes(monkeypatch, dtype: str) -> set[tuple[str, ...]]:
 
 @pytest.mark.slow
 def test_attention_dtypes_in_a_trainer_step_are_the_profilers(tmp_path, monkeypatch, pools, runtime_demo):
-    """bf16 on CPU: one real training step (in a process of its own) and the profiler's llm_layer
+    """bf16 on CPU: one real training step (in a process of its own, forked by `run_ranks`: no
+    fresh interpreter importing torch and transformers again) and the profiler's llm_layer
     bench hand the kernel the same dtypes, all bf16 (before the contract: the trainer ran float32 on
     CPU while the profiler ran bf16 modules, and on CUDA q and k reached attention in float32)."""
     plan = tmp_path / "plan.yaml"
@@ -57,9 +57,7 @@ def test_attention_dtypes_in_a_trainer_step_are_the_profilers(tmp_path, monkeypa
     spec = {"config": config, "plan": str(plan), "shapes": pools["llava_ov"], "out_dir": str(tmp_path / "train"),
             "report": str(tmp_path / "report.json")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "spec.json")], capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_ranks(WORKER, tmp_path / "spec.json", nproc=1)  # fails the test with the rank's output if it fails
     trainer = {tuple(d) for d in json.loads((tmp_path / "report.json").read_text())["dtypes"]}
     assert trainer == _profiler_attention_dtypes(monkeypatch, "bfloat16") == {("torch.bfloat16",) * 3}
 
