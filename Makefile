@@ -15,6 +15,9 @@ TORCH_INDEX ?=
 PROFILE     ?= profiles/local
 TARGET      ?= all
 PYTEST_ARGS ?=
+# `make test` runs the suite on this many pytest-xdist workers (tests/conftest.py groups the tests
+# into work units); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 
 export PATH := $(abspath $(BIN)):$(PATH)
 
@@ -36,10 +39,10 @@ demo: setup
 	@if [ "$(TARGET)" = all ] && [ -f results/summary.txt ]; then echo; cat results/summary.txt; fi
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow and not distributed and not slurm" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow and not distributed and not slurm" $(PYTEST_ARGS)
 
 # The GPU image's versions (Python 3.12, torch 2.11, transformers 5.17) on this machine's CPU: a side
 # virtualenv, GPU_IMAGE_VENV, from pyenv's latest 3.12 or python3.12 on PATH (or GPU_IMAGE_PYTHON).

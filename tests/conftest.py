@@ -1,10 +1,73 @@
 """Shared fixtures. Data layer: one demo dataset per test session (it takes a few seconds)."""
 
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# Work units of `pytest -n N` (`make test` runs N = 2 workers): a test file is one unit, so its
+# module fixtures are built once; the files built on one session-wide chain are one unit, so the chain
+# runs once (and the Slurm test cluster has one owner). Units go out in collection order: the chains
+# first, then files with slow tests, then the rest, so the longest units do not start last.
+CHAIN_UNITS = {  # unit -> the files (or folders) whose tests use its chain
+    "demo_run": ("tests/report/test_report_workflow.py", "tests/workflow/test_reruns_workflow.py",
+                 "tests/workflow/test_snakemake.py", "tests/test_docs.py"),  # demo_workdir
+    "slurm": ("tests/slurm/",),  # slurm_cluster, slurm_chain
+}
+CHAIN_FIXTURES = {"demo_workdir": "demo_run", "slurm_cluster": "slurm"}
+
+
+def work_unit(nodeid: str) -> str:
+    """The work unit of a test, from its node id (all that xdist's scheduler sees)."""
+    path = nodeid.split("::", 1)[0]
+    for unit, prefixes in CHAIN_UNITS.items():
+        if path.startswith(prefixes):
+            return unit
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        """xdist's per-module scheduling, by `work_unit` (its own --dist loadgroup marks are not
+        honoured under pytest 9.2, whose node ids xdist 3.8 can no longer suffix)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep the collection order below, not largest-first
+    return WorkUnitScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for item in items:
+        for fixture, unit in CHAIN_FIXTURES.items():
+            if fixture in item.fixturenames and work_unit(item.nodeid) != unit:
+                raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add its file to CHAIN_UNITS[{unit!r}] "
+                                        "in tests/conftest.py, so the chain runs once")
+    chains = list(CHAIN_UNITS)
+    slow_units = {work_unit(item.nodeid) for item in items if item.get_closest_marker("slow")}
+
+    def rank(item):
+        unit = work_unit(item.nodeid)
+        return chains.index(unit) if unit in chains else len(chains) + (unit not in slow_units)
+
+    items.sort(key=rank)  # stable: the file order is kept within a rank
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread_per_worker():
+    """Under xdist, each worker computes on one thread: N workers fill N cores, none spin-waits."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
