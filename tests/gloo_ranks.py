@@ -27,15 +27,32 @@ from pathlib import Path
 TAIL = 4000  # characters of each rank's stdout and stderr in a failure's message
 # What every gloo worker imports, imported once by the fork server (names, not paths: Python 3.11's
 # fork server ignores the parent's sys.path, so these must be importable from the environment).
-# Imports only: the fork server runs no torch operation, so it starts no thread pool a forked rank
-# could inherit in a broken state.
+# Imports, and the Qwen2.5 tokenizer every trainer rank loads (`fork_preload`, found in this folder:
+# `_start_fork_server`): the fork server runs no torch operation, so it starts no thread pool a
+# forked rank could inherit in a broken state.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
            "transformers.models.internvl.modeling_internvl", "transformers.models.llama.modeling_llama",
            "transformers.models.llava_onevision.modeling_llava_onevision",
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.siglip.modeling_siglip",
-           "dflop.models.builder", "dflop.runtime.run"]
+           "dflop.models.builder", "dflop.runtime.run", "fork_preload"]
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _FORKSERVER.set_forkserver_preload(PRELOAD)
+
+
+def _start_fork_server() -> None:
+    """Start the fork server (once per process) with this folder on its PYTHONPATH, for its preload
+    `fork_preload`; this process's environment, which the ranks get, stays as it was."""
+    from multiprocessing import forkserver
+
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *([old] if old else [])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def _free_port() -> int:
@@ -111,6 +128,7 @@ def run_ranks(worker: str | Path, *args: object, nproc: int = 2, timeout: float 
     As torchrun does, the first rank to fail ends the others. With `check` (the default) a failed
     rank or the timeout fails with every rank's output; on the timeout every rank is killed, none
     is left behind."""
+    _start_fork_server()
     port, run_id = _free_port(), uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory(prefix="ranks-logs-") as logs:
         paths = [(Path(logs) / f"{rank}.out", Path(logs) / f"{rank}.err") for rank in range(nproc)]

@@ -60,3 +60,19 @@ def test_a_hung_run_is_killed_at_the_timeout(tmp_path):
         pid = int((tmp_path / f"pid{rank}").read_text())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # gone, not left running
+
+
+def test_ranks_start_with_the_tokenizer_the_fork_server_built(tmp_path):
+    """The fork server's preload (`fork_preload`) holds the Qwen2.5 tokenizer, so a rank does not
+    convert its BPE ranks again, and the inherited tokenizer encodes, batched too (its Rust thread
+    pool starts in the rank, not in the server)."""
+    worker = _worker(tmp_path, """
+        from dflop.data.tokenizer import load_tokenizer
+        cached = load_tokenizer.cache_info().currsize
+        tokenizer = load_tokenizer("qwen2.5")
+        texts = ["a <image>", "some text <video>", "1234"]
+        batched = tokenizer(texts)["input_ids"] == [tokenizer.encode(t) for t in texts]
+        print(cached, batched, tokenizer.encode("a <image>")[-1])
+    """)
+    result = run_ranks(worker, nproc=2, timeout=120)
+    assert result.stdout.splitlines() == ["1 True 151665"] * 2

@@ -64,7 +64,7 @@ from dflop.costmodel.memory import canonical_dtype, training_state_bytes
 from dflop.costmodel.model import CostModel, ModuleCosts, Provenance
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
-from dflop.models.info import info_of, padded_vision_heads
+from dflop.models.info import ModelInfo, info_of, padded_vision_heads
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: Modules whose matmuls / convolutions autocast runs in bf16, keeping a bf16 copy of their weights
@@ -74,17 +74,19 @@ AUTOCAST_WEIGHT_MODULES = frozenset({"vision_embed", "vision_layer", "projector"
 
 def analytic_cost_model(config: PreTrainedConfig, *, tp_degrees=(1, 2, 4, 8), achieved_tflops: float = 400.0,
                         tp_gbps: float = 300.0, hbm_gbps: float = 2000.0, op_overhead_ms: float = 0.03,
-                        dtype: str = "bfloat16", preset: str | None = None) -> CostModel:
+                        dtype: str = "bfloat16", preset: str | None = None,
+                        info: ModelInfo | None = None) -> CostModel:
     """The FLOP-count `CostModel` of the model `config` describes (module docstring) at every TP
     degree in `tp_degrees`.
 
     achieved_tflops: sustained dense TFLOP/s per GPU; tp_gbps: TP all-reduce bandwidth (GB/s);
     hbm_gbps: memory bandwidth for the embedding lookup; op_overhead_ms: fixed milliseconds per
     layer (or part) per microbatch, forward and backward; preset: the ``arch/vision/llm`` name
-    recorded as its provenance. Sequence parallelism is priced per plan
-    (`CostModel.llm_stage_terms(..., sequence_parallel_hidden=)`), not baked in here.
+    recorded as its provenance; info: `info_of(config)` where the caller holds it already
+    (`ModelHandle.info`: counting builds the model on the meta device again). Sequence parallelism
+    is priced per plan (`CostModel.llm_stage_terms(..., sequence_parallel_hidden=)`), not baked in here.
     """
-    info = info_of(config)
+    info = info_of(config) if info is None else info
     arch = architecture_of(config)
     flops_per_ms = achieved_tflops * 1e12 / 1e3
     nbytes = _DTYPE_BYTES[canonical_dtype(dtype)]  # compute dtype: activations

@@ -42,7 +42,10 @@ def initial_value(model: PreTrainedModel, name: str, seed: int) -> torch.Tensor:
     slots[leaf] = value  # the one real tensor the rules see
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(derived_seed(seed, name))
+            # The CPU generator only: `torch.manual_seed` also queues a seed of every CUDA and MTIA
+            # device, formatting the Python stack each time, which outweighed small tensors' draws
+            # (and left the CUDA generators seeded past `fork_rng`).
+            torch.default_generator.manual_seed(derived_seed(seed, name))
             for module, rules in chain:
                 rules._init_weights(module)
     finally:

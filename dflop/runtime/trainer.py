@@ -77,7 +77,7 @@ def training_pricing(plan: Plan, model: ModelHandle, cost: CostModel | None, clu
     planned for, so the trainer's predictions are the planner's: `plan_cluster`)."""
     if cost is None:
         cost = analytic_cost_model(model.config, tp_degrees=sorted({plan.layout.tp_v, plan.layout.tp_l}),
-                                   dtype=model.spec.dtype, preset=model.spec.preset)
+                                   dtype=model.spec.dtype, preset=model.spec.preset, info=model.info)
     return Pricing.of(plan, cost, model, cluster)
 
 

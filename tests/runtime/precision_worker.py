@@ -1,7 +1,7 @@
 """One bf16 training step of the tiny model in a world of one, recording the dtypes of (query, key,
 value) at the packed-attention kernel and the bytes the LLM layers keep for backward.
 
-Usage: python precision_worker.py spec.json (keys: config, plan, shapes, out_dir, report).
+Usage: python precision_worker.py spec.json (or one rank of `run_ranks`) (keys: config, plan, shapes, out_dir, report).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def test_attention_dtypes_in_a_trainer_step_are_the_profilers(tmp_path, monkeypa
     spec = {"config": config, "plan": str(plan), "shapes": pools["llava_ov"], "out_dir": str(tmp_path / "train"),
             "report": str(tmp_path / "report.json")}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    run_ranks(WORKER, tmp_path / "spec.json", nproc=1)  # fails the test with the rank's output if it fails
+    run_ranks(WORKER, tmp_path / "spec.json", nproc=1, timeout=600)  # forked: a fresh interpreter re-imports torch
     trainer = {tuple(d) for d in json.loads((tmp_path / "report.json").read_text())["dtypes"]}
     assert trainer == _profiler_attention_dtypes(monkeypatch, "bfloat16") == {("torch.bfloat16",) * 3}
 

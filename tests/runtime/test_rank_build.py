@@ -5,8 +5,6 @@ and name, or a local safetensors directory read tensor by tensor), whatever the 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -212,9 +210,7 @@ def test_tensor_parallel_ranks_hold_only_their_shards(arch, tmp_path):
     # rank's full model registers no real tensor beyond its own shards, whose gathered values are the
     # whole model's
     worker = Path(__file__).with_name("rank_build_worker.py")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(worker), str(tmp_path), arch], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_ranks(worker, tmp_path, arch, nproc=2, timeout=300)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for report in reports:
         assert report["beyond"] == {} and report["differ"] == []
