@@ -250,6 +250,16 @@ class TrainingData(torch.utils.data.Dataset):
             pixels = self.pixels(i, layout)
         return LoadedSample(i, layout if request.layout else None, ids, labels, pixels)
 
+    def prepare(self, *, tokens: bool, pixels: bool) -> None:
+        """Build now the processors that loading `tokens` / `pixels` needs (the tokenizer: seconds
+        of BPE conversion, `load_tokenizer`), so that the first load does not pay for them: the
+        trainer calls it before its first step, whose wait for samples and first forward (which is
+        charged the loads' seconds) would otherwise include them."""
+        if tokens:
+            self._tokenizer  # noqa: B018 (cached_property: building it is the point)
+        if pixels:
+            self._image_processor  # noqa: B018
+
     # -- helpers shared by the processors (built lazily: workers build their own) -------------
 
     @cached_property

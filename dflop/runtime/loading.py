@@ -88,6 +88,12 @@ def requests_for(plan: StepPlan, topo: Topology) -> list[Request]:
     return [Request(plan.rows[i], **parts) for i, parts in sorted(want.items())]
 
 
+def processors_needed(topo: Topology) -> tuple[bool, bool]:
+    """(tokens, pixels): whether this rank ever loads token ids / pixels (as `requests_for` asks)."""
+    vision, llm = topo.vision_role, topo.llm_role
+    return llm is not None and (llm.is_first or llm.is_last), vision is not None and vision.is_first
+
+
 class _StepSampler(torch.utils.data.Sampler):
     """The current step's requests; set before each pass over the persistent loader."""
 
@@ -142,6 +148,13 @@ class StepLoader:
                                           initializer=torch.cuda.set_device if cuda else None,
                                           initargs=(device,) if cuda else ())
         self._pending: Future | None = None
+        self._data, self._workers = data, workers
+
+    def prepare(self, *, tokens: bool, pixels: bool) -> None:
+        """Build the processors the loads will need (`TrainingData.prepare`) now, before any step,
+        where this process loads (no worker processes: those build their own)."""
+        if self._workers == 0:
+            self._data.prepare(tokens=tokens, pixels=pixels)
 
     def start(self, requests: list[Request]) -> Future:
         """Begin loading; the future gives {pool index: LoadedSample}. One step in flight at a time."""

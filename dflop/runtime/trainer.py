@@ -47,7 +47,7 @@ from dflop.pricing.pricing import Pricing
 from dflop.runtime.agreement import rank0_result
 from dflop.runtime.checkpoint import TrainState
 from dflop.runtime.launch import check_trainable_schedule
-from dflop.runtime.loading import StepLoader, feature_rows_fn, requests_for
+from dflop.runtime.loading import StepLoader, feature_rows_fn, processors_needed, requests_for
 from dflop.runtime.metrics import StepStats, measured_times
 from dflop.runtime.model import build_rank_modules
 from dflop.models.optimizer import build_optimizer
@@ -150,6 +150,9 @@ class Trainer:
                     zip(pool["n_tiles"], pool["vision_tokens"], pool["seq_len"])]
         self.data = TrainingData(samples, self.rules, expected)
         self.loader = StepLoader(self.data, workers=train.loader_workers, device=self.device)
+        # The tokenizer's build (seconds) was step 1's wait for samples and its first forward's load.
+        tokens, pixels = processors_needed(self.topo)
+        self.loader.prepare(tokens=tokens, pixels=pixels)
         self.batches = GlobalBatches(len(pool), train.global_batch_size, settings.seed,
                                      mix=dataset_mix(pool["dataset"].tolist(), settings.datasets))
         self.pricing = training_pricing(plan, model, cost,

@@ -7,6 +7,7 @@ microbatches: the data-blind policy keeps the plan's count), 2 steps, tracing st
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -35,15 +36,51 @@ def _train_worker(rank: int, spec: dict) -> None:
     from dflop.runtime.run import train
 
     torch.set_num_threads(2)  # what a job's OMP_NUM_THREADS=2 (Snakemake's rule threads) would give
+    _record_processors_at_loads(Path(spec["out"]).parent / f"processors{rank}.json")
     train(Config.from_dict(spec["config"]), plan_path=spec["plan"], shapes_path=spec["shapes"], costmodel_path=None,
           out_dir=spec["out"], progress=False, export=False)
     Path(spec["out"], f"threads{rank}").write_text(str(torch.get_num_threads()))
 
 
+def _record_processors_at_loads(path: Path) -> None:
+    """Record, at each token / pixel load of this rank, whether its processor (the tokenizer, the
+    image processor) was already built; and whether the rank built either at all."""
+    from dflop.data.training import TrainingData
+
+    seen = {"tokens": [], "pixels": [], "built": []}
+
+    def save() -> None:
+        path.write_text(json.dumps(seen))
+
+    def watch(load, kind: str, attribute: str):
+        def watched(self, *args, **kwargs):
+            seen[kind].append(attribute in self.__dict__)
+            save()
+            return load(self, *args, **kwargs)
+        return watched
+
+    def watch_build(prop: str):
+        build = getattr(TrainingData, prop).func
+
+        def built(self):
+            seen["built"].append(prop)
+            save()
+            return build(self)
+        replacement = functools.cached_property(built)
+        replacement.__set_name__(TrainingData, prop)
+        setattr(TrainingData, prop, replacement)
+
+    TrainingData.tokens = watch(TrainingData.tokens, "tokens", "_tokenizer")
+    TrainingData.pixels = watch(TrainingData.pixels, "pixels", "_image_processor")
+    for prop in ("_tokenizer", "_image_processor"):
+        watch_build(prop)
+    save()
+
+
 @pytest.fixture(scope="module")
 def traced_run(demo_shapes, runtime_demo, tmp_path_factory):
-    """(trace dict, metrics frame) of the 2-step run; every sample has images, so every microbatch
-    runs on both ranks."""
+    """(trace dict, metrics frame, the run's folder) of the 2-step run; every sample has images, so
+    every microbatch runs on both ranks."""
     from test_checkpoint_helpers import spawn
 
     tmp = tmp_path_factory.mktemp("traced")
@@ -57,7 +94,7 @@ def traced_run(demo_shapes, runtime_demo, tmp_path_factory):
     trace = json.loads((tmp / "out" / "trace.json").read_text())
     # a CPU rank computes on the torch threads the profile timed a rank with, whatever the job gave it
     assert [int((tmp / "out" / f"threads{r}").read_text()) for r in (0, 1)] == [CPU_THREADS_PER_RANK] * 2
-    return trace, pd.read_parquet(tmp / "out" / "metrics.parquet")
+    return trace, pd.read_parquet(tmp / "out" / "metrics.parquet"), tmp
 
 
 def _spans(trace: dict) -> list[dict]:
@@ -66,7 +103,7 @@ def _spans(trace: dict) -> list[dict]:
 
 @pytest.mark.distributed
 def test_trace_is_valid_trace_event_json(traced_run):
-    trace, _ = traced_run
+    trace, _, _ = traced_run
     assert isinstance(trace, dict) and isinstance(trace["traceEvents"], list)
     assert trace.get("displayTimeUnit", "ms") in ("ms", "ns")
     named = {}
@@ -111,7 +148,7 @@ def test_trace_is_valid_trace_event_json(traced_run):
 
 @pytest.mark.distributed
 def test_spans_agree_with_metrics_schedule_and_causality(traced_run):
-    trace, metrics = traced_run
+    trace, metrics, _ = traced_run
     spans = _spans(trace)
     row = metrics.set_index("step").loc[2]
     m = 2
@@ -247,3 +284,16 @@ def test_differences_match_ops_and_take_a_stage_at_its_slowest_tp_rank():
     assert diffs.loc[(1, "B", 0), ["start_diff_s", "end_diff_s", "dur_diff_s"]].tolist() == [0.0, 0.75, 0.75]
     others = diffs.drop(index=(1, "B", 0))
     assert (others[["start_diff_s", "end_diff_s", "dur_diff_s"]] == 0).all().all()
+
+
+@pytest.mark.distributed
+def test_processors_are_built_before_the_first_step(traced_run):
+    """The tokenizer's build (seconds of BPE conversion) made step 1 10-20x step 2, counted in its
+    wait for samples and its first forward: the trainer builds each rank's processors before the
+    first step, and only those the rank's loads use."""
+    *_, out = traced_run
+    seen = [json.loads((out / f"processors{rank}.json").read_text()) for rank in (0, 1)]
+    vision, llm = seen  # rank 0 holds the vision tower (pixels), rank 1 the LLM (tokens)
+    assert vision["pixels"] and all(vision["pixels"]) and not vision["tokens"]
+    assert llm["tokens"] and all(llm["tokens"]) and not llm["pixels"]
+    assert vision["built"] == ["_image_processor"] and llm["built"] == ["_tokenizer"]
