@@ -150,8 +150,7 @@ class Trainer:
                     zip(pool["n_tiles"], pool["vision_tokens"], pool["seq_len"])]
         self.data = TrainingData(samples, self.rules, expected)
         self.loader = StepLoader(self.data, workers=train.loader_workers, device=self.device)
-        # The tokenizer's build (seconds) was step 1's wait for samples and its first forward's load.
-        tokens, pixels = processors_needed(self.topo)
+        tokens, pixels = processors_needed(self.topo)  # built now, not in step 1's loads (`prepare`)
         self.loader.prepare(tokens=tokens, pixels=pixels)
         self.batches = GlobalBatches(len(pool), train.global_batch_size, settings.seed,
                                      mix=dataset_mix(pool["dataset"].tolist(), settings.datasets))
