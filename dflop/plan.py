@@ -502,7 +502,7 @@ class Plan:
 
         model: its layer counts and the TP degrees that split it evenly (``vision_layers``,
         ``llm_layers``, ``vision_tp_degrees`` (after zero-head padding), ``llm_tp_degrees``:
-        a `dflop.models.info.ModelInfo` or the planner's `ModelShape`). The layer splits must cover
+        a `dflop.models.info.ModelInfo` or `SplitLimits`, or the planner's `ModelShape`). The layer splits must cover
         its layers, the TP degrees split it, and the vision tower may not ask for sequence
         parallelism (the trainer has it for the LLM only).
         cluster: a `dflop.pricing.cluster.Cluster` the rank layout must fit and launch on

@@ -14,29 +14,24 @@ building the model.
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import InternVLConfig, LlavaOnevisionConfig, PreTrainedConfig, PreTrainedModel
-from transformers.models.internvl.modeling_internvl import (
-    InternVLForConditionalGeneration,
-    InternVLMultiModalProjector,
-    InternVLVisionEmbeddings,
-    InternVLVisionLayer,
-)
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
-from transformers.models.llava_onevision.modeling_llava_onevision import (
-    LlavaOnevisionForConditionalGeneration,
-    LlavaOnevisionMultiModalProjector,
-)
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
-from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer, SiglipVisionEmbeddings
+from transformers import InternVLConfig, LlavaOnevisionConfig, PreTrainedConfig
 
 from dflop.errors import UserError
-from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.presets import LLMPreset, VisionPreset, text_config, vision_config
+
+# transformers' modeling modules are imported where a part is built, not here: reading a config's
+# structure (`n_feature_layers`, tokens per tile) is what the light commands need, and the model
+# classes cost seconds of CPU to import in every process (tests/test_light_commands.py).
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionForConditionalGeneration
 
 
 @dataclass(frozen=True)
@@ -184,7 +179,12 @@ def _patches(vision_config: PreTrainedConfig) -> int:
 class LlavaOneVision(Architecture):
     name = "llava_ov"
     vision_family = "siglip"
-    model_class = LlavaOnevisionForConditionalGeneration
+
+    @property
+    def model_class(self) -> type[PreTrainedModel]:
+        from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionForConditionalGeneration
+
+        return LlavaOnevisionForConditionalGeneration
 
     def make_config(self, vision: VisionPreset, llm: LLMPreset) -> LlavaOnevisionConfig:
         size = vision.image_size
@@ -210,12 +210,18 @@ class LlavaOneVision(Architecture):
         return layer(hidden, None)  # SigLIP layers take an explicit (absent) attention mask
 
     def new_vision_embeddings(self, config):
+        from transformers.models.siglip.modeling_siglip import SiglipVisionEmbeddings
+
         return SiglipVisionEmbeddings(_with_attention(config.vision_config, "sdpa"))
 
     def new_vision_layer(self, config):
+        from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
+
         return SiglipEncoderLayer(_with_attention(config.vision_config, "sdpa"))
 
     def new_projector(self, config):
+        from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionMultiModalProjector
+
         return LlavaOnevisionMultiModalProjector(config)
 
     def layer_tokens_per_tile(self, config):
@@ -228,7 +234,12 @@ class LlavaOneVision(Architecture):
 class InternVL(Architecture):
     name = "internvl"
     vision_family = "internvit"
-    model_class = InternVLForConditionalGeneration
+
+    @property
+    def model_class(self) -> type[PreTrainedModel]:
+        from transformers.models.internvl.modeling_internvl import InternVLForConditionalGeneration
+
+        return InternVLForConditionalGeneration
 
     def make_config(self, vision: VisionPreset, llm: LLMPreset) -> InternVLConfig:
         return InternVLConfig(
@@ -252,14 +263,20 @@ class InternVL(Architecture):
                                      config.vision_feature_select_strategy == "default", config.downsample_ratio)
 
     def new_vision_embeddings(self, config):
+        from transformers.models.internvl.modeling_internvl import InternVLVisionEmbeddings
+
         return InternVLVisionEmbeddings(_with_attention(config.vision_config, "sdpa"))
 
     def new_vision_layer(self, config):
+        from transformers.models.internvl.modeling_internvl import InternVLVisionLayer
+
         return InternVLVisionLayer(_with_attention(config.vision_config, "sdpa"))
 
     def new_projector(self, config):
         # The tower's final norm is an identity for InternVL (mean-pooling configs), so the profiled
         # unit is drop CLS + pixel shuffle + projector.
+        from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector
+
         return InternVLImageFeatures(InternVLMultiModalProjector(config), nn.Identity(),
                                      config.vision_feature_select_strategy == "default", config.downsample_ratio)
 
@@ -297,22 +314,27 @@ def check_compatible(arch: Architecture, vision: VisionPreset) -> None:
                         f"got {vision.name!r} ({vision.family})")
 
 
-# -- LLM parts by transformers model type --
+# -- LLM parts by transformers model type: (module, decoder layer, RMS norm, rotary embedding) --
 _LLM_PARTS = {
-    "qwen2": (Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding),
-    "llama": (LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2RotaryEmbedding"),
+    "llama": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", "LlamaRMSNorm", "LlamaRotaryEmbedding"),
 }
 
 
-def _llm_parts(text_cfg: PreTrainedConfig):
+def _llm_parts(text_cfg: PreTrainedConfig) -> tuple[type[nn.Module], type[nn.Module], type[nn.Module]]:
+    """(decoder layer, RMS norm, rotary embedding) classes of the LLM's transformers model type."""
     try:
-        return _LLM_PARTS[text_cfg.model_type]
+        module, *names = _LLM_PARTS[text_cfg.model_type]
     except KeyError:
         raise UserError(f"LLM model type {text_cfg.model_type!r} is not supported ({', '.join(_LLM_PARTS)})") from None
+    modeling = importlib.import_module(module)
+    return tuple(getattr(modeling, name) for name in names)
 
 
 def new_llm_layer(text_cfg: PreTrainedConfig) -> nn.Module:
     """One decoder layer with packed-row attention (``dflop_packed``)."""
+    from dflop.models.packing import PACKED_ATTENTION  # also registers it with transformers
+
     return _llm_parts(text_cfg)[0](_with_attention(text_cfg, PACKED_ATTENTION), layer_idx=0)
 
 

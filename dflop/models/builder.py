@@ -14,16 +14,22 @@ name, and weights are read tensor by tensor from the directory.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PreTrainedConfig
 
 from dflop.errors import UserError
 from dflop.models.architectures import Architecture, architecture, architecture_of, check_compatible
-from dflop.models.materialize import materialize
-from dflop.models.packing import PACKED_ATTENTION
 from dflop.models.presets import llm_preset, vision_preset
-from dflop.models.weights_dir import WeightsDirectory
+
+# What builds a model (transformers' model classes, packed attention, the weights reader) is
+# imported by the functions that build one: `model_config` alone serves the commands that only
+# read the model's structure (the launcher's plan check, `dflop check-config`).
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from dflop.models.weights_dir import WeightsDirectory
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,7 +78,7 @@ def build_from_config(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     seed: int | None = None,
-    llm_attention: str = PACKED_ATTENTION,
+    llm_attention: str | None = None,
 ) -> PreTrainedModel:
     """The whole model of `config` (from `model_config`) on `device`: `build_on_meta`, then every
     tensor materialised (`dflop.models.materialize`), so it holds exactly the values a rank's
@@ -82,18 +88,24 @@ def build_from_config(
         downloaded and pickled checkpoints are refused. The presets then only name the model.
     seed: seeds the random init, per tensor by its name (`dflop.models.init_by_name`); None draws
         one from torch's global generator. The global RNG state is left as it was otherwise.
-    llm_attention: attention of the LLM layers; keep ``dflop_packed`` (or a flash-attention
-        implementation) for packed pipeline stages. The vision tower always uses SDPA.
+    llm_attention: attention of the LLM layers; keep ``dflop_packed`` (None: the default; or a
+        flash-attention implementation) for packed pipeline stages. The vision tower always uses SDPA.
     """
+    from dflop.models.materialize import materialize
+
     model = build_on_meta(config, dtype=dtype, llm_attention=llm_attention)
     materialize(model, device=device, seed=seed, weights=open_weights(weights_dir, model))
     return model
 
 
 def build_on_meta(config: PreTrainedConfig, *, dtype: str | torch.dtype = "float32",
-                  llm_attention: str = PACKED_ATTENTION) -> PreTrainedModel:
+                  llm_attention: str | None = None) -> PreTrainedModel:
     """The model of `config` on the meta device: every name, shape and dtype, no memory and no
-    init (a 7B model in well under a second). `materialize` fills the tensors a rank keeps."""
+    init (a 7B model in well under a second). `materialize` fills the tensors a rank keeps.
+    llm_attention: None is ``dflop_packed`` (`dflop.models.packing.PACKED_ATTENTION`)."""
+    from dflop.models.packing import PACKED_ATTENTION  # also registers it with transformers
+
+    llm_attention = PACKED_ATTENTION if llm_attention is None else llm_attention
     attn = {"text_config": llm_attention, "vision_config": "sdpa", "": "sdpa"}
     with torch.device("meta"):
         return architecture_of(config).model_class._from_config(config, attn_implementation=attn,
@@ -102,6 +114,8 @@ def build_on_meta(config: PreTrainedConfig, *, dtype: str | torch.dtype = "float
 
 def open_weights(weights_dir: str | Path | None, model: PreTrainedModel) -> WeightsDirectory | None:
     """The weights directory of `model` (on the meta device), checked, or None without one."""
+    from dflop.models.weights_dir import WeightsDirectory
+
     return None if weights_dir is None else WeightsDirectory(_weights_path(weights_dir), model)
 
 

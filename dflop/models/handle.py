@@ -10,19 +10,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedConfig
 
 from dflop.config import ModelSpec
 from dflop.data.training import SampleRules
 from dflop.errors import UserError
 from dflop.models.architectures import architecture_of
 from dflop.models.builder import build_from_config, build_on_meta, model_config, open_weights, ties_embeddings
-from dflop.models.info import ModelInfo, info_of
-from dflop.models.materialize import Materializer
-from dflop.models.packing import PACKED_ATTENTION
+from dflop.models.info import ModelInfo, SplitLimits, info_of, split_limits
 from dflop.models.presets import tower_arch_params
+
+# The model classes come with `build*` and `info` (dflop.models.builder imports them there): the
+# launcher's plan check and `dflop check-config` resolve a handle without them.
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from dflop.models.materialize import Materializer
 
 # Presets with a 2048-token vocabulary: real tokenizer ids are folded into it (SampleRules).
 TEST_PRESET_SUFFIXES = ("-tiny", "-small")
@@ -43,8 +49,15 @@ class ModelHandle:
 
     @cached_property
     def info(self) -> ModelInfo:
-        """Layers, heads, widths, parameter counts and the TP degrees that split it evenly."""
+        """Layers, heads, widths, parameter counts and the TP degrees that split it evenly (builds
+        the model on the meta device to count)."""
         return info_of(self.config)
+
+    @cached_property
+    def split_limits(self) -> SplitLimits:
+        """Layer counts and the TP degrees that split it evenly, from the config alone (what
+        `Plan.check` asks; the same values as `info`'s, without building the model)."""
+        return split_limits(self.config)
 
     @property
     def n_vision_layers(self) -> int:
@@ -95,16 +108,18 @@ class ModelHandle:
     # -- the model ---------------------------------------------------------------------------------
 
     def build(self, *, seed: int | None = None, device: torch.device | str = "cpu", dtype: str = "float32",
-              llm_attention: str = PACKED_ATTENTION) -> PreTrainedModel:
+              llm_attention: str | None = None) -> PreTrainedModel:
         """The whole transformers model: random weights seeded with `seed`, or `spec.weights`."""
         return build_from_config(self.config, weights_dir=self.spec.weights, dtype=dtype, device=device, seed=seed,
                                  llm_attention=llm_attention)
 
-    def build_on_meta(self, *, dtype: str = "float32", llm_attention: str = PACKED_ATTENTION) -> PreTrainedModel:
+    def build_on_meta(self, *, dtype: str = "float32", llm_attention: str | None = None) -> PreTrainedModel:
         """The model on the meta device (no memory): take a rank's views of it, then fill them (`materializer`)."""
         return build_on_meta(self.config, dtype=dtype, llm_attention=llm_attention)
 
     def materializer(self, model: PreTrainedModel, *, seed: int, device: torch.device | str) -> Materializer:
         """What fills the tensors a rank keeps of `model` (from `build_on_meta`) on `device`: random by
         name from `seed`, or read from `spec.weights`."""
+        from dflop.models.materialize import Materializer
+
         return Materializer(model, device=device, seed=seed, weights=open_weights(self.spec.weights, model))

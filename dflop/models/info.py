@@ -120,6 +120,26 @@ def llm_tp_degrees(config: PreTrainedConfig) -> tuple[int, ...]:
     return tuple(t for t in range(1, MAX_TP + 1) if llm_tp_divides(config, t))
 
 
+@dataclass(frozen=True)
+class SplitLimits:
+    """What a plan is checked against (`dflop.plan.Plan.check`), read from the config alone: the
+    layers each side's stages must cover and the TP degrees that split it evenly (vision: after
+    zero-head padding). `ModelInfo` holds the same values; this needs no model built, so the
+    launcher's check runs without transformers' model classes."""
+
+    vision_layers: int
+    llm_layers: int
+    vision_tp_degrees: tuple[int, ...]
+    llm_tp_degrees: tuple[int, ...]
+
+
+def split_limits(config: PreTrainedConfig) -> SplitLimits:
+    """`SplitLimits` of the model a transformers config describes."""
+    return SplitLimits(vision_layers=architecture_of(config).n_feature_layers(config),
+                       llm_layers=config.text_config.num_hidden_layers,
+                       vision_tp_degrees=vision_tp_degrees(config, padded=True), llm_tp_degrees=llm_tp_degrees(config))
+
+
 def model_info(arch: str, vision: str, llm: str, *, weights_dir: str | Path | None = None) -> ModelInfo:
     """`ModelInfo` of a preset combination (or of the model in `weights_dir`)."""
     return info_of(model_config(arch, vision, llm, weights_dir=weights_dir))
@@ -134,15 +154,15 @@ def info_of(config: PreTrainedConfig) -> ModelInfo:
     vision_cfg, text_cfg = config.vision_config, config.text_config
     image_features = spec.image_features(model)
     layer = spec.vision_layers(model)[0]
-    vision_degrees = vision_tp_degrees(config, padded=True)
+    limits = split_limits(config)
     return ModelInfo(
         arch=spec.name,
-        vision_layers=spec.n_feature_layers(config),
+        vision_layers=limits.vision_layers,
         vision_heads=vision_cfg.num_attention_heads,
         vision_hidden=vision_cfg.hidden_size,
         vision_tokens_per_tile=spec.layer_tokens_per_tile(config),
         llm_tokens_per_tile=spec.llm_tokens_per_tile(config),
-        llm_layers=text_cfg.num_hidden_layers,
+        llm_layers=limits.llm_layers,
         llm_heads=text_cfg.num_attention_heads,
         llm_kv_heads=text_cfg.num_key_value_heads,
         llm_hidden=text_cfg.hidden_size,
@@ -155,10 +175,10 @@ def info_of(config: PreTrainedConfig) -> ModelInfo:
         llm_layer_params=count_params(lm.layers[0]),
         llm_head_params=count_params(lm.norm) + count_params(model.lm_head),
         total_params=count_params(model),
-        vision_tp_degrees=vision_degrees,
-        llm_tp_degrees=llm_tp_degrees(config),
+        vision_tp_degrees=limits.vision_tp_degrees,
+        llm_tp_degrees=limits.llm_tp_degrees,
         vision_attention_params=attention_params(layer),
-        vision_padded_heads=tuple(padded_vision_heads(config, t) for t in vision_degrees),
+        vision_padded_heads=tuple(padded_vision_heads(config, t) for t in limits.vision_tp_degrees),
     )
 
 

@@ -40,7 +40,6 @@ from dflop.planner.planfile import BASELINE_LABELS
 from dflop.planner.space import ModelShape
 from dflop.planner.techniques import format_techniques, technique_costs
 from dflop.shapes import read_shapes
-from dflop.sim import plot_gantt
 from dflop.scheduler.policy import Policy
 from dflop.scheduler.settings import SchedulerSettings
 from dflop.costmodel.jsonio import load_cost_model
@@ -241,6 +240,8 @@ def simulate_plan(plan_path, *, gpus: int | None = None, global_batch: int | Non
             notes.append(f"{_BASELINE_KEY[policy]} {b.describe()} cannot run: {evaluated.pop(policy).failure}")
     png = None
     if out_png is not None:
+        from dflop.sim import plot_gantt  # matplotlib: only when drawing
+
         median = int(sorted(range(len(ev.step_s)), key=lambda i: ev.step_s[i])[len(ev.step_s) // 2])
         _, timeline = simulate_batch(plan, cost, pool.take(batches[median]), cluster, sizes, scheduler, seed=seed + median)
         png = plot_gantt(timeline, out_png, title=f"{plan.layout.describe()}: step {timeline.step_s:.4g} s "

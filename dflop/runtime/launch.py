@@ -114,7 +114,7 @@ def check_before_launch(cfg, plan_path: str | Path) -> None:
 
     plan_file = read_plan(plan_path)
     check_trainable_schedule(plan_file.plan)
-    plan_file.plan.check(ModelHandle.resolve(cfg.model).info, Cluster.from_section(cfg.cluster))
+    plan_file.plan.check(ModelHandle.resolve(cfg.model).split_limits, Cluster.from_section(cfg.cluster))
     plan_file.check_batch(cfg.train.global_batch_size)
 
 
