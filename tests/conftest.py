@@ -46,11 +46,6 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    for item in items:
-        for fixture, unit in CHAIN_FIXTURES.items():
-            if fixture in item.fixturenames and work_unit(item.nodeid) != unit:
-                raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add its file to CHAIN_UNITS[{unit!r}] "
-                                        "in tests/conftest.py, so the chain runs once")
     chains = list(CHAIN_UNITS)
     slow_units = {work_unit(item.nodeid) for item in items if item.get_closest_marker("slow")}
 
@@ -59,6 +54,15 @@ def pytest_collection_modifyitems(config, items):
         return chains.index(unit) if unit in chains else len(chains) + (unit not in slow_units)
 
     items.sort(key=rank)  # stable: the file order is kept within a rank
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture is set up: the chain is not built for nothing
+def pytest_runtest_setup(item):
+    """A test on a shared chain must be in the chain's work unit (else each worker runs the chain)."""
+    for fixture, unit in CHAIN_FIXTURES.items():
+        if fixture in item.fixturenames and work_unit(item.nodeid) != unit:
+            pytest.fail(f"{item.nodeid} uses {fixture}: add its file to CHAIN_UNITS[{unit!r}] in "
+                        "tests/conftest.py, so that the chain runs once", pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)
