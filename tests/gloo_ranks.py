@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import runpy
 import signal
 import socket
 import sys
 import tempfile
 import time
-import traceback
 import uuid
 from pathlib import Path
+
+from dflop.run_as_main import run_as_main
 
 TAIL = 4000  # characters of each rank's stdout and stderr in a failure's message
 # What every gloo worker imports, imported once by the fork server (names, not paths: Python 3.11's
@@ -72,24 +72,7 @@ def _run_rank(script: str, argv: list[str], env: dict[str, str], cwd: str, out: 
     os.environ.update(env)
     os.chdir(cwd)
     module = script.removeprefix("-m ") if script.startswith("-m ") else None
-    sys.argv = [module or script, *argv]
-    if module is None:
-        sys.path.insert(0, str(Path(script).parent))
-    code = 0
-    try:
-        if module is None:
-            runpy.run_path(script, run_name="__main__")
-        else:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if not isinstance(stop.code, (int, type(None))):
-            print(stop.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    code = run_as_main(["-m", module, *argv] if module else [script, *argv], cwd)
     os._exit(code)  # no interpreter teardown racing gloo's threads (dflop.runtime.process_group.end_worker)
 
 

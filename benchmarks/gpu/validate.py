@@ -32,18 +32,18 @@ import json
 import multiprocessing
 import os
 import platform
-import runpy
 import shutil
 import signal
 import subprocess
 import sys
 import tarfile
 import time
-import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
+
+from dflop.run_as_main import run_as_main
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Dense bf16 peak of an H100/H200 SXM (NVIDIA's datasheet), the denominator of MFU.
@@ -191,26 +191,7 @@ def forked_part(args: list[str], cwd: str, env: dict, log: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    code = 0
-    try:
-        if args[0] == "-c":
-            sys.argv, sys.path[:0] = ["-c", *args[2:]], [""]
-            exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
-        elif args[0] == "-m":
-            sys.argv, sys.path[:0] = [args[1], *args[2:]], [cwd]
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv, sys.path[:0] = list(args), [str(Path(args[0]).parent)]
-            runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if not isinstance(stop.code, (int, type(None))):
-            print(stop.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    code = run_as_main(args, cwd)
     os._exit(code)
 
 
