@@ -36,7 +36,7 @@ def test_prefetch_hides_solve_time(make_costs):
         assert max(svc.wait_s) < solve_s / 2
 
 
-def test_not_ready_returns_greedy_within_greedy_time(make_costs):
+def test_not_ready_returns_greedy_without_waiting(make_costs):
     batch = _batches(make_costs, 1)[0]
     release = threading.Event()
 
@@ -44,18 +44,18 @@ def test_not_ready_returns_greedy_within_greedy_time(make_costs):
         release.wait(5)
         return partition(costs, *a, **k)
 
-    t0 = time.perf_counter()
     want = greedy_partition(batch, M, DP, DP)
-    greedy_s = time.perf_counter() - t0
-    with SchedulerService(m=M, dp_llm=DP, dp_vision=DP, solver=stuck_solver) as svc:
+    with SchedulerService(m=M, dp_llm=DP, dp_vision=DP, budget_s=5.0, solver=stuck_solver) as svc:
         svc.submit(0, batch)
         t0 = time.perf_counter()
         part = svc.get(0)
         waited = time.perf_counter() - t0
         release.set()
-    assert part.member.startswith("fallback:")
+    assert part.member.startswith("fallback:")  # not the stuck solve's result
     assert part.same_assignment(want)
-    assert waited < 3 * greedy_s + 0.05  # slack for a loaded 2-core machine
+    # One greedy partition (tens of ms; 0.14 s beside a busy loop and another test), not the 5-s
+    # budget: a wall-clock bound with room for a loaded machine, far below what a wait would take.
+    assert waited < 1.0
     assert list(svc.fallbacks) == [(0, "not ready")]
 
 
