@@ -2,10 +2,17 @@
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# The suite's own per-user cache (dflop/cache.py: the converted Qwen2.5 tokenizer), shared by the
+# workers and every process they start, and never the user's: a run leaves ~/.cache alone.
+os.environ.setdefault(
+    "DFLOP_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"dflop-test-cache-{os.getuid()}")
+)
 
 # Work units of `pytest -n N` (`make test` runs N = 2 workers): a test file is one unit, so its
 # module fixtures are built once; the files built on one session-wide chain are one unit, so the chain

@@ -155,8 +155,44 @@ def _qwen_ranks_file() -> Path:
 
 
 def _build_qwen25_tokenizer() -> Any:
-    from tokenizers import AddedToken, normalizers
+    """Qwen2.5's tokenizer; its Rust backend from the per-user cache (dflop/cache.py) when there.
+
+    Converting the 151,643 BPE ranks takes seconds; reading the converted backend back as JSON
+    takes a fraction of that, and every process that tokenizes (each trainer rank) pays it.
+    """
     from transformers import PreTrainedTokenizerFast
+
+    from dflop.cache import store
+
+    entry = _qwen25_backend_cache_entry()
+    if entry is not None and entry.is_file():
+        try:
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(entry), **_QWEN25_WRAPPER)
+        except Exception:  # unreadable or foreign entry: rebuild it below
+            tokenizer = None
+        if tokenizer is not None and _is_qwen25_backend(tokenizer.backend_tokenizer):
+            return tokenizer
+    backend = _convert_qwen25_backend()
+    store(entry, backend.to_str())
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **_QWEN25_WRAPPER)
+
+
+# The wrapper around the Rust backend: the same whether the backend was converted or cached.
+_QWEN25_WRAPPER = dict(
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    extra_special_tokens=[
+        t for t in QWEN25_ADDED_TOKENS[1:] + PLACEHOLDER_TOKENS if t not in _QWEN25_NOT_SPECIAL
+    ],
+    chat_template=CHATML_TEMPLATE,
+    model_max_length=131072,
+    clean_up_tokenization_spaces=False,
+)
+
+
+def _convert_qwen25_backend() -> Any:
+    """The Rust tokenizer converted from the BPE ranks, with Qwen2.5's added tokens and ours."""
+    from tokenizers import AddedToken, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     ranks_file = _qwen_ranks_file()
@@ -170,14 +206,39 @@ def _build_qwen25_tokenizer() -> Any:
     backend.add_tokens(
         [AddedToken(t, normalized=False, special=t not in _QWEN25_NOT_SPECIAL) for t in added]
     )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        extra_special_tokens=[t for t in added[1:] if t not in _QWEN25_NOT_SPECIAL],
-        chat_template=CHATML_TEMPLATE,
-        model_max_length=131072,
-        clean_up_tokenization_spaces=False,
+    return backend
+
+
+def _is_qwen25_backend(backend: Any) -> bool:
+    """Whether a cached backend has the BPE's size and every added token at its id."""
+    added = QWEN25_ADDED_TOKENS + PLACEHOLDER_TOKENS
+    return backend.get_vocab_size(with_added_tokens=False) == QWEN25_FIRST_ADDED_ID and all(
+        backend.token_to_id(t) == QWEN25_FIRST_ADDED_ID + i for i, t in enumerate(added)
+    )
+
+
+def _qwen25_backend_cache_entry() -> Path | None:
+    """The cache file of the converted backend, named by everything the conversion depends on."""
+    import hashlib
+
+    import tokenizers
+    import transformers
+
+    from dflop.cache import cache_entry
+
+    ranks_file = _qwen_ranks_file()
+    return cache_entry(
+        "tokenizers",
+        "qwen2.5",
+        {
+            "format": 1,
+            "ranks_sha256": hashlib.sha256(ranks_file.read_bytes()).hexdigest(),
+            "pattern": QWEN2_SPLIT_PATTERN,
+            "normalizer": "NFC",
+            "added": [[t, t not in _QWEN25_NOT_SPECIAL] for t in QWEN25_ADDED_TOKENS + PLACEHOLDER_TOKENS],
+            "tokenizers": tokenizers.__version__,
+            "transformers": transformers.__version__,
+        },
     )
 
 

@@ -1,0 +1,56 @@
+"""A per-user cache of derived files that are slow to rebuild and cheap to read (JSON only).
+
+Every process that tokenizes (each trainer rank, each data-profiling job) would otherwise redo the
+same seconds of work at start-up. A cached file is named by a hash of everything its content
+depends on, so a new input or library version writes a new file and never reads a stale one.
+The cache only saves time: a directory that cannot be written, or an entry that cannot be read,
+means the caller rebuilds, never an error.
+
+Location: ``$DFLOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/dflop``, else ``~/.cache/dflop``.
+``DFLOP_CACHE_DIR=off`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from dflop.io import write_text_atomic
+
+CACHE_DIR_ENV = "DFLOP_CACHE_DIR"
+
+
+def cache_dir() -> Path | None:
+    """The cache's root directory, or None when ``DFLOP_CACHE_DIR=off``."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured is not None and configured.strip():
+        return None if configured.strip().lower() == "off" else Path(configured).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "dflop"
+
+
+def cache_entry(kind: str, stem: str, depends_on: Any) -> Path | None:
+    """The path of the cached ``<kind>/<stem>-<hash>.json`` whose content `depends_on` determines.
+
+    depends_on: JSON-serialisable; every input and library version that changes the content.
+    None when the cache is off.
+    """
+    root = cache_dir()
+    if root is None:
+        return None
+    digest = hashlib.sha256(json.dumps(depends_on, sort_keys=True).encode()).hexdigest()[:20]
+    return root / kind / f"{stem}-{digest}.json"
+
+
+def store(entry: Path | None, text: str) -> None:
+    """Write `text` to the cache entry atomically (concurrent writers are safe); skip on OSError."""
+    if entry is None:
+        return
+    try:
+        write_text_atomic(entry, text)
+    except OSError:
+        pass  # read-only or full file system: the caller already has what it built

