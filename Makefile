@@ -20,6 +20,9 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 
 export PATH := $(abspath $(BIN)):$(PATH)
+# Python may cache the compiled package: the chain and the suite start hundreds of processes that
+# import dflop, and with PYTHONDONTWRITEBYTECODE set (as some images do) each compiled it again.
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: setup demo test test-fast test-gpu-image lint clean
 
