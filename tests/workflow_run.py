@@ -41,7 +41,8 @@ def copy_checkout(root: Path, change: Callable[[dict], None]) -> Path:
 
 
 def smaller_demo(config: dict) -> None:
-    """The demo config made quick for tests: 60 samples, a short model and load profile, 2 training steps."""
+    """The demo config made quick for tests: 60 samples, a short model and load profile on one process, 2
+    training steps."""
     config["data"]["demo"]["n_samples"] = 60
     config["data"]["workers"] = 1  # 60 samples take a second: a pool's forks cost more than they save
     config["data"]["load_profile_samples"] = 3
@@ -50,8 +51,10 @@ def smaller_demo(config: dict) -> None:
     # quiet the machine), each shape timed `repeats` times (no extra runs for light shapes): the
     # tests check the chain, not the cost model's precision. The grid is the one it was: the memory
     # the plan predicts (which sets the demo's microbatches) comes from the same shapes.
+    # One profiling process (co_runners 1): no torchrun and no second rank or loader timing beside it.
+    # Profiling on a loaded machine is test_model_profiler_tp.py's and test_load_profiler.py's.
     config["profile"] = {"repeats": 2, "warmup": 1, "max_seq_len": 256, "max_tiles": 8, "time_budget_s": 1,
-                         "min_measure_ms": 0}
+                         "min_measure_ms": 0, "co_runners": 1}
     config.setdefault("train", {}).update(steps=2, checkpoint_every=2)
 
 
