@@ -18,26 +18,29 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dflop.io import write_text_atomic
+from dflop.io import atomic_path
 
 CACHE_DIR_ENV = "DFLOP_CACHE_DIR"
 
 
 def cache_dir() -> Path | None:
-    """The cache's root directory, or None when ``DFLOP_CACHE_DIR=off``."""
+    """The cache's root directory, or None when ``DFLOP_CACHE_DIR=off`` or no home is known."""
     configured = os.environ.get(CACHE_DIR_ENV)
-    if configured is not None and configured.strip():
-        return None if configured.strip().lower() == "off" else Path(configured).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    try:
+        if configured is not None and configured.strip():
+            return None if configured.strip().lower() == "off" else Path(configured).expanduser()
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    except RuntimeError:  # no HOME and no passwd entry (some containers): no cache
+        return None
     return base / "dflop"
 
 
 def cache_entry(kind: str, stem: str, depends_on: Any) -> Path | None:
     """The path of the cached ``<kind>/<stem>-<hash>.json`` whose content `depends_on` determines.
 
-    depends_on: JSON-serialisable; every input and library version that changes the content.
-    None when the cache is off.
+    depends_on: JSON-serialisable; every input, library version and piece of code that changes
+    the content. None when the cache is off.
     """
     root = cache_dir()
     if root is None:
@@ -46,11 +49,21 @@ def cache_entry(kind: str, stem: str, depends_on: Any) -> Path | None:
     return root / kind / f"{stem}-{digest}.json"
 
 
+def cached_file(entry: Path | None) -> Path | None:
+    """`entry` if it is a file that can be read, else None (a miss, whatever the reason)."""
+    try:
+        return entry if entry is not None and entry.is_file() and os.access(entry, os.R_OK) else None
+    except OSError:  # e.g. a parent directory this user may not search
+        return None
+
+
 def store(entry: Path | None, text: str) -> None:
-    """Write `text` to the cache entry atomically (concurrent writers are safe); skip on OSError."""
+    """Write `text` (UTF-8) to the cache entry atomically, so concurrent writers are safe; skip it
+    where it cannot be written (read-only or full file system, a file where a directory should be)."""
     if entry is None:
         return
     try:
-        write_text_atomic(entry, text)
+        with atomic_path(entry) as tmp:
+            tmp.write_bytes(text.encode("utf-8"))
     except OSError:
-        pass  # read-only or full file system: the caller already has what it built
+        pass  # the caller already has what it built

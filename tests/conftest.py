@@ -1,6 +1,7 @@
 """Shared fixtures. Data layer: one demo dataset per test session (it takes a few seconds)."""
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -8,11 +9,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# The suite's own per-user cache (dflop/cache.py: the converted Qwen2.5 tokenizer), shared by the
-# workers and every process they start, and never the user's: a run leaves ~/.cache alone.
-os.environ.setdefault(
-    "DFLOP_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"dflop-test-cache-{os.getuid()}")
-)
+_OWN_CACHE_DIR = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """The run's own cache directory (dflop/cache.py: the converted Qwen2.5 tokenizer), private to
+    this run and never the user's ~/.cache. Made by the process that starts the xdist workers, which
+    inherit it with the environment, as does every process they start."""
+    if "DFLOP_CACHE_DIR" not in os.environ:
+        os.environ["DFLOP_CACHE_DIR"] = config.stash[_OWN_CACHE_DIR] = tempfile.mkdtemp(prefix="dflop-test-cache-")
+
+
+def pytest_unconfigure(config):
+    own = config.stash.get(_OWN_CACHE_DIR, None)
+    if own is not None:
+        shutil.rmtree(own, ignore_errors=True)
+        os.environ.pop("DFLOP_CACHE_DIR", None)
+
 
 # Work units of `pytest -n N` (`make test` runs N = 2 workers): a test file is one unit, so its
 # module fixtures are built once; the files built on one session-wide chain are one unit, so the chain

@@ -29,6 +29,17 @@ def test_empty_config_gets_every_default():
     assert cfg.datasets[0].name == "demo" and cfg.datasets[0].sample == "all"
 
 
+@pytest.mark.parametrize("profile, cluster, expected", [
+    ({}, {"gpus_per_node": 3}, 3),  # CPU: the ranks that will share the node's cores
+    ({"device": "cuda"}, {"gpus_per_node": 3}, 1),  # one rank per GPU: none shares a device
+    ({"co_runners": 1}, {"gpus_per_node": 3}, 1),  # what the config says
+    ({"co_runners": 2, "device": "cuda"}, {"gpus_per_node": 8}, 2),
+])
+def test_profilers_co_run_with_what_training_puts_beside_each_rank(profile, cluster, expected):
+    cfg = cfgmod.Config.from_dict({"profile": profile, "cluster": cluster})
+    assert cfg.profile.co_runners_on(cfg.cluster) == expected
+
+
 def test_shipped_configs_validate():
     for path in [REPO / "config/config.yaml", *sorted((REPO / "config/examples").glob("*.yaml"))]:
         cfgmod.load(path)

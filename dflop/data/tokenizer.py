@@ -117,7 +117,7 @@ def load_tokenizer(path_or_name: str = "qwen2.5") -> Any:
 
     Either way ``<image>`` and ``<video>`` are special tokens of the result. Cached per process:
     callers share the returned object and must not modify it. Building "qwen2.5" converts the
-    BPE ranks once (seconds).
+    BPE ranks (seconds) unless the per-user cache holds the result (`_build_qwen25_tokenizer`).
     """
     if str(path_or_name).lower() == "qwen2.5":
         tokenizer = _build_qwen25_tokenizer()
@@ -162,13 +162,13 @@ def _build_qwen25_tokenizer() -> Any:
     """
     from transformers import PreTrainedTokenizerFast
 
-    from dflop.cache import store
+    from dflop.cache import cached_file, store
 
     entry = _qwen25_backend_cache_entry()
-    if entry is not None and entry.is_file():
+    if cached_file(entry) is not None:
         try:
             tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(entry), **_QWEN25_WRAPPER)
-        except Exception:  # unreadable or foreign entry: rebuild it below
+        except Exception:  # damaged or not a tokenizer: converted again below
             tokenizer = None
         if tokenizer is not None and _is_qwen25_backend(tokenizer.backend_tokenizer):
             return tokenizer
@@ -218,23 +218,29 @@ def _is_qwen25_backend(backend: Any) -> bool:
 
 
 def _qwen25_backend_cache_entry() -> Path | None:
-    """The cache file of the converted backend, named by everything the conversion depends on."""
+    """The cache file of the converted backend, named by everything the conversion depends on:
+    the BPE file, the constants and code of `_convert_qwen25_backend`, the libraries' versions.
+    None when the cache is off or the conversion's source cannot be read."""
     import hashlib
+    import inspect
 
     import tokenizers
     import transformers
 
     from dflop.cache import cache_entry
 
+    try:
+        conversion = inspect.getsource(_convert_qwen25_backend)
+    except OSError:  # no source to key by (a bytecode-only install): convert every time
+        return None
     ranks_file = _qwen_ranks_file()
     return cache_entry(
         "tokenizers",
         "qwen2.5",
         {
-            "format": 1,
             "ranks_sha256": hashlib.sha256(ranks_file.read_bytes()).hexdigest(),
+            "conversion": conversion,
             "pattern": QWEN2_SPLIT_PATTERN,
-            "normalizer": "NFC",
             "added": [[t, t not in _QWEN25_NOT_SPECIAL] for t in QWEN25_ADDED_TOKENS + PLACEHOLDER_TOKENS],
             "tokenizers": tokenizers.__version__,
             "transformers": transformers.__version__,

@@ -251,8 +251,8 @@ class TrainingData(torch.utils.data.Dataset):
         return LoadedSample(i, layout if request.layout else None, ids, labels, pixels)
 
     def prepare(self, *, tokens: bool, pixels: bool) -> None:
-        """Build now the processors that loading `tokens` / `pixels` needs (the tokenizer: seconds
-        of BPE conversion, `load_tokenizer`), so that the first load does not pay for them: the
+        """Build now the processors that loading `tokens` / `pixels` needs (the tokenizer: up to
+        seconds of BPE conversion, `load_tokenizer`), so that the first load does not pay for them: the
         trainer calls it before its first step, whose wait for samples and first forward (which is
         charged the loads' seconds) would otherwise include them."""
         if tokens:

