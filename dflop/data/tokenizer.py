@@ -67,6 +67,8 @@ QWEN25_ADDED_TOKENS = (
 )
 QWEN25_FIRST_ADDED_ID = 151643
 _QWEN25_NOT_SPECIAL = frozenset(QWEN25_ADDED_TOKENS[14:])
+# Every token added to the BPE, in id order from QWEN25_FIRST_ADDED_ID: Qwen2.5's, then ours.
+_ALL_ADDED = QWEN25_ADDED_TOKENS + PLACEHOLDER_TOKENS
 
 # Qwen2's pre-tokenizer split (tokenizer.json "Split" pattern): like cl100k but one digit per token.
 QWEN2_SPLIT_PATTERN = (
@@ -181,9 +183,7 @@ def _build_qwen25_tokenizer() -> Any:
 _QWEN25_WRAPPER = dict(
     eos_token="<|im_end|>",
     pad_token="<|endoftext|>",
-    extra_special_tokens=[
-        t for t in QWEN25_ADDED_TOKENS[1:] + PLACEHOLDER_TOKENS if t not in _QWEN25_NOT_SPECIAL
-    ],
+    extra_special_tokens=[t for t in _ALL_ADDED[1:] if t not in _QWEN25_NOT_SPECIAL],
     chat_template=CHATML_TEMPLATE,
     model_max_length=131072,
     clean_up_tokenization_spaces=False,
@@ -202,18 +202,16 @@ def _convert_qwen25_backend() -> Any:
         raise ValueError(
             f"{ranks_file}: {backend.get_vocab_size()} BPE tokens, expected {QWEN25_FIRST_ADDED_ID}"
         )
-    added = QWEN25_ADDED_TOKENS + PLACEHOLDER_TOKENS
     backend.add_tokens(
-        [AddedToken(t, normalized=False, special=t not in _QWEN25_NOT_SPECIAL) for t in added]
+        [AddedToken(t, normalized=False, special=t not in _QWEN25_NOT_SPECIAL) for t in _ALL_ADDED]
     )
     return backend
 
 
 def _is_qwen25_backend(backend: Any) -> bool:
     """Whether a cached backend has the BPE's size and every added token at its id."""
-    added = QWEN25_ADDED_TOKENS + PLACEHOLDER_TOKENS
     return backend.get_vocab_size(with_added_tokens=False) == QWEN25_FIRST_ADDED_ID and all(
-        backend.token_to_id(t) == QWEN25_FIRST_ADDED_ID + i for i, t in enumerate(added)
+        backend.token_to_id(t) == QWEN25_FIRST_ADDED_ID + i for i, t in enumerate(_ALL_ADDED)
     )
 
 
@@ -227,8 +225,10 @@ def _qwen25_backend_cache_entry() -> Path | None:
     import tokenizers
     import transformers
 
-    from dflop.cache import cache_entry
+    from dflop.cache import cache_dir, cache_entry
 
+    if cache_dir() is None:  # off: nothing to hash the BPE file for
+        return None
     try:
         conversion = inspect.getsource(_convert_qwen25_backend)
     except OSError:  # no source to key by (a bytecode-only install): convert every time
@@ -241,7 +241,7 @@ def _qwen25_backend_cache_entry() -> Path | None:
             "ranks_sha256": hashlib.sha256(ranks_file.read_bytes()).hexdigest(),
             "conversion": conversion,
             "pattern": QWEN2_SPLIT_PATTERN,
-            "added": [[t, t not in _QWEN25_NOT_SPECIAL] for t in QWEN25_ADDED_TOKENS + PLACEHOLDER_TOKENS],
+            "added": [[t, t not in _QWEN25_NOT_SPECIAL] for t in _ALL_ADDED],
             "tokenizers": tokenizers.__version__,
             "transformers": transformers.__version__,
         },
