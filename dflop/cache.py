@@ -8,6 +8,12 @@ means the caller rebuilds, never an error.
 
 Location: ``$DFLOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/dflop``, else ``~/.cache/dflop``.
 ``DFLOP_CACHE_DIR=off`` turns the cache off.
+
+The cache keeps itself small: each write removes, in its kind's folder, the entries no process has
+read for `UNUSED_DAYS` (a read marks an entry used at most once a day) and the temp files that
+killed writers left behind. An entry is not removed because a newer key exists beside it: two
+environments (another transformers version, the GPU image's virtualenv) share one cache and
+each keeps reading its own.
 """
 
 from __future__ import annotations
@@ -15,12 +21,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from dflop.io import atomic_path
 
 CACHE_DIR_ENV = "DFLOP_CACHE_DIR"
+UNUSED_DAYS = 30  # an entry no process has read for this long is removed at the next write
+_DAY_S = 86400.0
+_ABANDONED_TMP_S = 3600.0  # a writer finishes in seconds: an older temp file's writer was killed
 
 
 def cache_dir() -> Path | None:
@@ -50,11 +60,19 @@ def cache_entry(kind: str, stem: str, depends_on: Any) -> Path | None:
 
 
 def cached_file(entry: Path | None) -> Path | None:
-    """`entry` if it is a file that can be read, else None (a miss, whatever the reason)."""
+    """`entry` if it is a file that can be read, else None (a miss, whatever the reason). A hit
+    marks the entry used (its mtime, at most once a day), so that `store` keeps it."""
     try:
-        return entry if entry is not None and entry.is_file() and os.access(entry, os.R_OK) else None
+        if entry is None or not entry.is_file() or not os.access(entry, os.R_OK):
+            return None
     except OSError:  # e.g. a parent directory this user may not search
         return None
+    try:
+        if time.time() - entry.stat().st_mtime > _DAY_S:
+            os.utime(entry)
+    except OSError:  # a read-only cache is still read
+        pass
+    return entry
 
 
 def store(entry: Path | None, text: str) -> None:
@@ -66,4 +84,27 @@ def store(entry: Path | None, text: str) -> None:
         with atomic_path(entry) as tmp:
             tmp.write_bytes(text.encode("utf-8"))
     except OSError:
-        pass  # the caller already has what it built
+        return  # the caller already has what it built
+    prune(entry.parent)
+
+
+def prune(folder: Path, now: float | None = None) -> list[Path]:
+    """Remove from one kind's folder the entries unused for `UNUSED_DAYS` and abandoned temp files
+    (see the module docstring); return what was removed. Files that cannot be removed stay."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        files = [p for p in folder.iterdir() if p.is_file()]
+    except OSError:
+        return removed
+    for path in files:
+        try:
+            age = now - path.stat().st_mtime
+            abandoned_tmp = path.name.startswith(".") and path.name.endswith(".tmp") and age > _ABANDONED_TMP_S
+            unused = path.suffix == ".json" and age > UNUSED_DAYS * _DAY_S
+            if abandoned_tmp or unused:
+                path.unlink()
+                removed.append(path)
+        except OSError:  # gone already (another process pruned it) or not ours to remove
+            pass
+    return removed
