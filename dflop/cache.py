@@ -10,10 +10,11 @@ Location: ``$DFLOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/dflop``, else ``~/.cache/
 ``DFLOP_CACHE_DIR=off`` turns the cache off.
 
 The cache keeps itself small: each write removes, in its kind's folder, the entries no process has
-read for `UNUSED_DAYS` (a read marks an entry used at most once a day) and the temp files that
-killed writers left behind. An entry is not removed because a newer key exists beside it: two
-environments (another transformers version, the GPU image's virtualenv) share one cache and
-each keeps reading its own.
+read for `UNUSED_DAYS` (a read marks an entry used by its mtime, at most once a day; a read that
+cannot mark it, on a read-only cache, does not count) and the temp files that killed writers
+left behind. Only names the cache writes are removed. An entry is not removed because a newer key
+exists beside it: two environments (another transformers version, the GPU image's virtualenv)
+share one cache and each keeps reading its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,12 @@ CACHE_DIR_ENV = "DFLOP_CACHE_DIR"
 UNUSED_DAYS = 30  # an entry no process has read for this long is removed at the next write
 _DAY_S = 86400.0
 _ABANDONED_TMP_S = 3600.0  # a writer finishes in seconds: an older temp file's writer was killed
+_DIGEST_HEX = 20
+# What `cache_entry` names an entry, and what `dflop.io.atomic_path` names its temp file while it
+# is written (".<entry>.<random>.tmp"): nothing else in a kind's folder is pruned.
+_ENTRY_PATTERN = rf"[^./][^/]*-[0-9a-f]{{{_DIGEST_HEX}}}\.json"
+_ENTRY_NAME = re.compile(_ENTRY_PATTERN)
+_TEMP_NAME = re.compile(rf"\.{_ENTRY_PATTERN}\.\w+\.tmp")
 
 
 def cache_dir() -> Path | None:
@@ -55,7 +63,7 @@ def cache_entry(kind: str, stem: str, depends_on: Any) -> Path | None:
     root = cache_dir()
     if root is None:
         return None
-    digest = hashlib.sha256(json.dumps(depends_on, sort_keys=True).encode()).hexdigest()[:20]
+    digest = hashlib.sha256(json.dumps(depends_on, sort_keys=True).encode()).hexdigest()[:_DIGEST_HEX]
     return root / kind / f"{stem}-{digest}.json"
 
 
@@ -65,13 +73,14 @@ def cached_file(entry: Path | None) -> Path | None:
     try:
         if entry is None or not entry.is_file() or not os.access(entry, os.R_OK):
             return None
-    except OSError:  # e.g. a parent directory this user may not search
+        age = time.time() - entry.stat().st_mtime
+    except OSError:  # e.g. a parent directory this user may not search, or pruned just now
         return None
-    try:
-        if time.time() - entry.stat().st_mtime > _DAY_S:
+    if age > _DAY_S:
+        try:
             os.utime(entry)
-    except OSError:  # a read-only cache is still read
-        pass
+        except OSError:  # a read-only cache is still read
+            pass
     return entry
 
 
@@ -100,8 +109,9 @@ def prune(folder: Path, now: float | None = None) -> list[Path]:
     for path in files:
         try:
             age = now - path.stat().st_mtime
-            abandoned_tmp = path.name.startswith(".") and path.name.endswith(".tmp") and age > _ABANDONED_TMP_S
-            unused = path.suffix == ".json" and age > UNUSED_DAYS * _DAY_S
+            abandoned_tmp = _TEMP_NAME.fullmatch(path.name) is not None and age > _ABANDONED_TMP_S
+            # A read refreshes the mtime only once it is a day old: unread for UNUSED_DAYS is one more.
+            unused = _ENTRY_NAME.fullmatch(path.name) is not None and age > (UNUSED_DAYS + 1) * _DAY_S
             if abandoned_tmp or unused:
                 path.unlink()
                 removed.append(path)

@@ -15,6 +15,7 @@ import transformers
 from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from dflop import cache as cache_module
 from dflop.cache import cache_dir, store
 from dflop.data import tokenizer as tokenizer_module
 from dflop.data.tokenizer import PLACEHOLDER_TOKENS, QWEN25_ADDED_TOKENS
@@ -109,6 +110,29 @@ def test_a_damaged_or_foreign_entry_is_converted_again_and_replaced(
     assert calls == [1]
     assert rebuilt.backend_tokenizer.to_str() == fresh.backend_tokenizer.to_str()
     assert entry.read_text(encoding="utf-8") == text
+
+
+def test_an_entry_pruned_after_it_was_found_is_converted_again(converted, monkeypatch):
+    """Another process's write may prune an entry between this process finding it and reading it
+    (dflop/cache.py `prune`): the tokenizer is converted again, not an error."""
+    root, fresh = converted
+    text = fresh.backend_tokenizer.to_str()
+    monkeypatch.setenv("DFLOP_CACHE_DIR", str(root))
+    entry = tokenizer_module._qwen25_backend_cache_entry()
+    found = cache_module.cached_file
+
+    def found_then_pruned(path):
+        hit = found(path)
+        path.unlink()
+        return hit
+
+    monkeypatch.setattr(cache_module, "cached_file", found_then_pruned)
+    calls = _cheap_conversion(monkeypatch, text)
+    monkeypatch.setattr(tokenizer_module, "_qwen25_backend_cache_entry", lambda: entry)  # the stand-in's own key
+    rebuilt = tokenizer_module._build_qwen25_tokenizer()
+    assert calls == [1]
+    assert rebuilt.backend_tokenizer.to_str() == text
+    assert entry.read_text(encoding="utf-8") == text  # stored again
 
 
 def test_new_library_versions_or_conversion_code_get_their_own_entry(converted, monkeypatch):
