@@ -27,18 +27,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflop.io import atomic_path
+from dflop.io import atomic_path, temp_name_pattern
 
 CACHE_DIR_ENV = "DFLOP_CACHE_DIR"
 UNUSED_DAYS = 30  # an entry no process has read for this long is removed at the next write
 _DAY_S = 86400.0
 _ABANDONED_TMP_S = 3600.0  # a writer finishes in seconds: an older temp file's writer was killed
 _DIGEST_HEX = 20
-# What `cache_entry` names an entry, and what `dflop.io.atomic_path` names its temp file while it
-# is written (".<entry>.<random>.tmp"): nothing else in a kind's folder is pruned.
+# What `cache_entry` names an entry, and `atomic_path` its temp file while it is written: nothing
+# else in a kind's folder is pruned.
 _ENTRY_PATTERN = rf"[^./][^/]*-[0-9a-f]{{{_DIGEST_HEX}}}\.json"
 _ENTRY_NAME = re.compile(_ENTRY_PATTERN)
-_TEMP_NAME = re.compile(rf"\.{_ENTRY_PATTERN}\.\w+\.tmp")
+_TEMP_NAME = re.compile(temp_name_pattern(_ENTRY_PATTERN))
 
 
 def cache_dir() -> Path | None:
@@ -97,10 +97,10 @@ def store(entry: Path | None, text: str) -> None:
     prune(entry.parent)
 
 
-def prune(folder: Path, now: float | None = None) -> list[Path]:
+def prune(folder: Path) -> list[Path]:
     """Remove from one kind's folder the entries unused for `UNUSED_DAYS` and abandoned temp files
     (see the module docstring); return what was removed. Files that cannot be removed stay."""
-    now = time.time() if now is None else now
+    now = time.time()
     removed = []
     try:
         files = [p for p in folder.iterdir() if p.is_file()]

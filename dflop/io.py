@@ -17,6 +17,12 @@ from typing import Any, Iterator
 from dflop.errors import UserError
 
 
+def temp_name_pattern(target_pattern: str) -> str:
+    """A regex of the names `atomic_path` gives its temp files for targets whose names match
+    `target_pattern` (what a killed writer leaves behind: ".<target>.<random>.tmp")."""
+    return rf"\.(?:{target_pattern})\.\w+\.tmp"
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path in the target's directory; on success rename it over `target`.

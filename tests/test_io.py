@@ -57,3 +57,19 @@ def test_bad_yaml_is_one_line_naming_the_file(tmp_path, content, message):
         read_yaml(tmp_path / "nope.yaml", missing_hint="run it first")
     with pytest.raises(UserError, match="cannot be read"):
         read_yaml(tmp_path, missing_hint="x")  # a directory
+
+
+def test_temp_name_pattern_matches_what_atomic_path_writes(tmp_path, monkeypatch):
+    """dflop/cache.py prunes killed writers' temp files by this pattern: it must name the temp file
+    atomic_path really makes, and no other file."""
+    import re
+
+    from dflop.io import temp_name_pattern
+
+    seen = []
+    target = tmp_path / "entry-0123.json"
+    with atomic_path(target) as tmp:
+        seen.append(tmp.name)
+    pattern = re.compile(temp_name_pattern(r"entry-\d+\.json"))
+    assert pattern.fullmatch(seen[0])
+    assert not pattern.fullmatch("entry-0123.json") and not pattern.fullmatch(".other-0123.json.abc.tmp")
